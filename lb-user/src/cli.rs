@@ -1,0 +1,68 @@
+//! The `lb` command line.
+
+use std::{net::SocketAddr, path::PathBuf};
+
+use clap::{Parser, Subcommand};
+
+use crate::config::DEFAULT_CONFIG_PATH;
+
+/// lb: a node-local, kernel-assisted load balancer. Programs connect to a
+/// VIP; an eBPF program sends each connection straight to a chosen server.
+#[derive(Debug, Parser)]
+#[command(name = "lb", version)]
+pub struct Cli {
+    /// Log filter (e.g. `info`, `debug`, `lb_user=debug`); RUST_LOG wins if set.
+    #[arg(long, global = true, default_value = "info")]
+    pub log_level: String,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the daemon in the foreground: attach the datapath (or adopt a
+    /// pinned one), write the services, serve the control socket.
+    /// SIGHUP reloads the config; SIGTERM exits and leaves the datapath
+    /// working (fail-static).
+    Run {
+        /// The config file (TOML).
+        #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
+        config: PathBuf,
+        /// Forward the kernel programs' debug logs (one line per connect:
+        /// for debugging only). Takes effect on a fresh attach.
+        #[arg(long)]
+        bpf_log: bool,
+    },
+    /// Show services, selections and live connections.
+    Status {
+        /// The config file, to find the daemon's control socket.
+        #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
+        config: PathBuf,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Validate a config file without touching the kernel.
+    CheckConfig {
+        /// The config file (TOML).
+        file: PathBuf,
+    },
+    /// Reset the connections made through a VIP to SERVER. Direct
+    /// connections to SERVER are never touched.
+    CloseConnections {
+        /// The server, e.g. 127.0.0.1:16443.
+        server: SocketAddr,
+        /// Only connections through this service's VIP.
+        #[arg(long)]
+        service: Option<String>,
+        #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
+        config: PathBuf,
+    },
+    /// Stop the daemon if it runs, detach the programs and remove every pin.
+    Detach {
+        /// The config file, to find the pins and the control socket.
+        #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
+        config: PathBuf,
+    },
+}

@@ -1,0 +1,352 @@
+//! The configuration file (TOML): parsing, defaults and validation.
+//!
+//! Every error names the file, the key and what is wrong. Validation never
+//! touches the kernel, so `lb check-config` and a reload can run it safely.
+
+use std::{
+    collections::{HashMap, HashSet},
+    fmt,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use lb_common::{MAX_SERVERS, MAX_SERVICES};
+use serde::Deserialize;
+
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/lb/config.toml";
+pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
+pub const DEFAULT_CONTROL_SOCKET: &str = "/run/lb/lb.sock";
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/lb";
+pub const DEFAULT_HOLD_DOWN: Duration = Duration::from_secs(5);
+
+/// A validated configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    pub daemon: Daemon,
+    pub services: Vec<Service>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Daemon {
+    /// cgroup v2 directory to attach to; `None`: the root of the cgroup2 mount.
+    pub cgroup: Option<PathBuf>,
+    pub bpffs: PathBuf,
+    pub control_socket: PathBuf,
+    pub state_dir: PathBuf,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// One server at a time: the first usable one.
+    Failover,
+    /// Every usable server, chosen at random per connection.
+    Spread,
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Failover => "failover",
+            Self::Spread => "spread",
+        })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Service {
+    pub name: String,
+    pub vip: SocketAddr,
+    pub servers: Vec<SocketAddr>,
+    pub default: Option<SocketAddr>,
+    pub policy: Policy,
+    /// How long the kernel skips a server after a connect to it failed.
+    pub hold_down: Duration,
+}
+
+/// A configuration error: one or more problems, each naming its key.
+#[derive(Debug, thiserror::Error)]
+#[error("{}", .problems.join("\n"))]
+pub struct ConfigError {
+    pub problems: Vec<String>,
+}
+
+// The file as written. Unknown keys are errors: a typo must not silently
+// fall back to a default.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    daemon: RawDaemon,
+    #[serde(default)]
+    service: Vec<RawService>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDaemon {
+    cgroup: Option<PathBuf>,
+    bpffs: Option<PathBuf>,
+    control_socket: Option<PathBuf>,
+    state_dir: Option<PathBuf>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawService {
+    name: String,
+    vip: String,
+    servers: Vec<String>,
+    default: Option<String>,
+    policy: Option<String>,
+    hold_down: Option<String>,
+}
+
+impl Config {
+    /// Reads and validates `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            problems: vec![format!("{}: cannot read the config file: {e}", path.display())],
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses and validates `text`; `path` only names the file in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let file = path.display();
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError {
+            problems: vec![format!("{file}: {}", e.to_string().trim_end())],
+        })?;
+        let mut problems = Vec::new();
+
+        let daemon = Daemon {
+            cgroup: raw.daemon.cgroup,
+            bpffs: raw.daemon.bpffs.unwrap_or_else(|| DEFAULT_BPFFS.into()),
+            control_socket: raw.daemon.control_socket.unwrap_or_else(|| DEFAULT_CONTROL_SOCKET.into()),
+            state_dir: raw.daemon.state_dir.unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
+        };
+        for (key, value) in [("bpffs", Some(&daemon.bpffs)), ("cgroup", daemon.cgroup.as_ref()), ("control_socket", Some(&daemon.control_socket))] {
+            if value.is_some_and(|p| !p.is_absolute()) {
+                problems.push(format!("{file}: daemon.{key}: must be an absolute path"));
+            }
+        }
+
+        if raw.service.len() > MAX_SERVICES as usize {
+            problems.push(format!("{file}: service: {} services configured, at most {MAX_SERVICES} are supported", raw.service.len()));
+        }
+        let mut services = Vec::with_capacity(raw.service.len());
+        let mut names = HashMap::new();
+        let mut vips = HashMap::new();
+        for (i, raw) in raw.service.into_iter().enumerate() {
+            let at = format!("{file}: service[{i}] ({:?})", raw.name);
+            if raw.name.is_empty() {
+                problems.push(format!("{at}: name: must not be empty"));
+            }
+            if let Some(first) = names.insert(raw.name.clone(), i) {
+                problems.push(format!("{at}: name: duplicate of service[{first}]"));
+            }
+            let vip = parse_addr(&raw.vip, &format!("{at}: vip"), &mut problems);
+            if let Some(vip) = vip {
+                if let Some(first) = vips.insert(vip, i) {
+                    problems.push(format!("{at}: vip: {vip} is already the VIP of service[{first}]"));
+                }
+            }
+            let mut servers = Vec::new();
+            let mut seen = HashSet::new();
+            for (j, s) in raw.servers.iter().enumerate() {
+                if let Some(addr) = parse_addr(s, &format!("{at}: servers[{j}]"), &mut problems) {
+                    if seen.insert(addr) {
+                        servers.push(addr);
+                    } else {
+                        problems.push(format!("{at}: servers[{j}]: {addr} is listed twice"));
+                    }
+                }
+            }
+            let default = raw.default.as_deref().and_then(|d| parse_addr(d, &format!("{at}: default"), &mut problems));
+            let selectable = servers.len() + usize::from(default.is_some_and(|d| !seen.contains(&d)));
+            if selectable > MAX_SERVERS {
+                problems.push(format!("{at}: servers: {selectable} servers (with the default), at most {MAX_SERVERS} are supported"));
+            }
+            let policy = match raw.policy.as_deref() {
+                None | Some("failover") => Policy::Failover,
+                Some("spread") => Policy::Spread,
+                Some(other) => {
+                    problems.push(format!("{at}: policy: {other:?} is not a policy; use \"failover\" or \"spread\""));
+                    Policy::Failover
+                }
+            };
+            let hold_down = match raw.hold_down.as_deref() {
+                None => DEFAULT_HOLD_DOWN,
+                Some(text) => match humantime::parse_duration(text) {
+                    Ok(d) if d.as_nanos() <= u128::from(u64::MAX) => d,
+                    Ok(_) => {
+                        problems.push(format!("{at}: hold_down: {text:?} is too long"));
+                        DEFAULT_HOLD_DOWN
+                    }
+                    Err(e) => {
+                        problems.push(format!("{at}: hold_down: {text:?} is not a duration like \"5s\" or \"500ms\": {e}"));
+                        DEFAULT_HOLD_DOWN
+                    }
+                },
+            };
+            if let Some(vip) = vip {
+                for (key, addr) in servers.iter().map(|s| ("servers", s)).chain(default.iter().map(|d| ("default", d))) {
+                    if vip.is_ipv4() != addr.is_ipv4() {
+                        problems.push(format!(
+                            "{at}: {key}: {addr} is {} but the VIP {vip} is {}; a socket dialling the VIP cannot reach it",
+                            family(addr),
+                            family(&vip)
+                        ));
+                    }
+                }
+                services.push(Service { name: raw.name, vip, servers, default, policy, hold_down });
+            }
+        }
+        // A VIP used as a server would loop through the datapath.
+        for service in &services {
+            for addr in service.servers.iter().chain(&service.default) {
+                if let Some(&owner) = vips.get(addr) {
+                    problems.push(format!(
+                        "{file}: service {:?}: {addr} is a server but also the VIP of service[{owner}]; that would loop",
+                        service.name
+                    ));
+                }
+            }
+        }
+        if problems.is_empty() { Ok(Self { daemon, services }) } else { Err(ConfigError { problems }) }
+    }
+}
+
+fn family(addr: &SocketAddr) -> &'static str {
+    if addr.is_ipv4() { "IPv4" } else { "IPv6" }
+}
+
+fn parse_addr(text: &str, at: &str, problems: &mut Vec<String>) -> Option<SocketAddr> {
+    match text.parse::<SocketAddr>() {
+        Ok(addr) if addr.port() == 0 => {
+            problems.push(format!("{at}: {text:?} has port 0"));
+            None
+        }
+        Ok(addr) if addr.ip().is_unspecified() => {
+            problems.push(format!("{at}: {text:?} is the unspecified address"));
+            None
+        }
+        Ok(addr) => Some(addr),
+        Err(_) => {
+            problems.push(format!("{at}: {text:?} is not an address like \"127.0.0.1:6443\" or \"[::1]:6443\""));
+            None
+        }
+    }
+}
+
+impl Service {
+    /// The selection the datapath gets until the balancer decides: the
+    /// default first, then the servers in configured order.
+    pub fn static_selection(&self) -> Vec<SocketAddr> {
+        let mut selection: Vec<SocketAddr> = self.default.into_iter().collect();
+        selection.extend(self.servers.iter().filter(|s| Some(**s) != self.default));
+        selection
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(text, Path::new("test.toml"))
+    }
+
+    fn problems(text: &str) -> String {
+        parse(text).expect_err("config should be rejected").to_string()
+    }
+
+    const GOOD: &str = r#"
+        [daemon]
+        cgroup = "/sys/fs/cgroup/unified/lb-demo"
+        bpffs = "/sys/fs/bpf/lb-demo"
+        [[service]]
+        name = "api"
+        vip = "127.0.0.1:6444"
+        servers = ["127.0.0.1:16443", "127.0.0.2:16443"]
+        default = "127.0.0.3:16443"
+        hold_down = "500ms"
+    "#;
+
+    #[test]
+    fn parses_a_full_config_with_defaults() {
+        let config = parse(GOOD).unwrap();
+        assert_eq!(config.daemon.bpffs, PathBuf::from("/sys/fs/bpf/lb-demo"));
+        assert_eq!(config.daemon.control_socket, PathBuf::from(DEFAULT_CONTROL_SOCKET));
+        let api = &config.services[0];
+        assert_eq!(api.policy, Policy::Failover);
+        assert_eq!(api.hold_down, Duration::from_millis(500));
+        let selection: Vec<String> = api.static_selection().iter().map(ToString::to_string).collect();
+        assert_eq!(selection, ["127.0.0.3:16443", "127.0.0.1:16443", "127.0.0.2:16443"]);
+    }
+
+    #[test]
+    fn default_in_the_server_list_is_not_repeated() {
+        let config = parse(&GOOD.replace("127.0.0.3:16443", "127.0.0.2:16443")).unwrap();
+        let selection: Vec<String> = config.services[0].static_selection().iter().map(ToString::to_string).collect();
+        assert_eq!(selection, ["127.0.0.2:16443", "127.0.0.1:16443"]);
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let msg = problems(&GOOD.replace("hold_down", "holddown"));
+        assert!(msg.contains("test.toml") && msg.contains("holddown"), "{msg}");
+    }
+
+    #[test]
+    fn bad_address_names_the_key() {
+        let msg = problems(&GOOD.replace("127.0.0.2:16443", "127.0.0.2"));
+        assert!(msg.contains("service[0] (\"api\"): servers[1]: \"127.0.0.2\" is not an address"), "{msg}");
+    }
+
+    #[test]
+    fn port_zero_is_rejected() {
+        let msg = problems(&GOOD.replace("127.0.0.1:6444", "127.0.0.1:0"));
+        assert!(msg.contains("vip: \"127.0.0.1:0\" has port 0"), "{msg}");
+    }
+
+    #[test]
+    fn mixed_families_are_rejected_with_a_reason() {
+        let msg = problems(&GOOD.replace("127.0.0.2:16443", "[::1]:16443"));
+        assert!(msg.contains("servers: [::1]:16443 is IPv6 but the VIP 127.0.0.1:6444 is IPv4"), "{msg}");
+    }
+
+    #[test]
+    fn duplicate_names_and_vips_are_rejected() {
+        let twice = format!("{GOOD}\n[[service]]\nname = \"api\"\nvip = \"127.0.0.1:6444\"\nservers = [\"127.0.0.9:1\"]\n");
+        let msg = problems(&twice);
+        assert!(msg.contains("name: duplicate of service[0]"), "{msg}");
+        assert!(msg.contains("vip: 127.0.0.1:6444 is already the VIP of service[0]"), "{msg}");
+    }
+
+    #[test]
+    fn vip_as_a_server_is_a_loop() {
+        let msg = problems(&GOOD.replace("127.0.0.2:16443", "127.0.0.1:6444"));
+        assert!(msg.contains("that would loop"), "{msg}");
+    }
+
+    #[test]
+    fn bad_duration_and_policy_are_named() {
+        let msg = problems(&GOOD.replace("500ms", "soon").replace("hold_down", "policy = \"random\"\nhold_down"));
+        assert!(msg.contains("hold_down: \"soon\" is not a duration"), "{msg}");
+        assert!(msg.contains("policy: \"random\" is not a policy"), "{msg}");
+    }
+
+    #[test]
+    fn too_many_servers_is_rejected() {
+        let servers: Vec<String> = (1..=17).map(|i| format!("\"127.0.1.{i}:80\"")).collect();
+        let text = format!("[[service]]\nname = \"big\"\nvip = \"127.0.0.1:80\"\nservers = [{}]\n", servers.join(","));
+        assert!(problems(&text).contains("17 servers"));
+    }
+
+    #[test]
+    fn toml_syntax_error_names_the_file() {
+        let msg = problems("[[service]\n");
+        assert!(msg.starts_with("test.toml:"), "{msg}");
+    }
+}

@@ -1,0 +1,126 @@
+//! The control socket: a Unix stream socket (mode 0600) carrying one JSON
+//! request and one JSON response per line. `lb status`, `lb detach` and the
+//! other client subcommands talk to the daemon through it.
+
+use std::{collections::BTreeMap, net::SocketAddr, path::Path, time::Duration};
+
+use anyhow::{Context as _, bail};
+use serde::{Deserialize, Serialize};
+use tokio::{
+    io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader},
+    net::UnixStream,
+};
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "command", rename_all = "snake_case")]
+pub enum Request {
+    Status,
+    /// Reset the connections made through a VIP to `server` (of one service
+    /// when `service` is set; of every service otherwise).
+    CloseConnections { server: SocketAddr, service: Option<String> },
+    /// Exit, leaving the datapath pinned and working.
+    Shutdown,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum Response {
+    Status(Status),
+    Closed { closed: usize },
+    Ok,
+    Error { error: String },
+}
+
+/// `lb status --json`. Fields are only ever added, never changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    pub services: Vec<ServiceStatus>,
+    #[serde(default)]
+    pub datapath: DatapathStatus,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServiceStatus {
+    pub name: String,
+    pub vip: SocketAddr,
+    pub policy: String,
+    /// The selection in the kernel, best first.
+    pub selected: Vec<SocketAddr>,
+    pub servers: Vec<ServerStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerStatus {
+    pub address: SocketAddr,
+    /// Live connections through the VIP to this server.
+    pub connections: i64,
+    pub default: bool,
+    /// A connect to it through a VIP failed within the hold-down; the
+    /// kernel skips it while another server is usable.
+    pub recently_failed: bool,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DatapathStatus {
+    pub cgroup: String,
+    pub bpffs: String,
+    /// The programs were already attached when this daemon started.
+    pub adopted: bool,
+    /// The kernel's per-reason decision counters.
+    pub counters: BTreeMap<String, u64>,
+}
+
+/// Sends one request to the daemon behind `socket` and returns its answer.
+pub async fn call(socket: &Path, request: &Request) -> anyhow::Result<Response> {
+    let stream = tokio::time::timeout(Duration::from_secs(5), UnixStream::connect(socket))
+        .await
+        .with_context(|| format!("timed out connecting to {}", socket.display()))?
+        .with_context(|| format!("cannot reach the lb daemon at {} (is `lb run` running with this config?)", socket.display()))?;
+    let (read, mut write) = stream.into_split();
+    let mut line = serde_json::to_string(request)?;
+    line.push('\n');
+    write.write_all(line.as_bytes()).await?;
+    let mut answer = String::new();
+    let mut reader = BufReader::new(read);
+    tokio::time::timeout(Duration::from_secs(30), reader.read_line(&mut answer))
+        .await
+        .context("the daemon did not answer within 30 s")??;
+    if answer.is_empty() {
+        bail!("the daemon closed the control connection without answering");
+    }
+    serde_json::from_str(&answer).with_context(|| format!("unexpected answer from the daemon: {answer}"))
+}
+
+impl Status {
+    /// The human-readable table of `lb status`.
+    pub fn table(&self) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        if self.services.is_empty() {
+            out.push_str("no services configured\n");
+        }
+        for s in &self.services {
+            let selected: Vec<String> = s.selected.iter().map(ToString::to_string).collect();
+            let _ = writeln!(out, "{}  vip {}  policy {}  selected [{}]", s.name, s.vip, s.policy, selected.join(", "));
+            let _ = writeln!(out, "  {:<44} {:>11}  {}", "SERVER", "CONNECTIONS", "NOTES");
+            for server in &s.servers {
+                let mut notes = Vec::new();
+                if server.default {
+                    notes.push("default");
+                }
+                if server.recently_failed {
+                    notes.push("connect failed recently");
+                }
+                let _ = writeln!(out, "  {:<44} {:>11}  {}", server.address.to_string(), server.connections, notes.join(", "));
+            }
+        }
+        let _ = writeln!(
+            out,
+            "datapath: cgroup {}  pins {}{}",
+            self.datapath.cgroup,
+            self.datapath.bpffs,
+            if self.datapath.adopted { "  (adopted from a previous run)" } else { "" }
+        );
+        out
+    }
+}
