@@ -1,1 +1,111 @@
-fn main(){}
+//! `cargo xtask`: build, run, demo and test lb. See README.md.
+
+mod demo;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    command: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Build the eBPF object (and the toolchain it needs, once).
+    BuildEbpf,
+    /// Build lb and run it with the given arguments, e.g.
+    /// `cargo xtask run -- run --config deploy/config.toml`.
+    Run {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Three HTTP backends on loopback behind the VIP 127.0.0.1:6444.
+    Demo {
+        /// Exit by itself after this many seconds (0: run until Ctrl-C).
+        #[arg(long, default_value_t = 0)]
+        exit_after: u64,
+    },
+    /// Run every test: host tests, then the privileged integration tests.
+    Test,
+    /// (internal) One HTTP GET from inside the demo cgroup.
+    #[command(hide = true)]
+    DemoGet { addr: String },
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Task::BuildEbpf => cargo(&["build", "--package", "lb-user"]),
+        Task::Run { args } => {
+            cargo(&["build", "--package", "lb-user"])?;
+            let status = Command::new(lb_bin()).args(&args).status().context("running lb")?;
+            if !status.success() {
+                bail!("lb exited with {status}");
+            }
+            Ok(())
+        }
+        Task::Demo { exit_after } => {
+            cargo(&["build", "--package", "lb-user"])?;
+            demo::run(exit_after)
+        }
+        Task::Test => test(),
+        Task::DemoGet { addr } => demo::get(&addr),
+    }
+}
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| workspace().join("target"), PathBuf::from)
+}
+
+fn lb_bin() -> PathBuf {
+    target_dir().join("debug/lb")
+}
+
+fn cargo(args: &[&str]) -> anyhow::Result<()> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(&cargo)
+        .args(args)
+        .current_dir(workspace())
+        .status()
+        .with_context(|| format!("running cargo {}", args.join(" ")))?;
+    if !status.success() {
+        bail!("cargo {} failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn test() -> anyhow::Result<()> {
+    println!("==> host tests (no privileges needed)");
+    cargo(&["test", "--workspace", "--exclude", "lb-tests"])?;
+
+    println!("==> privileged integration tests on the host kernel");
+    cargo(&["build", "--package", "lb-user"])?;
+    if !is_root() {
+        println!("(not root: the integration tests will report themselves skipped)");
+    }
+    // SAFETY: single-threaded at this point; children inherit it.
+    unsafe { std::env::set_var("LB_BIN", lb_bin()) };
+    cargo(&["test", "--package", "lb-tests"])?;
+
+    if is_root() {
+        println!("==> demo smoke run");
+        demo::run(3)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,233 @@
+//! `cargo xtask demo`: three HTTP backends on loopback, the daemon with the
+//! VIP 127.0.0.1:6444 in front of them, attached to a throwaway cgroup
+//! `lb-demo`. Everything is removed on exit, also after Ctrl-C.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{TcpListener, TcpStream},
+    os::unix::process::CommandExt as _,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+
+use crate::{is_root, lb_bin, target_dir};
+
+const VIP: &str = "127.0.0.1:6444";
+const BACKENDS: [&str; 3] = ["127.0.0.1:16441", "127.0.0.1:16442", "127.0.0.1:16443"];
+
+/// What the demo set up; dropping it takes everything down again.
+struct Demo {
+    dir: PathBuf,
+    config: PathBuf,
+    cgroup: PathBuf,
+    daemon: Option<Child>,
+    stop_backends: Arc<AtomicBool>,
+}
+
+pub fn run(exit_after: u64) -> anyhow::Result<()> {
+    if !is_root() {
+        bail!("the demo attaches eBPF programs to a cgroup and needs root: run `sudo -E cargo xtask demo`");
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = stop.clone();
+        // Ctrl-C only sets the flag; the loop below cleans up.
+        let _ = ctrlc::set_handler(move || stop.store(true, Ordering::Relaxed));
+    }
+
+    let dir = target_dir().join("demo");
+    std::fs::create_dir_all(&dir)?;
+    let cgroup = cgroup2_root()?.join("lb-demo");
+    let config = dir.join("config.toml");
+    let mut demo = Demo { dir: dir.clone(), config: config.clone(), cgroup: cgroup.clone(), daemon: None, stop_backends: Arc::new(AtomicBool::new(false)) };
+
+    for (i, addr) in BACKENDS.iter().enumerate() {
+        start_backend(&format!("backend-{}", i + 1), addr, demo.stop_backends.clone())?;
+    }
+    if !cgroup.exists() {
+        std::fs::create_dir(&cgroup).with_context(|| format!("creating {}", cgroup.display()))?;
+    }
+    let servers: Vec<String> = BACKENDS.iter().map(|b| format!("\"{b}\"")).collect();
+    std::fs::write(
+        &config,
+        format!(
+            "# Written by `cargo xtask demo`.\n[daemon]\ncgroup = {cgroup:?}\nbpffs = \"/sys/fs/bpf/lb-demo\"\ncontrol_socket = {:?}\n\n\
+             [[service]]\nname = \"demo\"\nvip = \"{VIP}\"\nservers = [{}]\nhold_down = \"2s\"\n",
+            dir.join("lb.sock"),
+            servers.join(", ")
+        ),
+    )?;
+    let log = std::fs::File::create(dir.join("lb.log"))?;
+    demo.daemon = Some(
+        Command::new(lb_bin())
+            .args(["run", "--config"])
+            .arg(&config)
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting lb run")?,
+    );
+    wait_for_daemon(&mut demo)?;
+
+    let lb = lb_bin();
+    println!(
+        "\nlb is running: VIP {VIP} -> {}\n\
+         Programs in the cgroup {} connect to the VIP and land on a backend, with no proxy.\n\n\
+         Try, in another terminal:\n\
+         \x20 sudo bash -c 'echo $$ > {}/cgroup.procs; exec bash'   # a shell inside the cgroup\n\
+         \x20 curl http://{VIP}/                                      # answered by a backend\n\
+         \x20 {} status --config {}\n\
+         \x20 {} close-connections 127.0.0.1:16441 --config {}\n\
+         The daemon's log is {}.\n\
+         Below, one request through the VIP every 2 s. Ctrl-C removes everything.\n",
+        BACKENDS.join(", "),
+        cgroup.display(),
+        cgroup.display(),
+        lb.display(),
+        config.display(),
+        lb.display(),
+        config.display(),
+        dir.join("lb.log").display(),
+    );
+
+    let started = Instant::now();
+    let mut next = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        if exit_after > 0 && started.elapsed() >= Duration::from_secs(exit_after) {
+            break;
+        }
+        if Instant::now() >= next {
+            let answer = get_in_cgroup(&cgroup, VIP)?;
+            println!("GET http://{VIP}/ -> {answer}");
+            if exit_after > 0 && !answer.starts_with("backend-1") {
+                bail!("the demo request through the VIP was not answered by backend-1: {answer}");
+            }
+            next = Instant::now() + Duration::from_secs(2);
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+    println!("\nstopping: detaching lb and removing the demo cgroup");
+    drop(demo);
+    Ok(())
+}
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        if let Some(mut daemon) = self.daemon.take() {
+            let _ = daemon.kill();
+            let _ = daemon.wait();
+        }
+        let _ = Command::new(lb_bin()).args(["detach", "--config"]).arg(&self.config).stdout(Stdio::null()).status();
+        self.stop_backends.store(true, Ordering::Relaxed);
+        let _ = std::fs::write(self.cgroup.join("cgroup.kill"), "1");
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.cgroup).is_ok() || !self.cgroup.exists() {
+                break;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        let _ = std::fs::remove_file(self.dir.join("lb.sock"));
+    }
+}
+
+fn wait_for_daemon(demo: &mut Demo) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(status) = demo.daemon.as_mut().and_then(|d| d.try_wait().ok().flatten()) {
+            let log = std::fs::read_to_string(demo.dir.join("lb.log")).unwrap_or_default();
+            bail!("lb run exited with {status}:\n{log}");
+        }
+        let ok = Command::new(lb_bin())
+            .args(["status", "--config"])
+            .arg(&demo.config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("lb run did not come up within 60 s; see {}", demo.dir.join("lb.log").display());
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn start_backend(name: &str, addr: &str, stop: Arc<AtomicBool>) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(addr).with_context(|| format!("{name}: binding {addr} (is a demo already running?)"))?;
+    listener.set_nonblocking(true)?;
+    let body = format!("{name} ({addr})\n");
+    thread::spawn(move || {
+        while !stop.load(Ordering::Relaxed) {
+            match listener.accept() {
+                Ok((mut stream, _)) => {
+                    let _ = stream.set_nonblocking(false);
+                    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+                    let mut request = [0u8; 1024];
+                    let _ = stream.read(&mut request);
+                    let _ = write!(
+                        stream,
+                        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                }
+                Err(_) => thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Runs `xtask demo-get ADDR` inside `cgroup` and returns what it printed.
+fn get_in_cgroup(cgroup: &Path, addr: &str) -> anyhow::Result<String> {
+    let procs = std::ffi::CString::new(cgroup.join("cgroup.procs").into_os_string().into_encoded_bytes())?;
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args(["demo-get", addr]);
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let ok = libc::write(fd, b"0".as_ptr().cast(), 1) == 1;
+            libc::close(fd);
+            if ok { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+        });
+    }
+    let out = cmd.output()?;
+    Ok(String::from_utf8_lossy(if out.status.success() { &out.stdout } else { &out.stderr }).trim().to_owned())
+}
+
+/// One HTTP GET; prints the body.
+pub fn get(addr: &str) -> anyhow::Result<()> {
+    let mut stream = TcpStream::connect(addr).with_context(|| format!("connect {addr}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(stream, "GET / HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    print!("{body}");
+    Ok(())
+}
+
+fn cgroup2_root() -> anyhow::Result<PathBuf> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
+    mountinfo
+        .lines()
+        .find_map(|line| {
+            let (before, after) = line.split_once(" - ")?;
+            let mount_point = before.split_whitespace().nth(4)?;
+            (after.split_whitespace().next()? == "cgroup2").then(|| PathBuf::from(mount_point))
+        })
+        .context("no cgroup2 filesystem is mounted")
+}
