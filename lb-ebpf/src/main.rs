@@ -14,7 +14,9 @@
 //! kernel only skips servers whose connect failed within the hold-down.
 //! Each entry point is thin; every early return is counted in `COUNTERS`.
 #![no_std]
-#![no_main]
+// Built for the BPF target by lb-user's build script; on the host (e.g.
+// `cargo test --workspace`) it compiles to an empty program.
+#![cfg_attr(target_arch = "bpf", no_main)]
 
 use aya_ebpf::{
     EbpfContext as _,
@@ -421,7 +423,10 @@ fn emit(cookie: u64, entry: &SockEntry, kind: u32) {
     slot.submit(0);
 }
 
-#[cfg(not(test))]
+#[cfg(not(target_arch = "bpf"))]
+fn main() {}
+
+#[cfg(target_arch = "bpf")]
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {
     // The verifier rejects any reachable call to this; it must stay dead code.
