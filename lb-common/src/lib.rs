@@ -74,11 +74,6 @@ impl Endpoint {
     }
 }
 
-/// `Service::mode`: take the first usable server in order.
-pub const MODE_FAILOVER: u32 = 0;
-/// `Service::mode`: take a random usable server.
-pub const MODE_SPREAD: u32 = 1;
-
 /// The value of the `SERVICES` map, keyed by the VIP's [`Endpoint`].
 ///
 /// The daemon replaces the whole value in one map update; the kernel never
@@ -90,8 +85,11 @@ pub struct Service {
     pub servers: [Endpoint; MAX_SERVERS],
     /// Number of valid entries in `servers`. Zero means "refuse connects".
     pub count: u32,
-    /// [`MODE_FAILOVER`] or [`MODE_SPREAD`].
-    pub mode: u32,
+    /// The kernel picks at random among the usable servers of the first
+    /// `spread` entries; if none of them is usable, the first usable one
+    /// after them; if none at all, the first. 0 and 1 both mean strict order
+    /// (failover).
+    pub spread: u32,
     /// A server whose connect failed less than this long ago is skipped
     /// while another one is usable.
     pub hold_down_ns: u64,
@@ -99,7 +97,7 @@ pub struct Service {
 
 impl Default for Service {
     fn default() -> Self {
-        Self { servers: [Endpoint::default(); MAX_SERVERS], count: 0, mode: MODE_FAILOVER, hold_down_ns: 0 }
+        Self { servers: [Endpoint::default(); MAX_SERVERS], count: 0, spread: 1, hold_down_ns: 0 }
     }
 }
 

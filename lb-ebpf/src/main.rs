@@ -34,7 +34,7 @@ use aya_log_ebpf::debug;
 use lb_common::{
     ConnKey, EVENTS_BYTES, EVENT_CLOSED, EVENT_CONNECT_FAILED, EVENT_CONNECT_TIMEOUT,
     EVENT_ESTABLISHED, Endpoint, Event, MAX_FAILED_SERVERS, MAX_SERVER_PAIRS, MAX_SERVERS,
-    MAX_SERVICES, MAX_TRACKED_SOCKETS, MODE_SPREAD, SOCK_ESTABLISHED, SOCK_FAILURE_REPORTED,
+    MAX_SERVICES, MAX_TRACKED_SOCKETS, SOCK_ESTABLISHED, SOCK_FAILURE_REPORTED,
     Service, SockEntry, reason,
 };
 
@@ -194,15 +194,17 @@ fn try_connect(ctx: &SockAddrContext, dst: &Endpoint) -> Result<Option<Endpoint>
 
 /// Index of the server to use, or `None` for a service with no server.
 ///
-/// Servers whose connect failed within the hold-down are skipped; if every
-/// server failed recently, the first is used anyway (never black-hole).
+/// Within the first `spread` servers, a random usable one; failing that,
+/// the first usable server after them; failing that (every server failed
+/// within the hold-down), the first: never black-hole.
 #[inline(always)]
 fn choose_server(service: &Service) -> Option<usize> {
     let len = (service.count as usize).min(MAX_SERVERS);
     if len == 0 {
         return None;
     }
-    // SAFETY: plain helper calls without arguments.
+    let group = (service.spread as usize).clamp(1, len);
+    // SAFETY: plain helper call without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     let usable = |server: &Endpoint| {
         // SAFETY: `FAILED_AT` values are single u64 timestamps.
@@ -212,49 +214,49 @@ fn choose_server(service: &Service) -> Option<usize> {
         }
     };
 
-    let mut usable_count = 0u32;
-    let mut first_usable = None;
+    let mut usable_in_group = 0u32;
     for (i, server) in service.servers.iter().enumerate() {
-        if i >= len {
+        if i >= group {
             break;
         }
         if usable(server) {
-            if service.mode != MODE_SPREAD {
-                if i > 0 {
-                    count(reason::CONNECT_SKIPPED_FAILED);
-                }
-                return Some(i);
-            }
-            if first_usable.is_none() {
-                first_usable = Some(i);
-            }
-            usable_count += 1;
+            usable_in_group += 1;
         }
     }
-    if usable_count == 0 {
-        count(reason::CONNECT_ALL_FAILED);
+    if usable_in_group > 0 {
+        if (usable_in_group as usize) < group {
+            count(reason::CONNECT_SKIPPED_FAILED);
+        }
+        if group == 1 {
+            return Some(0);
+        }
+        // SAFETY: plain helper call without arguments.
+        let mut nth = unsafe { bpf_get_prandom_u32() } % usable_in_group;
+        for (i, server) in service.servers.iter().enumerate() {
+            if i >= group {
+                break;
+            }
+            if usable(server) {
+                if nth == 0 {
+                    return Some(i);
+                }
+                nth -= 1;
+            }
+        }
+        // A server's mark changed between the two passes.
         return Some(0);
     }
-    if (usable_count as usize) < len {
-        count(reason::CONNECT_SKIPPED_FAILED);
-    }
-
-    // Spread: the n-th usable server, n uniformly random.
-    // SAFETY: plain helper call without arguments.
-    let mut nth = unsafe { bpf_get_prandom_u32() } % usable_count;
+    count(reason::CONNECT_SKIPPED_FAILED);
     for (i, server) in service.servers.iter().enumerate() {
         if i >= len {
             break;
         }
-        if usable(server) {
-            if nth == 0 {
-                return Some(i);
-            }
-            nth -= 1;
+        if i >= group && usable(server) {
+            return Some(i);
         }
     }
-    // A server became unusable between the two passes.
-    first_usable
+    count(reason::CONNECT_ALL_FAILED);
+    Some(0)
 }
 
 #[cgroup_sock_addr(getpeername4)]

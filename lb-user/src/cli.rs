@@ -59,6 +59,29 @@ pub enum Command {
         #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
         config: PathBuf,
     },
+    /// Replace a service's server list (and default) at runtime. The list
+    /// is kept in the state directory and survives restarts.
+    Servers {
+        /// The service's name.
+        service: String,
+        /// The new servers, e.g. 127.0.0.1:6443 127.0.0.2:6443.
+        servers: Vec<SocketAddr>,
+        /// The default server: kept as a last resort when not in the list.
+        #[arg(long)]
+        default: Option<SocketAddr>,
+        #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
+        config: PathBuf,
+    },
+    /// Drain a server: no new connections while another server is usable;
+    /// existing connections stay. `--undo` ends the drain.
+    Drain {
+        service: String,
+        server: SocketAddr,
+        #[arg(long)]
+        undo: bool,
+        #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
+        config: PathBuf,
+    },
     /// Stop the daemon if it runs, detach the programs and remove every pin.
     Detach {
         /// The config file, to find the pins and the control socket.

@@ -62,6 +62,56 @@ pub struct Service {
     pub policy: Policy,
     /// How long the kernel skips a server after a connect to it failed.
     pub hold_down: Duration,
+    pub health: HealthConfig,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CheckKind {
+    /// A TCP connect.
+    Tcp,
+    /// An HTTP GET of `path`; a status in `status` passes.
+    Http,
+    /// The same over TLS.
+    Https,
+    /// No active check: the kernel's connection reports are the only signal.
+    None,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthConfig {
+    pub check: CheckKind,
+    pub path: String,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub rise: u32,
+    pub fall: u32,
+    /// Passing HTTP statuses, inclusive.
+    pub status: (u16, u16),
+    pub ca_file: Option<PathBuf>,
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
+    /// TLS server name to verify instead of the server's IP address.
+    pub server_name: Option<String>,
+    pub insecure_skip_verify: bool,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            check: CheckKind::Tcp,
+            path: "/".to_owned(),
+            interval: Duration::from_secs(2),
+            timeout: Duration::from_secs(1),
+            rise: 1,
+            fall: 1,
+            status: (200, 399),
+            ca_file: None,
+            cert_file: None,
+            key_file: None,
+            server_name: None,
+            insecure_skip_verify: false,
+        }
+    }
 }
 
 /// A configuration error: one or more problems, each naming its key.
@@ -100,6 +150,24 @@ struct RawService {
     default: Option<String>,
     policy: Option<String>,
     hold_down: Option<String>,
+    health: Option<RawHealth>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHealth {
+    check: Option<String>,
+    path: Option<String>,
+    interval: Option<String>,
+    timeout: Option<String>,
+    rise: Option<u32>,
+    fall: Option<u32>,
+    status: Option<String>,
+    ca_file: Option<PathBuf>,
+    cert_file: Option<PathBuf>,
+    key_file: Option<PathBuf>,
+    server_name: Option<String>,
+    insecure_skip_verify: Option<bool>,
 }
 
 impl Config {
@@ -175,20 +243,12 @@ impl Config {
                     Policy::Failover
                 }
             };
-            let hold_down = match raw.hold_down.as_deref() {
-                None => DEFAULT_HOLD_DOWN,
-                Some(text) => match humantime::parse_duration(text) {
-                    Ok(d) if d.as_nanos() <= u128::from(u64::MAX) => d,
-                    Ok(_) => {
-                        problems.push(format!("{at}: hold_down: {text:?} is too long"));
-                        DEFAULT_HOLD_DOWN
-                    }
-                    Err(e) => {
-                        problems.push(format!("{at}: hold_down: {text:?} is not a duration like \"5s\" or \"500ms\": {e}"));
-                        DEFAULT_HOLD_DOWN
-                    }
-                },
-            };
+            let hold_down = raw
+                .hold_down
+                .as_deref()
+                .and_then(|text| parse_duration(text, &format!("{at}: hold_down"), &mut problems))
+                .unwrap_or(DEFAULT_HOLD_DOWN);
+            let health = parse_health(raw.health.unwrap_or_default(), &format!("{at}: health."), &mut problems);
             if let Some(vip) = vip {
                 for (key, addr) in servers.iter().map(|s| ("servers", s)).chain(default.iter().map(|d| ("default", d))) {
                     if vip.is_ipv4() != addr.is_ipv4() {
@@ -199,7 +259,7 @@ impl Config {
                         ));
                     }
                 }
-                services.push(Service { name: raw.name, vip, servers, default, policy, hold_down });
+                services.push(Service { name: raw.name, vip, servers, default, policy, hold_down, health });
             }
         }
         // A VIP used as a server would loop through the datapath.
@@ -215,6 +275,84 @@ impl Config {
         }
         if problems.is_empty() { Ok(Self { daemon, services }) } else { Err(ConfigError { problems }) }
     }
+}
+
+fn parse_duration(text: &str, at: &str, problems: &mut Vec<String>) -> Option<Duration> {
+    match humantime::parse_duration(text) {
+        Ok(d) if d.is_zero() => {
+            problems.push(format!("{at}: must be more than zero"));
+            None
+        }
+        Ok(d) if d.as_nanos() > u128::from(u64::MAX) => {
+            problems.push(format!("{at}: {text:?} is too long"));
+            None
+        }
+        Ok(d) => Some(d),
+        Err(e) => {
+            problems.push(format!("{at}: {text:?} is not a duration like \"5s\" or \"500ms\": {e}"));
+            None
+        }
+    }
+}
+
+fn parse_health(raw: RawHealth, at: &str, problems: &mut Vec<String>) -> HealthConfig {
+    let mut health = HealthConfig::default();
+    health.check = match raw.check.as_deref() {
+        None | Some("tcp") => CheckKind::Tcp,
+        Some("http") => CheckKind::Http,
+        Some("https") => CheckKind::Https,
+        Some("none") => CheckKind::None,
+        Some(other) => {
+            problems.push(format!("{at}check: {other:?} is not a check; use \"tcp\", \"http\", \"https\" or \"none\""));
+            CheckKind::Tcp
+        }
+    };
+    if let Some(path) = raw.path {
+        if !path.starts_with('/') {
+            problems.push(format!("{at}path: {path:?} must start with \"/\""));
+        }
+        health.path = path;
+    }
+    for (key, text, slot) in [("interval", raw.interval, &mut health.interval), ("timeout", raw.timeout, &mut health.timeout)] {
+        if let Some(d) = text.as_deref().and_then(|t| parse_duration(t, &format!("{at}{key}"), problems)) {
+            *slot = d;
+        }
+    }
+    if health.timeout > health.interval {
+        problems.push(format!("{at}timeout: {:?} is longer than the interval {:?}", health.timeout, health.interval));
+    }
+    for (key, value, slot) in [("rise", raw.rise, &mut health.rise), ("fall", raw.fall, &mut health.fall)] {
+        match value {
+            Some(0) => problems.push(format!("{at}{key}: must be at least 1")),
+            Some(n) if n > 100 => problems.push(format!("{at}{key}: {n} is more than 100")),
+            Some(n) => *slot = n,
+            None => {}
+        }
+    }
+    if let Some(text) = raw.status {
+        let range = text.split_once('-').map_or((text.as_str(), text.as_str()), |(lo, hi)| (lo, hi));
+        match (range.0.trim().parse::<u16>(), range.1.trim().parse::<u16>()) {
+            (Ok(lo), Ok(hi)) if (100..=599).contains(&lo) && (lo..=599).contains(&hi) => health.status = (lo, hi),
+            _ => problems.push(format!("{at}status: {text:?} is not a status range like \"200-399\"")),
+        }
+    }
+    let tls_keys = [("ca_file", raw.ca_file.is_some()), ("cert_file", raw.cert_file.is_some()), ("key_file", raw.key_file.is_some()), ("server_name", raw.server_name.is_some()), ("insecure_skip_verify", raw.insecure_skip_verify.is_some())];
+    if health.check != CheckKind::Https {
+        for (key, set) in tls_keys {
+            if set {
+                problems.push(format!("{at}{key}: only applies to check = \"https\""));
+            }
+        }
+    }
+    if raw.cert_file.is_some() != raw.key_file.is_some() {
+        problems.push(format!("{at}cert_file: a client certificate needs both cert_file and key_file"));
+    }
+    health.ca_file = raw.ca_file;
+    health.cert_file = raw.cert_file;
+    health.key_file = raw.key_file;
+    health.server_name = raw.server_name;
+    health.insecure_skip_verify = raw.insecure_skip_verify.unwrap_or(false);
+    health
 }
 
 fn family(addr: &SocketAddr) -> &'static str {
@@ -236,16 +374,6 @@ fn parse_addr(text: &str, at: &str, problems: &mut Vec<String>) -> Option<Socket
             problems.push(format!("{at}: {text:?} is not an address like \"127.0.0.1:6443\" or \"[::1]:6443\""));
             None
         }
-    }
-}
-
-impl Service {
-    /// The selection the datapath gets until the balancer decides: the
-    /// default first, then the servers in configured order.
-    pub fn static_selection(&self) -> Vec<SocketAddr> {
-        let mut selection: Vec<SocketAddr> = self.default.into_iter().collect();
-        selection.extend(self.servers.iter().filter(|s| Some(**s) != self.default));
-        selection
     }
 }
 
@@ -281,15 +409,8 @@ mod tests {
         let api = &config.services[0];
         assert_eq!(api.policy, Policy::Failover);
         assert_eq!(api.hold_down, Duration::from_millis(500));
-        let selection: Vec<String> = api.static_selection().iter().map(ToString::to_string).collect();
-        assert_eq!(selection, ["127.0.0.3:16443", "127.0.0.1:16443", "127.0.0.2:16443"]);
-    }
-
-    #[test]
-    fn default_in_the_server_list_is_not_repeated() {
-        let config = parse(&GOOD.replace("127.0.0.3:16443", "127.0.0.2:16443")).unwrap();
-        let selection: Vec<String> = config.services[0].static_selection().iter().map(ToString::to_string).collect();
-        assert_eq!(selection, ["127.0.0.2:16443", "127.0.0.1:16443"]);
+        assert_eq!(api.default, Some("127.0.0.3:16443".parse().unwrap()));
+        assert_eq!(api.servers.len(), 2);
     }
 
     #[test]
@@ -335,6 +456,30 @@ mod tests {
         let msg = problems(&GOOD.replace("500ms", "soon").replace("hold_down", "policy = \"random\"\nhold_down"));
         assert!(msg.contains("hold_down: \"soon\" is not a duration"), "{msg}");
         assert!(msg.contains("policy: \"random\" is not a policy"), "{msg}");
+    }
+
+    #[test]
+    fn health_section_parses_with_defaults() {
+        let text = format!("{GOOD}[service.health]\ncheck = \"https\"\npath = \"/readyz\"\ninterval = \"5s\"\nfall = 3\nca_file = \"/etc/lb/ca.pem\"\n");
+        let health = &parse(&text).unwrap().services[0].health;
+        assert_eq!(health.check, CheckKind::Https);
+        assert_eq!(health.path, "/readyz");
+        assert_eq!(health.interval, Duration::from_secs(5));
+        assert_eq!(health.timeout, Duration::from_secs(1));
+        assert_eq!((health.rise, health.fall), (1, 3));
+        assert_eq!(health.status, (200, 399));
+        assert_eq!(parse(GOOD).unwrap().services[0].health, HealthConfig::default());
+    }
+
+    #[test]
+    fn bad_health_settings_are_named() {
+        let text = format!("{GOOD}[service.health]\ncheck = \"icmp\"\nrise = 0\nstatus = \"2xx\"\ninterval = \"1s\"\ntimeout = \"2s\"\n");
+        let msg = problems(&text);
+        for expected in ["health.check: \"icmp\" is not a check", "health.rise: must be at least 1", "health.status: \"2xx\"", "health.timeout: 2s is longer"] {
+            assert!(msg.contains(expected), "{expected:?} missing from:\n{msg}");
+        }
+        let msg = problems(&format!("{GOOD}[service.health]\ncheck = \"tcp\"\nca_file = \"/x\"\n"));
+        assert!(msg.contains("health.ca_file: only applies to check = \"https\""), "{msg}");
     }
 
     #[test]

@@ -18,6 +18,11 @@ pub enum Request {
     /// Reset the connections made through a VIP to `server` (of one service
     /// when `service` is set; of every service otherwise).
     CloseConnections { server: SocketAddr, service: Option<String> },
+    /// Replace a service's server list (and default). Unchanged sets are a no-op.
+    SetServers { service: String, servers: Vec<SocketAddr>, default: Option<SocketAddr> },
+    /// Drain a server (no new connections unless nothing else is usable;
+    /// existing ones stay), or undo that.
+    Drain { service: String, server: SocketAddr, undo: bool },
     /// Exit, leaving the datapath pinned and working.
     Shutdown,
 }
@@ -54,6 +59,15 @@ pub struct ServerStatus {
     pub address: SocketAddr,
     /// Live connections through the VIP to this server.
     pub connections: i64,
+    /// `active`, `preferred`, `healthy`, `recovering`, `unchecked`,
+    /// `standby`, `failed` (see the balancer).
+    pub state: String,
+    /// Result of the last health check; `null` until one is known.
+    pub healthy: Option<bool>,
+    /// Error of the last failed health check, or `null`.
+    pub last_check: Option<String>,
+    /// `ready`, `serving` (drained) or `terminating`.
+    pub readiness: String,
     pub default: bool,
     /// A connect to it through a VIP failed within the hold-down; the
     /// kernel skips it while another server is usable.
@@ -102,16 +116,35 @@ impl Status {
         for s in &self.services {
             let selected: Vec<String> = s.selected.iter().map(ToString::to_string).collect();
             let _ = writeln!(out, "{}  vip {}  policy {}  selected [{}]", s.name, s.vip, s.policy, selected.join(", "));
-            let _ = writeln!(out, "  {:<44} {:>11}  {}", "SERVER", "CONNECTIONS", "NOTES");
+            let _ = writeln!(out, "  {:<42} {:<10} {:<8} {:>11}  {}", "SERVER", "STATE", "HEALTHY", "CONNECTIONS", "NOTES");
             for server in &s.servers {
                 let mut notes = Vec::new();
                 if server.default {
-                    notes.push("default");
+                    notes.push("default".to_owned());
+                }
+                if server.readiness != "ready" {
+                    notes.push(server.readiness.clone());
                 }
                 if server.recently_failed {
-                    notes.push("connect failed recently");
+                    notes.push("connect failed recently".to_owned());
                 }
-                let _ = writeln!(out, "  {:<44} {:>11}  {}", server.address.to_string(), server.connections, notes.join(", "));
+                if let Some(error) = &server.last_check {
+                    notes.push(format!("last check: {error}"));
+                }
+                let healthy = match server.healthy {
+                    Some(true) => "yes",
+                    Some(false) => "no",
+                    None => "-",
+                };
+                let _ = writeln!(
+                    out,
+                    "  {:<42} {:<10} {:<8} {:>11}  {}",
+                    server.address.to_string(),
+                    server.state,
+                    healthy,
+                    server.connections,
+                    notes.join("; ")
+                );
             }
         }
         let _ = writeln!(

@@ -1,36 +1,41 @@
-//! `lb run`: the daemon. One task owns the configuration and the datapath
-//! and is the only writer of the maps; kernel events, control requests and
-//! signals reach it as messages.
+//! `lb run`: the daemon. One task owns every service's balancer and the
+//! datapath and is the only writer of the maps; kernel events, health
+//! results, control requests, timers and signals reach it as messages.
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     net::SocketAddr,
     os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, bail};
 use aya::maps::{MapData, RingBuf};
-use lb_common::{EVENT_CLOSED, EVENT_CONNECT_FAILED, EVENT_CONNECT_TIMEOUT, EVENT_ESTABLISHED, Event};
+use lb_common::{EVENT_CLOSED, EVENT_CONNECT_FAILED, EVENT_CONNECT_TIMEOUT, EVENT_ESTABLISHED, Event, MAX_SERVERS};
 use tokio::{
-    io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader},
-    io::unix::AsyncFd,
+    io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader, unix::AsyncFd},
     net::{UnixListener, UnixStream},
     signal::unix::{SignalKind, signal},
     sync::{mpsc, oneshot},
+    task::JoinHandle,
 };
 use tracing::{debug, error, info, warn};
 
 use crate::{
-    config::Config,
+    balancer::{Balancer, Checks, Connection, Effect, Health, Readiness},
+    config::{self, CheckKind, Config},
     control::{self, DatapathStatus, Request, Response, ServerStatus, ServiceStatus, Status},
-    datapath::{self, Datapath, Selection},
+    datapath::{self, Datapath, VipEntry},
+    health::Checker,
     sock_destroy,
+    state::{SavedList, SavedState},
 };
 
 enum Message {
     Control(Request, oneshot::Sender<Response>),
     Kernel(Event),
+    Health { service: String, server: SocketAddr, result: Health },
 }
 
 pub struct Options {
@@ -38,17 +43,46 @@ pub struct Options {
     pub bpf_log: bool,
 }
 
+/// One service: its config, its state machine and its health check tasks.
+struct Service {
+    config: config::Service,
+    balancer: Balancer,
+    checks: HashMap<SocketAddr, JoinHandle<()>>,
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        for task in self.checks.values() {
+            task.abort();
+        }
+    }
+}
+
 struct Daemon {
     config: Config,
     config_path: PathBuf,
     cgroup: PathBuf,
     datapath: Datapath,
+    services: Vec<Service>,
+    saved: SavedState,
+    tx: mpsc::Sender<Message>,
+}
+
+fn checks_of(service: &config::Service) -> Checks {
+    Checks { rise: service.health.rise, fall: service.health.fall, passive_only: service.health.check == CheckKind::None }
 }
 
 /// Runs the daemon until SIGTERM/SIGINT or a shutdown request. The datapath
 /// stays pinned and working after it returns (fail-static).
 pub async fn run(options: Options) -> anyhow::Result<()> {
     let config = Config::load(&options.config_path)?;
+    // Health check settings that only fail when used (a CA file that cannot
+    // be read) fail the start, before anything is attached.
+    for service in &config.services {
+        for server in service.servers.iter().chain(&service.default) {
+            Checker::new(&service.health, *server).with_context(|| format!("service {:?}", service.name))?;
+        }
+    }
     let cgroup = match &config.daemon.cgroup {
         Some(path) => path.clone(),
         None => datapath::cgroup2_root()?,
@@ -58,10 +92,23 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     // touches the datapath the first one owns.
     let listener = bind_control_socket(&socket_path).await?;
 
-    let initial = selections(&config);
+    let saved = SavedState::load(&config.daemon.state_dir);
+    let now = Instant::now();
+    let mut services = Vec::new();
+    let mut initial = Vec::new();
+    for service in &config.services {
+        let (list, default) = saved
+            .list_for(&service.name, &service.servers, service.default)
+            .inspect(|(list, _)| info!(service = %service.name, servers = ?list, "using the server list set at runtime (state file)"))
+            .unwrap_or_else(|| (service.servers.clone(), service.default));
+        let (balancer, _) = Balancer::new(service.policy, checks_of(service), &list, default, now);
+        initial.push(VipEntry { vip: service.vip, selection: balancer.selection(), hold_down: service.hold_down });
+        services.push(Service { config: service.clone(), balancer, checks: HashMap::new() });
+    }
+
     let bpffs = config.daemon.bpffs.clone();
     let mut datapath = Datapath::open(&bpffs, &cgroup, &initial, options.bpf_log)?;
-    let (tx, mut rx) = mpsc::channel(1024);
+    let (tx, mut rx) = mpsc::channel(4096);
     if let Some(events) = datapath.take_events() {
         tokio::spawn(forward_events(events, tx.clone()));
     }
@@ -70,9 +117,12 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     }
     tokio::spawn(serve_control(listener, tx.clone()));
 
-    let mut daemon = Daemon { config, config_path: options.config_path, cgroup, datapath };
+    let mut daemon = Daemon { config, config_path: options.config_path, cgroup, datapath, services, saved, tx };
+    for i in 0..daemon.services.len() {
+        daemon.sync_checks(i);
+    }
     info!(
-        services = daemon.config.services.len(),
+        services = daemon.services.len(),
         adopted = daemon.datapath.adopted,
         control_socket = %socket_path.display(),
         "lb is running"
@@ -81,13 +131,22 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     let mut terminate = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut hangup = signal(SignalKind::hangup())?;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
             _ = terminate.recv() => { info!("SIGTERM: exiting; the datapath stays attached"); break; }
             _ = interrupt.recv() => { info!("SIGINT: exiting; the datapath stays attached"); break; }
             _ = hangup.recv() => daemon.reload(),
+            _ = tick.tick() => {
+                let now = Instant::now();
+                for i in 0..daemon.services.len() {
+                    let effects = daemon.services[i].balancer.on_tick(now);
+                    daemon.apply(i, effects);
+                }
+            }
             Some(message) = rx.recv() => match message {
                 Message::Kernel(event) => daemon.on_kernel_event(&event),
+                Message::Health { service, server, result } => daemon.on_health(&service, server, result),
                 Message::Control(Request::Shutdown, reply) => {
                     info!("shutdown requested: exiting; the datapath stays attached");
                     let _ = reply.send(Response::Ok);
@@ -103,49 +162,189 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The selection each VIP gets until the balancer decides: the configured
-/// servers, default first.
-fn selections(config: &Config) -> Vec<(SocketAddr, Selection)> {
-    config
-        .services
-        .iter()
-        .map(|s| (s.vip, Selection { servers: s.static_selection(), policy: s.policy, hold_down: s.hold_down }))
-        .collect()
-}
-
 impl Daemon {
-    fn handle(&mut self, request: Request) -> Response {
-        match request {
-            Request::Status => Response::Status(self.status()),
-            Request::CloseConnections { server, service } => match self.close_connections(server, service.as_deref()) {
-                Ok(closed) => Response::Closed { closed },
-                Err(e) => Response::Error { error: format!("{e:#}") },
-            },
-            Request::Shutdown => Response::Ok,
+    fn index(&self, name: &str) -> Option<usize> {
+        self.services.iter().position(|s| s.config.name == name)
+    }
+
+    /// Carries out a balancer's effects for service `i`.
+    fn apply(&mut self, i: usize, effects: Vec<Effect>) {
+        let changed_servers = effects.iter().any(|e| matches!(e, Effect::StateChanged { .. }));
+        for effect in effects {
+            let service = &self.services[i];
+            let (name, vip) = (service.config.name.clone(), service.config.vip);
+            match effect {
+                Effect::StateChanged { server, from, to, why } => {
+                    info!(service = %name, %server, %from, %to, "server {from} -> {to}: {why}");
+                }
+                Effect::WriteSelection(selection) => {
+                    let entry = VipEntry { vip, selection, hold_down: service.config.hold_down };
+                    match self.datapath.write(&entry) {
+                        Ok(()) => info!(service = %name, selection = ?entry.selection.servers, spread = entry.selection.spread, "selection written"),
+                        Err(e) => error!(service = %name, "writing the selection failed: {e:#}"),
+                    }
+                }
+                Effect::CloseConnections { server, reason } => match self.close(vip, server) {
+                    Ok(closed) => info!(service = %name, %server, closed, reason = reason.name(), "closed VIP connections"),
+                    Err(e) => error!(service = %name, %server, "closing connections failed: {e:#}"),
+                },
+            }
         }
+        if changed_servers {
+            self.sync_checks(i);
+        }
+    }
+
+    /// Makes the health check tasks of service `i` match its servers.
+    fn sync_checks(&mut self, i: usize) {
+        let tx = self.tx.clone();
+        let service = &mut self.services[i];
+        let wanted: HashSet<SocketAddr> = service.balancer.servers().iter().map(|s| s.addr).collect();
+        service.checks.retain(|addr, task| {
+            let keep = wanted.contains(addr);
+            if !keep {
+                task.abort();
+            }
+            keep
+        });
+        if service.config.health.check == CheckKind::None {
+            return;
+        }
+        for addr in wanted {
+            if service.checks.contains_key(&addr) {
+                continue;
+            }
+            match Checker::new(&service.config.health, addr) {
+                Ok(checker) => {
+                    let task = tokio::spawn(check_loop(service.config.name.clone(), addr, checker, service.config.health.interval, tx.clone()));
+                    service.checks.insert(addr, task);
+                }
+                Err(e) => error!(service = %service.config.name, server = %addr, "cannot check this server: {e:#}"),
+            }
+        }
+    }
+
+    fn close(&self, vip: SocketAddr, server: SocketAddr) -> anyhow::Result<usize> {
+        let cookies = self.datapath.vip_sockets_to(server, Some(&HashSet::from([vip])));
+        sock_destroy::destroy(&cookies).with_context(|| format!("closing connections to {server}"))
+    }
+
+    fn on_health(&mut self, service: &str, server: SocketAddr, result: Health) {
+        let Some(i) = self.index(service) else { return };
+        debug!(service, %server, ?result, "health check");
+        let effects = self.services[i].balancer.on_health(server, result, Instant::now());
+        self.apply(i, effects);
+    }
+
+    fn on_kernel_event(&mut self, event: &Event) {
+        let vip = SocketAddr::from(event.vip);
+        let server = SocketAddr::from(event.server);
+        let connection = match event.kind {
+            EVENT_ESTABLISHED => Connection::Established,
+            EVENT_CONNECT_FAILED => Connection::ConnectFailed,
+            EVENT_CONNECT_TIMEOUT => Connection::ConnectTimedOut,
+            EVENT_CLOSED => {
+                debug!(%vip, %server, "connection closed");
+                return;
+            }
+            other => {
+                warn!(kind = other, "unknown kernel event");
+                return;
+            }
+        };
+        match connection {
+            Connection::Established => debug!(%vip, %server, "connection established"),
+            Connection::ConnectFailed => warn!(%vip, %server, "connect through the VIP failed; the kernel skips this server for its hold-down"),
+            Connection::ConnectTimedOut => warn!(%vip, %server, "connect through the VIP got no answer yet; the kernel skips this server for its hold-down"),
+        }
+        let Some(i) = self.services.iter().position(|s| s.config.vip == vip) else { return };
+        let effects = self.services[i].balancer.on_connection(server, connection, Instant::now());
+        self.apply(i, effects);
+    }
+
+    fn handle(&mut self, request: Request) -> Response {
+        let result = match request {
+            Request::Status => return Response::Status(self.status()),
+            Request::CloseConnections { server, service } => self.close_connections(server, service.as_deref()).map(|closed| Response::Closed { closed }),
+            Request::SetServers { service, servers, default } => self.set_servers(&service, &servers, default).map(|()| Response::Ok),
+            Request::Drain { service, server, undo } => self.drain(&service, server, undo).map(|()| Response::Ok),
+            Request::Shutdown => Ok(Response::Ok),
+        };
+        result.unwrap_or_else(|e| Response::Error { error: format!("{e:#}") })
+    }
+
+    fn set_servers(&mut self, name: &str, servers: &[SocketAddr], default: Option<SocketAddr>) -> anyhow::Result<()> {
+        let i = self.index(name).with_context(|| format!("no service named {name:?}"))?;
+        let vip = self.services[i].config.vip;
+        let all: Vec<SocketAddr> = servers.iter().chain(&default).copied().collect();
+        for addr in &all {
+            if addr.port() == 0 || addr.ip().is_unspecified() {
+                bail!("{addr} is not a usable server address");
+            }
+            if addr.is_ipv4() != vip.is_ipv4() {
+                bail!("{addr} and the VIP {vip} are of different address families; a socket dialling the VIP cannot reach it");
+            }
+            if self.services.iter().any(|s| s.config.vip == *addr) {
+                bail!("{addr} is a VIP; using it as a server would loop");
+            }
+        }
+        let unique: HashSet<SocketAddr> = all.iter().copied().collect();
+        if unique.len() > MAX_SERVERS {
+            bail!("{} servers (with the default); at most {MAX_SERVERS} are supported", unique.len());
+        }
+        let effects = self.services[i].balancer.set_servers(servers, default, Instant::now());
+        self.apply(i, effects);
+        let config = &self.services[i].config;
+        self.saved.services.insert(
+            name.to_owned(),
+            SavedList { servers: servers.to_vec(), default, configured: config.servers.clone(), configured_default: config.default },
+        );
+        self.saved.save(&self.config.daemon.state_dir).context("saving the server list to the state directory")?;
+        info!(service = name, ?servers, ?default, "server list set");
+        Ok(())
+    }
+
+    fn drain(&mut self, name: &str, server: SocketAddr, undo: bool) -> anyhow::Result<()> {
+        let i = self.index(name).with_context(|| format!("no service named {name:?}"))?;
+        if self.services[i].balancer.server(server).is_none() {
+            bail!("{server} is not a server of {name:?}");
+        }
+        let readiness = if undo { Readiness::Ready } else { Readiness::Serving };
+        let effects = self.services[i].balancer.set_readiness(server, readiness, Instant::now());
+        self.apply(i, effects);
+        info!(service = name, %server, drained = !undo, "drain changed");
+        Ok(())
     }
 
     fn status(&self) -> Status {
         let services = self
-            .config
             .services
             .iter()
             .map(|s| {
-                let mut addresses = s.static_selection();
-                // Servers that still hold connections but left the list.
-                addresses.extend(self.datapath.selection(s.vip).into_iter().filter(|a| !s.static_selection().contains(a)));
+                let vip = s.config.vip;
                 ServiceStatus {
-                    name: s.name.clone(),
-                    vip: s.vip,
-                    policy: s.policy.to_string(),
-                    selected: self.datapath.selection(s.vip),
-                    servers: addresses
-                        .into_iter()
-                        .map(|address| ServerStatus {
-                            address,
-                            connections: self.datapath.connections(s.vip, address),
-                            default: s.default == Some(address),
-                            recently_failed: self.datapath.recently_failed(address, s.hold_down),
+                    name: s.config.name.clone(),
+                    vip,
+                    policy: s.config.policy.to_string(),
+                    selected: self.datapath.selection(vip),
+                    servers: s
+                        .balancer
+                        .servers()
+                        .iter()
+                        .map(|server| ServerStatus {
+                            address: server.addr,
+                            connections: self.datapath.connections(vip, server.addr),
+                            state: server.state.name().to_owned(),
+                            healthy: server.healthy,
+                            last_check: server.last_error.clone(),
+                            readiness: match server.readiness {
+                                Readiness::Ready => "ready",
+                                Readiness::Serving => "serving",
+                                Readiness::Terminating => "terminating",
+                            }
+                            .to_owned(),
+                            default: server.is_default,
+                            recently_failed: self.datapath.recently_failed(server.addr, s.config.hold_down),
                         })
                         .collect(),
                 }
@@ -167,30 +366,16 @@ impl Daemon {
     fn close_connections(&self, server: SocketAddr, service: Option<&str>) -> anyhow::Result<usize> {
         let vips: Option<HashSet<SocketAddr>> = match service {
             None => None,
-            Some(name) => match self.config.services.iter().find(|s| s.name == name) {
-                Some(s) => Some(HashSet::from([s.vip])),
-                None => bail!("no service named {name:?}"),
-            },
+            Some(name) => Some(HashSet::from([self.services[self.index(name).with_context(|| format!("no service named {name:?}"))?].config.vip])),
         };
         let cookies = self.datapath.vip_sockets_to(server, vips.as_ref());
         let closed = sock_destroy::destroy(&cookies).with_context(|| format!("closing connections to {server}"))?;
-        info!(%server, closed, "closed VIP connections");
+        info!(%server, closed, "closed VIP connections on request");
         Ok(closed)
     }
 
-    fn on_kernel_event(&mut self, event: &Event) {
-        let vip = SocketAddr::from(event.vip);
-        let server = SocketAddr::from(event.server);
-        match event.kind {
-            EVENT_ESTABLISHED => debug!(%vip, %server, "connection established"),
-            EVENT_CLOSED => debug!(%vip, %server, "connection closed"),
-            EVENT_CONNECT_FAILED => warn!(%vip, %server, "connect through the VIP failed; the kernel skips this server for its hold-down"),
-            EVENT_CONNECT_TIMEOUT => warn!(%vip, %server, "connect through the VIP got no answer yet; the kernel skips this server for its hold-down"),
-            other => warn!(kind = other, "unknown kernel event"),
-        }
-    }
-
     /// SIGHUP: apply a new config if it is valid; keep the old one if not.
+    /// Unchanged services keep their state and connections.
     fn reload(&mut self) {
         let config = match Config::load(&self.config_path) {
             Ok(config) => config,
@@ -199,15 +384,102 @@ impl Daemon {
                 return;
             }
         };
+        for service in &config.services {
+            for server in service.servers.iter().chain(&service.default) {
+                if let Err(e) = Checker::new(&service.health, *server) {
+                    error!("reload failed; still serving the previous config: service {:?}: {e:#}", service.name);
+                    return;
+                }
+            }
+        }
         if config.daemon != self.config.daemon {
             warn!("[daemon] settings changed; they take effect at the next start");
         }
-        match self.datapath.reconcile(&selections(&config)) {
-            Ok(changes) => {
-                info!(changes, "config reloaded");
-                self.config.services = config.services;
+        let now = Instant::now();
+        let mut old: HashMap<String, Service> = self.services.drain(..).map(|s| (s.config.name.clone(), s)).collect();
+        let mut removed_vips = Vec::new();
+        for wanted in &config.services {
+            let service = match old.remove(&wanted.name) {
+                Some(mut service) if service.config.vip == wanted.vip => {
+                    let previous = std::mem::replace(&mut service.config, wanted.clone());
+                    let mut effects = Vec::new();
+                    if previous.policy != wanted.policy || previous.health != wanted.health {
+                        effects.extend(service.balancer.set_policy(wanted.policy, checks_of(wanted), now));
+                        for task in service.checks.values() {
+                            task.abort();
+                        }
+                        service.checks.clear();
+                    }
+                    if previous.servers != wanted.servers || previous.default != wanted.default {
+                        effects.extend(service.balancer.set_servers(&wanted.servers, wanted.default, now));
+                        self.saved.services.remove(&wanted.name);
+                    }
+                    if previous.hold_down != wanted.hold_down {
+                        let entry = VipEntry { vip: wanted.vip, selection: service.balancer.selection(), hold_down: wanted.hold_down };
+                        if let Err(e) = self.datapath.write(&entry) {
+                            error!(service = %wanted.name, "writing the hold-down failed: {e:#}");
+                        }
+                    }
+                    self.services.push(service);
+                    let i = self.services.len() - 1;
+                    self.apply(i, effects);
+                    continue;
+                }
+                Some(service) => {
+                    removed_vips.push((service.config.vip, service.balancer.servers().iter().map(|s| s.addr).collect::<Vec<_>>()));
+                    info!(service = %wanted.name, "VIP changed: replacing the service");
+                    drop(service);
+                    let (balancer, effects) = Balancer::new(wanted.policy, checks_of(wanted), &wanted.servers, wanted.default, now);
+                    (Service { config: wanted.clone(), balancer, checks: HashMap::new() }, effects)
+                }
+                None => {
+                    info!(service = %wanted.name, vip = %wanted.vip, "service added");
+                    let (balancer, effects) = Balancer::new(wanted.policy, checks_of(wanted), &wanted.servers, wanted.default, now);
+                    (Service { config: wanted.clone(), balancer, checks: HashMap::new() }, effects)
+                }
+            };
+            let (service, effects) = service;
+            self.services.push(service);
+            let i = self.services.len() - 1;
+            self.apply(i, effects);
+            self.sync_checks(i);
+        }
+        for (name, service) in old {
+            info!(service = %name, vip = %service.config.vip, "service removed");
+            removed_vips.push((service.config.vip, service.balancer.servers().iter().map(|s| s.addr).collect()));
+        }
+        let entries: Vec<VipEntry> = self
+            .services
+            .iter()
+            .map(|s| VipEntry { vip: s.config.vip, selection: s.balancer.selection(), hold_down: s.config.hold_down })
+            .collect();
+        if let Err(e) = self.datapath.reconcile(&entries) {
+            error!("reload: writing the datapath failed: {e:#}");
+        }
+        // A removed VIP no longer rewrites; its connections are closed.
+        for (vip, servers) in removed_vips {
+            for server in servers {
+                if let Err(e) = self.close(vip, server) {
+                    error!(%vip, %server, "closing connections of a removed service failed: {e:#}");
+                }
             }
-            Err(e) => error!("reload failed while writing the datapath: {e:#}"),
+        }
+        for i in 0..self.services.len() {
+            self.sync_checks(i);
+        }
+        self.config = config;
+        info!(services = self.services.len(), "config reloaded");
+    }
+}
+
+async fn check_loop(service: String, server: SocketAddr, checker: Checker, interval: Duration, tx: mpsc::Sender<Message>) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let result = checker.check(server).await;
+        if tx.send(Message::Health { service: service.clone(), server, result }).await.is_err() {
+            return;
         }
     }
 }

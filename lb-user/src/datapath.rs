@@ -28,12 +28,12 @@ use aya::{
     },
 };
 use lb_common::{
-    ConnKey, Endpoint, MAX_SERVERS, MODE_FAILOVER, MODE_SPREAD, Service as ServiceValue, SockEntry,
+    ConnKey, Endpoint, MAX_SERVERS, Service as ServiceValue, SockEntry,
     maps, programs, reason,
 };
 use tracing::{info, warn};
 
-use crate::config::Policy;
+use crate::balancer::Selection;
 
 /// Forwards the kernel programs' aya-log records to `log` (and so to tracing).
 pub type KernelLogger = aya_log::EbpfLogger<&'static dyn log::Log>;
@@ -57,25 +57,23 @@ pub struct Datapath {
     logger: Option<KernelLogger>,
 }
 
-/// What one service looks like to the kernel.
+/// What one VIP gets in the kernel: its selection and its hold-down.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Selection {
-    pub servers: Vec<SocketAddr>,
-    pub policy: Policy,
+pub struct VipEntry {
+    pub vip: SocketAddr,
+    pub selection: Selection,
     pub hold_down: Duration,
 }
 
-impl Selection {
+impl VipEntry {
     fn to_value(&self) -> ServiceValue {
         let mut value = ServiceValue::default();
-        for (slot, server) in value.servers.iter_mut().zip(self.servers.iter().take(MAX_SERVERS)) {
+        let servers = &self.selection.servers;
+        for (slot, server) in value.servers.iter_mut().zip(servers.iter().take(MAX_SERVERS)) {
             *slot = Endpoint::from(*server);
         }
-        value.count = self.servers.len().min(MAX_SERVERS) as u32;
-        value.mode = match self.policy {
-            Policy::Failover => MODE_FAILOVER,
-            Policy::Spread => MODE_SPREAD,
-        };
+        value.count = servers.len().min(MAX_SERVERS) as u32;
+        value.spread = self.selection.spread.clamp(1, MAX_SERVERS) as u32;
         value.hold_down_ns = u64::try_from(self.hold_down.as_nanos()).unwrap_or(u64::MAX);
         value
     }
@@ -102,7 +100,7 @@ impl Datapath {
     pub fn open(
         bpffs: &Path,
         cgroup: &Path,
-        initial: &[(SocketAddr, Selection)],
+        initial: &[VipEntry],
         bpf_log: bool,
     ) -> anyhow::Result<Self> {
         ensure_bpffs(bpffs)?;
@@ -140,7 +138,7 @@ impl Datapath {
     fn attach(
         bpffs: &Path,
         cgroup: &Path,
-        initial: &[(SocketAddr, Selection)],
+        initial: &[VipEntry],
         bpf_log: bool,
     ) -> anyhow::Result<Self> {
         // aya-log's level: 0 turns every kernel log statement into a no-op.
@@ -193,9 +191,9 @@ impl Datapath {
 
     /// Makes the `SERVICES` map equal `desired`, writing only what changed.
     /// Returns how many entries were written or removed.
-    pub fn reconcile(&mut self, desired: &[(SocketAddr, Selection)]) -> anyhow::Result<usize> {
+    pub fn reconcile(&mut self, desired: &[VipEntry]) -> anyhow::Result<usize> {
         let wanted: std::collections::HashMap<Endpoint, ServiceValue> =
-            desired.iter().map(|(vip, sel)| (Endpoint::from(*vip), sel.to_value())).collect();
+            desired.iter().map(|entry| (Endpoint::from(entry.vip), entry.to_value())).collect();
         let existing: Vec<Endpoint> = self.services.keys().collect::<Result<_, _>>().context("listing SERVICES")?;
         let mut changes = 0;
         for vip in existing {
@@ -213,6 +211,15 @@ impl Datapath {
             }
         }
         Ok(changes)
+    }
+
+    /// Writes one VIP's entry (one whole-value update) unless it is unchanged.
+    pub fn write(&mut self, entry: &VipEntry) -> anyhow::Result<()> {
+        let (vip, value) = (Endpoint::from(entry.vip), entry.to_value());
+        if self.services.get(&vip, 0).ok() != Some(value) {
+            self.services.insert(vip, value, 0).with_context(|| format!("writing VIP {}", entry.vip))?;
+        }
+        Ok(())
     }
 
     /// The selection currently in the kernel for `vip`.
@@ -409,14 +416,14 @@ mod tests {
 
     #[test]
     fn selection_value_is_whole_and_ordered() {
-        let selection = Selection {
-            servers: vec!["127.0.0.2:80".parse().unwrap(), "127.0.0.3:81".parse().unwrap()],
-            policy: Policy::Spread,
+        let entry = VipEntry {
+            vip: "127.0.0.1:80".parse().unwrap(),
+            selection: Selection { servers: vec!["127.0.0.2:80".parse().unwrap(), "127.0.0.3:81".parse().unwrap()], spread: 2 },
             hold_down: Duration::from_millis(1500),
         };
-        let value = selection.to_value();
+        let value = entry.to_value();
         assert_eq!(value.count, 2);
-        assert_eq!(value.mode, MODE_SPREAD);
+        assert_eq!(value.spread, 2);
         assert_eq!(value.hold_down_ns, 1_500_000_000);
         assert_eq!(SocketAddr::from(value.servers[1]), "127.0.0.3:81".parse().unwrap());
         assert_eq!(value.servers[2], Endpoint::default());

@@ -56,6 +56,20 @@ async fn run(command: Command) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::Servers { service, servers, default, config } => {
+            let config = Config::load(&config)?;
+            let request = Request::SetServers { service: service.clone(), servers, default };
+            expect_ok(control::call(&config.daemon.control_socket, &request).await?)?;
+            println!("server list of {service} set");
+            Ok(())
+        }
+        Command::Drain { service, server, undo, config } => {
+            let config = Config::load(&config)?;
+            let request = Request::Drain { service: service.clone(), server, undo };
+            expect_ok(control::call(&config.daemon.control_socket, &request).await?)?;
+            println!("{server} of {service} {}", if undo { "no longer drained" } else { "drained" });
+            Ok(())
+        }
         Command::Detach { config } => {
             let config = Config::load(&config)?;
             if daemon::stop_running_daemon(&config.daemon.control_socket).await {
@@ -70,5 +84,13 @@ async fn run(command: Command) -> anyhow::Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+fn expect_ok(response: Response) -> anyhow::Result<()> {
+    match response {
+        Response::Ok => Ok(()),
+        Response::Error { error } => bail!(error),
+        other => bail!("unexpected answer: {other:?}"),
     }
 }

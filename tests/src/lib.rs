@@ -105,12 +105,14 @@ impl Drop for TestCgroup {
     }
 }
 
-/// A TCP (and UDP) server on one address that greets every connection with
-/// its name, so a test knows which server a connection really reached.
+/// A TCP (and UDP) server on one address that answers `who` with its
+/// name, so a test knows which server a connection really reached, and
+/// answers `GET /...` (a health check) with a status the test controls.
 pub struct Backend {
     pub name: String,
     pub addr: SocketAddr,
     accepted: Arc<AtomicUsize>,
+    health_status: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
     conns: Arc<Mutex<Vec<TcpStream>>>,
@@ -125,16 +127,15 @@ impl Backend {
         let udp = UdpSocket::bind(addr).unwrap_or_else(|e| panic!("backend {name}: bind udp {addr}: {e}"));
         udp.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
         let (accepted, stop, conns) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())));
+        let health_status = Arc::new(AtomicUsize::new(200));
         let tcp_thread = {
-            let (name, accepted, stop, conns) = (name.to_owned(), accepted.clone(), stop.clone(), conns.clone());
+            let (name, accepted, stop, conns, health_status) = (name.to_owned(), accepted.clone(), stop.clone(), conns.clone(), health_status.clone());
             thread::spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
                     match listener.accept() {
-                        Ok((mut stream, _)) => {
-                            let _ = stream.set_nonblocking(false);
-                            let _ = writeln!(stream, "{name}");
-                            accepted.fetch_add(1, Ordering::Relaxed);
-                            conns.lock().unwrap().push(stream);
+                        Ok((stream, _)) => {
+                            let (name, accepted, conns, health_status) = (name.clone(), accepted.clone(), conns.clone(), health_status.clone());
+                            thread::spawn(move || serve(stream, &name, &accepted, &conns, &health_status));
                         }
                         Err(_) => thread::sleep(Duration::from_millis(5)),
                     }
@@ -152,12 +153,17 @@ impl Backend {
                 }
             })
         };
-        Self { name: name.to_owned(), addr, accepted, stop, threads: vec![tcp_thread, udp_thread], conns }
+        Self { name: name.to_owned(), addr, accepted, health_status, stop, threads: vec![tcp_thread, udp_thread], conns }
     }
 
-    /// Connections this backend accepted so far.
+    /// Client connections this backend answered so far (not health checks).
     pub fn accepted(&self) -> usize {
         self.accepted.load(Ordering::Relaxed)
+    }
+
+    /// The HTTP status its health endpoint answers from now on.
+    pub fn set_health(&self, status: u16) {
+        self.health_status.store(usize::from(status), Ordering::Relaxed);
     }
 
     /// Stops listening (new connects are refused) and closes its connections.
@@ -171,8 +177,30 @@ impl Backend {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
-        self.conns.lock().unwrap().clear();
+        for conn in self.conns.lock().unwrap().drain(..) {
+            let _ = conn.shutdown(std::net::Shutdown::Both);
+        }
     }
+}
+
+/// One accepted connection: a health check gets an HTTP answer and is
+/// closed; a client gets the backend's name and is kept open.
+fn serve(mut stream: TcpStream, name: &str, accepted: &AtomicUsize, conns: &Mutex<Vec<TcpStream>>, health_status: &AtomicUsize) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+    let mut first = String::new();
+    if BufReader::new(&stream).read_line(&mut first).is_err() || first.is_empty() {
+        return; // a TCP health check: connect and close
+    }
+    if first.starts_with("GET ") {
+        let status = health_status.load(Ordering::Relaxed);
+        let _ = write!(stream, "HTTP/1.1 {status} Status\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        return;
+    }
+    let _ = writeln!(stream, "{name}");
+    accepted.fetch_add(1, Ordering::Relaxed);
+    let _ = stream.set_read_timeout(None);
+    conns.lock().unwrap().push(stream);
 }
 
 impl Drop for Backend {

@@ -3,8 +3,8 @@
 //! one line each on stdout:
 //!
 //! - `connect ADDR` → `ok ID PEER GREETING` or `err MESSAGE`: TCP connect,
-//!   then `getpeername` (what the application sees) and the first line the
-//!   server sent (which server really accepted);
+//!   then `getpeername` (what the application sees) and the server's answer
+//!   to `who` (which server really accepted);
 //! - `udp ADDR` → `ok ID PEER GREETING`: connected UDP, one datagram each way;
 //! - `alive ID` → `alive` or `dead MESSAGE`: is TCP connection ID still open;
 //! - `close ID` → `closed`.
@@ -62,6 +62,7 @@ fn connect(addr: &str) -> Result<(TcpStream, SocketAddr, String), String> {
     let stream = TcpStream::connect_timeout(&addr, TIMEOUT).map_err(|e| e.to_string().replace(' ', "_"))?;
     let peer = stream.peer_addr().map_err(|e| e.to_string())?;
     stream.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
+    (&stream).write_all(b"who\n").map_err(|e| format!("send:{}", e.kind()))?;
     let mut greeting = String::new();
     let mut reader = BufReader::new(&stream);
     reader.read_line(&mut greeting).map_err(|e| format!("no_greeting:{}", e.kind()))?;

@@ -1,0 +1,556 @@
+//! The server state machine of one service: which servers are usable, in
+//! what order the kernel should try them, and which connections must move.
+//!
+//! Sans-I/O: a `Balancer` is a plain value. Every input is a method that
+//! takes `now` and returns the effects for the daemon to carry out (write
+//! the selection, close a server's connections, log a state change). Tests
+//! drive it with simulated time.
+//!
+//! # States, best first
+//!
+//! | state        | meaning |
+//! |--------------|---------|
+//! | `active`     | failover: the one server new connections go to |
+//! | `preferred`  | recently passed its checks after being down or new; first choice when an active server must be elected |
+//! | `healthy`    | passes its checks |
+//! | `recovering` | passed at least one check (or accepted a connection) since it failed, not yet `rise` in a row |
+//! | `unchecked`  | just added, no check result yet |
+//! | `standby`    | the default server when it is not in the server list: a last resort, never marked failed |
+//! | `failed`     | failed `fall` checks in a row, or a connect through the VIP to it failed |
+//! | `invalid`    | removed (only ever seen in logs: removed servers are forgotten) |
+//!
+//! # Transitions
+//!
+//! | from \ input                    | check passes (`rise` in a row) | check fails (`fall` in a row) | connect via VIP fails | connection via VIP established |
+//! |---------------------------------|-------------------------------|-------------------------------|-----------------------|-------------------------------|
+//! | unchecked                       | preferred (recovering before `rise`) | failed                 | failed                | -                             |
+//! | recovering                      | preferred                     | failed                        | failed                | -                             |
+//! | failed                          | preferred (recovering before `rise`) | -                      | - (hold-down renewed in the kernel) | recovering      |
+//! | preferred, healthy, active      | -                             | failed                        | failed                | -                             |
+//! | standby                         | -                             | -                             | -                     | -                             |
+//!
+//! Also: `preferred` becomes `healthy` after [`PREFERRED_FOR`] without being
+//! elected. An unknown check result changes nothing. With `check = "none"`,
+//! new servers start `healthy` and an established connection counts as a
+//! passed check.
+//!
+//! # Selection and closing connections
+//!
+//! The selection written to the kernel is every server, ordered by tier
+//! (healthy class, recovering, unchecked; within each, declared ready before
+//! drained/serving; then the last resorts: standby, failed, terminating),
+//! then state, then configured order. The kernel takes the first that has not failed within
+//! the hold-down, so it never black-holes while a server exists: failed
+//! servers are a last resort, not excluded. With `spread`, the kernel picks
+//! at random within the leading group of equally good servers.
+//!
+//! The *healthy class* is the ready servers in `active`, `preferred` or
+//! `healthy`. With `failover`, when no server is `active`, the best of the
+//! healthy class is elected; an active server stays active while it is
+//! healthy (no flapping back). Connections are closed:
+//! - of a removed server, always;
+//! - of a server that leaves the healthy class by failing, when there is
+//!   somewhere better to go (a server in the healthy class, or a standby
+//!   default whose checks pass);
+//! - of every `standby`, `failed` or `recovering` server when the healthy
+//!   class goes from empty to non-empty (fail-back, e.g. off the default).
+
+use std::{
+    fmt,
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use crate::config::Policy;
+
+/// How long a server stays `preferred` before it is merely `healthy`.
+pub const PREFERRED_FOR: Duration = Duration::from_secs(60);
+
+/// Server states, in increasing order of preference.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum State {
+    Invalid,
+    Failed,
+    Standby,
+    Unchecked,
+    Recovering,
+    Healthy,
+    Preferred,
+    Active,
+}
+
+impl State {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Invalid => "invalid",
+            Self::Failed => "failed",
+            Self::Standby => "standby",
+            Self::Unchecked => "unchecked",
+            Self::Recovering => "recovering",
+            Self::Healthy => "healthy",
+            Self::Preferred => "preferred",
+            Self::Active => "active",
+        }
+    }
+
+    const fn is_healthy_class(self) -> bool {
+        matches!(self, Self::Active | Self::Preferred | Self::Healthy)
+    }
+
+    /// States that share a spread group: the healthy class is one group.
+    const fn group(self) -> u8 {
+        match self {
+            Self::Active | Self::Preferred | Self::Healthy => 3,
+            Self::Recovering => 2,
+            Self::Unchecked => 1,
+            Self::Standby | Self::Failed | Self::Invalid => 0,
+        }
+    }
+}
+
+impl fmt::Display for State {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Readiness an endpoint declares (as Kubernetes EndpointSlice conditions
+/// say), judged per endpoint address, never per host.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Readiness {
+    /// Not serving (terminating and not serving): last resort.
+    Terminating,
+    /// Not ready but still serving (terminating gracefully): used only
+    /// when no ready endpoint is usable.
+    Serving,
+    /// Ready: the normal case.
+    #[default]
+    Ready,
+}
+
+/// A health check result. Unknown (the check could not run) changes nothing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Health {
+    Pass,
+    Fail(String),
+    Unknown,
+}
+
+/// What the kernel reported about a connection through the VIP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Connection {
+    Established,
+    /// Refused, reset or abandoned before establishing.
+    ConnectFailed,
+    /// The SYN went unanswered for a retransmission timeout.
+    ConnectTimedOut,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CloseReason {
+    Removed,
+    Failed,
+    FailBack,
+}
+
+impl CloseReason {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Removed => "removed",
+            Self::Failed => "failed",
+            Self::FailBack => "fail_back",
+        }
+    }
+}
+
+/// What the kernel should get for this service.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Selection {
+    /// Every server, best first.
+    pub servers: Vec<SocketAddr>,
+    /// The kernel picks at random among the usable servers of the first
+    /// `spread` entries (1: strict order).
+    pub spread: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Effect {
+    /// Write this selection to the kernel (emitted only when it changed).
+    WriteSelection(Selection),
+    /// Reset the connections made through the VIP to `server`.
+    CloseConnections { server: SocketAddr, reason: CloseReason },
+    /// A server changed state (for logs and metrics).
+    StateChanged { server: SocketAddr, from: State, to: State, why: &'static str },
+}
+
+/// Health check settings the state machine needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Checks {
+    /// Passes in a row that make a server usable again.
+    pub rise: u32,
+    /// Failures in a row that make a server failed.
+    pub fall: u32,
+    /// No active checks (`check = "none"`): the kernel's connection reports
+    /// are the only health signal.
+    pub passive_only: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Server {
+    pub addr: SocketAddr,
+    pub state: State,
+    /// In the server list (false: the default kept as `standby`).
+    pub in_list: bool,
+    pub is_default: bool,
+    pub readiness: Readiness,
+    /// Last check result: `None` until one is known.
+    pub healthy: Option<bool>,
+    /// Error of the last failed check.
+    pub last_error: Option<String>,
+    /// When `state` was entered.
+    pub since: Instant,
+    passes: u32,
+    failures: u32,
+}
+
+impl Server {
+    fn new(addr: SocketAddr, state: State, in_list: bool, now: Instant) -> Self {
+        Self {
+            addr,
+            state,
+            in_list,
+            is_default: false,
+            readiness: Readiness::Ready,
+            healthy: None,
+            last_error: None,
+            since: now,
+            passes: 0,
+            failures: 0,
+        }
+    }
+
+    /// How good a choice this server is, before its exact state: the
+    /// healthy class first, then recovering, then unchecked, each ready
+    /// before drained (serving); last resorts (standby, failed,
+    /// terminating) last. Servers of one tier form one spread group.
+    const fn tier(&self) -> u8 {
+        let group = self.state.group();
+        match self.readiness {
+            _ if group == 0 => 0,
+            Readiness::Terminating => 0,
+            Readiness::Serving => 2 * group - 1,
+            Readiness::Ready => 2 * group,
+        }
+    }
+
+    fn in_healthy_class(&self) -> bool {
+        self.readiness == Readiness::Ready && self.state.is_healthy_class()
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Balancer {
+    policy: Policy,
+    checks: Checks,
+    /// List servers in configured order, then the standby default if any.
+    servers: Vec<Server>,
+    written: Option<Selection>,
+}
+
+impl Balancer {
+    /// A service with `servers` (and `default`), all unchecked. The effects
+    /// include the first selection.
+    pub fn new(policy: Policy, checks: Checks, servers: &[SocketAddr], default: Option<SocketAddr>, now: Instant) -> (Self, Vec<Effect>) {
+        let mut balancer = Self { policy, checks, servers: Vec::new(), written: None };
+        let effects = balancer.set_servers(servers, default, now);
+        (balancer, effects)
+    }
+
+    pub fn servers(&self) -> &[Server] {
+        &self.servers
+    }
+
+    pub fn server(&self, addr: SocketAddr) -> Option<&Server> {
+        self.servers.iter().find(|s| s.addr == addr)
+    }
+
+    pub const fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// The list servers (as last set) and the default: what a state file keeps.
+    pub fn list(&self) -> (Vec<SocketAddr>, Option<SocketAddr>) {
+        let list = self.servers.iter().filter(|s| s.in_list).map(|s| s.addr).collect();
+        (list, self.servers.iter().find(|s| s.is_default).map(|s| s.addr))
+    }
+
+    pub fn set_policy(&mut self, policy: Policy, checks: Checks, now: Instant) -> Vec<Effect> {
+        let mut step = Step::begin(self);
+        self.policy = policy;
+        self.checks = checks;
+        if policy == Policy::Spread {
+            for i in 0..self.servers.len() {
+                if self.servers[i].state == State::Active {
+                    self.transition(i, State::Healthy, "policy is spread", now, &mut step.effects);
+                }
+            }
+        }
+        self.settle(step, now)
+    }
+
+    /// Replaces the server list and the default. An unchanged set is a no-op.
+    pub fn set_servers(&mut self, list: &[SocketAddr], default: Option<SocketAddr>, now: Instant) -> Vec<Effect> {
+        let mut step = Step::begin(self);
+        let mut unique: Vec<SocketAddr> = Vec::with_capacity(list.len());
+        for addr in list {
+            if !unique.contains(addr) {
+                unique.push(*addr);
+            }
+        }
+        let first = if self.checks.passive_only { State::Healthy } else { State::Unchecked };
+
+        // Forget removed servers (a removed default stays as standby).
+        let mut kept = Vec::with_capacity(self.servers.len());
+        for mut server in std::mem::take(&mut self.servers) {
+            let listed = unique.contains(&server.addr);
+            let is_default = Some(server.addr) == default;
+            if listed {
+                if !server.in_list {
+                    // The standby default joins the list: checked like any server.
+                    step.effects.push(Effect::StateChanged { server: server.addr, from: server.state, to: first, why: "added to the server list" });
+                    server.state = first;
+                    server.since = now;
+                    server.in_list = true;
+                }
+                server.is_default = is_default;
+                kept.push(server);
+            } else if is_default {
+                if server.in_list {
+                    step.effects.push(Effect::StateChanged { server: server.addr, from: server.state, to: State::Standby, why: "removed from the list; kept as the default" });
+                    server.state = State::Standby;
+                    server.since = now;
+                    server.in_list = false;
+                    step.demoted.push(server.addr);
+                }
+                server.is_default = true;
+                kept.push(server);
+            } else {
+                step.effects.push(Effect::StateChanged { server: server.addr, from: server.state, to: State::Invalid, why: "removed" });
+                step.effects.push(Effect::CloseConnections { server: server.addr, reason: CloseReason::Removed });
+            }
+        }
+        self.servers = kept;
+        for addr in &unique {
+            if self.server(*addr).is_none() {
+                let mut server = Server::new(*addr, first, true, now);
+                server.is_default = Some(*addr) == default;
+                step.effects.push(Effect::StateChanged { server: *addr, from: State::Invalid, to: first, why: "added" });
+                self.servers.push(server);
+            }
+        }
+        if let Some(addr) = default {
+            if self.server(addr).is_none() {
+                let mut server = Server::new(addr, State::Standby, false, now);
+                server.is_default = true;
+                step.effects.push(Effect::StateChanged { server: addr, from: State::Invalid, to: State::Standby, why: "set as the default" });
+                self.servers.push(server);
+            }
+        }
+        // Configured order: the list first, the standby default last.
+        self.servers.sort_by_key(|s| (!s.in_list, unique.iter().position(|a| *a == s.addr)));
+        self.settle(step, now)
+    }
+
+    /// A health check result for `addr`.
+    pub fn on_health(&mut self, addr: SocketAddr, health: Health, now: Instant) -> Vec<Effect> {
+        let Some(i) = self.index(addr) else { return Vec::new() };
+        let mut step = Step::begin(self);
+        match health {
+            Health::Unknown => return Vec::new(),
+            Health::Pass => {
+                let server = &mut self.servers[i];
+                server.healthy = Some(true);
+                server.last_error = None;
+                server.failures = 0;
+                server.passes = server.passes.saturating_add(1);
+                self.on_pass(i, "passed health checks", now, &mut step.effects);
+            }
+            Health::Fail(error) => {
+                let server = &mut self.servers[i];
+                server.healthy = Some(false);
+                server.last_error = Some(error);
+                server.passes = 0;
+                server.failures = server.failures.saturating_add(1);
+                if server.failures >= self.checks.fall {
+                    self.fail(i, "failed health checks", now, &mut step);
+                }
+            }
+        }
+        self.settle(step, now)
+    }
+
+    /// A connection report from the kernel for `addr`.
+    pub fn on_connection(&mut self, addr: SocketAddr, event: Connection, now: Instant) -> Vec<Effect> {
+        let Some(i) = self.index(addr) else { return Vec::new() };
+        let mut step = Step::begin(self);
+        match event {
+            Connection::Established if self.checks.passive_only => {
+                let server = &mut self.servers[i];
+                server.failures = 0;
+                server.passes = server.passes.saturating_add(1);
+                self.on_pass(i, "a connection through the VIP established", now, &mut step.effects);
+            }
+            Connection::Established => {
+                if self.servers[i].state == State::Failed {
+                    self.transition(i, State::Recovering, "a connection through the VIP established", now, &mut step.effects);
+                }
+            }
+            Connection::ConnectFailed | Connection::ConnectTimedOut => {
+                let server = &mut self.servers[i];
+                server.passes = 0;
+                let why = if event == Connection::ConnectFailed { "a connect through the VIP failed" } else { "a connect through the VIP timed out" };
+                self.fail(i, why, now, &mut step);
+            }
+        }
+        self.settle(step, now)
+    }
+
+    /// The readiness `addr` declares (only that endpoint, never its host).
+    pub fn set_readiness(&mut self, addr: SocketAddr, readiness: Readiness, now: Instant) -> Vec<Effect> {
+        let Some(i) = self.index(addr) else { return Vec::new() };
+        let step = Step::begin(self);
+        self.servers[i].readiness = readiness;
+        self.settle(step, now)
+    }
+
+    /// Time passing: `preferred` servers age into `healthy`.
+    pub fn on_tick(&mut self, now: Instant) -> Vec<Effect> {
+        let mut step = Step::begin(self);
+        for i in 0..self.servers.len() {
+            let server = &self.servers[i];
+            if server.state == State::Preferred && now.saturating_duration_since(server.since) >= PREFERRED_FOR {
+                self.transition(i, State::Healthy, "preferred long enough", now, &mut step.effects);
+            }
+        }
+        self.settle(step, now)
+    }
+
+    /// The selection for the kernel, as it follows from the states now.
+    pub fn selection(&self) -> Selection {
+        let mut order: Vec<(usize, &Server)> = self.servers.iter().enumerate().collect();
+        order.sort_by_key(|(i, s)| (std::cmp::Reverse((s.tier(), s.state)), *i));
+        let spread = match (self.policy, order.first()) {
+            (Policy::Spread, Some((_, best))) => order.iter().take_while(|(_, s)| s.tier() == best.tier()).count(),
+            _ => 1,
+        };
+        Selection { servers: order.into_iter().map(|(_, s)| s.addr).collect(), spread }
+    }
+
+    fn index(&self, addr: SocketAddr) -> Option<usize> {
+        self.servers.iter().position(|s| s.addr == addr)
+    }
+
+    fn transition(&mut self, i: usize, to: State, why: &'static str, now: Instant, effects: &mut Vec<Effect>) {
+        let server = &mut self.servers[i];
+        if server.state != to {
+            effects.push(Effect::StateChanged { server: server.addr, from: server.state, to, why });
+            server.state = to;
+            server.since = now;
+        }
+    }
+
+    fn on_pass(&mut self, i: usize, why: &'static str, now: Instant, effects: &mut Vec<Effect>) {
+        let server = &self.servers[i];
+        if matches!(server.state, State::Unchecked | State::Failed | State::Recovering) {
+            let to = if server.passes >= self.checks.rise { State::Preferred } else { State::Recovering };
+            self.transition(i, to, why, now, effects);
+        }
+    }
+
+    /// `servers[i]` failed (its checks, or a connect through the VIP).
+    fn fail(&mut self, i: usize, why: &'static str, now: Instant, step: &mut Step) {
+        let server = &self.servers[i];
+        if matches!(server.state, State::Standby | State::Invalid) {
+            return;
+        }
+        if server.in_healthy_class() {
+            step.demoted.push(server.addr);
+        }
+        self.transition(i, State::Failed, why, now, &mut step.effects);
+    }
+
+    /// Whether connections to `addr` have somewhere better to go: a server
+    /// in the healthy class, or a standby default whose checks pass.
+    fn has_alternative_to(&self, addr: SocketAddr) -> bool {
+        self.servers.iter().any(|s| {
+            s.addr != addr
+                && (s.in_healthy_class()
+                    || (s.state == State::Standby && s.readiness == Readiness::Ready && (s.healthy == Some(true) || self.checks.passive_only)))
+        })
+    }
+
+    /// Elects, decides which connections to close and emits the selection.
+    fn settle(&mut self, mut step: Step, now: Instant) -> Vec<Effect> {
+        // An active server that is no longer ready steps down gracefully:
+        // no new connections, existing ones stay.
+        for i in 0..self.servers.len() {
+            if self.servers[i].state == State::Active && self.servers[i].readiness != Readiness::Ready {
+                self.transition(i, State::Healthy, "no longer declared ready", now, &mut step.effects);
+            }
+        }
+        if self.policy == Policy::Failover && !self.servers.iter().any(|s| s.state == State::Active) {
+            let best = self
+                .servers
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.in_healthy_class())
+                .max_by_key(|(i, s)| (s.state, std::cmp::Reverse(*i)))
+                .map(|(i, _)| i);
+            if let Some(i) = best {
+                self.transition(i, State::Active, "elected active", now, &mut step.effects);
+            }
+        }
+
+        for addr in step.demoted {
+            if self.server(addr).is_some_and(|s| !s.in_healthy_class()) && self.has_alternative_to(addr) {
+                step.effects.push(Effect::CloseConnections { server: addr, reason: CloseReason::Failed });
+            }
+        }
+        let healthy_now = self.servers.iter().any(Server::in_healthy_class);
+        if healthy_now {
+            if !step.healthy_before {
+                for s in &self.servers {
+                    if matches!(s.state, State::Standby | State::Failed | State::Recovering)
+                        && !step.effects.iter().any(|e| matches!(e, Effect::CloseConnections { server, .. } if *server == s.addr))
+                    {
+                        step.effects.push(Effect::CloseConnections { server: s.addr, reason: CloseReason::FailBack });
+                    }
+                }
+            }
+        }
+
+        let selection = self.selection();
+        if self.written.as_ref() != Some(&selection) {
+            self.written = Some(selection.clone());
+            step.effects.push(Effect::WriteSelection(selection));
+        }
+        step.effects
+    }
+}
+
+/// Bookkeeping of one input: what held before it, what it changed.
+struct Step {
+    healthy_before: bool,
+    /// Servers that left the healthy class (or the list) during this input.
+    demoted: Vec<SocketAddr>,
+    effects: Vec<Effect>,
+}
+
+impl Step {
+    fn begin(balancer: &Balancer) -> Self {
+        Self { healthy_before: balancer.servers.iter().any(Server::in_healthy_class), demoted: Vec::new(), effects: Vec::new() }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,506 @@
+//! The balancer contract of `design.md`, one named test per behaviour, plus
+//! the k3s rework's own sequence and property tests of the invariants. All
+//! with simulated time.
+
+use std::{
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn a(n: u8) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, n], 6443))
+}
+
+const CHECKS: Checks = Checks { rise: 1, fall: 1, passive_only: false };
+
+/// A balancer under test with its clock.
+struct Sim {
+    lb: Balancer,
+    now: Instant,
+    effects: Vec<Effect>,
+}
+
+impl Sim {
+    fn new(policy: Policy, checks: Checks, servers: &[SocketAddr], default: Option<SocketAddr>) -> Self {
+        let now = Instant::now();
+        let (lb, effects) = Balancer::new(policy, checks, servers, default, now);
+        Self { lb, now, effects }
+    }
+
+    fn failover(servers: &[SocketAddr]) -> Self {
+        Self::new(Policy::Failover, CHECKS, servers, None)
+    }
+
+    fn advance(&mut self, by: Duration) {
+        self.now += by;
+        self.effects = self.lb.on_tick(self.now);
+    }
+
+    fn pass(&mut self, server: SocketAddr) -> &[Effect] {
+        self.effects = self.lb.on_health(server, Health::Pass, self.now);
+        &self.effects
+    }
+
+    fn fail(&mut self, server: SocketAddr) -> &[Effect] {
+        self.effects = self.lb.on_health(server, Health::Fail("HTTP 500".into()), self.now);
+        &self.effects
+    }
+
+    fn kernel(&mut self, server: SocketAddr, event: Connection) -> &[Effect] {
+        self.effects = self.lb.on_connection(server, event, self.now);
+        &self.effects
+    }
+
+    fn set(&mut self, servers: &[SocketAddr], default: Option<SocketAddr>) -> &[Effect] {
+        self.effects = self.lb.set_servers(servers, default, self.now);
+        &self.effects
+    }
+
+    fn state(&self, server: SocketAddr) -> State {
+        self.lb.server(server).map_or(State::Invalid, |s| s.state)
+    }
+
+    /// Where the next connection goes (with no kernel hold-down active).
+    fn target(&self) -> Option<SocketAddr> {
+        self.lb.selection().servers.first().copied()
+    }
+
+    fn closed(&self) -> Vec<SocketAddr> {
+        closed(&self.effects)
+    }
+}
+
+fn closed(effects: &[Effect]) -> Vec<SocketAddr> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::CloseConnections { server, .. } => Some(*server),
+            _ => None,
+        })
+        .collect()
+}
+
+fn writes(effects: &[Effect]) -> usize {
+    effects.iter().filter(|e| matches!(e, Effect::WriteSelection(_))).count()
+}
+
+#[test]
+fn new_servers_are_unchecked_and_the_first_selection_is_written() {
+    let sim = Sim::failover(&[a(1), a(2)]);
+    assert_eq!(sim.state(a(1)), State::Unchecked);
+    assert_eq!(writes(&sim.effects), 1);
+    assert_eq!(sim.lb.selection().servers, [a(1), a(2)]);
+}
+
+#[test]
+fn state_transition_table() {
+    use State::*;
+    // (start state reached by setup, input, expected state)
+    type Input = fn(&mut Sim, SocketAddr);
+    let pass: Input = |s, x| {
+        s.pass(x);
+    };
+    let fail: Input = |s, x| {
+        s.fail(x);
+    };
+    let refused: Input = |s, x| {
+        s.kernel(x, Connection::ConnectFailed);
+    };
+    let established: Input = |s, x| {
+        s.kernel(x, Connection::Established);
+    };
+    let unknown: Input = |s, x| {
+        s.effects = s.lb.on_health(x, Health::Unknown, s.now);
+    };
+    let to_failed: Input = |s, x| {
+        s.fail(x);
+    };
+    let to_active: Input = |s, x| {
+        s.pass(x);
+    };
+    let none: Input = |_, _| {};
+    let rows: [(&str, Input, Input, State); 14] = [
+        ("unchecked + pass", none, pass, Active),
+        ("unchecked + fail", none, fail, Failed),
+        ("unchecked + refused", none, refused, Failed),
+        ("unchecked + established", none, established, Unchecked),
+        ("unchecked + unknown", none, unknown, Unchecked),
+        ("failed + pass", to_failed, pass, Active),
+        ("failed + established", to_failed, established, Recovering),
+        ("failed + fail", to_failed, fail, Failed),
+        ("failed + unknown", to_failed, unknown, Failed),
+        ("active + pass", to_active, pass, Active),
+        ("active + fail", to_active, fail, Failed),
+        ("active + refused", to_active, refused, Failed),
+        ("active + established", to_active, established, Active),
+        ("active + unknown", to_active, unknown, Active),
+    ];
+    for (name, setup, input, expected) in rows {
+        let mut sim = Sim::failover(&[a(1)]);
+        setup(&mut sim, a(1));
+        input(&mut sim, a(1));
+        assert_eq!(sim.state(a(1)), expected, "{name}");
+    }
+}
+
+#[test]
+fn rise_and_fall_count_in_a_row() {
+    let checks = Checks { rise: 3, fall: 2, passive_only: false };
+    let mut sim = Sim::new(Policy::Failover, checks, &[a(1)], None);
+    sim.pass(a(1));
+    assert_eq!(sim.state(a(1)), State::Recovering);
+    sim.pass(a(1));
+    sim.fail(a(1));
+    assert_eq!(sim.state(a(1)), State::Recovering, "one failure is below fall = 2");
+    sim.pass(a(1));
+    sim.pass(a(1));
+    assert_eq!(sim.state(a(1)), State::Recovering, "the failure reset the passes");
+    sim.pass(a(1));
+    assert_eq!(sim.state(a(1)), State::Active);
+    sim.fail(a(1));
+    assert_eq!(sim.state(a(1)), State::Active);
+    sim.fail(a(1));
+    assert_eq!(sim.state(a(1)), State::Failed);
+}
+
+#[test]
+fn preferred_ages_into_healthy() {
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    sim.pass(a(1));
+    sim.pass(a(2));
+    assert_eq!((sim.state(a(1)), sim.state(a(2))), (State::Active, State::Preferred));
+    sim.advance(PREFERRED_FOR);
+    assert_eq!(sim.state(a(2)), State::Healthy);
+    assert_eq!(writes(&sim.effects), 0, "the order did not change");
+}
+
+#[test]
+fn behaviour_1_never_black_hole_failed_servers_are_a_last_resort() {
+    // k3s 10240: every health check fails, yet connects must still go somewhere.
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    sim.fail(a(1));
+    sim.fail(a(2));
+    assert_eq!(sim.lb.selection().servers, [a(1), a(2)], "failed servers stay selectable");
+    // Only a service with no server at all has an empty selection.
+    sim.set(&[], None);
+    assert_eq!(sim.lb.selection().servers, Vec::<SocketAddr>::new());
+}
+
+#[test]
+fn behaviour_2_a_removed_server_is_never_selected_again_and_its_connections_close() {
+    // k3s 9882, 7193.
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    sim.pass(a(1));
+    sim.pass(a(2));
+    sim.set(&[a(2)], None);
+    assert_eq!(sim.closed(), [a(1)]);
+    assert!(!sim.lb.selection().servers.contains(&a(1)));
+    assert_eq!(sim.target(), Some(a(2)));
+    // Late reports about the removed server change nothing.
+    assert!(sim.pass(a(1)).is_empty());
+    assert!(sim.kernel(a(1), Connection::Established).is_empty());
+}
+
+#[test]
+fn behaviour_2_a_removed_default_stays_as_standby_until_another_default_is_set() {
+    let mut sim = Sim::new(Policy::Failover, CHECKS, &[a(1), a(2)], Some(a(1)));
+    sim.set(&[a(2)], Some(a(1)));
+    assert_eq!(sim.state(a(1)), State::Standby);
+    assert!(sim.lb.selection().servers.contains(&a(1)), "standby is a last resort");
+    sim.set(&[a(2)], Some(a(3)));
+    assert_eq!(sim.state(a(1)), State::Invalid);
+    assert!(sim.closed().contains(&a(1)));
+    assert_eq!(sim.state(a(3)), State::Standby);
+}
+
+#[test]
+fn behaviour_3_a_server_failing_its_check_loses_traffic_and_connections_to_a_healthy_peer() {
+    // k3s 9910, rke2 6376: accepts TCP, but /readyz says 500.
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    sim.pass(a(1));
+    sim.pass(a(2));
+    assert_eq!(sim.target(), Some(a(1)));
+    sim.fail(a(1));
+    assert_eq!(sim.closed(), [a(1)]);
+    assert_eq!(sim.target(), Some(a(2)));
+    assert_eq!(sim.state(a(2)), State::Active);
+}
+
+#[test]
+fn behaviour_3_without_a_healthy_peer_connections_stay() {
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    sim.pass(a(1));
+    sim.fail(a(2));
+    sim.fail(a(1));
+    assert_eq!(sim.closed(), Vec::<SocketAddr>::new(), "nowhere better to go");
+    // As soon as a peer is healthy, the failed server's connections move.
+    sim.pass(a(2));
+    assert_eq!(sim.closed(), [a(1)]);
+    assert_eq!(sim.target(), Some(a(2)));
+}
+
+#[test]
+fn behaviour_4_a_failed_connect_moves_the_next_connect_at_once() {
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    sim.pass(a(1));
+    sim.pass(a(2));
+    let effects = sim.kernel(a(1), Connection::ConnectFailed).to_vec();
+    assert_eq!(sim.state(a(1)), State::Failed);
+    assert!(effects.contains(&Effect::WriteSelection(Selection { servers: vec![a(2), a(1)], spread: 1 })), "{effects:?}");
+    sim.kernel(a(2), Connection::ConnectTimedOut);
+    assert_eq!(sim.state(a(2)), State::Failed);
+}
+
+#[test]
+fn behaviour_5_fail_back_off_the_default_closes_its_connections() {
+    // k3s 11311.
+    let mut sim = Sim::new(Policy::Failover, CHECKS, &[a(1)], Some(a(9)));
+    sim.fail(a(1));
+    assert_eq!(sim.target(), Some(a(9)), "the standby default is the last resort");
+    sim.pass(a(1));
+    assert_eq!(sim.target(), Some(a(1)));
+    assert!(sim.closed().contains(&a(9)), "{:?}", sim.effects);
+}
+
+#[test]
+fn behaviour_5_no_flapping_back_among_real_servers() {
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    sim.pass(a(1));
+    sim.pass(a(2));
+    sim.fail(a(1));
+    assert_eq!(sim.target(), Some(a(2)));
+    sim.pass(a(1));
+    assert_eq!(sim.state(a(1)), State::Preferred);
+    assert_eq!(sim.target(), Some(a(2)), "the healthy active server stays");
+    assert_eq!(sim.closed(), Vec::<SocketAddr>::new());
+}
+
+#[test]
+fn behaviour_6_recovers_from_a_total_outage_without_a_restart() {
+    // k3s 11349: down and up, several rounds.
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    for round in 0..5 {
+        sim.pass(a(1));
+        sim.pass(a(2));
+        assert!(sim.lb.servers().iter().any(|s| s.state == State::Active), "round {round}");
+        sim.kernel(a(1), Connection::ConnectFailed);
+        sim.fail(a(2));
+        assert!(sim.lb.servers().iter().all(|s| s.state == State::Failed), "round {round}");
+        assert_eq!(sim.lb.selection().servers.len(), 2, "round {round}: still selectable");
+    }
+}
+
+#[test]
+fn behaviour_8_readiness_is_per_endpoint_never_per_host() {
+    // MetalLB 474: two endpoints on one address; one not ready.
+    let ready = SocketAddr::from(([127, 0, 0, 1], 1001));
+    let not_ready = SocketAddr::from(([127, 0, 0, 1], 1002));
+    let mut sim = Sim::failover(&[not_ready, ready]);
+    sim.pass(not_ready);
+    sim.pass(ready);
+    sim.effects = sim.lb.set_readiness(not_ready, Readiness::Terminating, sim.now);
+    assert_eq!(sim.target(), Some(ready));
+    assert_eq!(sim.state(ready), State::Active);
+    assert_eq!(sim.lb.server(ready).unwrap().readiness, Readiness::Ready);
+    assert_eq!(sim.closed(), Vec::<SocketAddr>::new(), "terminating endpoints keep their connections");
+}
+
+#[test]
+fn behaviour_8_serving_endpoints_are_a_fallback_before_terminating_ones() {
+    let mut sim = Sim::failover(&[a(1), a(2), a(3)]);
+    for n in 1..=3 {
+        sim.pass(a(n));
+    }
+    sim.effects = sim.lb.set_readiness(a(1), Readiness::Terminating, sim.now);
+    sim.effects = sim.lb.set_readiness(a(2), Readiness::Serving, sim.now);
+    sim.fail(a(3));
+    assert_eq!(sim.lb.selection().servers, [a(2), a(1), a(3)]);
+}
+
+#[test]
+fn behaviour_9_an_unknown_result_changes_nothing() {
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    sim.pass(a(1));
+    let before = sim.lb.servers().to_vec();
+    let effects = sim.lb.on_health(a(1), Health::Unknown, sim.now);
+    assert!(effects.is_empty());
+    assert_eq!(sim.lb.servers(), &before[..]);
+}
+
+#[test]
+fn unchanged_server_set_is_a_no_op() {
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    sim.pass(a(1));
+    assert!(sim.set(&[a(1), a(2)], None).is_empty());
+}
+
+#[test]
+fn spread_uses_the_whole_best_class_with_failover_behind_it() {
+    let mut sim = Sim::new(Policy::Spread, CHECKS, &[a(1), a(2), a(3)], None);
+    assert_eq!(sim.lb.selection().spread, 3, "all unchecked: one class");
+    sim.pass(a(2));
+    sim.pass(a(3));
+    let selection = sim.lb.selection();
+    assert_eq!(selection.spread, 2);
+    assert_eq!(&selection.servers[2..], [a(1)]);
+    assert!(sim.lb.servers().iter().all(|s| s.state != State::Active), "spread elects no active server");
+}
+
+#[test]
+fn passive_only_uses_kernel_reports_as_health() {
+    let checks = Checks { rise: 1, fall: 1, passive_only: true };
+    let mut sim = Sim::new(Policy::Failover, checks, &[a(1), a(2)], None);
+    assert_eq!(sim.state(a(1)), State::Active);
+    sim.kernel(a(1), Connection::ConnectFailed);
+    assert_eq!(sim.target(), Some(a(2)));
+    sim.kernel(a(1), Connection::Established);
+    assert_eq!(sim.state(a(1)), State::Preferred);
+}
+
+/// The sequence of k3s's own load balancer test (PR 11329), step by step.
+#[test]
+fn k3s_rework_sequence() {
+    let default = a(1);
+    let mut sim = Sim::new(Policy::Failover, CHECKS, &[], Some(default));
+    assert_eq!(sim.target(), Some(default), "only the default: it is used");
+
+    // A server is added and passes: it takes new connections; the default's close.
+    sim.set(&[a(2)], Some(default));
+    sim.pass(a(2));
+    assert_eq!(sim.state(a(2)), State::Active);
+    assert_eq!(sim.target(), Some(a(2)));
+    assert!(sim.closed().contains(&default));
+
+    // Its check fails: its connections close, new ones go to the (healthy) default.
+    sim.pass(default);
+    sim.fail(a(2));
+    assert_eq!(sim.closed(), [a(2)]);
+    assert_eq!(sim.target(), Some(default));
+
+    // The list is replaced; the new server passes; fail-back closes the default's.
+    sim.set(&[a(3)], Some(default));
+    assert!(sim.closed().contains(&a(2)));
+    sim.pass(a(3));
+    assert_eq!(sim.target(), Some(a(3)));
+    assert!(sim.closed().contains(&default));
+
+    // The default is added as a real server.
+    sim.set(&[a(3), default], Some(default));
+    assert_eq!(sim.state(default), State::Unchecked);
+    sim.pass(default);
+    assert_eq!(sim.state(default), State::Preferred);
+    assert_eq!(sim.target(), Some(a(3)), "no flapping to the default");
+
+    // The default is removed from the list: it stays as the last resort.
+    sim.set(&[a(3)], Some(default));
+    assert_eq!(sim.state(default), State::Standby);
+    assert_eq!(sim.lb.selection().servers, [a(3), default]);
+
+    // Set-default to another server: the old default goes, the new one stands by.
+    sim.set(&[a(3)], Some(a(4)));
+    assert_eq!(sim.state(default), State::Invalid);
+    assert_eq!(sim.state(a(4)), State::Standby);
+    assert_eq!(sim.lb.selection().servers, [a(3), a(4)]);
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Pass(u8),
+    Fail(u8),
+    Unknown(u8),
+    Refused(u8),
+    Established(u8),
+    Readiness(u8, u8),
+    SetServers(Vec<u8>, Option<u8>),
+    Tick(u16),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (1..6u8).prop_map(Op::Pass),
+        (1..6u8).prop_map(Op::Fail),
+        (1..6u8).prop_map(Op::Unknown),
+        (1..6u8).prop_map(Op::Refused),
+        (1..6u8).prop_map(Op::Established),
+        (1..6u8, 0..3u8).prop_map(|(s, r)| Op::Readiness(s, r)),
+        (proptest::collection::vec(1..6u8, 0..5), proptest::option::of(1..6u8)).prop_map(|(l, d)| Op::SetServers(l, d)),
+        (0..120u16).prop_map(Op::Tick),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn invariants_hold_under_any_sequence(
+        spread in any::<bool>(),
+        rise in 1..3u32,
+        fall in 1..3u32,
+        ops in proptest::collection::vec(op(), 1..60),
+    ) {
+        let policy = if spread { Policy::Spread } else { Policy::Failover };
+        let checks = Checks { rise, fall, passive_only: false };
+        let mut now = Instant::now();
+        let (mut lb, _) = Balancer::new(policy, checks, &[a(1), a(2)], Some(a(1)), now);
+        let mut allowed: Vec<SocketAddr> = vec![a(1), a(2)];
+        for op in ops {
+            let active_before = lb.servers().iter().find(|s| s.state == State::Active).map(|s| s.addr);
+            let effects = match &op {
+                Op::Pass(n) => lb.on_health(a(*n), Health::Pass, now),
+                Op::Fail(n) => lb.on_health(a(*n), Health::Fail("x".into()), now),
+                Op::Unknown(n) => lb.on_health(a(*n), Health::Unknown, now),
+                Op::Refused(n) => lb.on_connection(a(*n), Connection::ConnectFailed, now),
+                Op::Established(n) => lb.on_connection(a(*n), Connection::Established, now),
+                Op::Readiness(n, r) => {
+                    let r = [Readiness::Terminating, Readiness::Serving, Readiness::Ready][*r as usize];
+                    lb.set_readiness(a(*n), r, now)
+                }
+                Op::SetServers(list, default) => {
+                    let list: Vec<SocketAddr> = list.iter().map(|n| a(*n)).collect();
+                    let default = default.map(a);
+                    allowed = list.clone();
+                    allowed.extend(default);
+                    lb.set_servers(&list, default, now)
+                }
+                Op::Tick(secs) => {
+                    now += Duration::from_secs(u64::from(*secs));
+                    lb.on_tick(now)
+                }
+            };
+            let selection = lb.selection();
+            // Never select a server that is not in the list or the default.
+            for s in &selection.servers {
+                prop_assert!(allowed.contains(s), "{s} selected after {op:?}; allowed {allowed:?}");
+            }
+            // Never select nothing while any server exists.
+            prop_assert_eq!(selection.servers.is_empty(), lb.servers().is_empty());
+            prop_assert!(selection.spread >= 1 && (selection.servers.is_empty() || selection.spread <= selection.servers.len()));
+            // No invalid server is kept.
+            prop_assert!(lb.servers().iter().all(|s| s.state != State::Invalid));
+            // At most one active server; in failover exactly one when any is healthy and ready.
+            let active = lb.servers().iter().filter(|s| s.state == State::Active).count();
+            prop_assert!(active <= 1);
+            if policy == Policy::Spread {
+                prop_assert_eq!(active, 0);
+            } else if lb.servers().iter().any(|s| s.in_healthy_class()) {
+                prop_assert_eq!(active, 1);
+            }
+            // A healthy active server is never replaced by an equally ranked one.
+            if let Some(before) = active_before {
+                if let Some(s) = lb.server(before) {
+                    if s.in_healthy_class() {
+                        prop_assert_eq!(s.state, State::Active, "active {} replaced after {:?}", before, op);
+                    }
+                }
+            }
+            // The selection written is the one in effect; writing is idempotent.
+            if let Some(Effect::WriteSelection(written)) = effects.iter().rev().find(|e| matches!(e, Effect::WriteSelection(_))) {
+                prop_assert_eq!(written, &selection);
+            }
+            let _ = lb.on_tick(now);
+            prop_assert_eq!(lb.on_tick(now), Vec::new(), "a repeated input had effects again");
+        }
+    }
+}
