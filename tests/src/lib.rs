@@ -112,10 +112,11 @@ pub struct Backend {
     pub name: String,
     pub addr: SocketAddr,
     accepted: Arc<AtomicUsize>,
+    last_accept: Arc<Mutex<Option<Instant>>>,
     health_status: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
+    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
 }
 
 impl Backend {
@@ -126,16 +127,24 @@ impl Backend {
         listener.set_nonblocking(true).unwrap();
         let udp = UdpSocket::bind(addr).unwrap_or_else(|e| panic!("backend {name}: bind udp {addr}: {e}"));
         udp.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
-        let (accepted, stop, conns) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())));
+        let (accepted, stop, conns) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(HashMap::new())));
         let health_status = Arc::new(AtomicUsize::new(200));
+        let last_accept = Arc::new(Mutex::new(None));
         let tcp_thread = {
             let (name, accepted, stop, conns, health_status) = (name.to_owned(), accepted.clone(), stop.clone(), conns.clone(), health_status.clone());
+            let last_accept = last_accept.clone();
             thread::spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
                     match listener.accept() {
                         Ok((stream, _)) => {
                             let (name, accepted, conns, health_status) = (name.clone(), accepted.clone(), conns.clone(), health_status.clone());
-                            thread::spawn(move || serve(stream, &name, &accepted, &conns, &health_status));
+                            let last_accept = last_accept.clone();
+                            thread::spawn(move || {
+                                serve(stream, &name, &conns, &health_status, || {
+                                    accepted.fetch_add(1, Ordering::Relaxed);
+                                    *last_accept.lock().unwrap() = Some(Instant::now());
+                                });
+                            });
                         }
                         Err(_) => thread::sleep(Duration::from_millis(5)),
                     }
@@ -153,12 +162,17 @@ impl Backend {
                 }
             })
         };
-        Self { name: name.to_owned(), addr, accepted, health_status, stop, threads: vec![tcp_thread, udp_thread], conns }
+        Self { name: name.to_owned(), addr, accepted, last_accept, health_status, stop, threads: vec![tcp_thread, udp_thread], conns }
     }
 
     /// Client connections this backend answered so far (not health checks).
     pub fn accepted(&self) -> usize {
         self.accepted.load(Ordering::Relaxed)
+    }
+
+    /// When this backend last answered a client connection.
+    pub fn last_accept(&self) -> Option<Instant> {
+        *self.last_accept.lock().unwrap()
     }
 
     /// The HTTP status its health endpoint answers from now on.
@@ -177,15 +191,17 @@ impl Backend {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
-        for conn in self.conns.lock().unwrap().drain(..) {
+        for (_, conn) in self.conns.lock().unwrap().drain() {
             let _ = conn.shutdown(std::net::Shutdown::Both);
         }
     }
 }
 
 /// One accepted connection: a health check gets an HTTP answer and is
-/// closed; a client gets the backend's name and is kept open.
-fn serve(mut stream: TcpStream, name: &str, accepted: &AtomicUsize, conns: &Mutex<Vec<TcpStream>>, health_status: &AtomicUsize) {
+/// closed; a client gets the backend's name (then `on_client` runs) and is
+/// held until it closes, or until `stop` shuts it down.
+fn serve(mut stream: TcpStream, name: &str, conns: &Mutex<HashMap<u64, TcpStream>>, health_status: &AtomicUsize, on_client: impl FnOnce()) {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
     let mut first = String::new();
@@ -198,9 +214,15 @@ fn serve(mut stream: TcpStream, name: &str, accepted: &AtomicUsize, conns: &Mute
         return;
     }
     let _ = writeln!(stream, "{name}");
-    accepted.fetch_add(1, Ordering::Relaxed);
+    on_client();
+    let id = NEXT.fetch_add(1, Ordering::Relaxed) as u64;
+    if let Ok(clone) = stream.try_clone() {
+        conns.lock().unwrap().insert(id, clone);
+    }
     let _ = stream.set_read_timeout(None);
-    conns.lock().unwrap().push(stream);
+    let mut sink = [0u8; 64];
+    while matches!(std::io::Read::read(&mut stream, &mut sink), Ok(n) if n > 0) {}
+    conns.lock().unwrap().remove(&id);
 }
 
 impl Drop for Backend {
@@ -304,6 +326,12 @@ impl Client {
         let answer = self.ask(&format!("alive {id}"));
         assert!(!answer.starts_with("err"), "{answer}");
         answer == "alive"
+    }
+
+    /// `threads` threads connecting in a loop for `duration`; returns the
+    /// client's `storm ...` summary line.
+    pub fn storm(&mut self, addr: SocketAddr, threads: usize, duration: Duration) -> String {
+        self.ask(&format!("storm {addr} {threads} {}", duration.as_millis()))
     }
 
     pub fn close(&mut self, id: u32) {
@@ -453,6 +481,16 @@ pub fn wait_until(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
         }
         thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: comparable across processes (the
+/// storm client reports in it).
+pub fn monotonic_ns() -> u64 {
+    // SAFETY: clock_gettime fills the struct we pass.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: valid clock id and out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// An address in this test's own loopback range `127.77.<test>.0/24`.

@@ -7,7 +7,12 @@
 //!   to `who` (which server really accepted);
 //! - `udp ADDR` → `ok ID PEER GREETING`: connected UDP, one datagram each way;
 //! - `alive ID` → `alive` or `dead MESSAGE`: is TCP connection ID still open;
-//! - `close ID` → `closed`.
+//! - `close ID` → `closed`;
+//! - `storm ADDR THREADS MILLIS` → `storm total=N failed=N last_ok=N
+//!   names=NAME:N,...`: THREADS threads connect, ask `who` and close, in a
+//!   loop, for MILLIS ms; `last_ok` counts threads whose last connect
+//!   worked; `latest=NAME:NS,...` is, per server, the CLOCK_MONOTONIC time
+//!   at which the latest connect that landed there *started*.
 //!
 //! Every read has a timeout, so a test can never hang on it.
 
@@ -48,6 +53,11 @@ fn main() {
                 id.parse().ok().and_then(|id: u32| conns.remove(&id));
                 "closed".to_owned()
             }
+            (Some("storm"), Some(addr)) => {
+                let threads = words.next().and_then(|w| w.parse().ok()).unwrap_or(1);
+                let millis = words.next().and_then(|w| w.parse().ok()).unwrap_or(1000);
+                storm(addr, threads, Duration::from_millis(millis))
+            }
             (Some("exit"), _) => break,
             _ => format!("err bad command {line:?}"),
         };
@@ -67,6 +77,71 @@ fn connect(addr: &str) -> Result<(TcpStream, SocketAddr, String), String> {
     let mut reader = BufReader::new(&stream);
     reader.read_line(&mut greeting).map_err(|e| format!("no_greeting:{}", e.kind()))?;
     Ok((stream, peer, greeting.trim().to_owned()))
+}
+
+fn storm(addr: &str, threads: usize, duration: Duration) -> String {
+    let deadline = std::time::Instant::now() + duration;
+    let workers: Vec<_> = (0..threads)
+        .map(|_| {
+            let addr = addr.to_owned();
+            std::thread::spawn(move || {
+                let (mut total, mut failed) = (0usize, 0usize);
+                let mut last_ok;
+                let mut names: HashMap<String, usize> = HashMap::new();
+                let mut latest: HashMap<String, u64> = HashMap::new();
+                // Bounded by time, and always one final attempt.
+                loop {
+                    total += 1;
+                    let started = monotonic_ns();
+                    match connect(&addr) {
+                        Ok((_, _, name)) => {
+                            *names.entry(name.clone()).or_default() += 1;
+                            let slot = latest.entry(name).or_default();
+                            *slot = (*slot).max(started);
+                            last_ok = true;
+                        }
+                        Err(_) => {
+                            failed += 1;
+                            last_ok = false;
+                        }
+                    }
+                    if std::time::Instant::now() >= deadline {
+                        break;
+                    }
+                }
+                (total, failed, last_ok, names, latest)
+            })
+        })
+        .collect();
+    let (mut total, mut failed, mut last_ok) = (0, 0, 0);
+    let mut names: HashMap<String, usize> = HashMap::new();
+    let mut latest: HashMap<String, u64> = HashMap::new();
+    for worker in workers {
+        let (t, f, ok, n, l) = worker.join().unwrap_or_default();
+        total += t;
+        failed += f;
+        last_ok += usize::from(ok);
+        for (name, count) in n {
+            *names.entry(name).or_default() += count;
+        }
+        for (name, at) in l {
+            let slot = latest.entry(name).or_default();
+            *slot = (*slot).max(at);
+        }
+    }
+    let mut names: Vec<String> = names.into_iter().map(|(n, c)| format!("{n}:{c}")).collect();
+    names.sort();
+    let latest: Vec<String> = latest.into_iter().map(|(n, at)| format!("{n}:{at}")).collect();
+    format!("storm total={total} failed={failed} last_ok={last_ok} names={} latest={}", names.join(","), latest.join(","))
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: comparable across processes.
+fn monotonic_ns() -> u64 {
+    // SAFETY: clock_gettime fills the struct we pass.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: valid clock id and out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 fn udp(addr: &str) -> Result<(SocketAddr, String), String> {

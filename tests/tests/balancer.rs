@@ -1,0 +1,405 @@
+//! The balancer on real sockets: health checks, passive failure detection,
+//! fail-back and connection closing. Each test names the k3s (or rke2)
+//! issue it reproduces. Needs root; see `lb_tests::privileged`.
+
+use std::{
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use lb_tests::{Backend, Client, Connect, Daemon, TestCgroup, addr, monotonic_ns, privileged, wait_until};
+
+fn client(cgroup: &TestCgroup) -> Client {
+    Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(cgroup))
+}
+
+/// A service checked over HTTP (`GET /readyz`) every `interval_ms`.
+fn service(vip: SocketAddr, servers: &[SocketAddr], default: Option<SocketAddr>, interval_ms: u64) -> String {
+    let servers: Vec<String> = servers.iter().map(|s| format!("\"{s}\"")).collect();
+    let default = default.map(|d| format!("default = \"{d}\"\n")).unwrap_or_default();
+    format!(
+        "[[service]]\nname = \"api\"\nvip = \"{vip}\"\nservers = [{}]\n{default}hold_down = \"1s\"\n\
+         [service.health]\ncheck = \"http\"\npath = \"/readyz\"\ninterval = \"{interval_ms}ms\"\ntimeout = \"{}ms\"\n",
+        servers.join(", "),
+        (interval_ms * 3 / 4).max(50)
+    )
+}
+
+fn server_field(daemon: &Daemon, server: SocketAddr, field: &str) -> serde_json::Value {
+    let status = daemon.status();
+    status["services"][0]["servers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["address"] == server.to_string())
+        .map_or(serde_json::Value::Null, |s| s[field].clone())
+}
+
+#[track_caller]
+fn wait_state(daemon: &Daemon, server: SocketAddr, state: &str) {
+    assert!(
+        wait_until(Duration::from_secs(10), || server_field(daemon, server, "state") == state),
+        "{server} did not become {state}; status:\n{}\nlog:\n{}",
+        serde_json::to_string_pretty(&daemon.status()).unwrap(),
+        daemon.log()
+    );
+}
+
+/// Waits until both servers are checked and one is active; returns
+/// (active, the other). Which one wins depends on whose first check
+/// answers first.
+#[track_caller]
+fn wait_active_pair<'a>(daemon: &Daemon, x: &'a Backend, y: &'a Backend) -> (&'a Backend, &'a Backend) {
+    let checked = |b: &Backend| matches!(server_field(daemon, b.addr, "state").as_str(), Some("active" | "preferred" | "healthy"));
+    assert!(wait_until(Duration::from_secs(10), || checked(x) && checked(y)), "servers were not checked:\n{}", daemon.log());
+    if server_field(daemon, x.addr, "state") == "active" { (x, y) } else { (y, x) }
+}
+
+#[track_caller]
+fn landed(answer: &Connect) -> String {
+    answer.landed().to_owned()
+}
+
+/// Connects until one lands on `name` (the selection may take a moment to
+/// be written); panics after 10 s.
+#[track_caller]
+fn wait_lands(inside: &mut Client, vip: SocketAddr, name: &str) -> Connect {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let answer = inside.connect(vip);
+        if matches!(&answer, Connect::Ok { greeting, .. } if greeting == name) {
+            return answer;
+        }
+        assert!(Instant::now() < deadline, "connections never reached {name}; last: {answer:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[track_caller]
+fn wait_dead(inside: &mut Client, id: u32, what: &str) {
+    assert!(wait_until(Duration::from_secs(5), || !inside.alive(id)), "{what} was not closed");
+}
+
+/// k3s PR 11329's own test sequence, step by step, on real sockets.
+#[test]
+fn k3s_rework_sequence() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("k3sseq");
+    let default = Backend::start("default", addr(20, 1, 0));
+    let s1 = Backend::start("s1", addr(20, 2, 0));
+    let s2 = Backend::start("s2", addr(20, 3, 0));
+    let s3 = Backend::start("s3", addr(20, 4, 0));
+    let vip = addr(20, 100, 6444);
+    let daemon = Daemon::start("k3sseq", &cgroup, &service(vip, &[], Some(default.addr), 200));
+    let mut inside = client(&cgroup);
+    let on_default = inside.connect(vip);
+    assert_eq!(landed(&on_default), "default", "only the default: it is used");
+
+    // A server is added and passes: it takes new connections, and the
+    // default's connections are closed (fail-back).
+    daemon.lb(&["servers", "api", &s1.addr.to_string(), "--default", &default.addr.to_string()]);
+    let on_s1 = wait_lands(&mut inside, vip, "s1");
+    wait_state(&daemon, s1.addr, "active");
+    wait_dead(&mut inside, on_default.id(), "the default's connection after fail-back");
+
+    // Its check fails: its connections are closed, new ones go to the default.
+    s1.set_health(500);
+    wait_state(&daemon, s1.addr, "failed");
+    wait_dead(&mut inside, on_s1.id(), "the failed server's connection");
+    let on_default = inside.connect(vip);
+    assert_eq!(landed(&on_default), "default");
+
+    // The list is replaced: the new server passes; fail-back closes the default's.
+    daemon.lb(&["servers", "api", &s2.addr.to_string(), "--default", &default.addr.to_string()]);
+    let on_s2 = wait_lands(&mut inside, vip, "s2");
+    wait_dead(&mut inside, on_default.id(), "the default's connection after the new server passed");
+
+    // The default is added as a real server: traffic stays on s2.
+    daemon.lb(&["servers", "api", &s2.addr.to_string(), &default.addr.to_string(), "--default", &default.addr.to_string()]);
+    wait_state(&daemon, default.addr, "preferred");
+    assert_eq!(landed(&inside.connect(vip)), "s2");
+    assert!(inside.alive(on_s2.id()));
+
+    // The default is removed from the list: it stays as the last resort.
+    daemon.lb(&["servers", "api", &s2.addr.to_string(), "--default", &default.addr.to_string()]);
+    wait_state(&daemon, default.addr, "standby");
+    assert_eq!(daemon.status()["services"][0]["selected"], serde_json::json!([s2.addr.to_string(), default.addr.to_string()]));
+
+    // Set-default to another server.
+    daemon.lb(&["servers", "api", &s2.addr.to_string(), "--default", &s3.addr.to_string()]);
+    wait_state(&daemon, s3.addr, "standby");
+    assert_eq!(server_field(&daemon, default.addr, "state"), serde_json::Value::Null, "the old default is gone");
+    assert_eq!(daemon.status()["services"][0]["selected"], serde_json::json!([s2.addr.to_string(), s3.addr.to_string()]));
+    assert!(inside.alive(on_s2.id()), "the active server's connections were never touched");
+}
+
+/// k3s 10240: every health check fails but the servers still accept.
+#[test]
+fn k3s_10240_all_checks_failing_still_connects() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("k10240");
+    let s1 = Backend::start("s1", addr(21, 1, 0));
+    let s2 = Backend::start("s2", addr(21, 2, 0));
+    s1.set_health(500);
+    s2.set_health(503);
+    let vip = addr(21, 100, 6444);
+    let daemon = Daemon::start("k10240", &cgroup, &service(vip, &[s1.addr, s2.addr], None, 200));
+    wait_state(&daemon, s1.addr, "failed");
+    wait_state(&daemon, s2.addr, "failed");
+    let mut inside = client(&cgroup);
+    for _ in 0..5 {
+        assert_eq!(landed(&inside.connect(vip)), "s1");
+    }
+    assert_eq!(server_field(&daemon, s1.addr, "healthy"), false);
+    assert!(server_field(&daemon, s1.addr, "last_check").as_str().unwrap().contains("HTTP 500"));
+}
+
+/// k3s 9882 / 7193: a removed server never gets another connection, and its
+/// VIP connections are closed.
+#[test]
+fn k3s_9882_removed_server_loses_everything() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("k9882");
+    let s1 = Backend::start("s1", addr(22, 1, 0));
+    let s2 = Backend::start("s2", addr(22, 2, 0));
+    let vip = addr(22, 100, 6444);
+    let daemon = Daemon::start("k9882", &cgroup, &service(vip, &[s1.addr, s2.addr], None, 200));
+    let (s1, s2) = wait_active_pair(&daemon, &s1, &s2);
+    let mut inside = client(&cgroup);
+    let ids: Vec<u32> = (0..3).map(|_| inside.connect(vip)).inspect(|a| assert_eq!(landed(a), s1.name)).map(|a| a.id()).collect();
+
+    let removed_at = Instant::now();
+    daemon.lb(&["servers", "api", &s2.addr.to_string()]);
+    for id in ids {
+        wait_dead(&mut inside, id, "a removed server's connection");
+    }
+    eprintln!("removed server's connections closed {:?} after `lb servers`", removed_at.elapsed());
+    assert!(removed_at.elapsed() < Duration::from_secs(5));
+    let before = s1.accepted();
+    for _ in 0..20 {
+        assert_eq!(landed(&inside.connect(vip)), s2.name);
+    }
+    assert_eq!(s1.accepted(), before, "the removed server received a connection");
+}
+
+/// k3s 9910 / rke2 6376: a server that still accepts TCP but fails /readyz
+/// loses new connections and its connections to a healthy peer.
+#[test]
+fn k3s_9910_readyz_failure_moves_traffic_and_connections() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("k9910");
+    let s1 = Backend::start("s1", addr(23, 1, 0));
+    let s2 = Backend::start("s2", addr(23, 2, 0));
+    let vip = addr(23, 100, 6444);
+    let daemon = Daemon::start("k9910", &cgroup, &service(vip, &[s1.addr, s2.addr], None, 200));
+    let (s1, s2) = wait_active_pair(&daemon, &s1, &s2);
+    let mut inside = client(&cgroup);
+    let on_s1 = inside.connect(vip);
+    assert_eq!(landed(&on_s1), s1.name);
+
+    let failed_at = Instant::now();
+    s1.set_health(500);
+    wait_dead(&mut inside, on_s1.id(), "the unready server's connection");
+    eprintln!("from /readyz turning 500 to its connections closed: {:?} (health interval 200 ms)", failed_at.elapsed());
+    assert_eq!(landed(&inside.connect(vip)), s2.name);
+    wait_state(&daemon, s2.addr, "active");
+    // It still accepts TCP: only the readiness check tells.
+    assert!(std::net::TcpStream::connect(s1.addr).is_ok());
+}
+
+/// With a 60 s health interval, only the kernel's report of a failed connect
+/// can explain traffic moving at once.
+#[test]
+fn passive_detection_moves_traffic_without_waiting_for_a_check() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("passive");
+    let s1 = Backend::start("s1", addr(24, 1, 0));
+    let s2 = Backend::start("s2", addr(24, 2, 0));
+    let vip = addr(24, 100, 6444);
+    let daemon = Daemon::start("passive", &cgroup, &service(vip, &[s1.addr, s2.addr], None, 60_000));
+    let (active, other) = wait_active_pair(&daemon, &s1, &s2);
+    let (active_name, other_name, other_addr) = (active.name.clone(), other.name.clone(), other.addr);
+    let (s1, _s2) = if active.name == "s1" { (s1, s2) } else { (s2, s1) };
+    let mut inside = client(&cgroup);
+    assert_eq!(landed(&inside.connect(vip)), active_name);
+
+    let s1_addr = s1.addr;
+    let killed_at = Instant::now();
+    s1.stop();
+    // The first connect may meet the dead server; the next must not.
+    let mut attempts = 0;
+    let first_ok = loop {
+        attempts += 1;
+        if let Connect::Ok { greeting, .. } = inside.connect(vip) {
+            break greeting;
+        }
+        assert!(attempts < 3, "no successful connect after the active server died");
+    };
+    let elapsed = killed_at.elapsed();
+    eprintln!("from killing the active server to the first successful connect through the VIP: {elapsed:?} ({attempts} attempts)");
+    assert_eq!(first_ok, other_name);
+    wait_state(&daemon, s1_addr, "failed");
+    wait_state(&daemon, other_addr, "active");
+    assert!(daemon.log().contains("a connect through the VIP failed"), "{}", daemon.log());
+}
+
+/// k3s 11311: after an outage of every real server, the recovery of one
+/// moves traffic back off the default and closes the default's connections.
+#[test]
+fn k3s_11311_fail_back_off_the_default() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("k11311");
+    let default = Backend::start("default", addr(25, 1, 0));
+    let s1 = Backend::start("s1", addr(25, 2, 0));
+    let s2 = Backend::start("s2", addr(25, 3, 0));
+    let vip = addr(25, 100, 6444);
+    let daemon = Daemon::start("k11311", &cgroup, &service(vip, &[s1.addr, s2.addr], Some(default.addr), 200));
+    let (active, _) = wait_active_pair(&daemon, &s1, &s2);
+    let mut inside = client(&cgroup);
+    assert_eq!(landed(&inside.connect(vip)), active.name);
+
+    s1.set_health(500);
+    s2.set_health(500);
+    wait_state(&daemon, s1.addr, "failed");
+    wait_state(&daemon, s2.addr, "failed");
+    let on_default = wait_lands(&mut inside, vip, "default");
+
+    s2.set_health(200);
+    wait_state(&daemon, s2.addr, "active");
+    wait_dead(&mut inside, on_default.id(), "the default's connection after fail-back");
+    assert_eq!(landed(&inside.connect(vip)), "s2");
+}
+
+/// k3s 11349: servers go down and come back, alternately, for several
+/// rounds; the node recovers every time with no restart.
+#[test]
+fn k3s_11349_recovers_round_after_round() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("k11349");
+    let mut s1 = Some(Backend::start("s1", addr(26, 1, 0)));
+    let mut s2 = Some(Backend::start("s2", addr(26, 2, 0)));
+    let (a1, a2) = (s1.as_ref().unwrap().addr, s2.as_ref().unwrap().addr);
+    let vip = addr(26, 100, 6444);
+    let daemon = Daemon::start("k11349", &cgroup, &service(vip, &[a1, a2], None, 200));
+    let mut inside = client(&cgroup);
+    for round in 0..3 {
+        // s1 down: traffic on s2.
+        s1.take().unwrap().stop();
+        wait_lands(&mut inside, vip, "s2");
+        s1 = Some(Backend::start("s1", a1));
+        wait_state(&daemon, a1, "preferred");
+        // s2 down: traffic on s1.
+        s2.take().unwrap().stop();
+        wait_lands(&mut inside, vip, "s1");
+        s2 = Some(Backend::start("s2", a2));
+        wait_state(&daemon, a2, "preferred");
+        eprintln!("round {round}: recovered");
+    }
+    // Both down at once, then both back.
+    s1.take().unwrap().stop();
+    s2.take().unwrap().stop();
+    wait_state(&daemon, a1, "failed");
+    wait_state(&daemon, a2, "failed");
+    let _s2 = Backend::start("s2", a2);
+    let _s1 = Backend::start("s1", a1);
+    assert!(wait_until(Duration::from_secs(10), || matches!(inside.connect(vip), Connect::Ok { .. })), "no recovery after a total outage");
+}
+
+/// k3s 10317 / 10506: 200 concurrent clients connect in a loop while the
+/// server list changes and checks flap: no panic, no deadlock, no
+/// connection to a server after it left the list, every client ends with a
+/// working connection.
+#[test]
+fn k3s_10317_no_races_under_concurrent_connects_and_list_changes() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("k10317");
+    let backends: Vec<Backend> = (1..=4).map(|i| Backend::start(&format!("s{i}"), addr(27, i, 0))).collect();
+    let vip = addr(27, 100, 6444);
+    let all: Vec<SocketAddr> = backends.iter().map(|b| b.addr).collect();
+    let mut daemon = Daemon::start("k10317", &cgroup, &service(vip, &all[..2], None, 100));
+    let mut storm_client = client(&cgroup);
+
+    let storm = std::thread::spawn(move || storm_client.storm(vip, 200, Duration::from_secs(6)));
+    // While it runs: replace the list, flap checks. Remember when each
+    // server last left the list (CLOCK_MONOTONIC, after the change was
+    // acknowledged, so it is in the kernel).
+    let lists: [&[usize]; 6] = [&[2, 3], &[0, 3], &[1, 2], &[0, 1, 2, 3], &[1, 3], &[3]];
+    let mut removed_at: Vec<Option<u64>> = vec![None; 4];
+    let mut current: Vec<usize> = vec![0, 1];
+    for (round, list) in lists.iter().enumerate() {
+        std::thread::sleep(Duration::from_millis(700));
+        backends[round % 4].set_health(if round % 2 == 0 { 500 } else { 200 });
+        let args: Vec<String> = list.iter().map(|i| all[*i].to_string()).collect();
+        let mut cmd = vec!["servers", "api"];
+        cmd.extend(args.iter().map(String::as_str));
+        daemon.lb(&cmd);
+        let now = monotonic_ns();
+        for i in 0..4 {
+            if current.contains(&i) && !list.contains(&i) {
+                removed_at[i] = Some(now);
+            } else if list.contains(&i) {
+                removed_at[i] = None;
+            }
+        }
+        current = list.to_vec();
+    }
+    for b in &backends {
+        b.set_health(200);
+    }
+    let summary = storm.join().expect("the storm client panicked");
+    eprintln!("{summary}");
+    assert!(summary.contains("last_ok=200"), "every client must end with a working connection: {summary}");
+    // A connect that *started* after a server left the list never lands there.
+    let latest = summary.split("latest=").nth(1).unwrap_or("");
+    for entry in latest.split(',').filter(|e| !e.is_empty()) {
+        let (name, started) = entry.split_once(':').unwrap();
+        let started: u64 = started.parse().unwrap();
+        let i = backends.iter().position(|b| b.name == name).unwrap_or_else(|| panic!("a connection reached {name:?}, not a backend"));
+        if let Some(removed) = removed_at[i] {
+            assert!(started < removed, "{name}: a connect started {} ms after it left the list landed there", (started - removed) / 1_000_000);
+        }
+    }
+    // The daemon is still alive and answering.
+    assert_eq!(daemon.status()["services"][0]["selected"][0], all[3].to_string());
+    daemon.kill();
+}
+
+/// A daemon restarted mid-run restores the runtime server list from its
+/// state directory.
+#[test]
+fn restart_restores_the_runtime_server_list() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("statefile");
+    let s1 = Backend::start("s1", addr(28, 1, 0));
+    let s2 = Backend::start("s2", addr(28, 2, 0));
+    let vip = addr(28, 100, 6444);
+    let mut daemon = Daemon::start("statefile", &cgroup, &service(vip, &[s1.addr], None, 200));
+    daemon.lb(&["servers", "api", &s2.addr.to_string()]);
+    wait_state(&daemon, s2.addr, "active");
+    daemon.kill();
+    daemon.restart();
+    let servers = daemon.status()["services"][0]["servers"].clone();
+    assert_eq!(servers.as_array().unwrap().len(), 1, "{servers}");
+    assert_eq!(servers[0]["address"], s2.addr.to_string());
+    wait_state(&daemon, s2.addr, "active");
+    let mut inside = client(&cgroup);
+    assert_eq!(landed(&inside.connect(vip)), "s2");
+}
