@@ -15,8 +15,18 @@ pub struct Cli {
     #[arg(long, global = true, default_value = "info")]
     pub log_level: String,
 
+    /// Log lines as text or as JSON objects.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+
     #[command(subcommand)]
     pub command: Command,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -33,6 +43,10 @@ pub enum Command {
         /// for debugging only). Takes effect on a fresh attach.
         #[arg(long)]
         bpf_log: bool,
+        /// On SIGTERM/SIGINT, detach everything instead of leaving the
+        /// datapath working on the last selection.
+        #[arg(long)]
+        detach_on_exit: bool,
     },
     /// Show services, selections and live connections.
     Status {
@@ -42,6 +56,15 @@ pub enum Command {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Refresh every second until interrupted.
+        #[arg(long)]
+        watch: bool,
+    },
+    /// Make the daemon re-read its config (as SIGHUP does) and report
+    /// whether it took; an invalid config changes nothing.
+    Reload {
+        #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
+        config: PathBuf,
     },
     /// Validate a config file without touching the kernel.
     CheckConfig {

@@ -13,6 +13,7 @@ use std::{
 
 use lb_common::{MAX_SERVERS, MAX_SERVICES};
 use serde::Deserialize;
+use toml::Spanned;
 
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/lb/config.toml";
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
@@ -34,6 +35,8 @@ pub struct Daemon {
     pub bpffs: PathBuf,
     pub control_socket: PathBuf,
     pub state_dir: PathBuf,
+    /// Where to serve Prometheus metrics; off when `None`.
+    pub metrics: Option<SocketAddr>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -139,18 +142,19 @@ struct RawDaemon {
     bpffs: Option<PathBuf>,
     control_socket: Option<PathBuf>,
     state_dir: Option<PathBuf>,
+    metrics: Option<String>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawService {
-    name: String,
-    vip: String,
-    servers: Vec<String>,
-    default: Option<String>,
-    policy: Option<String>,
-    hold_down: Option<String>,
-    health: Option<RawHealth>,
+    name: Spanned<String>,
+    vip: Spanned<String>,
+    servers: Spanned<Vec<Spanned<String>>>,
+    default: Option<Spanned<String>>,
+    policy: Option<Spanned<String>>,
+    hold_down: Option<Spanned<String>>,
+    health: Option<Spanned<RawHealth>>,
 }
 
 #[derive(Default, Deserialize)]
@@ -170,6 +174,27 @@ struct RawHealth {
     insecure_skip_verify: Option<bool>,
 }
 
+/// The paths a client subcommand needs (control socket, pins), read
+/// leniently: `lb reload` and `lb detach` must work even when the file on
+/// disk has just been broken (that is when an operator needs them).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClientPaths {
+    pub control_socket: PathBuf,
+    pub bpffs: PathBuf,
+}
+
+impl ClientPaths {
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            problems: vec![format!("{}: cannot read the config file: {e}", path.display())],
+        })?;
+        let table: toml::Table = text.parse().unwrap_or_default();
+        let daemon = table.get("daemon").and_then(|d| d.as_table());
+        let get = |key: &str, default: &str| PathBuf::from(daemon.and_then(|d| d.get(key)).and_then(|v| v.as_str()).unwrap_or(default));
+        Ok(Self { control_socket: get("control_socket", DEFAULT_CONTROL_SOCKET), bpffs: get("bpffs", DEFAULT_BPFFS) })
+    }
+}
+
 impl Config {
     /// Reads and validates `path`.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
@@ -186,12 +211,12 @@ impl Config {
             problems: vec![format!("{file}: {}", e.to_string().trim_end())],
         })?;
         let mut problems = Vec::new();
-
         let daemon = Daemon {
             cgroup: raw.daemon.cgroup,
             bpffs: raw.daemon.bpffs.unwrap_or_else(|| DEFAULT_BPFFS.into()),
             control_socket: raw.daemon.control_socket.unwrap_or_else(|| DEFAULT_CONTROL_SOCKET.into()),
             state_dir: raw.daemon.state_dir.unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
+            metrics: raw.daemon.metrics.as_deref().and_then(|m| parse_addr(m, &format!("{file}: daemon.metrics"), &mut problems)),
         };
         for (key, value) in [("bpffs", Some(&daemon.bpffs)), ("cgroup", daemon.cgroup.as_ref()), ("control_socket", Some(&daemon.control_socket))] {
             if value.is_some_and(|p| !p.is_absolute()) {
@@ -205,61 +230,73 @@ impl Config {
         let mut services = Vec::with_capacity(raw.service.len());
         let mut names = HashMap::new();
         let mut vips = HashMap::new();
+        // "FILE:LINE: service[i] (name)" for a value at `span`.
+        let line_of = |span: std::ops::Range<usize>| text.as_bytes()[..span.start.min(text.len())].iter().filter(|b| **b == b'\n').count() + 1;
         for (i, raw) in raw.service.into_iter().enumerate() {
-            let at = format!("{file}: service[{i}] ({:?})", raw.name);
-            if raw.name.is_empty() {
-                problems.push(format!("{at}: name: must not be empty"));
+            let name = raw.name.get_ref().clone();
+            let at = |span: std::ops::Range<usize>| format!("{file}:{}: service[{i}] ({name:?})", line_of(span));
+            let name_at = at(raw.name.span());
+            if name.is_empty() {
+                problems.push(format!("{name_at}: name: must not be empty"));
             }
-            if let Some(first) = names.insert(raw.name.clone(), i) {
-                problems.push(format!("{at}: name: duplicate of service[{first}]"));
+            if let Some(first) = names.insert(name.clone(), i) {
+                problems.push(format!("{name_at}: name: duplicate of service[{first}]"));
             }
-            let vip = parse_addr(&raw.vip, &format!("{at}: vip"), &mut problems);
+            let vip_at = at(raw.vip.span());
+            let vip = parse_addr(raw.vip.get_ref(), &format!("{vip_at}: vip"), &mut problems);
             if let Some(vip) = vip {
                 if let Some(first) = vips.insert(vip, i) {
-                    problems.push(format!("{at}: vip: {vip} is already the VIP of service[{first}]"));
+                    problems.push(format!("{vip_at}: vip: {vip} is already the VIP of service[{first}]"));
                 }
             }
             let mut servers = Vec::new();
             let mut seen = HashSet::new();
-            for (j, s) in raw.servers.iter().enumerate() {
-                if let Some(addr) = parse_addr(s, &format!("{at}: servers[{j}]"), &mut problems) {
+            for (j, s) in raw.servers.get_ref().iter().enumerate() {
+                let server_at = format!("{}: servers[{j}]", at(s.span()));
+                if let Some(addr) = parse_addr(s.get_ref(), &server_at, &mut problems) {
                     if seen.insert(addr) {
                         servers.push(addr);
                     } else {
-                        problems.push(format!("{at}: servers[{j}]: {addr} is listed twice"));
+                        problems.push(format!("{server_at}: {addr} is listed twice"));
                     }
                 }
             }
-            let default = raw.default.as_deref().and_then(|d| parse_addr(d, &format!("{at}: default"), &mut problems));
+            let default = raw.default.as_ref().and_then(|d| parse_addr(d.get_ref(), &format!("{}: default", at(d.span())), &mut problems));
             let selectable = servers.len() + usize::from(default.is_some_and(|d| !seen.contains(&d)));
             if selectable > MAX_SERVERS {
-                problems.push(format!("{at}: servers: {selectable} servers (with the default), at most {MAX_SERVERS} are supported"));
+                problems.push(format!("{}: servers: {selectable} servers (with the default), at most {MAX_SERVERS} are supported", at(raw.servers.span())));
             }
-            let policy = match raw.policy.as_deref() {
-                None | Some("failover") => Policy::Failover,
-                Some("spread") => Policy::Spread,
-                Some(other) => {
-                    problems.push(format!("{at}: policy: {other:?} is not a policy; use \"failover\" or \"spread\""));
+            let policy = match raw.policy.as_ref().map(|p| (p.get_ref().as_str(), p.span())) {
+                None | Some(("failover", _)) => Policy::Failover,
+                Some(("spread", _)) => Policy::Spread,
+                Some((other, span)) => {
+                    problems.push(format!("{}: policy: {other:?} is not a policy; use \"failover\" or \"spread\"", at(span)));
                     Policy::Failover
                 }
             };
             let hold_down = raw
                 .hold_down
-                .as_deref()
-                .and_then(|text| parse_duration(text, &format!("{at}: hold_down"), &mut problems))
+                .as_ref()
+                .and_then(|text| parse_duration(text.get_ref(), &format!("{}: hold_down", at(text.span())), &mut problems))
                 .unwrap_or(DEFAULT_HOLD_DOWN);
-            let health = parse_health(raw.health.unwrap_or_default(), &format!("{at}: health."), &mut problems);
+            let health = match raw.health {
+                Some(health) => {
+                    let health_at = format!("{}: health.", at(health.span()));
+                    parse_health(health.into_inner(), &health_at, &mut problems)
+                }
+                None => HealthConfig::default(),
+            };
             if let Some(vip) = vip {
                 for (key, addr) in servers.iter().map(|s| ("servers", s)).chain(default.iter().map(|d| ("default", d))) {
                     if vip.is_ipv4() != addr.is_ipv4() {
                         problems.push(format!(
-                            "{at}: {key}: {addr} is {} but the VIP {vip} is {}; a socket dialling the VIP cannot reach it",
+                            "{vip_at}: {key}: {addr} is {} but the VIP {vip} is {}; a socket dialling the VIP cannot reach it",
                             family(addr),
                             family(&vip)
                         ));
                     }
                 }
-                services.push(Service { name: raw.name, vip, servers, default, policy, hold_down, health });
+                services.push(Service { name, vip, servers, default, policy, hold_down, health });
             }
         }
         // A VIP used as a server would loop through the datapath.
@@ -416,13 +453,13 @@ mod tests {
     #[test]
     fn unknown_key_is_named() {
         let msg = problems(&GOOD.replace("hold_down", "holddown"));
-        assert!(msg.contains("test.toml") && msg.contains("holddown"), "{msg}");
+        assert!(msg.contains("test.toml") && msg.contains("holddown") && msg.contains("line 10"), "{msg}");
     }
 
     #[test]
     fn bad_address_names_the_key() {
         let msg = problems(&GOOD.replace("127.0.0.2:16443", "127.0.0.2"));
-        assert!(msg.contains("service[0] (\"api\"): servers[1]: \"127.0.0.2\" is not an address"), "{msg}");
+        assert!(msg.contains("test.toml:8: service[0] (\"api\"): servers[1]: \"127.0.0.2\" is not an address"), "{msg}");
     }
 
     #[test]
@@ -480,6 +517,17 @@ mod tests {
         }
         let msg = problems(&format!("{GOOD}[service.health]\ncheck = \"tcp\"\nca_file = \"/x\"\n"));
         assert!(msg.contains("health.ca_file: only applies to check = \"https\""), "{msg}");
+    }
+
+    #[test]
+    fn client_paths_survive_a_broken_config() {
+        let dir = std::env::temp_dir().join(format!("lb-client-paths-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("config.toml");
+        std::fs::write(&path, "[daemon]\ncontrol_socket = \"/tmp/x.sock\"\n[[service]]\npolcy = 1\n").unwrap();
+        let paths = ClientPaths::load(&path).unwrap();
+        assert_eq!(paths, ClientPaths { control_socket: "/tmp/x.sock".into(), bpffs: DEFAULT_BPFFS.into() });
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

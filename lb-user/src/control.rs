@@ -23,6 +23,8 @@ pub enum Request {
     /// Drain a server (no new connections unless nothing else is usable;
     /// existing ones stay), or undo that.
     Drain { service: String, server: SocketAddr, undo: bool },
+    /// Re-read the config file (as SIGHUP does) and say how it went.
+    Reload,
     /// Exit, leaving the datapath pinned and working.
     Shutdown,
 }
@@ -42,6 +44,24 @@ pub struct Status {
     pub services: Vec<ServiceStatus>,
     #[serde(default)]
     pub datapath: DatapathStatus,
+    #[serde(default)]
+    pub config: ConfigStatus,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConfigStatus {
+    pub path: String,
+    /// The last reload (SIGHUP or `lb reload`), if any.
+    pub last_reload: Option<ReloadStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReloadStatus {
+    pub ok: bool,
+    /// Why it failed (the old config keeps serving), or `null`.
+    pub error: Option<String>,
+    /// Seconds since the Unix epoch.
+    pub at: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -145,6 +165,16 @@ impl Status {
                     server.connections,
                     notes.join("; ")
                 );
+            }
+        }
+        if let Some(reload) = &self.config.last_reload {
+            match &reload.error {
+                None => {
+                    let _ = writeln!(out, "config: last reload ok");
+                }
+                Some(error) => {
+                    let _ = writeln!(out, "config: LAST RELOAD FAILED; still serving the previous config:\n{error}");
+                }
             }
         }
         let _ = writeln!(

@@ -23,11 +23,12 @@ use tokio::{
 use tracing::{debug, error, info, warn};
 
 use crate::{
-    balancer::{Balancer, Checks, Connection, Effect, Health, Readiness},
+    balancer::{Balancer, Checks, Connection, Effect, Health, Readiness, State},
     config::{self, CheckKind, Config},
-    control::{self, DatapathStatus, Request, Response, ServerStatus, ServiceStatus, Status},
+    control::{self, ConfigStatus, DatapathStatus, ReloadStatus, Request, Response, ServerStatus, ServiceStatus, Status},
     datapath::{self, Datapath, VipEntry},
     health::Checker,
+    metrics::{self, ClosedLabels, Metrics, ResultLabels, ServiceLabels, server_labels},
     sock_destroy,
     state::{SavedList, SavedState},
 };
@@ -35,12 +36,15 @@ use crate::{
 enum Message {
     Control(Request, oneshot::Sender<Response>),
     Kernel(Event),
-    Health { service: String, server: SocketAddr, result: Health },
+    Health { service: String, server: SocketAddr, result: Health, took: Duration },
 }
 
 pub struct Options {
     pub config_path: PathBuf,
     pub bpf_log: bool,
+    /// Detach everything on SIGTERM/SIGINT instead of leaving the datapath
+    /// working (fail-static).
+    pub detach_on_exit: bool,
 }
 
 /// One service: its config, its state machine and its health check tasks.
@@ -66,6 +70,8 @@ struct Daemon {
     services: Vec<Service>,
     saved: SavedState,
     tx: mpsc::Sender<Message>,
+    metrics: Metrics,
+    last_reload: Option<ReloadStatus>,
 }
 
 fn checks_of(service: &config::Service) -> Checks {
@@ -116,11 +122,23 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
         tokio::spawn(forward_kernel_logs(logger));
     }
     tokio::spawn(serve_control(listener, tx.clone()));
+    let (scrape_tx, mut scrapes) = mpsc::channel(16);
+    if let Some(addr) = config.daemon.metrics {
+        metrics::serve(addr, scrape_tx).await?;
+    }
 
-    let mut daemon = Daemon { config, config_path: options.config_path, cgroup, datapath, services, saved, tx };
+    let metrics = Metrics::new();
+    let mut daemon = Daemon { config, config_path: options.config_path, cgroup, datapath, services, saved, tx, metrics, last_reload: None };
     for i in 0..daemon.services.len() {
+        let service = &daemon.services[i];
+        for server in service.balancer.servers() {
+            daemon.metrics.set_state(&service.config.name, server.addr, server.state);
+        }
         daemon.sync_checks(i);
     }
+    // systemd (Type=notify): ready once the datapath is attached and the
+    // first selections are written. A no-op outside systemd.
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
     info!(
         services = daemon.services.len(),
         adopted = daemon.datapath.adopted,
@@ -136,7 +154,8 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
         tokio::select! {
             _ = terminate.recv() => { info!("SIGTERM: exiting; the datapath stays attached"); break; }
             _ = interrupt.recv() => { info!("SIGINT: exiting; the datapath stays attached"); break; }
-            _ = hangup.recv() => daemon.reload(),
+            _ = hangup.recv() => { let _ = daemon.reload(); }
+            Some(scrape) = scrapes.recv() => { let _ = scrape.send(daemon.scrape()); }
             _ = tick.tick() => {
                 let now = Instant::now();
                 for i in 0..daemon.services.len() {
@@ -146,11 +165,12 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
             }
             Some(message) = rx.recv() => match message {
                 Message::Kernel(event) => daemon.on_kernel_event(&event),
-                Message::Health { service, server, result } => daemon.on_health(&service, server, result),
+                Message::Health { service, server, result, took } => daemon.on_health(&service, server, result, took),
                 Message::Control(Request::Shutdown, reply) => {
                     info!("shutdown requested: exiting; the datapath stays attached");
                     let _ = reply.send(Response::Ok);
-                    break;
+                    let _ = std::fs::remove_file(&socket_path);
+                    return Ok(());
                 }
                 Message::Control(request, reply) => {
                     let _ = reply.send(daemon.handle(request));
@@ -158,7 +178,13 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
             },
         }
     }
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
     let _ = std::fs::remove_file(&socket_path);
+    if options.detach_on_exit {
+        drop(daemon);
+        let removed = datapath::detach(&bpffs)?;
+        info!(pins = removed.len(), "--detach-on-exit: detached everything");
+    }
     Ok(())
 }
 
@@ -176,16 +202,28 @@ impl Daemon {
             match effect {
                 Effect::StateChanged { server, from, to, why } => {
                     info!(service = %name, %server, %from, %to, "server {from} -> {to}: {why}");
+                    if to == State::Invalid {
+                        self.metrics.forget_server(&name, server);
+                    } else {
+                        self.metrics.set_state(&name, server, to);
+                    }
                 }
                 Effect::WriteSelection(selection) => {
                     let entry = VipEntry { vip, selection, hold_down: service.config.hold_down };
                     match self.datapath.write(&entry) {
-                        Ok(()) => info!(service = %name, selection = ?entry.selection.servers, spread = entry.selection.spread, "selection written"),
+                        Ok(()) => {
+                            info!(service = %name, selection = ?entry.selection.servers, spread = entry.selection.spread, "selection written");
+                            self.metrics.selection_changes.get_or_create(&ServiceLabels { service: name.clone() }).inc();
+                        }
                         Err(e) => error!(service = %name, "writing the selection failed: {e:#}"),
                     }
                 }
                 Effect::CloseConnections { server, reason } => match self.close(vip, server) {
-                    Ok(closed) => info!(service = %name, %server, closed, reason = reason.name(), "closed VIP connections"),
+                    Ok(closed) => {
+                        info!(service = %name, %server, closed, reason = reason.name(), "closed VIP connections");
+                        let labels = ClosedLabels { service: name.clone(), server: server.to_string(), reason: reason.name().to_owned() };
+                        self.metrics.connections_closed.get_or_create(&labels).inc_by(closed as u64);
+                    }
                     Err(e) => error!(service = %name, %server, "closing connections failed: {e:#}"),
                 },
             }
@@ -229,11 +267,28 @@ impl Daemon {
         sock_destroy::destroy(&cookies).with_context(|| format!("closing connections to {server}"))
     }
 
-    fn on_health(&mut self, service: &str, server: SocketAddr, result: Health) {
+    fn on_health(&mut self, service: &str, server: SocketAddr, result: Health, took: Duration) {
         let Some(i) = self.index(service) else { return };
-        debug!(service, %server, ?result, "health check");
+        debug!(service, %server, ?result, ?took, "health check");
         let effects = self.services[i].balancer.on_health(server, result, Instant::now());
         self.apply(i, effects);
+        if let Some(s) = self.services[i].balancer.server(server) {
+            self.metrics.set_healthy(service, server, s.healthy);
+            self.metrics.health_check_duration.get_or_create(&server_labels(service, server)).observe(took.as_secs_f64());
+        }
+    }
+
+    /// A metrics scrape: refresh what lives in the kernel, then encode.
+    fn scrape(&mut self) -> String {
+        for service in &self.services {
+            for server in service.balancer.servers() {
+                let count = self.datapath.connections(service.config.vip, server.addr);
+                self.metrics.server_connections.get_or_create(&server_labels(&service.config.name, server.addr)).set(count);
+            }
+        }
+        let counters = self.datapath.counters();
+        self.metrics.record_decisions(&counters);
+        self.metrics.encode()
     }
 
     fn on_kernel_event(&mut self, event: &Event) {
@@ -258,6 +313,9 @@ impl Daemon {
             Connection::ConnectTimedOut => warn!(%vip, %server, "connect through the VIP got no answer yet; the kernel skips this server for its hold-down"),
         }
         let Some(i) = self.services.iter().position(|s| s.config.vip == vip) else { return };
+        if connection != Connection::Established {
+            self.metrics.connect_failures.get_or_create(&server_labels(&self.services[i].config.name, server)).inc();
+        }
         let effects = self.services[i].balancer.on_connection(server, connection, Instant::now());
         self.apply(i, effects);
     }
@@ -268,6 +326,7 @@ impl Daemon {
             Request::CloseConnections { server, service } => self.close_connections(server, service.as_deref()).map(|closed| Response::Closed { closed }),
             Request::SetServers { service, servers, default } => self.set_servers(&service, &servers, default).map(|()| Response::Ok),
             Request::Drain { service, server, undo } => self.drain(&service, server, undo).map(|()| Response::Ok),
+            Request::Reload => self.reload().map(|()| Response::Ok),
             Request::Shutdown => Ok(Response::Ok),
         };
         result.unwrap_or_else(|e| Response::Error { error: format!("{e:#}") })
@@ -352,6 +411,7 @@ impl Daemon {
             .collect();
         Status {
             services,
+            config: ConfigStatus { path: self.config_path.display().to_string(), last_reload: self.last_reload.clone() },
             datapath: DatapathStatus {
                 cgroup: self.cgroup.display().to_string(),
                 bpffs: self.config.daemon.bpffs.display().to_string(),
@@ -374,22 +434,28 @@ impl Daemon {
         Ok(closed)
     }
 
-    /// SIGHUP: apply a new config if it is valid; keep the old one if not.
-    /// Unchanged services keep their state and connections.
-    fn reload(&mut self) {
-        let config = match Config::load(&self.config_path) {
-            Ok(config) => config,
-            Err(e) => {
-                error!("reload failed; still serving the previous config:\n{e}");
-                return;
-            }
-        };
+    /// SIGHUP or `lb reload`: apply a new config if it is valid; keep the
+    /// old one if not. Records the outcome for `lb status` and metrics.
+    fn reload(&mut self) -> anyhow::Result<()> {
+        let result = self.try_reload();
+        let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let outcome = if result.is_ok() { "success" } else { "failure" };
+        self.metrics.config_reloads.get_or_create(&ResultLabels { result: outcome.to_owned() }).inc();
+        if let Err(e) = &result {
+            error!("reload failed; still serving the previous config:\n{e:#}");
+        }
+        self.last_reload = Some(ReloadStatus { ok: result.is_ok(), error: result.as_ref().err().map(|e| format!("{e:#}")), at });
+        result
+    }
+
+    /// Applies the config file's difference: unchanged services keep their
+    /// state and connections; removed services stop being rewritten and
+    /// their VIP connections are closed. Nothing changes if it is invalid.
+    fn try_reload(&mut self) -> anyhow::Result<()> {
+        let config = Config::load(&self.config_path)?;
         for service in &config.services {
             for server in service.servers.iter().chain(&service.default) {
-                if let Err(e) = Checker::new(&service.health, *server) {
-                    error!("reload failed; still serving the previous config: service {:?}: {e:#}", service.name);
-                    return;
-                }
+                Checker::new(&service.health, *server).with_context(|| format!("service {:?}", service.name))?;
             }
         }
         if config.daemon != self.config.daemon {
@@ -446,6 +512,9 @@ impl Daemon {
         }
         for (name, service) in old {
             info!(service = %name, vip = %service.config.vip, "service removed");
+            for server in service.balancer.servers() {
+                self.metrics.forget_server(&name, server.addr);
+            }
             removed_vips.push((service.config.vip, service.balancer.servers().iter().map(|s| s.addr).collect()));
         }
         let entries: Vec<VipEntry> = self
@@ -469,6 +538,7 @@ impl Daemon {
         }
         self.config = config;
         info!(services = self.services.len(), "config reloaded");
+        Ok(())
     }
 }
 
@@ -477,8 +547,10 @@ async fn check_loop(service: String, server: SocketAddr, checker: Checker, inter
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
+        let started = Instant::now();
         let result = checker.check(server).await;
-        if tx.send(Message::Health { service: service.clone(), server, result }).await.is_err() {
+        let took = started.elapsed();
+        if tx.send(Message::Health { service: service.clone(), server, result, took }).await.is_err() {
             return;
         }
     }

@@ -143,6 +143,9 @@ impl Datapath {
     ) -> anyhow::Result<Self> {
         // aya-log's level: 0 turns every kernel log statement into a no-op.
         let log_level: u8 = if bpf_log { 0xff } else { 0 };
+        if EBPF_OBJECT.is_empty() {
+            bail!("this lb was built with AYA_BUILD_SKIP=1 and carries no eBPF programs; rebuild without it");
+        }
         let mut ebpf = EbpfLoader::new()
             .override_global("AYA_LOG_LEVEL", &log_level, false)
             .load(EBPF_OBJECT)

@@ -10,7 +10,8 @@
 //! - `datapath`: loading, attaching, pinning and adopting the eBPF programs
 //!   and reading and writing their maps (the programs are in `lb-ebpf`);
 //! - `sock_destroy`: closing connections made through a VIP;
-//! - `control`: the control socket protocol and `lb status`.
+//! - `control`: the control socket protocol and `lb status`;
+//! - `metrics`: Prometheus metrics.
 
 pub mod balancer;
 pub mod cli;
@@ -19,5 +20,6 @@ pub mod control;
 pub mod daemon;
 pub mod datapath;
 pub mod health;
+pub mod metrics;
 pub mod sock_destroy;
 pub mod state;

@@ -352,6 +352,8 @@ pub struct Daemon {
     pub dir: PathBuf,
     pub config: PathBuf,
     pub bpffs: PathBuf,
+    /// Extra lines for the `[daemon]` section.
+    daemon_settings: String,
     child: Option<Child>,
 }
 
@@ -359,13 +361,18 @@ impl Daemon {
     /// Writes a config (the `[daemon]` section is added here) and starts
     /// `lb run`; returns once the control socket answers.
     pub fn start(name: &str, cgroup: &TestCgroup, services_toml: &str) -> Self {
+        Self::start_with(name, cgroup, "", services_toml)
+    }
+
+    /// As `start`, with extra lines for the `[daemon]` section.
+    pub fn start_with(name: &str, cgroup: &TestCgroup, daemon_settings: &str, services_toml: &str) -> Self {
         let tag = format!("lb-test-{}-{name}", std::process::id());
         let dir = std::env::temp_dir().join(&tag);
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let bpffs = PathBuf::from("/sys/fs/bpf").join(&tag);
         let config = dir.join("config.toml");
-        let mut daemon = Self { dir, config, bpffs, child: None };
+        let mut daemon = Self { dir, config, bpffs, daemon_settings: daemon_settings.to_owned(), child: None };
         daemon.write_config(cgroup, services_toml);
         daemon.restart();
         daemon
@@ -373,11 +380,12 @@ impl Daemon {
 
     pub fn write_config(&self, cgroup: &TestCgroup, services_toml: &str) {
         let text = format!(
-            "[daemon]\ncgroup = {:?}\nbpffs = {:?}\ncontrol_socket = {:?}\nstate_dir = {:?}\n\n{services_toml}",
+            "[daemon]\ncgroup = {:?}\nbpffs = {:?}\ncontrol_socket = {:?}\nstate_dir = {:?}\n{}\n{services_toml}",
             cgroup.path,
             self.bpffs,
             self.dir.join("lb.sock"),
             self.dir.join("state"),
+            self.daemon_settings,
         );
         std::fs::write(&self.config, text).unwrap();
     }
@@ -462,6 +470,8 @@ impl Daemon {
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.kill();
+        // `lb detach` reads only the paths from the config, so a test that
+        // left a broken config behind still cleans up.
         if let Err(e) = self.try_lb(&["detach"]) {
             eprintln!("warning: lb detach failed: {e}");
         }

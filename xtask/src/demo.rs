@@ -10,7 +10,7 @@ use std::{
     process::{Child, Command, Stdio},
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU8, Ordering},
     },
     thread,
     time::{Duration, Instant},
@@ -49,8 +49,9 @@ pub fn run(exit_after: u64) -> anyhow::Result<()> {
     let config = dir.join("config.toml");
     let mut demo = Demo { dir: dir.clone(), config: config.clone(), cgroup: cgroup.clone(), daemon: None, stop_backends: Arc::new(AtomicBool::new(false)) };
 
+    let modes: Vec<Arc<AtomicU8>> = BACKENDS.iter().map(|_| Arc::new(AtomicU8::new(RUNNING))).collect();
     for (i, addr) in BACKENDS.iter().enumerate() {
-        start_backend(&format!("backend-{}", i + 1), addr, demo.stop_backends.clone())?;
+        start_backend(&format!("backend-{}", i + 1), addr, modes[i].clone(), demo.stop_backends.clone())?;
     }
     if !cgroup.exists() {
         std::fs::create_dir(&cgroup).with_context(|| format!("creating {}", cgroup.display()))?;
@@ -60,7 +61,8 @@ pub fn run(exit_after: u64) -> anyhow::Result<()> {
         &config,
         format!(
             "# Written by `cargo xtask demo`.\n[daemon]\ncgroup = {cgroup:?}\nbpffs = \"/sys/fs/bpf/lb-demo\"\ncontrol_socket = {:?}\n\n\
-             [[service]]\nname = \"demo\"\nvip = \"{VIP}\"\nservers = [{}]\nhold_down = \"2s\"\n",
+             [[service]]\nname = \"demo\"\nvip = \"{VIP}\"\nservers = [{}]\nhold_down = \"2s\"\n\n\
+             [service.health]\ncheck = \"http\"\npath = \"/healthz\"\ninterval = \"1s\"\ntimeout = \"500ms\"\n",
             dir.join("lb.sock"),
             servers.join(", ")
         ),
@@ -78,37 +80,70 @@ pub fn run(exit_after: u64) -> anyhow::Result<()> {
     wait_for_daemon(&mut demo)?;
 
     let lb = lb_bin();
-    println!(
-        "\nlb is running: VIP {VIP} -> {}\n\
-         Programs in the cgroup {} connect to the VIP and land on a backend, with no proxy.\n\n\
-         Try, in another terminal:\n\
-         \x20 sudo bash -c 'echo $$ > {}/cgroup.procs; exec bash'   # a shell inside the cgroup\n\
-         \x20 curl http://{VIP}/                                      # answered by a backend\n\
-         \x20 {} status --config {}\n\
-         \x20 {} close-connections 127.0.0.1:16441 --config {}\n\
-         The daemon's log is {}.\n\
-         Below, one request through the VIP every 2 s. Ctrl-C removes everything.\n",
+    let help = format!(
+        "lb: VIP {VIP} -> {}, no proxy: programs in the cgroup {} connect to the VIP and\n\
+         land on a backend directly. Below: `lb status`, and one request through the VIP, every 2 s.\n\
+         Type a key and Enter:  k1 kill backend-1 (refuse)   h1 hang it (accept nothing)   r1 restore it   q quit\n\
+         Try in another terminal:\n\
+         \x20 sudo bash -c 'echo $$ > {}/cgroup.procs; exec bash'   # a shell inside the cgroup, then:\n\
+         \x20 curl http://{VIP}/\n\
+         \x20 {} status --watch --config {}\n\
+         Log: {}",
         BACKENDS.join(", "),
         cgroup.display(),
         cgroup.display(),
         lb.display(),
         config.display(),
-        lb.display(),
-        config.display(),
         dir.join("lb.log").display(),
     );
+    println!("\n{help}\n");
 
+    let keys = read_keys();
     let started = Instant::now();
     let mut next = Instant::now();
+    let mut last_event = String::new();
     while !stop.load(Ordering::Relaxed) {
         if exit_after > 0 && started.elapsed() >= Duration::from_secs(exit_after) {
             break;
         }
+        while let Ok(key) = keys.try_recv() {
+            let key = key.trim();
+            let (action, n) = key.split_at(key.len().min(1));
+            let backend = n.parse::<usize>().ok().filter(|n| (1..=BACKENDS.len()).contains(n));
+            last_event = match (action, backend) {
+                ("q", _) => {
+                    stop.store(true, Ordering::Relaxed);
+                    "quitting".to_owned()
+                }
+                ("k", Some(n)) => {
+                    modes[n - 1].store(KILLED, Ordering::Relaxed);
+                    format!("killed backend-{n}: its port now refuses connects")
+                }
+                ("h", Some(n)) => {
+                    modes[n - 1].store(HUNG, Ordering::Relaxed);
+                    format!("hung backend-{n}: its port accepts nothing")
+                }
+                ("r", Some(n)) => {
+                    modes[n - 1].store(RUNNING, Ordering::Relaxed);
+                    format!("restored backend-{n}")
+                }
+                _ => format!("unknown key {key:?}: k1..k3, h1..h3, r1..r3, q"),
+            };
+            next = Instant::now();
+        }
         if Instant::now() >= next {
+            let status = Command::new(&lb).args(["status", "--config"]).arg(&config).output()?;
             let answer = get_in_cgroup(&cgroup, VIP)?;
+            if exit_after == 0 && std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+                print!("\x1b[2J\x1b[H{help}\n\n");
+            }
+            print!("{}", String::from_utf8_lossy(&status.stdout));
             println!("GET http://{VIP}/ -> {answer}");
-            if exit_after > 0 && !answer.starts_with("backend-1") {
-                bail!("the demo request through the VIP was not answered by backend-1: {answer}");
+            if !last_event.is_empty() {
+                println!("last action: {last_event}");
+            }
+            if exit_after > 0 && !answer.starts_with("backend-") {
+                bail!("the demo request through the VIP was not answered by a backend: {answer}");
             }
             next = Instant::now() + Duration::from_secs(2);
         }
@@ -162,13 +197,35 @@ fn wait_for_daemon(demo: &mut Demo) -> anyhow::Result<()> {
     }
 }
 
-fn start_backend(name: &str, addr: &str, stop: Arc<AtomicBool>) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(addr).with_context(|| format!("{name}: binding {addr} (is a demo already running?)"))?;
-    listener.set_nonblocking(true)?;
+/// What a demo backend does now (changed by the keys the demo reads).
+const RUNNING: u8 = 0;
+const HUNG: u8 = 1;
+const KILLED: u8 = 2;
+
+/// A demo backend: answers HTTP with its name while running; when hung it
+/// keeps its port but accepts nothing (connects and checks time out);
+/// when killed its port is closed (connects are refused).
+fn start_backend(name: &str, addr: &str, mode: Arc<AtomicU8>, stop: Arc<AtomicBool>) -> anyhow::Result<()> {
+    let mut listener = Some(bind(name, addr)?);
+    let (name, addr) = (name.to_owned(), addr.to_owned());
     let body = format!("{name} ({addr})\n");
     thread::spawn(move || {
         while !stop.load(Ordering::Relaxed) {
-            match listener.accept() {
+            match mode.load(Ordering::Relaxed) {
+                KILLED => {
+                    listener = None;
+                    thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+                _ if listener.is_none() => listener = bind(&name, &addr).ok(),
+                _ => {}
+            }
+            let Some(l) = &listener else { continue };
+            if mode.load(Ordering::Relaxed) == HUNG {
+                thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+            match l.accept() {
                 Ok((mut stream, _)) => {
                     let _ = stream.set_nonblocking(false);
                     let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
@@ -185,6 +242,26 @@ fn start_backend(name: &str, addr: &str, stop: Arc<AtomicBool>) -> anyhow::Resul
         }
     });
     Ok(())
+}
+
+fn bind(name: &str, addr: &str) -> anyhow::Result<TcpListener> {
+    let listener = TcpListener::bind(addr).with_context(|| format!("{name}: binding {addr} (is a demo already running?)"))?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+/// Lines typed on stdin, as they come (none when stdin is closed).
+fn read_keys() -> std::sync::mpsc::Receiver<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        for line in std::io::stdin().lines() {
+            let Ok(line) = line else { return };
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
 }
 
 /// Runs `xtask demo-get ADDR` inside `cgroup` and returns what it printed.
@@ -210,8 +287,9 @@ fn get_in_cgroup(cgroup: &Path, addr: &str) -> anyhow::Result<String> {
 
 /// One HTTP GET; prints the body.
 pub fn get(addr: &str) -> anyhow::Result<()> {
-    let mut stream = TcpStream::connect(addr).with_context(|| format!("connect {addr}"))?;
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let target = addr.parse().with_context(|| format!("bad address {addr}"))?;
+    let mut stream = TcpStream::connect_timeout(&target, Duration::from_secs(2)).with_context(|| format!("connect {addr}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
     write!(stream, "GET / HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
     let mut response = String::new();
     stream.read_to_string(&mut response)?;

@@ -1,6 +1,7 @@
 //! `cargo xtask`: build, run, demo and test lb. See README.md.
 
 mod demo;
+mod vmtest;
 
 use std::{
     path::{Path, PathBuf},
@@ -35,6 +36,15 @@ enum Task {
     },
     /// Run every test: host tests, then the privileged integration tests.
     Test,
+    /// Run the privileged integration tests on other kernels, each booted
+    /// in a QEMU guest (virtme-ng). Default: Debian's bullseye, bookworm
+    /// and trixie kernels.
+    Vmtest {
+        /// A kernel package (.deb) or image (vmlinuz) to test instead of
+        /// the default kernels; may be repeated.
+        #[arg(long)]
+        kernel: Vec<PathBuf>,
+    },
     /// (internal) One HTTP GET from inside the demo cgroup.
     #[command(hide = true)]
     DemoGet { addr: String },
@@ -56,6 +66,7 @@ fn main() -> anyhow::Result<()> {
             demo::run(exit_after)
         }
         Task::Test => test(),
+        Task::Vmtest { kernel } => vmtest::run(kernel),
         Task::DemoGet { addr } => demo::get(&addr),
     }
 }

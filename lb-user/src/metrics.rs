@@ -1,0 +1,253 @@
+//! Prometheus metrics (`[daemon] metrics = "127.0.0.1:9464"`, off when
+//! absent). The owner task updates them as things happen; a scrape asks the
+//! owner task for a fresh snapshot, which also reads the kernel's live
+//! connection counts and decision counters.
+
+use std::{collections::HashMap, convert::Infallible, net::SocketAddr};
+
+use anyhow::Context as _;
+use http_body_util::Full;
+use hyper::{Request, Response, body::Bytes, server::conn::http1, service::service_fn};
+use hyper_util::rt::TokioIo;
+use prometheus_client::{
+    encoding::{EncodeLabelSet, text::encode},
+    metrics::{
+        counter::Counter,
+        family::Family,
+        gauge::Gauge,
+        histogram::{Histogram, exponential_buckets},
+    },
+    registry::Registry,
+};
+use tokio::sync::{mpsc, oneshot};
+use tracing::{debug, info};
+
+use crate::balancer::State;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServerLabels {
+    pub service: String,
+    pub server: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabels {
+    pub service: String,
+    pub server: String,
+    pub state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClosedLabels {
+    pub service: String,
+    pub server: String,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServiceLabels {
+    pub service: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub result: String,
+}
+
+const STATES: [State; 7] = [State::Active, State::Preferred, State::Healthy, State::Recovering, State::Unchecked, State::Standby, State::Failed];
+
+type HistogramFamily = Family<ServerLabels, Histogram, fn() -> Histogram>;
+
+pub struct Metrics {
+    registry: Registry,
+    pub server_connections: Family<ServerLabels, Gauge>,
+    pub server_state: Family<StateLabels, Gauge>,
+    pub server_healthy: Family<ServerLabels, Gauge>,
+    pub connect_failures: Family<ServerLabels, Counter>,
+    pub connections_closed: Family<ClosedLabels, Counter>,
+    pub selection_changes: Family<ServiceLabels, Counter>,
+    pub health_check_duration: HistogramFamily,
+    pub datapath_decisions: Family<ReasonLabels, Counter>,
+    pub config_reloads: Family<ResultLabels, Counter>,
+    /// Kernel counters as last read, to turn them into counter increments.
+    last_decisions: HashMap<&'static str, u64>,
+}
+
+fn health_histogram() -> Histogram {
+    // 1 ms .. ~16 s.
+    Histogram::new(exponential_buckets(0.001, 2.0, 15))
+}
+
+pub fn server_labels(service: &str, server: SocketAddr) -> ServerLabels {
+    ServerLabels { service: service.to_owned(), server: server.to_string() }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let server_connections = Family::default();
+        registry.register("lb_server_connections", "Live connections through the VIP to the server", server_connections.clone());
+        let server_state = Family::default();
+        registry.register("lb_server_state", "1 for the server's current state, 0 for the others", server_state.clone());
+        let server_healthy = Family::default();
+        registry.register("lb_server_healthy", "1 if the server's last health check passed, 0 if it failed", server_healthy.clone());
+        let connect_failures = Family::default();
+        registry.register("lb_connect_failures", "Connects through the VIP that failed before establishing", connect_failures.clone());
+        let connections_closed = Family::default();
+        registry.register("lb_connections_closed", "VIP connections the daemon closed, by reason", connections_closed.clone());
+        let selection_changes = Family::default();
+        registry.register("lb_selection_changes", "Selections written to the kernel", selection_changes.clone());
+        let health_check_duration: HistogramFamily = Family::new_with_constructor(health_histogram);
+        registry.register("lb_health_check_duration_seconds", "How long health checks took", health_check_duration.clone());
+        let datapath_decisions = Family::default();
+        registry.register("lb_datapath_decisions", "Decisions of the kernel programs, by reason", datapath_decisions.clone());
+        let config_reloads = Family::default();
+        registry.register("lb_config_reloads", "Config reloads, by result", config_reloads.clone());
+        Self {
+            registry,
+            server_connections,
+            server_state,
+            server_healthy,
+            connect_failures,
+            connections_closed,
+            selection_changes,
+            health_check_duration,
+            datapath_decisions,
+            config_reloads,
+            last_decisions: HashMap::new(),
+        }
+    }
+
+    pub fn set_state(&self, service: &str, server: SocketAddr, state: State) {
+        for s in STATES {
+            let labels = StateLabels { service: service.to_owned(), server: server.to_string(), state: s.name().to_owned() };
+            self.server_state.get_or_create(&labels).set(i64::from(s == state));
+        }
+    }
+
+    pub fn set_healthy(&self, service: &str, server: SocketAddr, healthy: Option<bool>) {
+        let labels = server_labels(service, server);
+        match healthy {
+            Some(h) => {
+                self.server_healthy.get_or_create(&labels).set(i64::from(h));
+            }
+            None => {
+                self.server_healthy.remove(&labels);
+            }
+        }
+    }
+
+    /// Drops every series of a server that left its service.
+    pub fn forget_server(&self, service: &str, server: SocketAddr) {
+        let labels = server_labels(service, server);
+        self.server_connections.remove(&labels);
+        self.server_healthy.remove(&labels);
+        self.connect_failures.remove(&labels);
+        self.health_check_duration.remove(&labels);
+        for s in STATES {
+            self.server_state.remove(&StateLabels { service: service.to_owned(), server: server.to_string(), state: s.name().to_owned() });
+        }
+    }
+
+    /// Adds what the kernel counted since the last read.
+    pub fn record_decisions(&mut self, counters: &[(&'static str, u64)]) {
+        for (reason, total) in counters {
+            let last = self.last_decisions.insert(reason, *total).unwrap_or(0);
+            let counter = self.datapath_decisions.get_or_create(&ReasonLabels { reason: (*reason).to_owned() });
+            counter.inc_by(total.saturating_sub(last));
+        }
+    }
+
+    /// The text exposition format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A scrape: the owner task answers with the encoded metrics.
+pub type ScrapeRequest = oneshot::Sender<String>;
+
+/// Serves `GET /metrics` on `addr`; each scrape goes to the owner task.
+pub async fn serve(addr: SocketAddr, scrapes: mpsc::Sender<ScrapeRequest>) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the metrics address {addr}"))?;
+    info!(%addr, "serving metrics at /metrics");
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else { continue };
+            let scrapes = scrapes.clone();
+            tokio::spawn(async move {
+                let service = service_fn(move |request: Request<hyper::body::Incoming>| {
+                    let scrapes = scrapes.clone();
+                    async move { Ok::<_, Infallible>(answer(request.uri().path(), &scrapes).await) }
+                });
+                if let Err(e) = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await {
+                    debug!("metrics connection: {e}");
+                }
+            });
+        }
+    });
+    Ok(())
+}
+
+async fn answer(path: &str, scrapes: &mpsc::Sender<ScrapeRequest>) -> Response<Full<Bytes>> {
+    let response = |status: u16, body: String, content_type: &str| {
+        Response::builder()
+            .status(status)
+            .header("content-type", content_type)
+            .body(Full::new(Bytes::from(body)))
+            .unwrap_or_else(|_| Response::new(Full::new(Bytes::new())))
+    };
+    if path != "/metrics" {
+        return response(404, "see /metrics\n".to_owned(), "text/plain");
+    }
+    let (tx, rx) = oneshot::channel();
+    if scrapes.send(tx).await.is_err() {
+        return response(503, "the daemon is shutting down\n".to_owned(), "text/plain");
+    }
+    match rx.await {
+        Ok(text) => response(200, text, "application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        Err(_) => response(503, "the daemon is shutting down\n".to_owned(), "text/plain"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encodes_the_named_series() {
+        let mut metrics = Metrics::new();
+        let server: SocketAddr = "127.0.0.1:6443".parse().unwrap();
+        metrics.set_state("api", server, State::Active);
+        metrics.set_healthy("api", server, Some(true));
+        metrics.connect_failures.get_or_create(&server_labels("api", server)).inc();
+        metrics.record_decisions(&[("connect_rewritten", 5)]);
+        metrics.record_decisions(&[("connect_rewritten", 7)]);
+        let text = metrics.encode();
+        for line in [
+            r#"lb_server_state{service="api",server="127.0.0.1:6443",state="active"} 1"#,
+            r#"lb_server_state{service="api",server="127.0.0.1:6443",state="failed"} 0"#,
+            r#"lb_server_healthy{service="api",server="127.0.0.1:6443"} 1"#,
+            r#"lb_connect_failures_total{service="api",server="127.0.0.1:6443"} 1"#,
+            r#"lb_datapath_decisions_total{reason="connect_rewritten"} 7"#,
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing from:\n{text}");
+        }
+        metrics.forget_server("api", server);
+        assert!(!metrics.encode().contains("127.0.0.1:6443"));
+    }
+}

@@ -1,0 +1,73 @@
+//! The packaging in `deploy/` parses and carries the settings it must.
+
+use std::path::{Path, PathBuf};
+
+use lb_user::config::Config;
+
+fn deploy(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy").join(path)
+}
+
+fn yaml(path: &str) -> serde_yaml::Value {
+    let text = std::fs::read_to_string(deploy(path)).unwrap();
+    serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+#[test]
+fn example_config_is_valid() {
+    let config = Config::load(&deploy("config.toml")).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(config.services[0].name, "apiserver");
+    assert!(config.daemon.metrics.is_some());
+}
+
+#[test]
+fn systemd_unit_is_type_notify_and_keeps_what_bpf_needs() {
+    let unit = std::fs::read_to_string(deploy("lb.service")).unwrap();
+    let settings: Vec<(&str, &str)> = unit.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split_once('=')).collect();
+    let get = |key: &str| settings.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
+    assert_eq!(get("Type"), Some("notify"));
+    assert!(get("ExecStart").unwrap().ends_with("lb run --config /etc/lb/config.toml"));
+    assert_eq!(get("ExecReload"), Some("/bin/kill -HUP $MAINPID"));
+    let caps = get("CapabilityBoundingSet").unwrap();
+    for cap in ["CAP_BPF", "CAP_NET_ADMIN", "CAP_PERFMON", "CAP_SYS_ADMIN"] {
+        assert!(caps.contains(cap), "{cap} missing from CapabilityBoundingSet");
+    }
+    assert_eq!(get("ReadWritePaths"), Some("/sys/fs/bpf"), "pins must stay writable under ProtectSystem=strict");
+    assert!(get("RestrictAddressFamilies").unwrap().contains("AF_NETLINK"), "SOCK_DESTROY needs netlink");
+}
+
+#[test]
+fn daemonset_runs_on_the_host_network_with_only_the_capabilities_it_needs() {
+    let ds = yaml("kubernetes/daemonset.yaml");
+    assert_eq!(ds["kind"], "DaemonSet");
+    let pod = &ds["spec"]["template"]["spec"];
+    assert_eq!(pod["hostNetwork"], true);
+    let container = &pod["containers"][0];
+    let security = &container["securityContext"];
+    assert_eq!(security["privileged"], false);
+    assert_eq!(security["capabilities"]["drop"][0], "ALL");
+    let added: Vec<&str> = security["capabilities"]["add"].as_sequence().unwrap().iter().filter_map(|c| c.as_str()).collect();
+    assert_eq!(added, ["BPF", "PERFMON", "NET_ADMIN", "SYS_ADMIN"]);
+    let mounts: Vec<&str> = container["volumeMounts"].as_sequence().unwrap().iter().filter_map(|m| m["mountPath"].as_str()).collect();
+    for path in ["/sys/fs/bpf", "/sys/fs/cgroup", "/etc/lb"] {
+        assert!(mounts.contains(&path), "{path} is not mounted");
+    }
+    let host_paths: Vec<&str> = pod["volumes"].as_sequence().unwrap().iter().filter_map(|v| v["hostPath"]["path"].as_str()).collect();
+    assert!(host_paths.contains(&"/sys/fs/bpf") && host_paths.contains(&"/sys/fs/cgroup"));
+    assert!(container["args"].as_sequence().unwrap().iter().any(|a| a == "run"));
+}
+
+#[test]
+fn configmap_carries_a_valid_config() {
+    let cm = yaml("kubernetes/configmap.yaml");
+    assert_eq!(cm["kind"], "ConfigMap");
+    let text = cm["data"]["config.toml"].as_str().unwrap();
+    Config::parse(text, Path::new("configmap.yaml:config.toml")).unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn containerfile_builds_the_binary() {
+    let text = std::fs::read_to_string(deploy("Containerfile")).unwrap();
+    assert!(text.contains("cargo build --release --package lb-user"));
+    assert!(text.contains("rust-src"));
+}

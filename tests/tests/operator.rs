@@ -1,0 +1,158 @@
+//! What an operator relies on: live reload that applies only the
+//! difference, an invalid reload that changes nothing, metrics that match
+//! what happened, and `lb status`. Needs root; see `lb_tests::privileged`.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpStream},
+    time::Duration,
+};
+
+use lb_tests::{Backend, Client, Connect, Daemon, TestCgroup, addr, privileged, wait_until};
+
+fn client(cgroup: &TestCgroup) -> Client {
+    Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(cgroup))
+}
+
+fn service(name: &str, vip: SocketAddr, servers: &[SocketAddr], extra: &str) -> String {
+    let servers: Vec<String> = servers.iter().map(|s| format!("\"{s}\"")).collect();
+    format!("[[service]]\nname = \"{name}\"\nvip = \"{vip}\"\nservers = [{}]\n{extra}\n[service.health]\ncheck = \"tcp\"\ninterval = \"200ms\"\ntimeout = \"150ms\"\n", servers.join(", "))
+}
+
+fn scrape(metrics: SocketAddr) -> String {
+    let mut stream = TcpStream::connect_timeout(&metrics, Duration::from_secs(5)).expect("metrics endpoint");
+    stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(stream, "GET /metrics HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    response.split_once("\r\n\r\n").unwrap().1.to_owned()
+}
+
+/// The value of the sample `name{labels}` in a scrape, if present.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+#[test]
+fn reload_applies_only_the_difference_under_live_connections() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("reload");
+    let one = Backend::start("one", addr(30, 1, 0));
+    let two = Backend::start("two", addr(30, 2, 0));
+    let three = Backend::start("three", addr(30, 3, 0));
+    let (kept_vip, changed_vip, removed_vip, added_vip) = (addr(30, 100, 80), addr(30, 101, 80), addr(30, 102, 80), addr(30, 103, 80));
+    let before = service("kept", kept_vip, &[one.addr], "") + &service("changed", changed_vip, &[two.addr], "") + &service("removed", removed_vip, &[three.addr], "");
+    let daemon = Daemon::start("reload", &cgroup, &before);
+    let mut inside = client(&cgroup);
+    let kept = inside.connect(kept_vip);
+    assert_eq!(kept.landed(), "one");
+    let changed = inside.connect(changed_vip);
+    assert_eq!(changed.landed(), "two");
+    let removed = inside.connect(removed_vip);
+    assert_eq!(removed.landed(), "three");
+    let kept_state_before = daemon.status()["services"][0].clone();
+
+    let after = service("kept", kept_vip, &[one.addr], "")
+        + &service("changed", changed_vip, &[two.addr, three.addr], "policy = \"spread\"")
+        + &service("added", added_vip, &[three.addr], "");
+    daemon.write_config(&cgroup, &after);
+    assert_eq!(daemon.lb(&["reload"]).trim(), "config reloaded");
+
+    let status = daemon.status();
+    let names: Vec<&str> = status["services"].as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["kept", "changed", "added"]);
+    assert_eq!(status["services"][0], kept_state_before, "an unchanged service keeps its state and counts");
+    assert_eq!(status["services"][1]["policy"], "spread");
+    assert!(inside.alive(kept.id()), "an unchanged service keeps its connections");
+    assert!(inside.alive(changed.id()), "a changed service keeps connections to servers it still has");
+    assert!(wait_until(Duration::from_secs(5), || !inside.alive(removed.id())), "a removed service's VIP connections must be closed");
+    assert_eq!(inside.connect(added_vip).landed(), "three");
+    // The removed VIP is not rewritten any more: nothing listens on it.
+    assert!(matches!(inside.connect(removed_vip), Connect::Err(e) if e.contains("refused")));
+    assert_eq!(status["config"]["last_reload"]["ok"], true);
+}
+
+#[test]
+fn an_invalid_reload_keeps_serving_the_old_config_and_says_so() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("badreload");
+    let one = Backend::start("one", addr(31, 1, 0));
+    let vip = addr(31, 100, 80);
+    let daemon = Daemon::start("badreload", &cgroup, &service("api", vip, &[one.addr], ""));
+    let mut inside = client(&cgroup);
+    let open = inside.connect(vip);
+    assert_eq!(open.landed(), "one");
+
+    // A typo'd key and a bad address: rejected as a whole.
+    daemon.write_config(&cgroup, &service("api", vip, &["127.77.31.2:0".parse().unwrap()], "polcy = \"spread\""));
+    let error = daemon.try_lb(&["reload"]).expect_err("an invalid reload must fail");
+    assert!(error.contains("polcy"), "{error}");
+    // SIGHUP takes the same path.
+    daemon.signal(libc::SIGHUP);
+    assert!(wait_until(Duration::from_secs(5), || daemon.log().matches("reload failed").count() >= 2), "{}", daemon.log());
+
+    let status = daemon.status();
+    assert_eq!(status["config"]["last_reload"]["ok"], false);
+    assert!(status["config"]["last_reload"]["error"].as_str().unwrap().contains("polcy"));
+    assert_eq!(status["services"][0]["servers"][0]["address"], one.addr.to_string());
+    assert!(daemon.lb(&["status"]).contains("LAST RELOAD FAILED"));
+    assert!(inside.alive(open.id()));
+    assert_eq!(inside.connect(vip).landed(), "one");
+}
+
+#[test]
+fn metrics_match_what_happened() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("metrics");
+    let one = Backend::start("one", addr(32, 1, 0));
+    let dead = addr(32, 9, one.addr.port());
+    let vip = addr(32, 100, 80);
+    let metrics = addr(32, 200, 9464);
+    // A second service judged by kernel reports only, whose first server
+    // is dead: the connect through it fails and is counted.
+    let passive_vip = addr(32, 101, 80);
+    let passive = format!("[[service]]\nname = \"passive\"\nvip = \"{passive_vip}\"\nservers = [\"{dead}\", \"{}\"]\n[service.health]\ncheck = \"none\"\n", one.addr);
+    let daemon = Daemon::start_with(
+        "metrics",
+        &cgroup,
+        &format!("metrics = \"{metrics}\"\n"),
+        &(service("api", vip, &[dead, one.addr], "hold_down = \"60s\"") + &passive),
+    );
+
+    let mut inside = client(&cgroup);
+    // The dead server fails its checks; the live one becomes active.
+    assert!(wait_until(Duration::from_secs(10), || daemon.status()["services"][0]["servers"][1]["state"] == "active"), "{}", daemon.log());
+    let ids: Vec<u32> = (0..3).map(|_| inside.connect(vip)).inspect(|a| assert_eq!(a.landed(), "one")).map(|a| a.id()).collect();
+    daemon.lb(&["close-connections", &one.addr.to_string()]);
+    for id in &ids {
+        assert!(wait_until(Duration::from_secs(5), || !inside.alive(*id)));
+    }
+    let _still_open = inside.connect(vip);
+    assert!(matches!(inside.connect(passive_vip), Connect::Err(_)), "the passive service's first server is dead");
+    daemon.try_lb(&["reload"]).unwrap();
+
+    let server = |s: SocketAddr| format!("service=\"api\",server=\"{s}\"");
+    assert!(
+        wait_until(Duration::from_secs(5), || sample(&scrape(metrics), &format!("lb_server_connections{{{}}}", server(one.addr))) == Some(1.0)),
+        "{}",
+        scrape(metrics)
+    );
+    let text = scrape(metrics);
+    assert_eq!(sample(&text, &format!("lb_server_state{{{},state=\"active\"}}", server(one.addr))), Some(1.0), "{text}");
+    assert_eq!(sample(&text, &format!("lb_server_state{{{},state=\"failed\"}}", server(dead))), Some(1.0), "{text}");
+    assert_eq!(sample(&text, &format!("lb_server_healthy{{{}}}", server(one.addr))), Some(1.0));
+    assert_eq!(sample(&text, &format!("lb_server_healthy{{{}}}", server(dead))), Some(0.0));
+    assert_eq!(sample(&text, "lb_config_reloads_total{result=\"success\"}"), Some(1.0), "{text}");
+    assert!(sample(&text, "lb_selection_changes_total{service=\"api\"}").unwrap() >= 1.0);
+    assert!(sample(&text, "lb_datapath_decisions_total{reason=\"connect_rewritten\"}").unwrap() >= 4.0, "{text}");
+    assert!(sample(&text, &format!("lb_health_check_duration_seconds_count{{{}}}", server(one.addr))).unwrap() >= 1.0, "{text}");
+    assert_eq!(sample(&text, &format!("lb_connect_failures_total{{service=\"passive\",server=\"{dead}\"}}")), Some(1.0), "{text}");
+    assert_eq!(sample(&text, &format!("lb_server_state{{service=\"passive\",server=\"{dead}\",state=\"failed\"}}")), Some(1.0), "{text}");
+}
