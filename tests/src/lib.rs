@@ -397,11 +397,17 @@ impl Daemon {
 
     /// Starts (again) the daemon process and waits until it answers.
     pub fn restart(&mut self) {
+        self.restart_with(&[]);
+    }
+
+    /// As `restart`, with extra arguments for `lb run`.
+    pub fn restart_with(&mut self, args: &[&str]) {
         assert!(self.child.is_none(), "daemon already running");
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("lb.log")).unwrap();
         let child = Command::new(lb_bin())
             .args(["run", "--config"])
             .arg(&self.config)
+            .args(args)
             .env("RUST_LOG", "info,lb_user=debug")
             .env("NO_COLOR", "1")
             .stdout(log.try_clone().unwrap())
@@ -429,6 +435,15 @@ impl Daemon {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// Waits up to `timeout` for the daemon to exit; whether it did.
+    pub fn wait_exit(&mut self, timeout: Duration) -> bool {
+        let exited = wait_until(timeout, || self.child.as_mut().is_none_or(|c| c.try_wait().ok().flatten().is_some()));
+        if exited {
+            self.child = None;
+        }
+        exited
     }
 
     /// Sends a signal to the running daemon.

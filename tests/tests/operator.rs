@@ -156,3 +156,30 @@ fn metrics_match_what_happened() {
     assert_eq!(sample(&text, &format!("lb_connect_failures_total{{service=\"passive\",server=\"{dead}\"}}")), Some(1.0), "{text}");
     assert_eq!(sample(&text, &format!("lb_server_state{{service=\"passive\",server=\"{dead}\",state=\"failed\"}}")), Some(1.0), "{text}");
 }
+
+#[test]
+fn sigterm_leaves_the_datapath_working_unless_detach_on_exit() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("sigterm");
+    let one = Backend::start("one", addr(33, 1, 0));
+    let vip = addr(33, 100, 80);
+    let mut daemon = Daemon::start("sigterm", &cgroup, &service("api", vip, &[one.addr], ""));
+    let mut inside = client(&cgroup);
+    let open = inside.connect(vip);
+    assert_eq!(open.landed(), "one");
+
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.wait_exit(Duration::from_secs(10)), "SIGTERM did not stop the daemon");
+    assert!(daemon.bpffs.join("links").exists(), "the datapath must stay pinned");
+    assert_eq!(inside.connect(vip).landed(), "one", "fail-static: the VIP still works");
+    assert!(inside.alive(open.id()));
+
+    daemon.restart_with(&["--detach-on-exit"]);
+    assert_eq!(daemon.status()["datapath"]["adopted"], true);
+    daemon.signal(libc::SIGTERM);
+    assert!(daemon.wait_exit(Duration::from_secs(10)));
+    assert!(!daemon.bpffs.exists(), "--detach-on-exit must remove every pin");
+    assert!(matches!(inside.connect(vip), Connect::Err(e) if e.contains("refused")), "nothing rewrites after --detach-on-exit");
+}
