@@ -5,6 +5,7 @@
 //! - the nightly toolchain's `rust-src` component (for `-Z build-std=core`);
 //! - `bpf-linker`, built against the nightly toolchain's own shared LLVM
 //!   (no prebuilt linker matches it), under `target/tools/`.
+//!
 //! `AYA_BUILD_SKIP=1` skips all of it (host-only builds, docs, clippy).
 
 use std::{

@@ -348,14 +348,13 @@ impl Balancer {
                 self.servers.push(server);
             }
         }
-        if let Some(addr) = default {
-            if self.server(addr).is_none() {
+        if let Some(addr) = default
+            && self.server(addr).is_none() {
                 let mut server = Server::new(addr, State::Standby, false, now);
                 server.is_default = true;
                 step.effects.push(Effect::StateChanged { server: addr, from: State::Invalid, to: State::Standby, why: "set as the default" });
                 self.servers.push(server);
             }
-        }
         // Configured order: the list first, the standby default last.
         self.servers.sort_by_key(|s| (!s.in_list, unique.iter().position(|a| *a == s.addr)));
         self.settle(step, now)
@@ -517,8 +516,8 @@ impl Balancer {
             }
         }
         let healthy_now = self.servers.iter().any(Server::in_healthy_class);
-        if healthy_now {
-            if !step.healthy_before {
+        if healthy_now
+            && !step.healthy_before {
                 for s in &self.servers {
                     if matches!(s.state, State::Standby | State::Failed | State::Recovering)
                         && !step.effects.iter().any(|e| matches!(e, Effect::CloseConnections { server, .. } if *server == s.addr))
@@ -527,7 +526,6 @@ impl Balancer {
                     }
                 }
             }
-        }
 
         let selection = self.selection();
         if self.written.as_ref() != Some(&selection) {

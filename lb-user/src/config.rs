@@ -244,11 +244,10 @@ impl Config {
             }
             let vip_at = at(raw.vip.span());
             let vip = parse_addr(raw.vip.get_ref(), &format!("{vip_at}: vip"), &mut problems);
-            if let Some(vip) = vip {
-                if let Some(first) = vips.insert(vip, i) {
+            if let Some(vip) = vip
+                && let Some(first) = vips.insert(vip, i) {
                     problems.push(format!("{vip_at}: vip: {vip} is already the VIP of service[{first}]"));
                 }
-            }
             let mut servers = Vec::new();
             let mut seen = HashSet::new();
             for (j, s) in raw.servers.get_ref().iter().enumerate() {
@@ -333,8 +332,7 @@ fn parse_duration(text: &str, at: &str, problems: &mut Vec<String>) -> Option<Du
 }
 
 fn parse_health(raw: RawHealth, at: &str, problems: &mut Vec<String>) -> HealthConfig {
-    let mut health = HealthConfig::default();
-    health.check = match raw.check.as_deref() {
+    let check = match raw.check.as_deref() {
         None | Some("tcp") => CheckKind::Tcp,
         Some("http") => CheckKind::Http,
         Some("https") => CheckKind::Https,
@@ -344,6 +342,7 @@ fn parse_health(raw: RawHealth, at: &str, problems: &mut Vec<String>) -> HealthC
             CheckKind::Tcp
         }
     };
+    let mut health = HealthConfig { check, ..HealthConfig::default() };
     if let Some(path) = raw.path {
         if !path.starts_with('/') {
             problems.push(format!("{at}path: {path:?} must start with \"/\""));

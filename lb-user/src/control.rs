@@ -136,7 +136,7 @@ impl Status {
         for s in &self.services {
             let selected: Vec<String> = s.selected.iter().map(ToString::to_string).collect();
             let _ = writeln!(out, "{}  vip {}  policy {}  selected [{}]", s.name, s.vip, s.policy, selected.join(", "));
-            let _ = writeln!(out, "  {:<42} {:<10} {:<8} {:>11}  {}", "SERVER", "STATE", "HEALTHY", "CONNECTIONS", "NOTES");
+            let _ = writeln!(out, "  {:<42} {:<10} {:<8} {:>11}  NOTES", "SERVER", "STATE", "HEALTHY", "CONNECTIONS");
             for server in &s.servers {
                 let mut notes = Vec::new();
                 if server.default {

@@ -350,11 +350,11 @@ fn k3s_10317_no_races_under_concurrent_connects_and_list_changes() {
         cmd.extend(args.iter().map(String::as_str));
         daemon.lb(&cmd);
         let now = monotonic_ns();
-        for i in 0..4 {
+        for (i, removed) in removed_at.iter_mut().enumerate() {
             if current.contains(&i) && !list.contains(&i) {
-                removed_at[i] = Some(now);
+                *removed = Some(now);
             } else if list.contains(&i) {
-                removed_at[i] = None;
+                *removed = None;
             }
         }
         current = list.to_vec();

@@ -488,13 +488,11 @@ proptest! {
                 prop_assert_eq!(active, 1);
             }
             // A healthy active server is never replaced by an equally ranked one.
-            if let Some(before) = active_before {
-                if let Some(s) = lb.server(before) {
-                    if s.in_healthy_class() {
+            if let Some(before) = active_before
+                && let Some(s) = lb.server(before)
+                    && s.in_healthy_class() {
                         prop_assert_eq!(s.state, State::Active, "active {} replaced after {:?}", before, op);
                     }
-                }
-            }
             // The selection written is the one in effect; writing is idempotent.
             if let Some(Effect::WriteSelection(written)) = effects.iter().rev().find(|e| matches!(e, Effect::WriteSelection(_))) {
                 prop_assert_eq!(written, &selection);

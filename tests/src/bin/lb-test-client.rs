@@ -162,7 +162,7 @@ fn udp(addr: &str) -> Result<(SocketAddr, String), String> {
 fn alive(stream: &TcpStream) -> String {
     let _ = stream.set_nonblocking(true);
     let mut buf = [0u8; 1];
-    let result = (&*stream).peek(&mut buf);
+    let result = stream.peek(&mut buf);
     let _ = stream.set_nonblocking(false);
     match result {
         Err(e) if e.kind() == ErrorKind::WouldBlock => "alive".to_owned(),
