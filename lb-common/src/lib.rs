@@ -41,6 +41,12 @@ pub mod programs {
     pub const GETPEERNAME6: &str = "lb_getpeername6";
     pub const SOCK_OPS: &str = "lb_sock_ops";
     pub const ALL: [&str; 5] = [CONNECT4, CONNECT6, GETPEERNAME4, GETPEERNAME6, SOCK_OPS];
+    /// Without these there is no load balancing: a kernel lacking them is
+    /// an error.
+    pub const REQUIRED: [&str; 3] = [CONNECT4, CONNECT6, SOCK_OPS];
+    /// The getpeername hooks (Linux 5.8+): without them applications see
+    /// the server's address instead of the VIP; lb degrades and says so.
+    pub const OPTIONAL: [&str; 2] = [GETPEERNAME4, GETPEERNAME6];
 }
 
 /// An IP endpoint exactly as `bpf_sock_addr` carries it: the address as four

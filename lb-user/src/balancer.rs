@@ -532,6 +532,14 @@ impl Balancer {
             self.written = Some(selection.clone());
             step.effects.push(Effect::WriteSelection(selection));
         }
+        // The new selection must be in the kernel before connections are
+        // closed: a client that reconnects at once must not land on the
+        // server it was just moved off.
+        step.effects.sort_by_key(|e| match e {
+            Effect::StateChanged { .. } => 0,
+            Effect::WriteSelection(_) => 1,
+            Effect::CloseConnections { .. } => 2,
+        });
         step.effects
     }
 }

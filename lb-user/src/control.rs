@@ -102,6 +102,17 @@ pub struct DatapathStatus {
     pub adopted: bool,
     /// The kernel's per-reason decision counters.
     pub counters: BTreeMap<String, u64>,
+    /// Optional kernel features and whether this kernel has them.
+    #[serde(default)]
+    pub features: Features,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Features {
+    /// getpeername hooks (Linux 5.8+): applications see the VIP as peer.
+    pub getpeername: bool,
+    /// Netlink SOCK_DESTROY (CONFIG_INET_DIAG_DESTROY): closing connections.
+    pub sock_destroy: bool,
 }
 
 /// Sends one request to the daemon behind `socket` and returns its answer.
@@ -184,6 +195,11 @@ impl Status {
             self.datapath.bpffs,
             if self.datapath.adopted { "  (adopted from a previous run)" } else { "" }
         );
+        for (name, present) in [("getpeername hooks", self.datapath.features.getpeername), ("closing connections (SOCK_DESTROY)", self.datapath.features.sock_destroy)] {
+            if !present {
+                let _ = writeln!(out, "degraded: this kernel lacks {name}");
+            }
+        }
         out
     }
 }

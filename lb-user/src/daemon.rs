@@ -25,7 +25,7 @@ use tracing::{debug, error, info, warn};
 use crate::{
     balancer::{Balancer, Checks, Connection, Effect, Health, Readiness, State},
     config::{self, CheckKind, Config},
-    control::{self, ConfigStatus, DatapathStatus, ReloadStatus, Request, Response, ServerStatus, ServiceStatus, Status},
+    control::{self, ConfigStatus, DatapathStatus, Features, ReloadStatus, Request, Response, ServerStatus, ServiceStatus, Status},
     datapath::{self, Datapath, VipEntry},
     health::Checker,
     metrics::{self, ClosedLabels, Metrics, ResultLabels, ServiceLabels, server_labels},
@@ -72,6 +72,8 @@ struct Daemon {
     tx: mpsc::Sender<Message>,
     metrics: Metrics,
     last_reload: Option<ReloadStatus>,
+    /// Netlink SOCK_DESTROY works on this kernel (probed once at start).
+    sock_destroy: bool,
 }
 
 fn checks_of(service: &config::Service) -> Checks {
@@ -127,8 +129,13 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
         metrics::serve(addr, scrape_tx).await?;
     }
 
+    let sock_destroy = sock_destroy::supported();
+    if !sock_destroy {
+        warn!("this kernel cannot destroy sockets (CONFIG_INET_DIAG_DESTROY, or the tcp_diag module): connections that must move are left to end on their own");
+    }
     let metrics = Metrics::new();
-    let mut daemon = Daemon { config, config_path: options.config_path, cgroup, datapath, services, saved, tx, metrics, last_reload: None };
+    let mut daemon =
+        Daemon { config, config_path: options.config_path, cgroup, datapath, services, saved, tx, metrics, last_reload: None, sock_destroy };
     for i in 0..daemon.services.len() {
         let service = &daemon.services[i];
         for server in service.balancer.servers() {
@@ -263,6 +270,9 @@ impl Daemon {
     }
 
     fn close(&self, vip: SocketAddr, server: SocketAddr) -> anyhow::Result<usize> {
+        if !self.sock_destroy {
+            return Ok(0);
+        }
         let cookies = self.datapath.vip_sockets_to(server, Some(&HashSet::from([vip])));
         sock_destroy::destroy(&cookies).with_context(|| format!("closing connections to {server}"))
     }
@@ -417,6 +427,7 @@ impl Daemon {
                 bpffs: self.config.daemon.bpffs.display().to_string(),
                 adopted: self.datapath.adopted,
                 counters: self.datapath.counters().into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
+                features: Features { getpeername: self.datapath.getpeername, sock_destroy: self.sock_destroy },
             },
         }
     }

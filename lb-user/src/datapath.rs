@@ -53,6 +53,8 @@ pub struct Datapath {
     events: Option<RingBuf<MapData>>,
     /// Whether the programs were already attached when we started.
     pub adopted: bool,
+    /// The getpeername hooks are attached (optional, Linux 5.8+).
+    pub getpeername: bool,
     /// Reader of the kernel programs' logs when `--bpf-log` is on.
     logger: Option<KernelLogger>,
 }
@@ -87,10 +89,15 @@ fn maps_dir(bpffs: &Path) -> PathBuf {
     bpffs.join("maps")
 }
 
-fn all_pins(bpffs: &Path) -> impl Iterator<Item = PathBuf> + '_ {
-    let links = programs::ALL.iter().map(|p| links_dir(bpffs).join(p));
+/// The pins a working datapath must have: the required links and every map.
+fn required_pins(bpffs: &Path) -> impl Iterator<Item = PathBuf> + '_ {
+    let links = programs::REQUIRED.iter().map(|p| links_dir(bpffs).join(p));
     let maps = maps::ALL.iter().map(|m| maps_dir(bpffs).join(m));
     links.chain(maps)
+}
+
+fn has_getpeername(bpffs: &Path) -> bool {
+    programs::OPTIONAL.iter().all(|p| links_dir(bpffs).join(p).exists())
 }
 
 impl Datapath {
@@ -104,8 +111,8 @@ impl Datapath {
         bpf_log: bool,
     ) -> anyhow::Result<Self> {
         ensure_bpffs(bpffs)?;
-        let present = all_pins(bpffs).filter(|p| p.exists()).count();
-        if present == programs::ALL.len() + maps::ALL.len() {
+        let present = required_pins(bpffs).filter(|p| p.exists()).count();
+        if present == programs::REQUIRED.len() + maps::ALL.len() {
             let mut datapath = Self::adopt(bpffs)?;
             if bpf_log {
                 warn!("--bpf-log has no effect on an adopted datapath; run `lb detach` and start again to enable it");
@@ -113,7 +120,7 @@ impl Datapath {
             datapath.reconcile(initial)?;
             return Ok(datapath);
         }
-        if present > 0 {
+        if present > 0 || has_getpeername(bpffs) {
             warn!(bpffs = %bpffs.display(), present, "found an incomplete pinned datapath (interrupted attach?); removing it and attaching afresh");
             detach(bpffs)?;
         }
@@ -132,7 +139,9 @@ impl Datapath {
             Map::from_map_data(data).with_context(|| format!("pinned map {} has an unexpected type", path.display()))
         };
         info!(bpffs = %bpffs.display(), "adopting the pinned datapath; programs stay attached");
-        Self::from_maps(map, true, None)
+        let mut datapath = Self::from_maps(map, true, None)?;
+        datapath.getpeername = has_getpeername(bpffs);
+        Ok(datapath)
     }
 
     fn attach(
@@ -170,7 +179,7 @@ impl Datapath {
         // Selections go in before the programs attach: the first connect
         // already finds its service.
         datapath.reconcile(initial)?;
-        load_and_attach(&mut ebpf, bpffs, cgroup)?;
+        datapath.getpeername = load_and_attach(&mut ebpf, bpffs, cgroup)?;
         info!(cgroup = %cgroup.display(), bpffs = %bpffs.display(), "datapath attached and pinned");
         Ok(datapath)
     }
@@ -188,6 +197,7 @@ impl Datapath {
             counters: PerCpuArray::try_from(map(maps::COUNTERS)?)?,
             events: Some(RingBuf::try_from(map(maps::EVENTS)?)?),
             adopted,
+            getpeername: false,
             logger,
         })
     }
@@ -282,30 +292,57 @@ impl Datapath {
     }
 }
 
-fn load_and_attach(ebpf: &mut Ebpf, bpffs: &Path, cgroup: &Path) -> anyhow::Result<()> {
+/// Loads and attaches every program and pins its link. Returns whether the
+/// optional getpeername hooks are attached; a missing required program is
+/// an error.
+fn load_and_attach(ebpf: &mut Ebpf, bpffs: &Path, cgroup: &Path) -> anyhow::Result<bool> {
     let cgroup_dir = File::open(cgroup).with_context(|| format!("opening cgroup {}", cgroup.display()))?;
     let links = links_dir(bpffs);
     std::fs::create_dir_all(&links).with_context(|| format!("creating {}", links.display()))?;
+    let mut getpeername = true;
+    for name in programs::ALL {
+        match attach_one(ebpf, name, &cgroup_dir, cgroup, &links) {
+            Ok(()) => {}
+            Err(e) if programs::OPTIONAL.contains(&name) => {
+                if getpeername {
+                    warn!(
+                        "this kernel cannot attach the getpeername hooks (Linux 5.8+): applications will see the \
+                         server's address instead of the VIP ({e:#})"
+                    );
+                }
+                getpeername = false;
+            }
+            Err(e) => return Err(e.context("this kernel lacks a feature lb needs (cgroup connect hooks and sock_ops, Linux 5.10+)")),
+        }
+    }
+    if !getpeername {
+        // All or nothing: a lone getpeername4 would make IPv4 and IPv6 differ.
+        for name in programs::OPTIONAL {
+            let _ = PinnedLink::from_pin(links.join(name)).map(|l| l.unpin());
+        }
+    }
+    Ok(getpeername)
+}
+
+fn attach_one(ebpf: &mut Ebpf, name: &str, cgroup_dir: &File, cgroup: &Path, links: &Path) -> anyhow::Result<()> {
+    let program = ebpf.program_mut(name).with_context(|| format!("program {name} missing from the eBPF object"))?;
     // A bpf_link attachment always coexists with other programs on the
     // cgroup (systemd, a CNI); the kernel refuses attach flags on links.
     let mode = CgroupAttachMode::Single;
-    for name in programs::ALL {
-        let program = ebpf.program_mut(name).with_context(|| format!("program {name} missing from the eBPF object"))?;
-        let link: FdLink = if name == programs::SOCK_OPS {
-            let program: &mut SockOps = program.try_into()?;
-            program.load().with_context(|| format!("loading {name}"))?;
-            let id = program.attach(&cgroup_dir, mode).with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
-            program.take_link(id)?.try_into()?
-        } else {
-            let program: &mut CgroupSockAddr = program.try_into()?;
-            program.load().with_context(|| format!("loading {name}"))?;
-            let id = program.attach(&cgroup_dir, mode).with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
-            program.take_link(id)?.try_into()?
-        };
-        let path = links.join(name);
-        // Dropping the pinned handle closes our fd; the pin keeps the link.
-        link.pin(&path).with_context(|| format!("pinning link {}", path.display()))?;
-    }
+    let link: FdLink = if name == programs::SOCK_OPS {
+        let program: &mut SockOps = program.try_into()?;
+        program.load().with_context(|| format!("loading {name}"))?;
+        let id = program.attach(cgroup_dir, mode).with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+        program.take_link(id)?.try_into()?
+    } else {
+        let program: &mut CgroupSockAddr = program.try_into()?;
+        program.load().with_context(|| format!("loading {name}"))?;
+        let id = program.attach(cgroup_dir, mode).with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+        program.take_link(id)?.try_into()?
+    };
+    let path = links.join(name);
+    // Dropping the pinned handle closes our fd; the pin keeps the link.
+    link.pin(&path).with_context(|| format!("pinning link {}", path.display()))?;
     Ok(())
 }
 

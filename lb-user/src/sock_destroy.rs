@@ -17,9 +17,11 @@ use netlink_packet_sock_diag::{
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
 
-/// Every TCP state a connection can be destroyed in (not LISTEN, not TIME_WAIT).
+/// The TCP states in which a connection is destroyed: not LISTEN or
+/// TIME_WAIT, and not SYN_SENT: destroying a connect in flight would make
+/// sock_ops report a failed connect and wrongly mark its server failed.
 fn live_states() -> StateFlags {
-    StateFlags::all() - StateFlags::LISTEN - StateFlags::TIME_WAIT
+    StateFlags::all() - StateFlags::LISTEN - StateFlags::TIME_WAIT - StateFlags::SYN_SENT
 }
 
 /// Resets every TCP socket in this network namespace whose cookie is in
@@ -49,6 +51,23 @@ pub fn destroy(cookies: &HashSet<u64>) -> io::Result<usize> {
         }
     }
     Ok(destroyed)
+}
+
+/// Whether this kernel can destroy sockets (`CONFIG_INET_DIAG_DESTROY`):
+/// asks to destroy a socket that cannot exist; "no such socket" means yes.
+pub fn supported() -> bool {
+    let probe = || -> io::Result<()> {
+        let mut socket = Socket::new(NETLINK_SOCK_DIAG)?;
+        socket.bind_auto()?;
+        socket.connect(&SocketAddr::new(0, 0))?;
+        let mut id = SocketId::new_v4();
+        id.cookie = [0xfe; 8];
+        destroy_one(&socket, AF_INET, id)
+    };
+    match probe() {
+        Ok(()) => true,
+        Err(e) => e.raw_os_error() == Some(libc::ENOENT),
+    }
 }
 
 fn request(family: u8, socket_id: SocketId) -> SockDiagMessage {

@@ -328,10 +328,11 @@ impl Client {
         answer == "alive"
     }
 
-    /// `threads` threads connecting in a loop for `duration`; returns the
-    /// client's `storm ...` summary line.
-    pub fn storm(&mut self, addr: SocketAddr, threads: usize, duration: Duration) -> String {
-        self.ask(&format!("storm {addr} {threads} {}", duration.as_millis()))
+    /// `threads` threads connecting in a loop until `stop_file` exists (at
+    /// most `limit`), then once more each; returns the client's `storm ...`
+    /// summary line.
+    pub fn storm(&mut self, addr: SocketAddr, threads: usize, limit: Duration, stop_file: &Path) -> String {
+        self.ask(&format!("storm {addr} {threads} {} {}", limit.as_millis(), stop_file.display()))
     }
 
     pub fn close(&mut self, id: u32) {
@@ -471,6 +472,20 @@ impl Daemon {
     /// `lb status --json`.
     pub fn status(&self) -> serde_json::Value {
         serde_json::from_str(&self.lb(&["status", "--json"])).unwrap()
+    }
+
+    /// Whether this kernel has the optional feature `name` (as
+    /// `lb status` reports it). Without it, says the test is skipped and why;
+    /// with `LB_TEST_REQUIRE_FEATURES=1` (the host run in CI) that is a failure.
+    pub fn has_feature(&self, name: &str) -> bool {
+        if self.status()["datapath"]["features"][name] == true {
+            return true;
+        }
+        if std::env::var("LB_TEST_REQUIRE_FEATURES").is_ok_and(|v| v == "1") {
+            panic!("this kernel lacks {name}, and LB_TEST_REQUIRE_FEATURES=1 forbids skipping");
+        }
+        eprintln!("SKIPPED: this test needs {name}, which this kernel lacks");
+        false
     }
 
     /// Live connections through `vip` to `server`, from `lb status --json`.

@@ -111,7 +111,11 @@ fn test() -> anyhow::Result<()> {
         println!("(not root: the integration tests will report themselves skipped)");
     }
     // SAFETY: single-threaded at this point; children inherit it.
-    unsafe { std::env::set_var("LB_BIN", lb_bin()) };
+    unsafe {
+        std::env::set_var("LB_BIN", lb_bin());
+        // This kernel is the reference: every optional feature must be there.
+        std::env::set_var("LB_TEST_REQUIRE_FEATURES", "1");
+    }
     cargo(&["test", "--package", "lb-tests"])?;
 
     if is_root() {

@@ -231,6 +231,18 @@ fn behaviour_3_a_server_failing_its_check_loses_traffic_and_connections_to_a_hea
 }
 
 #[test]
+fn connections_close_only_after_the_new_selection_is_written() {
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    sim.pass(a(1));
+    sim.pass(a(2));
+    for effects in [sim.fail(a(1)).to_vec(), sim.set(&[a(1)], None).to_vec()] {
+        let write = effects.iter().position(|e| matches!(e, Effect::WriteSelection(_))).expect("a new selection");
+        let close = effects.iter().position(|e| matches!(e, Effect::CloseConnections { .. })).expect("a close");
+        assert!(write < close, "{effects:?}");
+    }
+}
+
+#[test]
 fn behaviour_3_without_a_healthy_peer_connections_stay() {
     let mut sim = Sim::failover(&[a(1), a(2)]);
     sim.pass(a(1));

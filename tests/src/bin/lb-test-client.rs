@@ -8,10 +8,10 @@
 //! - `udp ADDR` → `ok ID PEER GREETING`: connected UDP, one datagram each way;
 //! - `alive ID` → `alive` or `dead MESSAGE`: is TCP connection ID still open;
 //! - `close ID` → `closed`;
-//! - `storm ADDR THREADS MILLIS` → `storm total=N failed=N last_ok=N
-//!   names=NAME:N,...`: THREADS threads connect, ask `who` and close, in a
-//!   loop, for MILLIS ms; `last_ok` counts threads whose last connect
-//!   worked; `latest=NAME:NS,...` is, per server, the CLOCK_MONOTONIC time
+//! - `storm ADDR THREADS MILLIS STOPFILE` → `storm total=N failed=N
+//!   last_ok=N names=NAME:N,...`: THREADS threads connect, ask `who` and
+//!   close, in a loop, until STOPFILE exists (at most MILLIS ms); then each
+//!   makes one final connect, and `last_ok` counts those that worked; `latest=NAME:NS,...` is, per server, the CLOCK_MONOTONIC time
 //!   at which the latest connect that landed there *started*.
 //!
 //! Every read has a timeout, so a test can never hang on it.
@@ -56,7 +56,8 @@ fn main() {
             (Some("storm"), Some(addr)) => {
                 let threads = words.next().and_then(|w| w.parse().ok()).unwrap_or(1);
                 let millis = words.next().and_then(|w| w.parse().ok()).unwrap_or(1000);
-                storm(addr, threads, Duration::from_millis(millis))
+                let stop_file = words.next().unwrap_or("/nonexistent").to_owned();
+                storm(addr, threads, Duration::from_millis(millis), &stop_file)
             }
             (Some("exit"), _) => break,
             _ => format!("err bad command {line:?}"),
@@ -79,17 +80,19 @@ fn connect(addr: &str) -> Result<(TcpStream, SocketAddr, String), String> {
     Ok((stream, peer, greeting.trim().to_owned()))
 }
 
-fn storm(addr: &str, threads: usize, duration: Duration) -> String {
+fn storm(addr: &str, threads: usize, duration: Duration, stop_file: &str) -> String {
     let deadline = std::time::Instant::now() + duration;
     let workers: Vec<_> = (0..threads)
         .map(|_| {
             let addr = addr.to_owned();
+            let stop_file = std::path::PathBuf::from(stop_file);
             std::thread::spawn(move || {
                 let (mut total, mut failed) = (0usize, 0usize);
                 let mut last_ok;
                 let mut names: HashMap<String, usize> = HashMap::new();
                 let mut latest: HashMap<String, u64> = HashMap::new();
-                // Bounded by time, and always one final attempt.
+                // Bounded by time; the attempt after the stop is the final one.
+                let mut stopping = false;
                 loop {
                     total += 1;
                     let started = monotonic_ns();
@@ -105,9 +108,10 @@ fn storm(addr: &str, threads: usize, duration: Duration) -> String {
                             last_ok = false;
                         }
                     }
-                    if std::time::Instant::now() >= deadline {
+                    if stopping {
                         break;
                     }
+                    stopping = std::time::Instant::now() >= deadline || stop_file.exists();
                 }
                 (total, failed, last_ok, names, latest)
             })
