@@ -423,3 +423,52 @@ fn restart_restores_the_runtime_server_list() {
     let mut inside = client(&cgroup);
     assert_eq!(landed(&inside.connect(vip)), "s2");
 }
+
+/// A server that accepts nothing (its accept queue is full, so SYNs are
+/// dropped): sock_ops sees the SYN go unanswered for a retransmission
+/// timeout and marks it at once, well before the application gives up.
+#[test]
+fn passive_detection_of_a_server_that_accepts_nothing() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("hung");
+    let good = Backend::start("good", addr(29, 2, 0));
+    let hung = full_listener(addr(29, 1, 0));
+    let hung_addr = hung.addr;
+    let vip = addr(29, 100, 6444);
+    let config = format!(
+        "[[service]]\nname = \"api\"\nvip = \"{vip}\"\nservers = [\"{hung_addr}\", \"{}\"]\nhold_down = \"60s\"\n[service.health]\ncheck = \"none\"\n",
+        good.addr
+    );
+    let daemon = Daemon::start("hung", &cgroup, &config);
+    let mut inside = client(&cgroup);
+    // This connect meets the full queue: its SYN is dropped, retransmitted
+    // after ~1 s (the report), and the client gives up after 5 s.
+    let first = inside.connect(vip);
+    assert!(matches!(&first, Connect::Err(_)), "{first:?}");
+    assert!(wait_until(Duration::from_secs(10), || server_field(&daemon, hung_addr, "state") == "failed"), "{}", daemon.log());
+    assert!(daemon.log().contains("a connect through the VIP timed out"), "{}", daemon.log());
+    assert_eq!(landed(&inside.connect(vip)), "good");
+    drop(hung);
+}
+
+/// A listener whose accept queue is full: it never accepts, and further
+/// SYNs are dropped (not refused), as with a hung server process.
+struct FullListener {
+    addr: SocketAddr,
+    _listener: std::net::TcpListener,
+    _queued: Vec<std::net::TcpStream>,
+}
+
+fn full_listener(at: SocketAddr) -> FullListener {
+    let listener = std::net::TcpListener::bind(at).unwrap();
+    // SAFETY: a valid listening socket fd; a backlog of 0 leaves room for
+    // a single queued connection.
+    assert_eq!(unsafe { libc::listen(std::os::fd::AsRawFd::as_raw_fd(&listener), 0) }, 0);
+    let addr = listener.local_addr().unwrap();
+    // Fill the queue directly (not through a VIP).
+    let queued: Vec<std::net::TcpStream> =
+        (0..2).filter_map(|_| std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300)).ok()).collect();
+    FullListener { addr, _listener: listener, _queued: queued }
+}
