@@ -63,6 +63,7 @@ pub enum Command {
     /// Make the daemon re-read its config (as SIGHUP does) and report
     /// whether it took; an invalid config changes nothing.
     Reload {
+        /// The config file, to find the daemon's control socket.
         #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
         config: PathBuf,
     },
@@ -79,6 +80,7 @@ pub enum Command {
         /// Only connections through this service's VIP.
         #[arg(long)]
         service: Option<String>,
+        /// The config file, to find the daemon's control socket.
         #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
         config: PathBuf,
     },
@@ -92,16 +94,21 @@ pub enum Command {
         /// The default server: kept as a last resort when not in the list.
         #[arg(long)]
         default: Option<SocketAddr>,
+        /// The config file, to find the daemon's control socket.
         #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
         config: PathBuf,
     },
     /// Drain a server: no new connections while another server is usable;
     /// existing connections stay. `--undo` ends the drain.
     Drain {
+        /// The service's name.
         service: String,
+        /// The server to drain, e.g. 127.0.0.1:6443.
         server: SocketAddr,
+        /// End the drain.
         #[arg(long)]
         undo: bool,
+        /// The config file, to find the daemon's control socket.
         #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
         config: PathBuf,
     },
