@@ -6,7 +6,9 @@
 //! kernels are Debian's generic kernels of bullseye (5.10), bookworm (6.1)
 //! and trixie (6.12), downloaded as packages and unpacked (never installed).
 //! `--kernel` replaces that list: a `.deb`, a vmlinuz, or a Debian release
-//! name (`--kernel bookworm`).
+//! name (`--kernel bookworm`). A vmlinuz on its own needs 9p and virtio
+//! built in (Debian's have them as modules: give the `.deb`, or the
+//! `boot/vmlinuz-*` of an unpacked package).
 //!
 //! Layout under `target/vmtest/`:
 //! - `apt/<release>/`: a private apt configuration per release, so the
@@ -19,7 +21,7 @@
 //!   status, the guest's dmesg and the console log of the last run.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
     fs,
     path::{Path, PathBuf},
@@ -48,6 +50,8 @@ const BINARY_TIMEOUT_SECS: u64 = 600;
 /// whole boot is bounded by this plus their sum, so a hung guest cannot
 /// stall CI.
 const BOOT_ALLOWANCE_SECS: u64 = 240;
+/// How long a run waits for another one in the same target directory.
+const LOCK_WAIT: Duration = Duration::from_secs(45 * 60);
 /// Console lines shown when a boot did not produce results.
 const TAIL_LINES: usize = 40;
 /// Modules the tests need that Debian builds as modules: `SOCK_DESTROY`
@@ -139,7 +143,9 @@ impl Outcome {
         self.failed.is_empty() && self.problems.is_empty() && self.passed > 0
     }
 
-    fn summary(&self) -> String {
+    /// The kernel's line and what went wrong; `full` includes the console
+    /// tails, which the closing summary leaves to the lines printed before.
+    fn summary(&self, full: bool) -> String {
         let secs = |d: Option<Duration>| d.map_or_else(|| "?".to_owned(), |d| format!("{:.0} s", d.as_secs_f64()));
         let mut text = format!(
             "{} {:<9} {:<24} {} passed, {} failed, {} skipped; fetch {:.0} s, boot {}, tests {}, total {:.0} s",
@@ -161,6 +167,7 @@ impl Outcome {
             let _ = write!(text, "\n       skipped: {test}");
         }
         for problem in &self.problems {
+            let problem = if full { problem } else { problem.lines().next().unwrap_or_default() };
             let _ = write!(text, "\n       {problem}");
         }
         if let Some(results) = self.results.as_ref().filter(|_| !self.ok()) {
@@ -181,30 +188,40 @@ pub fn run(kernels: Vec<PathBuf>) -> anyhow::Result<()> {
     };
     let base = std::path::absolute(target_dir().join("vmtest")).context("resolving the target directory")?;
 
+    // Held until the run ends: runs share `bin/` and `results/`.
+    let _lock = lock(&base)?;
     ensure_tools()?;
     let (lb, tests) = build(&base)?;
 
     let mut outcomes = Vec::new();
+    let mut names = BTreeSet::new();
     for source in &sources {
-        let name = source.name();
+        // Each kernel gets its own results directory, also when two
+        // arguments have the same version (among n names, one of the
+        // first n + 1 candidates is free).
+        let name = (1..=sources.len() + 1)
+            .map(|n| if n == 1 { source.name() } else { format!("{}-{n}", source.name()) })
+            .find(|candidate| names.insert(candidate.clone()))
+            .unwrap_or_else(|| source.name());
         println!("==> kernel {name}");
         // A kernel that cannot be fetched is one failed kernel, not the end
         // of the run.
         let kernel = match source {
             KernelSource::Debian(release) => debian_kernel(&base, release),
             KernelSource::File(path) => file_kernel(&base, path),
-        };
+        }
+        .map(|kernel| Kernel { name: name.clone(), ..kernel });
         let outcome = match kernel {
             Ok(kernel) => boot_and_test(&base, &kernel, &lb, &tests),
             Err(e) => Outcome { name, problems: vec![format!("no kernel: {e:#}")], ..Outcome::default() },
         };
-        println!("{}", outcome.summary());
+        println!("{}", outcome.summary(true));
         outcomes.push(outcome);
     }
 
     println!("==> vmtest summary ({:.0} s in all)", started.elapsed().as_secs_f64());
     for outcome in &outcomes {
-        println!("{}", outcome.summary());
+        println!("{}", outcome.summary(false));
     }
     // One plain closing line over every kernel, for whoever reads the end.
     let passed: usize = outcomes.iter().map(|o| o.passed).sum();
@@ -216,6 +233,37 @@ pub fn run(kernels: Vec<PathBuf>) -> anyhow::Result<()> {
         bail!("vmtest failed on: {}", failed.join(", "));
     }
     Ok(())
+}
+
+/// An exclusive lock on `<base>/lock`, waiting at most [`LOCK_WAIT`] for
+/// another run to finish. Released when the file is closed, also when the
+/// process dies.
+fn lock(base: &Path) -> anyhow::Result<fs::File> {
+    fs::create_dir_all(base).with_context(|| format!("creating {}", base.display()))?;
+    let path = base.join("lock");
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    let deadline = Instant::now() + LOCK_WAIT;
+    let mut said = false;
+    loop {
+        match file.try_lock() {
+            Ok(()) => return Ok(file),
+            Err(fs::TryLockError::WouldBlock) => {}
+            Err(fs::TryLockError::Error(e)) => return Err(e).with_context(|| format!("locking {}", path.display())),
+        }
+        if Instant::now() >= deadline {
+            bail!("another vmtest run still holds {} after {} min", path.display(), LOCK_WAIT.as_secs() / 60);
+        }
+        if !said {
+            println!("waiting for another vmtest run to finish (it holds {})", path.display());
+            said = true;
+        }
+        std::thread::sleep(Duration::from_secs(5));
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -453,7 +501,8 @@ fn file_kernel(base: &Path, path: &Path) -> anyhow::Result<Kernel> {
     let name = kernel_name(path);
     let path = fs::canonicalize(path).with_context(|| format!("--kernel {}", path.display()))?;
     let mut kernel = if path.extension().is_some_and(|e| e == "deb") {
-        let root = base.join("kernels").join(&name);
+        // Apart from the releases' directories, whatever the file is called.
+        let root = base.join("kernels").join(format!("file-{name}"));
         // Unpack again when the package is newer than what was unpacked.
         let modified = |p: &Path| fs::metadata(p).and_then(|m| m.modified()).ok();
         if modified(&root).is_none_or(|unpacked| modified(&path).is_none_or(|deb| deb > unpacked)) {
@@ -640,12 +689,14 @@ fn guest_script(kernel: &Kernel, lb: &Path, tests: &[TestBinary], results: &Path
     s.push_str(
         r#"# The tests keep their daemons' sockets, configs and logs under $TMPDIR.
 # virtme-ng's /tmp is an overlay on the host's /tmp (over 9p); a tmpfs of
-# its own is faster and sees nothing of the host's.
-mount -t tmpfs -o mode=1777 tmpfs /tmp
-export TMPDIR=/tmp
-# Each HTTP health-check client loads the CA store; read file by file from
-# /etc/ssl/certs over 9p that takes the daemon longer to start than the
-# tests wait. The bundle holds the same certificates in one file.
+# their own is faster and sees nothing of the host's. Not mounted on /tmp
+# itself: that would hide this very directory when the workspace is there.
+mkdir -p /run/vmtest-tmp
+mount -t tmpfs -o mode=1777 tmpfs /run/vmtest-tmp
+export TMPDIR=/run/vmtest-tmp
+# Each HTTP health-check client loads the CA store. Read file by file from
+# /etc/ssl/certs over 9p, that alone takes longer than the tests wait for
+# the daemon to start; the bundle holds the same certificates in one file.
 if [ -f /etc/ssl/certs/ca-certificates.crt ]; then export SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt; fi
 grep -q ' /sys/fs/cgroup cgroup2 ' /proc/mounts || mount -t cgroup2 cgroup2 /sys/fs/cgroup
 mkdir -p /sys/fs/bpf
@@ -708,6 +759,10 @@ fn collect(results: &Path, tests: &[TestBinary], outcome: &mut Outcome) {
         outcome.problems.extend(modules.lines().filter(|l| l.contains("failed")).map(str::to_owned));
     }
 
+    if timing.is_empty() {
+        // The script never started: the boot's own error says it all.
+        return;
+    }
     for test in tests {
         let log = fs::read(results.join(format!("{}.log", test.name))).map(|b| String::from_utf8_lossy(&b).into_owned());
         let status = fs::read_to_string(results.join(format!("{}.status", test.name))).ok();
