@@ -11,7 +11,7 @@ use std::{
     ffi::CString,
     io::{BufRead as _, BufReader, Write as _},
     net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
-    os::unix::{ffi::OsStrExt as _, process::CommandExt as _},
+    os::unix::{ffi::OsStringExt as _, process::CommandExt as _},
     path::{Path, PathBuf},
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
     sync::{
@@ -47,8 +47,10 @@ pub fn lb_bin() -> PathBuf {
     path
 }
 
-fn cgroup2_root() -> PathBuf {
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+/// Where the cgroup2 file system is mounted (from `/proc/self/mountinfo`).
+/// Also used by `cargo xtask demo`.
+pub fn cgroup2_root() -> std::io::Result<PathBuf> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
     mountinfo
         .lines()
         .find_map(|line| {
@@ -56,7 +58,29 @@ fn cgroup2_root() -> PathBuf {
             let mount_point = before.split_whitespace().nth(4)?;
             (after.split_whitespace().next()? == "cgroup2").then(|| PathBuf::from(mount_point))
         })
-        .expect("no cgroup2 mount: privileged tests need cgroup v2")
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "no cgroup2 file system is mounted"))
+}
+
+/// Makes `cmd` start inside the cgroup directory `cgroup`: the child moves
+/// itself there between fork and exec, so not one instruction of the
+/// program runs outside it. Also used by `cargo xtask demo`.
+pub fn start_in_cgroup(cmd: &mut Command, cgroup: &Path) {
+    // A path from the file system has no NUL byte.
+    let procs = CString::new(cgroup.join("cgroup.procs").into_os_string().into_vec()).expect("a path without NUL bytes");
+    // SAFETY: between fork and exec only async-signal-safe calls (open,
+    // write, close) on memory prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // "0" moves the writing process itself.
+            let ok = libc::write(fd, b"0".as_ptr().cast(), 1) == 1;
+            libc::close(fd);
+            if ok { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+        });
+    }
 }
 
 /// A throwaway child cgroup of the cgroup2 root. On drop, every process in
@@ -67,7 +91,8 @@ pub struct TestCgroup {
 
 impl TestCgroup {
     pub fn new(name: &str) -> Self {
-        let path = cgroup2_root().join(format!("lb-test-{}-{name}", std::process::id()));
+        let root = cgroup2_root().unwrap_or_else(|e| panic!("privileged tests need cgroup v2: {e}"));
+        let path = root.join(format!("lb-test-{}-{name}", std::process::id()));
         if path.exists() {
             kill_members(&path);
             let _ = std::fs::remove_dir(&path);
@@ -267,28 +292,16 @@ pub struct Client {
 
 impl Client {
     /// Starts the client binary `bin` (`env!("CARGO_BIN_EXE_lb-test-client")`
-    /// in a test) inside `cgroup`, or in the test's own cgroup if `None`.
+    /// in a test, overridden by `$LB_TEST_CLIENT`) inside `cgroup`, or in
+    /// the test's own cgroup if `None`.
     pub fn start(bin: &str, cgroup: Option<&TestCgroup>) -> Self {
-        let mut cmd = Command::new(bin);
+        let bin = std::env::var_os("LB_TEST_CLIENT").map_or_else(|| PathBuf::from(bin), PathBuf::from);
+        let mut cmd = Command::new(&bin);
         cmd.stdin(Stdio::piped()).stdout(Stdio::piped());
         if let Some(cgroup) = cgroup {
-            let procs = CString::new(cgroup.path.join("cgroup.procs").as_os_str().as_bytes()).unwrap();
-            // SAFETY: between fork and exec only async-signal-safe calls
-            // (open, write, close) on memory prepared before the fork.
-            unsafe {
-                cmd.pre_exec(move || {
-                    let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
-                    if fd < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    // "0" moves the writing process itself.
-                    let ok = libc::write(fd, b"0".as_ptr().cast(), 1) == 1;
-                    libc::close(fd);
-                    if ok { Ok(()) } else { Err(std::io::Error::last_os_error()) }
-                });
-            }
+            start_in_cgroup(&mut cmd, &cgroup.path);
         }
-        let mut child = cmd.spawn().expect("starting lb-test-client");
+        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
         let stdin = child.stdin.take().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());
         Self { child, stdin, stdout }

@@ -5,7 +5,6 @@
 use std::{
     io::{Read as _, Write as _},
     net::{TcpListener, TcpStream},
-    os::unix::process::CommandExt as _,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::{
@@ -45,7 +44,7 @@ pub fn run(exit_after: u64) -> anyhow::Result<()> {
 
     let dir = target_dir().join("demo");
     std::fs::create_dir_all(&dir)?;
-    let cgroup = cgroup2_root()?.join("lb-demo");
+    let cgroup = lb_tests::cgroup2_root().context("the demo needs cgroup v2")?.join("lb-demo");
     let config = dir.join("config.toml");
     let mut demo = Demo { dir: dir.clone(), config: config.clone(), cgroup: cgroup.clone(), daemon: None, stop_backends: Arc::new(AtomicBool::new(false)) };
 
@@ -266,21 +265,9 @@ fn read_keys() -> std::sync::mpsc::Receiver<String> {
 
 /// Runs `xtask demo-get ADDR` inside `cgroup` and returns what it printed.
 fn get_in_cgroup(cgroup: &Path, addr: &str) -> anyhow::Result<String> {
-    let procs = std::ffi::CString::new(cgroup.join("cgroup.procs").into_os_string().into_encoded_bytes())?;
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.args(["demo-get", addr]);
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
-            if fd < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            let ok = libc::write(fd, b"0".as_ptr().cast(), 1) == 1;
-            libc::close(fd);
-            if ok { Ok(()) } else { Err(std::io::Error::last_os_error()) }
-        });
-    }
+    lb_tests::start_in_cgroup(&mut cmd, cgroup);
     let out = cmd.output()?;
     Ok(String::from_utf8_lossy(if out.status.success() { &out.stdout } else { &out.stderr }).trim().to_owned())
 }
@@ -296,16 +283,4 @@ pub fn get(addr: &str) -> anyhow::Result<()> {
     let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b);
     print!("{body}");
     Ok(())
-}
-
-fn cgroup2_root() -> anyhow::Result<PathBuf> {
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
-    mountinfo
-        .lines()
-        .find_map(|line| {
-            let (before, after) = line.split_once(" - ")?;
-            let mount_point = before.split_whitespace().nth(4)?;
-            (after.split_whitespace().next()? == "cgroup2").then(|| PathBuf::from(mount_point))
-        })
-        .context("no cgroup2 filesystem is mounted")
 }
