@@ -33,7 +33,7 @@ pub enum Request {
 #[serde(tag = "result", rename_all = "snake_case")]
 pub enum Response {
     Status(Status),
-    Closed { closed: usize },
+    Closed { closed: u64 },
     Ok,
     Error { error: String },
 }

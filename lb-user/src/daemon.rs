@@ -3,7 +3,7 @@
 //! results, control requests, timers and signals reach it as messages.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
     net::SocketAddr,
     os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
@@ -23,7 +23,7 @@ use tokio::{
 use tracing::{debug, error, info, warn};
 
 use crate::{
-    balancer::{Balancer, Checks, Connection, Effect, Health, Readiness, State},
+    balancer::{Balancer, Checks, CloseReason, Connection, Effect, Health, Readiness, State},
     config::{self, CheckKind, Config},
     control::{self, ConfigStatus, DatapathStatus, Features, ReloadStatus, Request, Response, ServerStatus, ServiceStatus, Status},
     datapath::{self, Datapath, VipEntry},
@@ -76,6 +76,17 @@ struct Daemon {
     sock_destroy: bool,
 }
 
+/// Builds each service's health checker once, so that what only shows
+/// when the files are read (a missing CA bundle, a key that does not
+/// parse) fails a start or a reload instead of leaving servers unchecked.
+fn check_health_settings(config: &Config) -> anyhow::Result<()> {
+    for service in &config.services {
+        // No check is made: the address only goes into the URL.
+        Checker::new(&service.health, service.vip).with_context(|| format!("service {:?}", service.name))?;
+    }
+    Ok(())
+}
+
 fn checks_of(service: &config::Service) -> Checks {
     Checks { rise: service.health.rise, fall: service.health.fall, passive_only: service.health.check == CheckKind::None }
 }
@@ -84,13 +95,8 @@ fn checks_of(service: &config::Service) -> Checks {
 /// stays pinned and working after it returns (fail-static).
 pub async fn run(options: Options) -> anyhow::Result<()> {
     let config = Config::load(&options.config_path)?;
-    // Health check settings that only fail when used (a CA file that cannot
-    // be read) fail the start, before anything is attached.
-    for service in &config.services {
-        for server in service.servers.iter().chain(&service.default) {
-            Checker::new(&service.health, *server).with_context(|| format!("service {:?}", service.name))?;
-        }
-    }
+    // Before anything is attached.
+    check_health_settings(&config)?;
     let cgroup = match &config.daemon.cgroup {
         Some(path) => path.clone(),
         None => datapath::cgroup2_root()?,
@@ -203,6 +209,7 @@ impl Daemon {
     /// Carries out a balancer's effects for service `i`.
     fn apply(&mut self, i: usize, effects: Vec<Effect>) {
         let changed_servers = effects.iter().any(|e| matches!(e, Effect::StateChanged { .. }));
+        let mut closes = Vec::new();
         for effect in effects {
             let service = &self.services[i];
             let (name, vip) = (service.config.name.clone(), service.config.vip);
@@ -225,16 +232,12 @@ impl Daemon {
                         Err(e) => error!(service = %name, "writing the selection failed: {e:#}"),
                     }
                 }
-                Effect::CloseConnections { server, reason } => match self.close(vip, server) {
-                    Ok(closed) => {
-                        info!(service = %name, %server, closed, reason = reason.name(), "closed VIP connections");
-                        let labels = ClosedLabels { service: name.clone(), server: server.to_string(), reason: reason.name().to_owned() };
-                        self.metrics.connections_closed.get_or_create(&labels).inc_by(closed as u64);
-                    }
-                    Err(e) => error!(service = %name, %server, "closing connections failed: {e:#}"),
-                },
+                Effect::CloseConnections { server, reason } => closes.push((server, reason)),
             }
         }
+        // After the new selection is written, so that a client reconnecting
+        // at once gets a server of it.
+        self.close_servers(i, &closes);
         if changed_servers {
             self.sync_checks(i);
         }
@@ -269,12 +272,41 @@ impl Daemon {
         }
     }
 
-    fn close(&self, vip: SocketAddr, server: SocketAddr) -> anyhow::Result<usize> {
+    /// Resets the VIP connections that `wanted(vip, server)` picks, with one
+    /// socket dump however many servers that covers. Returns how many were
+    /// closed per (VIP, server).
+    fn close(&self, wanted: impl Fn(SocketAddr, SocketAddr) -> bool) -> anyhow::Result<BTreeMap<(SocketAddr, SocketAddr), u64>> {
         if !self.sock_destroy {
-            return Ok(0);
+            bail!("this kernel cannot destroy sockets (it lacks CONFIG_INET_DIAG_DESTROY, or the tcp_diag module is not loaded)");
         }
-        let cookies = self.datapath.vip_sockets_to(server, Some(&HashSet::from([vip])));
-        sock_destroy::destroy(&cookies).with_context(|| format!("closing connections to {server}"))
+        let sockets: HashMap<u64, (SocketAddr, SocketAddr)> =
+            self.datapath.vip_sockets().filter(|s| wanted(s.vip, s.server)).map(|s| (s.cookie, (s.vip, s.server))).collect();
+        let cookies = sockets.keys().copied().collect();
+        let mut closed = BTreeMap::new();
+        for cookie in sock_destroy::destroy(&cookies).context("destroying sockets with netlink SOCK_DESTROY")? {
+            *closed.entry(sockets[&cookie]).or_default() += 1;
+        }
+        Ok(closed)
+    }
+
+    /// Closes the VIP connections of service `i` to the servers one step of
+    /// its balancer moved traffic away from, and counts them by reason.
+    fn close_servers(&mut self, i: usize, closes: &[(SocketAddr, CloseReason)]) {
+        // Without socket destroy (said once at start) they end on their own.
+        if closes.is_empty() || !self.sock_destroy {
+            return;
+        }
+        let (name, vip) = (self.services[i].config.name.clone(), self.services[i].config.vip);
+        let closed = match self.close(|v, server| v == vip && closes.iter().any(|(s, _)| *s == server)) {
+            Ok(closed) => closed,
+            Err(e) => return error!(service = %name, "closing connections failed: {e:#}"),
+        };
+        for &(server, reason) in closes {
+            let count = closed.get(&(vip, server)).copied().unwrap_or(0);
+            info!(service = %name, %server, closed = count, reason = reason.name(), "closed VIP connections");
+            let labels = ClosedLabels { service: name.clone(), server: server.to_string(), reason: reason.name().to_owned() };
+            self.metrics.connections_closed.get_or_create(&labels).inc_by(count);
+        }
     }
 
     fn on_health(&mut self, service: &str, server: SocketAddr, result: Health, took: Duration) {
@@ -432,17 +464,26 @@ impl Daemon {
         }
     }
 
-    /// Resets the connections made through a VIP (of `service`, or of any
-    /// service) to `server`. Direct connections to it are left alone.
-    fn close_connections(&self, server: SocketAddr, service: Option<&str>) -> anyhow::Result<usize> {
-        let vips: Option<HashSet<SocketAddr>> = match service {
+    /// `lb close-connections`: resets the connections made through a VIP
+    /// (of `service`, or of any service) to `server`. Direct connections to
+    /// it are left alone. Counted with reason `manual`.
+    fn close_connections(&mut self, server: SocketAddr, service: Option<&str>) -> anyhow::Result<u64> {
+        let vip = match service {
             None => None,
-            Some(name) => Some(HashSet::from([self.services[self.index(name).with_context(|| format!("no service named {name:?}"))?].config.vip])),
+            Some(name) => Some(self.services[self.index(name).with_context(|| format!("no service named {name:?}"))?].config.vip),
         };
-        let cookies = self.datapath.vip_sockets_to(server, vips.as_ref());
-        let closed = sock_destroy::destroy(&cookies).with_context(|| format!("closing connections to {server}"))?;
-        info!(%server, closed, "closed VIP connections on request");
-        Ok(closed)
+        let closed = self
+            .close(|v, s| s == server && vip.is_none_or(|vip| vip == v))
+            .with_context(|| format!("closing connections to {server}"))?;
+        for (&(vip, server), &count) in &closed {
+            if let Some(service) = self.services.iter().find(|s| s.config.vip == vip) {
+                let labels = ClosedLabels { service: service.config.name.clone(), server: server.to_string(), reason: "manual".to_owned() };
+                self.metrics.connections_closed.get_or_create(&labels).inc_by(count);
+            }
+        }
+        let total = closed.values().sum();
+        info!(%server, closed = total, "closed VIP connections on request");
+        Ok(total)
     }
 
     /// SIGHUP or `lb reload`: apply a new config if it is valid; keep the
@@ -464,17 +505,13 @@ impl Daemon {
     /// their VIP connections are closed. Nothing changes if it is invalid.
     fn try_reload(&mut self) -> anyhow::Result<()> {
         let config = Config::load(&self.config_path)?;
-        for service in &config.services {
-            for server in service.servers.iter().chain(&service.default) {
-                Checker::new(&service.health, *server).with_context(|| format!("service {:?}", service.name))?;
-            }
-        }
+        check_health_settings(&config)?;
         if config.daemon != self.config.daemon {
             warn!("[daemon] settings changed; they take effect at the next start");
         }
         let now = Instant::now();
         let mut old: HashMap<String, Service> = self.services.drain(..).map(|s| (s.config.name.clone(), s)).collect();
-        let mut removed_vips = Vec::new();
+        let mut removed_vips = HashSet::new();
         for wanted in &config.services {
             let service = match old.remove(&wanted.name) {
                 Some(mut service) if service.config.vip == wanted.vip => {
@@ -503,7 +540,7 @@ impl Daemon {
                     continue;
                 }
                 Some(service) => {
-                    removed_vips.push((service.config.vip, service.balancer.servers().iter().map(|s| s.addr).collect::<Vec<_>>()));
+                    removed_vips.insert(service.config.vip);
                     info!(service = %wanted.name, "VIP changed: replacing the service");
                     drop(service);
                     let (balancer, effects) = Balancer::new(wanted.policy, checks_of(wanted), &wanted.servers, wanted.default, now);
@@ -526,7 +563,7 @@ impl Daemon {
             for server in service.balancer.servers() {
                 self.metrics.forget_server(&name, server.addr);
             }
-            removed_vips.push((service.config.vip, service.balancer.servers().iter().map(|s| s.addr).collect()));
+            removed_vips.insert(service.config.vip);
         }
         let entries: Vec<VipEntry> = self
             .services
@@ -536,12 +573,15 @@ impl Daemon {
         if let Err(e) = self.datapath.reconcile(&entries) {
             error!("reload: writing the datapath failed: {e:#}");
         }
-        // A removed VIP no longer rewrites; its connections are closed.
-        for (vip, servers) in removed_vips {
-            for server in servers {
-                if let Err(e) = self.close(vip, server) {
-                    error!(%vip, %server, "closing connections of a removed service failed: {e:#}");
-                }
+        // A removed VIP no longer rewrites; its connections are closed
+        // (unless another service has taken the VIP over).
+        for service in &self.services {
+            removed_vips.remove(&service.config.vip);
+        }
+        if !removed_vips.is_empty() && self.sock_destroy {
+            match self.close(|vip, _| removed_vips.contains(&vip)) {
+                Ok(closed) => info!(closed = closed.values().sum::<u64>(), "closed the connections of removed VIPs"),
+                Err(e) => error!("closing the connections of removed VIPs failed: {e:#}"),
             }
         }
         for i in 0..self.services.len() {

@@ -8,7 +8,6 @@
 //! of attaching again, so there is no window without the programs.
 
 use std::{
-    collections::HashSet,
     ffi::CString,
     fs::File,
     io,
@@ -65,6 +64,14 @@ pub struct VipEntry {
     pub vip: SocketAddr,
     pub selection: Selection,
     pub hold_down: Duration,
+}
+
+/// A live socket that connected through a VIP (from the kernel's table).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VipSocket {
+    pub cookie: u64,
+    pub vip: SocketAddr,
+    pub server: SocketAddr,
 }
 
 impl VipEntry {
@@ -269,16 +276,13 @@ impl Datapath {
             .collect()
     }
 
-    /// Cookies of the live sockets that connected to `server` through one of
-    /// `vips` (any VIP when `None`).
-    pub fn vip_sockets_to(&self, server: SocketAddr, vips: Option<&HashSet<SocketAddr>>) -> HashSet<u64> {
-        let server = Endpoint::from(server);
-        self.sockets
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(_, e)| e.server == server && vips.is_none_or(|v| v.contains(&SocketAddr::from(e.vip))))
-            .map(|(cookie, _)| cookie)
-            .collect()
+    /// The live sockets that connected through a VIP.
+    pub fn vip_sockets(&self) -> impl Iterator<Item = VipSocket> + '_ {
+        self.sockets.iter().filter_map(Result::ok).map(|(cookie, e)| VipSocket {
+            cookie,
+            vip: SocketAddr::from(e.vip),
+            server: SocketAddr::from(e.server),
+        })
     }
 
     /// The kernel log reader (only with `--bpf-log`); can be taken once.

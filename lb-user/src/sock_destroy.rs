@@ -25,10 +25,11 @@ fn live_states() -> StateFlags {
 }
 
 /// Resets every TCP socket in this network namespace whose cookie is in
-/// `cookies`. Returns how many were destroyed.
-pub fn destroy(cookies: &HashSet<u64>) -> io::Result<usize> {
+/// `cookies`, with one dump of the namespace's sockets however many there
+/// are. Returns the cookies of those destroyed.
+pub fn destroy(cookies: &HashSet<u64>) -> io::Result<Vec<u64>> {
     if cookies.is_empty() {
-        return Ok(0);
+        return Ok(Vec::new());
     }
     let mut socket = Socket::new(NETLINK_SOCK_DIAG)?;
     socket.bind_auto()?;
@@ -41,10 +42,11 @@ pub fn destroy(cookies: &HashSet<u64>) -> io::Result<usize> {
             }
         }
     }
-    let mut destroyed = 0;
+    let mut destroyed = Vec::new();
     for (family, id) in targets {
+        let cookie = u64::from_ne_bytes(id.cookie);
         match destroy_one(&socket, family, id) {
-            Ok(()) => destroyed += 1,
+            Ok(()) => destroyed.push(cookie),
             // Closed on its own between the dump and now.
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
             Err(e) => return Err(e),

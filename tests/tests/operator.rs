@@ -136,7 +136,8 @@ fn metrics_match_what_happened() {
     // The dead server fails its checks; the live one becomes active.
     assert!(wait_until(Duration::from_secs(10), || daemon.status()["services"][0]["servers"][1]["state"] == "active"), "{}", daemon.log());
     let ids: Vec<u32> = (0..3).map(|_| inside.connect(vip)).inspect(|a| assert_eq!(a.landed(), "one")).map(|a| a.id()).collect();
-    daemon.lb(&["close-connections", &one.addr.to_string()]);
+    let said = daemon.lb(&["close-connections", &one.addr.to_string()]);
+    assert!(said.contains("closed 3 connections"), "{said}");
     for id in &ids {
         assert!(wait_until(Duration::from_secs(5), || !inside.alive(*id)));
     }
@@ -155,6 +156,7 @@ fn metrics_match_what_happened() {
     assert_eq!(sample(&text, &format!("lb_server_state{{{},state=\"failed\"}}", server(dead))), Some(1.0), "{text}");
     assert_eq!(sample(&text, &format!("lb_server_healthy{{{}}}", server(one.addr))), Some(1.0));
     assert_eq!(sample(&text, &format!("lb_server_healthy{{{}}}", server(dead))), Some(0.0));
+    assert_eq!(sample(&text, &format!("lb_connections_closed_total{{{},reason=\"manual\"}}", server(one.addr))), Some(3.0), "{text}");
     assert_eq!(sample(&text, "lb_config_reloads_total{result=\"success\"}"), Some(1.0), "{text}");
     assert!(sample(&text, "lb_selection_changes_total{service=\"api\"}").unwrap() >= 1.0);
     assert!(sample(&text, "lb_datapath_decisions_total{reason=\"connect_rewritten\"}").unwrap() >= 4.0, "{text}");
