@@ -13,10 +13,14 @@
 //! Layout under `target/vmtest/`:
 //! - `apt/<release>/`: a private apt configuration per release, so the
 //!   machine's own apt configuration and lists are never touched;
+//! - `virtme-ng-<version>/`: a Python virtual environment with virtme-ng,
+//!   so the machine's own Python packages are never touched either;
 //! - `kernels/<name>/`: unpacked kernel packages, reused when present
 //!   (delete a directory to fetch that kernel again);
-//! - `bin/`: the binaries under test, linked or copied there at the start
-//!   of a run, so a rebuild on the host cannot change them mid-run;
+//! - `bin/`: the binaries under test (`lb`, `lb-test-client` and the test
+//!   executables), linked or copied there at the start of a run, so a
+//!   rebuild on the host cannot change them mid-run; the guest copies them
+//!   into its memory before running them;
 //! - `results/<name>/`: the guest script, each binary's output and exit
 //!   status, the guest's dmesg and the console log of the last run.
 
@@ -35,11 +39,12 @@ use crate::{target_dir, workspace};
 
 /// Debian releases whose generic kernel is tested by default.
 const RELEASES: [&str; 3] = ["bullseye", "bookworm", "trixie"];
-/// The virtme-ng release this was verified with.
-const VIRTME_NG: &str = "virtme-ng==1.42";
+/// The virtme-ng release this was verified with, installed into a Python
+/// virtual environment of its own under `target/vmtest/`.
+const VIRTME_NG_VERSION: &str = "1.42";
 /// Debian packages virtme-ng needs. Without udev the guest's output and
-/// exit code are lost.
-const HOST_PACKAGES: [&str; 4] = ["qemu-system-x86", "busybox-static", "kmod", "udev"];
+/// exit code are lost; python3-venv makes its virtual environment.
+const HOST_PACKAGES: [&str; 5] = ["qemu-system-x86", "busybox-static", "kmod", "udev", "python3-venv"];
 /// Used when the machine's own sources name no Debian mirror.
 const DEFAULT_MIRROR: &str = "http://deb.debian.org/debian";
 const DEBIAN_KEYRING: &str = "/usr/share/keyrings/debian-archive-keyring.gpg";
@@ -71,11 +76,18 @@ const BLACKLIST: &str = "modprobe.blacklist=floppy,parport,parport_pc,ppdev,pcsp
                          crct10dif_pclmul,crc32_pclmul,crc32c_intel,ghash_clmulni_intel,aesni_intel,sha1_ssse3,\
                          sha256_ssse3,sha512_ssse3,polyval_clmulni,polyval_generic";
 
-/// A binary to run in the guest.
+/// A test executable to run in the guest.
 struct TestBinary {
     /// The cargo target name (`datapath`), also used for file names.
     name: String,
     path: PathBuf,
+}
+
+/// What the guest runs: `lb`, `lb-test-client` and the test executables,
+/// all in one directory under the names the guest script uses.
+struct Binaries {
+    dir: PathBuf,
+    tests: Vec<TestBinary>,
 }
 
 /// Where a kernel comes from.
@@ -190,8 +202,8 @@ pub fn run(kernels: Vec<PathBuf>) -> anyhow::Result<()> {
 
     // Held until the run ends: runs share `bin/` and `results/`.
     let _lock = lock(&base)?;
-    ensure_tools()?;
-    let (lb, tests) = build(&base)?;
+    let vng = ensure_tools(&base)?;
+    let binaries = build(&base)?;
 
     let mut outcomes = Vec::new();
     let mut names = BTreeSet::new();
@@ -212,7 +224,7 @@ pub fn run(kernels: Vec<PathBuf>) -> anyhow::Result<()> {
         }
         .map(|kernel| Kernel { name: name.clone(), ..kernel });
         let outcome = match kernel {
-            Ok(kernel) => boot_and_test(&base, &kernel, &lb, &tests),
+            Ok(kernel) => boot_and_test(&base, &vng, &kernel, &binaries),
             Err(e) => Outcome { name, problems: vec![format!("no kernel: {e:#}")], ..Outcome::default() },
         };
         println!("{}", outcome.summary(true));
@@ -269,9 +281,17 @@ fn lock(base: &Path) -> anyhow::Result<fs::File> {
 // ---------------------------------------------------------------------------
 // Host tools
 
-/// Installs what virtme-ng needs when it is missing. Only ever adds
-/// packages; the machine's apt sources are not changed.
-fn ensure_tools() -> anyhow::Result<()> {
+/// virtme-ng, ready to run.
+struct Vng {
+    program: PathBuf,
+    /// `PATH` for it: `vng` starts `virtme-run` by name.
+    path: std::ffi::OsString,
+}
+
+/// Installs what virtme-ng needs when it is missing, and virtme-ng itself
+/// into its own virtual environment. Only ever adds packages; the
+/// machine's apt sources and Python packages are not changed.
+fn ensure_tools(base: &Path) -> anyhow::Result<Vng> {
     let missing: Vec<&str> = HOST_PACKAGES.iter().copied().filter(|p| !dpkg_installed(p)).collect();
     if !missing.is_empty() {
         println!("==> installing {}", missing.join(" "));
@@ -284,19 +304,26 @@ fn ensure_tools() -> anyhow::Result<()> {
                 .env("DEBIAN_FRONTEND", "noninteractive"),
         )?;
     }
-    if which("vng").is_none() {
-        println!("==> installing {VIRTME_NG}");
+    let venv = base.join(format!("virtme-ng-{VIRTME_NG_VERSION}"));
+    let bin = venv.join("bin");
+    // Written last: an interrupted install is never mistaken for a
+    // complete one. (Not made aside and renamed: a virtual environment's
+    // scripts name their interpreter by its path.)
+    let installed = venv.join("installed");
+    if !installed.is_file() {
+        println!("==> installing virtme-ng {VIRTME_NG_VERSION} into {}", venv.display());
+        if venv.exists() {
+            fs::remove_dir_all(&venv).with_context(|| format!("removing {}", venv.display()))?;
+        }
         let python = if which("python3").is_some() { "python3" } else { "python" };
-        run_cmd(Command::new(python).args(["-m", "pip", "install", "--quiet", VIRTME_NG]))?;
-        // pyenv puts new scripts behind shims that only appear after a rehash.
-        if which("pyenv").is_some() {
-            let _ = Command::new("pyenv").arg("rehash").status();
-        }
-        if which("vng").is_none() {
-            bail!("installed {VIRTME_NG}, but `vng` is still not on PATH ({:?})", std::env::var_os("PATH").unwrap_or_default());
-        }
+        run_cmd(Command::new(python).args(["-m", "venv"]).arg(&venv))?;
+        let spec = format!("virtme-ng=={VIRTME_NG_VERSION}");
+        run_cmd(Command::new(bin.join("pip")).args(["install", "--quiet", "--disable-pip-version-check", &spec]))?;
+        fs::write(&installed, &spec).with_context(|| format!("writing {}", installed.display()))?;
     }
-    Ok(())
+    let path = std::env::join_paths(std::iter::once(bin.clone()).chain(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())))
+        .context("building PATH for virtme-ng")?;
+    Ok(Vng { program: bin.join("vng"), path })
 }
 
 fn dpkg_installed(package: &str) -> bool {
@@ -316,14 +343,14 @@ fn which(program: &str) -> Option<PathBuf> {
 // Binaries
 
 /// Builds `lb` and the `lb-tests` binaries and fixes them under
-/// `<base>/bin`; returns the `lb` to test and the test executables.
+/// `<base>/bin`.
 ///
 /// `lb` is the release build: the guest runs under software emulation,
 /// where the debug build is too slow for the tests' own deadlines (a
 /// daemon must answer within 60 s; the debug build spends 20-40 s per
 /// health-check client just parsing the CA store). The test binaries stay
 /// debug builds; they do little work of their own.
-fn build(base: &Path) -> anyhow::Result<(PathBuf, Vec<TestBinary>)> {
+fn build(base: &Path) -> anyhow::Result<Binaries> {
     println!("==> building lb (release) and the integration tests");
     crate::cargo(&["build", "--release", "--package", "lb-user"])?;
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
@@ -340,24 +367,21 @@ fn build(base: &Path) -> anyhow::Result<(PathBuf, Vec<TestBinary>)> {
     if tests.is_empty() {
         bail!("cargo reported no integration test executables for lb-tests");
     }
-    // The tests start the client through a path compiled into them, which
-    // the guest sees as well; it cannot be fixed like the others.
     let client = client.context("cargo reported no lb-test-client binary")?;
-    if !client.exists() {
-        bail!("{} does not exist", client.display());
-    }
 
     let bin = base.join("bin");
     if bin.exists() {
         fs::remove_dir_all(&bin).with_context(|| format!("removing {}", bin.display()))?;
     }
     fs::create_dir_all(&bin).with_context(|| format!("creating {}", bin.display()))?;
-    let lb = pin(&target_dir().join("release/lb"), &bin.join("lb"))?;
+    pin(&target_dir().join("release/lb"), &bin.join("lb"))?;
+    // The tests find the client through `$LB_TEST_CLIENT`.
+    pin(&client, &bin.join("lb-test-client"))?;
     let tests = tests
         .into_iter()
         .map(|test| Ok(TestBinary { path: pin(&test.path, &bin.join(&test.name))?, name: test.name }))
         .collect::<anyhow::Result<_>>()?;
-    Ok((lb, tests))
+    Ok(Binaries { dir: bin, tests })
 }
 
 /// A hard link (cargo replaces rather than rewrites its outputs, so the
@@ -606,7 +630,7 @@ fn bzimage_version(path: &Path) -> anyhow::Result<String> {
 // The guest
 
 /// Boots `kernel` once and runs every test binary in it.
-fn boot_and_test(base: &Path, kernel: &Kernel, lb: &Path, tests: &[TestBinary]) -> Outcome {
+fn boot_and_test(base: &Path, vng: &Vng, kernel: &Kernel, binaries: &Binaries) -> Outcome {
     let started = Instant::now();
     let results = base.join("results").join(&kernel.name);
     let mut outcome = Outcome {
@@ -616,11 +640,11 @@ fn boot_and_test(base: &Path, kernel: &Kernel, lb: &Path, tests: &[TestBinary]) 
         results: Some(results.clone()),
         ..Outcome::default()
     };
-    match boot(kernel, lb, tests, &results) {
-        Ok(()) => collect(&results, tests, &mut outcome),
+    match boot(vng, kernel, binaries, &results) {
+        Ok(()) => collect(&results, &binaries.tests, &mut outcome),
         Err(e) => {
             // Whatever did finish still counts.
-            collect(&results, tests, &mut outcome);
+            collect(&results, &binaries.tests, &mut outcome);
             outcome.problems.insert(0, format!("{e:#}"));
         }
     }
@@ -628,23 +652,24 @@ fn boot_and_test(base: &Path, kernel: &Kernel, lb: &Path, tests: &[TestBinary]) 
     outcome
 }
 
-fn boot(kernel: &Kernel, lb: &Path, tests: &[TestBinary], results: &Path) -> anyhow::Result<()> {
+fn boot(vng: &Vng, kernel: &Kernel, binaries: &Binaries, results: &Path) -> anyhow::Result<()> {
     // Only this kernel's own results directory is ever removed.
     if results.exists() {
         fs::remove_dir_all(results).with_context(|| format!("removing {}", results.display()))?;
     }
     fs::create_dir_all(results).with_context(|| format!("creating {}", results.display()))?;
     let script = results.join("guest.sh");
-    fs::write(&script, guest_script(kernel, lb, tests, results)).with_context(|| format!("writing {}", script.display()))?;
+    fs::write(&script, guest_script(kernel, binaries, results)).with_context(|| format!("writing {}", script.display()))?;
 
     let console = results.join("console.log");
     let log = fs::File::create(&console).with_context(|| format!("creating {}", console.display()))?;
-    let timeout = BOOT_ALLOWANCE_SECS + BINARY_TIMEOUT_SECS * tests.len() as u64;
+    let timeout = BOOT_ALLOWANCE_SECS + BINARY_TIMEOUT_SECS * binaries.tests.len() as u64;
     let mut cmd = Command::new("timeout");
     cmd.args(["--kill-after=10", &timeout.to_string()])
         // KVM here is a nested paravirtual mode that does not boot stock
         // kernels; 9p because virtiofsd is not there.
-        .args(["vng", "--force-9p", "--disable-kvm", "-m", "2G", "-p", "2", "--verbose"])
+        .arg(&vng.program)
+        .args(["--force-9p", "--disable-kvm", "-m", "2G", "-p", "2", "--verbose"])
         .arg("-r")
         .arg(&kernel.vmlinuz)
         .arg(format!("--rwdir={}", results.display()))
@@ -652,6 +677,7 @@ fn boot(kernel: &Kernel, lb: &Path, tests: &[TestBinary], results: &Path) -> any
         .args(["--", "/bin/sh"])
         .arg(&script)
         .current_dir(results)
+        .env("PATH", &vng.path)
         // vng has no timeout of its own and must never wait on a terminal.
         .stdin(Stdio::null())
         .stdout(log.try_clone().context("duplicating the console log handle")?)
@@ -677,23 +703,30 @@ fn boot(kernel: &Kernel, lb: &Path, tests: &[TestBinary], results: &Path) -> any
 
 /// The script the guest runs: prepare what the tests expect of a machine,
 /// then each binary with its output and status in the results directory.
-fn guest_script(kernel: &Kernel, lb: &Path, tests: &[TestBinary], results: &Path) -> String {
+fn guest_script(kernel: &Kernel, binaries: &Binaries, results: &Path) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "#!/bin/sh\n# Written by `cargo xtask vmtest`; runs inside the guest.");
     // The guest does not inherit the host's environment.
     let _ = writeln!(s, "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin");
-    let _ = writeln!(s, "export CI=true RUST_BACKTRACE=1 LB_BIN={}", sh_quote(lb));
+    let _ = writeln!(s, "export CI=true RUST_BACKTRACE=1");
     let _ = writeln!(s, "R={}", sh_quote(results));
+    let _ = writeln!(s, "HOST_BIN={}", sh_quote(&binaries.dir));
     let _ = writeln!(s, "now() {{ read -r up _ < /proc/uptime; echo \"$up\"; }}");
     let _ = writeln!(s, "echo \"boot $(now)\" > \"$R/timing\"\nuname -r > \"$R/uname\"");
     s.push_str(
-        r#"# The tests keep their daemons' sockets, configs and logs under $TMPDIR.
-# virtme-ng's /tmp is an overlay on the host's /tmp (over 9p); a tmpfs of
-# their own is faster and sees nothing of the host's. Not mounted on /tmp
-# itself: that would hide this very directory when the workspace is there.
-mkdir -p /run/vmtest-tmp
-mount -t tmpfs -o mode=1777 tmpfs /run/vmtest-tmp
-export TMPDIR=/run/vmtest-tmp
+        r#"# The guest sees the host's files over 9p, and under software emulation
+# every page of a binary read that way costs a round trip: the binaries
+# run from memory instead. The tests keep their daemons' sockets, configs
+# and logs under $TMPDIR, in memory too and apart from the host's /tmp
+# (virtme-ng's /tmp is an overlay on it). Not mounted on /tmp itself: that
+# would hide this very directory when the workspace is there.
+mkdir -p /run/vmtest
+mount -t tmpfs -o mode=1777 tmpfs /run/vmtest
+mkdir -m 1777 /run/vmtest/tmp
+export TMPDIR=/run/vmtest/tmp
+B=/run/vmtest/bin
+cp -r "$HOST_BIN" "$B"
+export LB_BIN="$B/lb" LB_TEST_CLIENT="$B/lb-test-client"
 # Each HTTP health-check client loads the CA store. Read file by file from
 # /etc/ssl/certs over 9p, that alone takes longer than the tests wait for
 # the daemon to start; the bundle holds the same certificates in one file.
@@ -712,18 +745,17 @@ if command -v ip >/dev/null; then ip link set lo up; else busybox ip link set lo
     }
     // What udev loaded, to keep BLACKLIST honest.
     let _ = writeln!(s, "cut -d' ' -f1 /proc/modules > \"$R/modules.loaded\"");
-    for test in tests {
+    for test in &binaries.tests {
         // Test names are checked to be [A-Za-z0-9_-] in parse_artifacts.
         // --nocapture: a test that skips itself says so on stderr, which
         // libtest would otherwise swallow for a passing test.
         let _ = writeln!(
             s,
             "echo \"start {name} $(now)\" >> \"$R/timing\"\n\
-             timeout --kill-after=10 {BINARY_TIMEOUT_SECS} {bin} --test-threads=1 --nocapture > \"$R/{name}.log\" 2>&1\n\
+             timeout --kill-after=10 {BINARY_TIMEOUT_SECS} \"$B/{name}\" --test-threads=1 --nocapture > \"$R/{name}.log\" 2>&1\n\
              echo $? > \"$R/{name}.status\"\n\
              echo \"end {name} $(now)\" >> \"$R/timing\"",
             name = test.name,
-            bin = sh_quote(&test.path)
         );
     }
     s.push_str("dmesg > \"$R/dmesg.log\" 2>&1\necho done > \"$R/done\"\nsync\n");
