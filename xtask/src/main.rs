@@ -5,7 +5,7 @@ mod vmtest;
 
 use std::{
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, ExitCode},
 };
 
 use anyhow::{Context as _, bail};
@@ -52,8 +52,20 @@ enum Task {
     DemoGet { addr: String },
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+fn main() -> ExitCode {
+    // A failed task says what failed; a backtrace of xtask itself (which
+    // anyhow would add under RUST_BACKTRACE=1) says nothing more.
+    match run(Cli::parse().command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(task: Task) -> anyhow::Result<()> {
+    match task {
         Task::BuildEbpf => cargo(&["build", "--package", "lb-user"]),
         Task::Run { args } => {
             cargo(&["build", "--package", "lb-user"])?;

@@ -804,9 +804,11 @@ fn collect(results: &Path, tests: &[TestBinary], outcome: &mut Outcome) {
             match result {
                 TestResult::Ok => outcome.passed += 1,
                 TestResult::Skipped(reason) => outcome.skipped.push(format!("{}::{name} ({reason})", test.name)),
-                TestResult::Failed => {
+                TestResult::Failed(why) => {
                     failed += 1;
-                    outcome.failed.push(format!("{}::{name}", test.name));
+                    // The first panic says what went wrong; the rest is in the log.
+                    let why = why.as_deref().map(|why| format!(": {why}")).unwrap_or_default();
+                    outcome.failed.push(format!("{}::{name}{why}", test.name));
                 }
                 TestResult::Ignored => outcome.skipped.push(format!("{}::{name} (#[ignore])", test.name)),
                 TestResult::Unfinished => outcome.failed.push(format!("{}::{name} (did not finish)", test.name)),
@@ -830,7 +832,8 @@ fn collect(results: &Path, tests: &[TestBinary], outcome: &mut Outcome) {
 #[derive(Debug, PartialEq)]
 enum TestResult {
     Ok,
-    Failed,
+    /// With the first panic's location and message, if it printed one.
+    Failed(Option<String>),
     Ignored,
     /// Passed, but printed `SKIPPED: <reason>`: the harness's way of saying
     /// the kernel lacks what the test needs.
@@ -846,12 +849,23 @@ struct LibtestReport {
     summary: bool,
 }
 
+/// The test whose output `parse_libtest` is reading.
+struct Running {
+    name: String,
+    /// From a `SKIPPED: <reason>` line.
+    skip: Option<String>,
+    /// `panicked at <location>: <message>`, from the first panic.
+    panic: Option<String>,
+    /// The panic's location was read; its message is the next line.
+    panic_message_next: bool,
+}
+
 /// Reads libtest's `--nocapture --test-threads=1` output: `test NAME ... `
 /// starts a test, its own output may follow (also on the same line), and
 /// a line ending in `ok`/`FAILED`/`ignored` ends it.
 fn parse_libtest(log: &str) -> LibtestReport {
     let mut report = LibtestReport::default();
-    let mut current: Option<(String, Option<String>)> = None;
+    let mut current: Option<Running> = None;
     for line in log.lines() {
         if line.starts_with("test result: ") {
             report.summary = true;
@@ -859,42 +873,57 @@ fn parse_libtest(log: &str) -> LibtestReport {
         }
         let rest = match line.strip_prefix("test ").and_then(|rest| rest.split_once(" ... ")) {
             Some((name, rest)) if !name.contains(' ') => {
-                if let Some((name, _)) = current.take() {
-                    report.tests.insert(name, TestResult::Unfinished);
+                if let Some(running) = current.take() {
+                    report.tests.insert(running.name, TestResult::Unfinished);
                 }
-                current = Some((name.to_owned(), None));
+                current = Some(Running { name: name.to_owned(), skip: None, panic: None, panic_message_next: false });
                 rest
             }
             _ => line,
         };
-        let Some((_, skip)) = current.as_mut() else { continue };
+        let Some(running) = current.as_mut() else { continue };
+        if std::mem::take(&mut running.panic_message_next)
+            && let Some(panic) = running.panic.as_mut()
+        {
+            let _ = write!(panic, " {}", rest.trim());
+            continue;
+        }
         if let Some(reason) = rest.trim().strip_prefix("SKIPPED:") {
-            skip.get_or_insert_with(|| reason.trim().to_owned());
+            running.skip.get_or_insert_with(|| reason.trim().to_owned());
+        }
+        // thread 'NAME' (ID) panicked at tests/tests/datapath.rs:76:9:
+        if running.panic.is_none()
+            && rest.starts_with("thread '")
+            && let Some((_, location)) = rest.split_once(" panicked at ")
+        {
+            running.panic = Some(format!("panicked at {location}"));
+            running.panic_message_next = true;
+            continue;
         }
         let result = match rest.trim() {
             "ok" => Some(true),
             "FAILED" => Some(false),
             r if r == "ignored" || r.starts_with("ignored, ") => {
-                if let Some((name, _)) = current.take() {
-                    report.tests.insert(name, TestResult::Ignored);
+                if let Some(running) = current.take() {
+                    report.tests.insert(running.name, TestResult::Ignored);
                 }
                 continue;
             }
             _ => None,
         };
         if let Some(passed) = result
-            && let Some((name, skip)) = current.take()
+            && let Some(running) = current.take()
         {
-            let result = match (passed, skip) {
+            let result = match (passed, running.skip) {
                 (true, Some(reason)) => TestResult::Skipped(reason),
                 (true, None) => TestResult::Ok,
-                (false, _) => TestResult::Failed,
+                (false, _) => TestResult::Failed(running.panic),
             };
-            report.tests.insert(name, result);
+            report.tests.insert(running.name, result);
         }
     }
-    if let Some((name, _)) = current {
-        report.tests.insert(name, TestResult::Unfinished);
+    if let Some(running) = current {
+        report.tests.insert(running.name, TestResult::Unfinished);
     }
     report
 }
@@ -945,7 +974,7 @@ mod tests {
         assert!(report.summary);
         assert_eq!(report.tests["a"], TestResult::Ok);
         assert_eq!(report.tests["b"], TestResult::Ok);
-        assert_eq!(report.tests["c"], TestResult::Failed);
+        assert_eq!(report.tests["c"], TestResult::Failed(Some("panicked at x.rs:1:1: boom".into())));
         assert_eq!(report.tests["d"], TestResult::Skipped("this test needs sock_destroy, which this kernel lacks".into()));
         assert_eq!(report.tests["e"], TestResult::Ignored);
         // A binary killed mid-test.
