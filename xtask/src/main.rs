@@ -141,8 +141,9 @@ fn test() -> anyhow::Result<()> {
 
     println!("==> the integration tests on other kernels, in VMs");
     if std::env::var("CI").is_ok_and(|v| v == "true") {
-        // Three kernels take ~18 min under software emulation; CI keeps
-        // the oldest and the newest. `cargo xtask vmtest` runs all three.
+        // Three kernels take ~10.5 min under software emulation, which on
+        // top of a cold build passes 20 min; CI keeps the oldest and the
+        // newest. `cargo xtask vmtest` runs all three.
         println!("CI: testing Linux 5.10 (bullseye) and 6.12 (trixie); `cargo xtask vmtest` also runs 6.1 (bookworm)");
         vmtest::run(vec!["bullseye".into(), "trixie".into()])
     } else {
