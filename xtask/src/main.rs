@@ -1,5 +1,6 @@
 //! `cargo xtask`: build, run, demo and test lb. See README.md.
 
+mod bench;
 mod demo;
 mod vmtest;
 
@@ -47,6 +48,13 @@ enum Task {
         #[arg(long)]
         kernel: Vec<PathBuf>,
     },
+    /// As root: the datapath's cost to applications (connect rate and bulk
+    /// throughput through a VIP), as ratios against direct connections and
+    /// a userspace proxy measured in the same run. Loopback only.
+    Bench,
+    /// (internal) The benchmark's client.
+    #[command(hide = true)]
+    BenchClient { mode: String, addr: String, amount: u64 },
     /// (internal) One HTTP GET from inside the demo cgroup.
     #[command(hide = true)]
     DemoGet { addr: String },
@@ -82,6 +90,8 @@ fn run(task: Task) -> anyhow::Result<()> {
         Task::Test => test(),
         Task::Vmtest { kernel } => vmtest::run(kernel),
         Task::DemoGet { addr } => demo::get(&addr),
+        Task::Bench => bench::run(),
+        Task::BenchClient { mode, addr, amount } => bench::client_main(&mode, &addr, amount),
     }
 }
 
