@@ -33,6 +33,7 @@ use lb_tests::{Daemon, TestCgroup, wait_until};
 const SERVER: [u8; 4] = [127, 78, 0, 1];
 const PROXY: [u8; 4] = [127, 78, 0, 2];
 const VIP: &str = "127.78.0.100:80";
+const BULK_VIP: &str = "127.78.0.100:81";
 /// Connects per round.
 const CONNECTS: usize = 3000;
 /// Bytes per bulk transfer.
@@ -55,7 +56,7 @@ pub fn run() -> anyhow::Result<()> {
     let cgroup = TestCgroup::new("bench");
     let services = format!(
         "[[service]]\nname = \"bench\"\nvip = \"{VIP}\"\nservers = [\"{}\"]\n[service.health]\ncheck = \"none\"\n\
-         [[service]]\nname = \"bench-bulk\"\nvip = \"127.78.0.100:81\"\nservers = [\"{}\"]\n[service.health]\ncheck = \"none\"\n",
+         [[service]]\nname = \"bench-bulk\"\nvip = \"{BULK_VIP}\"\nservers = [\"{}\"]\n[service.health]\ncheck = \"none\"\n",
         sink.addr, source
     );
     let daemon = Daemon::start("bench", &cgroup, &services);
@@ -64,44 +65,66 @@ pub fn run() -> anyhow::Result<()> {
         bail!("the daemon did not make the servers active; its log:\n{}", daemon.log());
     }
     let vip: SocketAddr = VIP.parse()?;
-    let bulk_vip = SocketAddr::new(vip.ip(), 81);
+    let bulk_vip: SocketAddr = BULK_VIP.parse()?;
+    let inside = Some(cgroup.path.as_path());
 
     println!("==> connect + close, {CONNECTS} per round, median of {ROUNDS} rounds");
-    let (mut direct, mut inside, mut via_vip) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..ROUNDS {
-        direct.push(client(None, "connect", sink.addr, CONNECTS as u64)?);
-        inside.push(client(Some(&cgroup.path), "connect", sink.addr, CONNECTS as u64)?);
-        let before = sink.accepted();
-        via_vip.push(client(Some(&cgroup.path), "connect", vip, CONNECTS as u64)?);
-        // The connects through the VIP really reached the server.
-        if sink.accepted() - before != CONNECTS {
-            bail!("{CONNECTS} connects through {VIP}, but the server accepted {}", sink.accepted() - before);
-        }
-    }
-    let rate = |elapsed: Duration| CONNECTS as f64 / elapsed.as_secs_f64();
-    let base = rate(median(&mut direct));
-    report("direct to the server", base, "connects/s", None);
-    let inside_rate = rate(median(&mut inside));
-    report("direct, in the cgroup", inside_rate, "connects/s", Some(base));
-    let vip_rate = rate(median(&mut via_vip));
-    report("through the VIP", vip_rate, "connects/s", Some(base));
+    let routes = [
+        Route { label: "direct to the server", cgroup: None, addr: sink.addr },
+        Route { label: "direct, in the cgroup", cgroup: inside, addr: sink.addr },
+        Route { label: "through the VIP", cgroup: inside, addr: vip },
+    ];
+    let times = measure(&routes, "connect", CONNECTS as u64, Some(&sink))?;
+    report(&routes, &times, "connects/s", |elapsed| CONNECTS as f64 / elapsed.as_secs_f64());
 
     println!("==> bulk transfer, {} MiB per round, median of {ROUNDS} rounds", BULK >> 20);
-    let (mut direct, mut via_vip, mut proxied) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..ROUNDS {
-        direct.push(client(None, "bulk", source, BULK)?);
-        via_vip.push(client(Some(&cgroup.path), "bulk", bulk_vip, BULK)?);
-        proxied.push(client(None, "bulk", proxy, BULK)?);
-    }
-    let speed = |elapsed: Duration| BULK as f64 / elapsed.as_secs_f64() / 1e9;
-    let base = speed(median(&mut direct));
-    report("direct to the server", base, "GB/s", None);
-    let vip_speed = speed(median(&mut via_vip));
-    report("through the VIP", vip_speed, "GB/s", Some(base));
-    let proxy_speed = speed(median(&mut proxied));
-    report("through a user proxy", proxy_speed, "GB/s", Some(base));
-    drop(daemon);
+    let routes = [
+        Route { label: "direct to the server", cgroup: None, addr: source },
+        Route { label: "through the VIP", cgroup: inside, addr: bulk_vip },
+        Route { label: "through a user proxy", cgroup: None, addr: proxy },
+    ];
+    let times = measure(&routes, "bulk", BULK, None)?;
+    report(&routes, &times, "GB/s", |elapsed| BULK as f64 / elapsed.as_secs_f64() / 1e9);
     Ok(())
+}
+
+/// Where a benchmark client connects from and to.
+struct Route<'a> {
+    label: &'static str,
+    /// The cgroup the client runs in; `None`: outside the datapath's.
+    cgroup: Option<&'a Path>,
+    addr: SocketAddr,
+}
+
+/// Runs the client `mode` over every route, the routes interleaved round
+/// after round so that a change in the machine's load hits them alike.
+/// Returns each route's median time. With `sink`, checks that every one
+/// of the `amount` connects reached the server.
+fn measure(routes: &[Route], mode: &str, amount: u64, sink: Option<&Sink>) -> anyhow::Result<Vec<Duration>> {
+    let mut samples = vec![Vec::new(); routes.len()];
+    for _ in 0..ROUNDS {
+        for (route, samples) in routes.iter().zip(&mut samples) {
+            let before = sink.map(Sink::accepted);
+            samples.push(client(route.cgroup, mode, route.addr, amount)?);
+            if let (Some(sink), Some(before)) = (sink, before)
+                && (sink.accepted() - before) as u64 != amount
+            {
+                bail!("{amount} connects {}, but the server accepted {}", route.label, sink.accepted() - before);
+            }
+        }
+    }
+    Ok(samples.iter_mut().map(|samples| median(samples)).collect())
+}
+
+/// One line per route: its figure, and the ratio to the first route's.
+fn report(routes: &[Route], times: &[Duration], unit: &str, figure: impl Fn(Duration) -> f64) {
+    let base = figure(times[0]);
+    for (i, (route, time)) in routes.iter().zip(times).enumerate() {
+        let value = figure(*time);
+        let ratio = if i == 0 { String::new() } else { format!("   ratio {:.2}", value / base) };
+        let value = if value >= 100.0 { format!("{value:.0}") } else { format!("{value:.2}") };
+        println!("{}", format!("  {:<22} {value:>9} {unit:<10}{ratio}", route.label).trim_end());
+    }
 }
 
 /// Runs `xtask bench-client MODE ADDR AMOUNT`, inside `cgroup` if given,
@@ -154,13 +177,6 @@ pub fn client_main(mode: &str, addr: &str, amount: u64) -> anyhow::Result<()> {
     }
     println!("{}", started.elapsed().as_nanos());
     Ok(())
-}
-
-/// One line of the report: a figure, and its ratio to `baseline`.
-fn report(label: &str, value: f64, unit: &str, baseline: Option<f64>) {
-    let ratio = baseline.map(|b| format!("   ratio {:.2}", value / b)).unwrap_or_default();
-    let value = if value >= 100.0 { format!("{value:.0}") } else { format!("{value:.2}") };
-    println!("{}", format!("  {label:<22} {value:>9} {unit:<10}{ratio}").trim_end());
 }
 
 fn median(samples: &mut [Duration]) -> Duration {

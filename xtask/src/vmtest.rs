@@ -84,10 +84,10 @@ struct TestBinary {
 }
 
 /// What the guest runs: `lb`, `lb-test-client` and the test executables,
-/// all in one directory under the names the guest script uses.
+/// all in one directory, the test executables under their target names.
 struct Binaries {
     dir: PathBuf,
-    tests: Vec<TestBinary>,
+    tests: Vec<String>,
 }
 
 /// Where a kernel comes from.
@@ -347,9 +347,8 @@ fn which(program: &str) -> Option<PathBuf> {
 ///
 /// `lb` is the release build: the guest runs under software emulation,
 /// where the debug build is too slow for the tests' own deadlines (a
-/// daemon must answer within 60 s; the debug build spends 20-40 s per
-/// health-check client just parsing the CA store). The test binaries stay
-/// debug builds; they do little work of their own.
+/// daemon must answer within 60 s). The test binaries stay debug builds;
+/// they do little work of their own.
 fn build(base: &Path) -> anyhow::Result<Binaries> {
     println!("==> building lb (release) and the integration tests");
     crate::cargo(&["build", "--release", "--package", "lb-user"])?;
@@ -377,20 +376,19 @@ fn build(base: &Path) -> anyhow::Result<Binaries> {
     pin(&target_dir().join("release/lb"), &bin.join("lb"))?;
     // The tests find the client through `$LB_TEST_CLIENT`.
     pin(&client, &bin.join("lb-test-client"))?;
-    let tests = tests
-        .into_iter()
-        .map(|test| Ok(TestBinary { path: pin(&test.path, &bin.join(&test.name))?, name: test.name }))
-        .collect::<anyhow::Result<_>>()?;
-    Ok(Binaries { dir: bin, tests })
+    for test in &tests {
+        pin(&test.path, &bin.join(&test.name))?;
+    }
+    Ok(Binaries { dir: bin, tests: tests.into_iter().map(|test| test.name).collect() })
 }
 
 /// A hard link (cargo replaces rather than rewrites its outputs, so the
 /// link keeps this build), or a copy on another file system.
-fn pin(from: &Path, to: &Path) -> anyhow::Result<PathBuf> {
+fn pin(from: &Path, to: &Path) -> anyhow::Result<()> {
     if fs::hard_link(from, to).is_err() {
         fs::copy(from, to).with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
     }
-    std::path::absolute(to).with_context(|| format!("resolving {}", to.display()))
+    Ok(())
 }
 
 /// Picks the test executables and the `lb-test-client` binary out of
@@ -727,9 +725,9 @@ export TMPDIR=/run/vmtest/tmp
 B=/run/vmtest/bin
 cp -r "$HOST_BIN" "$B"
 export LB_BIN="$B/lb" LB_TEST_CLIENT="$B/lb-test-client"
-# Each HTTP health-check client loads the CA store. Read file by file from
-# /etc/ssl/certs over 9p, that alone takes longer than the tests wait for
-# the daemon to start; the bundle holds the same certificates in one file.
+# An https health check without ca_file loads the CA store. Read file by
+# file from /etc/ssl/certs over 9p, that alone takes longer than the tests
+# wait for the daemon to start; the bundle holds the same certificates.
 if [ -f /etc/ssl/certs/ca-certificates.crt ]; then export SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt; fi
 grep -q ' /sys/fs/cgroup cgroup2 ' /proc/mounts || mount -t cgroup2 cgroup2 /sys/fs/cgroup
 mkdir -p /sys/fs/bpf
@@ -755,7 +753,7 @@ if command -v ip >/dev/null; then ip link set lo up; else busybox ip link set lo
              timeout --kill-after=10 {BINARY_TIMEOUT_SECS} \"$B/{name}\" --test-threads=1 --nocapture > \"$R/{name}.log\" 2>&1\n\
              echo $? > \"$R/{name}.status\"\n\
              echo \"end {name} $(now)\" >> \"$R/timing\"",
-            name = test.name,
+            name = test,
         );
     }
     s.push_str("dmesg > \"$R/dmesg.log\" 2>&1\necho done > \"$R/done\"\nsync\n");
@@ -768,7 +766,7 @@ fn sh_quote(path: &Path) -> String {
 }
 
 /// Reads what the guest left in `results` into `outcome`.
-fn collect(results: &Path, tests: &[TestBinary], outcome: &mut Outcome) {
+fn collect(results: &Path, tests: &[String], outcome: &mut Outcome) {
     if let Ok(uname) = fs::read_to_string(results.join("uname")) {
         outcome.version = uname.trim().to_owned();
     }
@@ -796,33 +794,33 @@ fn collect(results: &Path, tests: &[TestBinary], outcome: &mut Outcome) {
         return;
     }
     for test in tests {
-        let log = fs::read(results.join(format!("{}.log", test.name))).map(|b| String::from_utf8_lossy(&b).into_owned());
-        let status = fs::read_to_string(results.join(format!("{}.status", test.name))).ok();
+        let log = fs::read(results.join(format!("{}.log", test))).map(|b| String::from_utf8_lossy(&b).into_owned());
+        let status = fs::read_to_string(results.join(format!("{}.status", test))).ok();
         let report = parse_libtest(log.as_deref().unwrap_or_default());
         let mut failed = 0;
         for (name, result) in &report.tests {
             match result {
                 TestResult::Ok => outcome.passed += 1,
-                TestResult::Skipped(reason) => outcome.skipped.push(format!("{}::{name} ({reason})", test.name)),
+                TestResult::Skipped(reason) => outcome.skipped.push(format!("{}::{name} ({reason})", test)),
                 TestResult::Failed(why) => {
                     failed += 1;
                     // The first panic says what went wrong; the rest is in the log.
                     let why = why.as_deref().map(|why| format!(": {why}")).unwrap_or_default();
-                    outcome.failed.push(format!("{}::{name}{why}", test.name));
+                    outcome.failed.push(format!("{}::{name}{why}", test));
                 }
-                TestResult::Ignored => outcome.skipped.push(format!("{}::{name} (#[ignore])", test.name)),
-                TestResult::Unfinished => outcome.failed.push(format!("{}::{name} (did not finish)", test.name)),
+                TestResult::Ignored => outcome.skipped.push(format!("{}::{name} (#[ignore])", test)),
+                TestResult::Unfinished => outcome.failed.push(format!("{}::{name} (did not finish)", test)),
             }
         }
         match status.as_deref().map(str::trim) {
-            None => outcome.problems.push(format!("{}: never finished", test.name)),
+            None => outcome.problems.push(format!("{}: never finished", test)),
             Some("0") if report.summary => {}
-            Some("0") => outcome.problems.push(format!("{}: exited 0 without libtest's summary", test.name)),
-            Some("124" | "137") => outcome.problems.push(format!("{}: timed out after {BINARY_TIMEOUT_SECS} s", test.name)),
+            Some("0") => outcome.problems.push(format!("{}: exited 0 without libtest's summary", test)),
+            Some("124" | "137") => outcome.problems.push(format!("{}: timed out after {BINARY_TIMEOUT_SECS} s", test)),
             // A failing test already counts; a binary that failed without
             // one (a crash, a panic outside a test) must not pass silently.
             Some(code) if failed == 0 => {
-                outcome.problems.push(format!("{}: exited with {code} without a failing test", test.name));
+                outcome.problems.push(format!("{}: exited with {code} without a failing test", test));
             }
             Some(_) => {}
         }
