@@ -117,11 +117,141 @@ impl Default for HealthConfig {
     }
 }
 
-/// A configuration error: one or more problems, each naming its key.
+/// One thing wrong with a config file: where (line, when known) and under
+/// which key, and what. Collected while parsing and rendered once, by
+/// [`ConfigError`], as `FILE:LINE: KEY: WHAT`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// 1-based line of the value, when the parser knows it.
+    pub line: Option<usize>,
+    /// The key, e.g. `service[0] ("api"): servers[1]`; empty for the file
+    /// as a whole.
+    pub key: String,
+    pub what: String,
+}
+
+impl Problem {
+    fn new(line: Option<usize>, key: impl Into<String>, what: impl fmt::Display) -> Self {
+        Self { line, key: key.into(), what: what.to_string() }
+    }
+}
+
+/// A configuration error: one or more problems in one file.
 #[derive(Debug, thiserror::Error)]
-#[error("{}", .problems.join("\n"))]
 pub struct ConfigError {
-    pub problems: Vec<String>,
+    pub file: PathBuf,
+    pub problems: Vec<Problem>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let file = self.file.display();
+        for (i, Problem { line, key, what }) in self.problems.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            match line {
+                Some(line) => write!(f, "{file}:{line}: ")?,
+                None => write!(f, "{file}: ")?,
+            }
+            if !key.is_empty() {
+                write!(f, "{key}: ")?;
+            }
+            f.write_str(what)?;
+        }
+        Ok(())
+    }
+}
+
+impl ConfigError {
+    fn unreadable(path: &Path, error: &std::io::Error) -> Self {
+        Self { file: path.to_owned(), problems: vec![Problem::new(None, "", format!("cannot read the config file: {error}"))] }
+    }
+}
+
+/// Where in a server set a [`ServerProblem`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slot {
+    /// `servers[i]`.
+    Server(usize),
+    /// `default`.
+    Default,
+    /// The set as a whole.
+    Set,
+}
+
+/// Why a server list (with its default) cannot serve a VIP. The same rules
+/// and words for the config file, `lb servers`, the state file and
+/// discovered lists: [`check_servers`] is the one place they are decided.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ServerProblem {
+    #[error("{0} has port 0")]
+    PortZero(SocketAddr),
+    #[error("{0} is the unspecified address")]
+    Unspecified(SocketAddr),
+    #[error("{0} is listed twice")]
+    Duplicate(SocketAddr),
+    #[error("{addr} is {} but the VIP {vip} is {}; a socket dialling the VIP cannot reach it", family(addr), family(vip))]
+    Family { addr: SocketAddr, vip: SocketAddr },
+    #[error("{addr} is the VIP of {owner}; using it as a server would loop")]
+    IsVip { addr: SocketAddr, owner: String },
+    #[error("{count} servers (with the default), at most {MAX_SERVERS} are supported")]
+    TooMany { count: usize },
+}
+
+/// Checks a server list and default for the service at `vip`.
+/// `vip_owner(addr)` names the service whose VIP `addr` is, if any.
+pub fn check_servers(
+    vip: SocketAddr,
+    servers: &[SocketAddr],
+    default: Option<SocketAddr>,
+    vip_owner: impl Fn(SocketAddr) -> Option<String>,
+) -> Vec<(Slot, ServerProblem)> {
+    let mut problems = Vec::new();
+    let mut seen = HashSet::new();
+    let slots = servers.iter().enumerate().map(|(i, a)| (Slot::Server(i), *a)).chain(default.map(|d| (Slot::Default, d)));
+    for (slot, addr) in slots {
+        if addr.port() == 0 {
+            problems.push((slot, ServerProblem::PortZero(addr)));
+        } else if addr.ip().is_unspecified() {
+            problems.push((slot, ServerProblem::Unspecified(addr)));
+        } else if addr.is_ipv4() != vip.is_ipv4() {
+            problems.push((slot, ServerProblem::Family { addr, vip }));
+        } else if let Some(owner) = vip_owner(addr) {
+            problems.push((slot, ServerProblem::IsVip { addr, owner }));
+        }
+        // The default may also be in the list; a server twice may not.
+        if !seen.insert(addr) && slot != Slot::Default {
+            problems.push((slot, ServerProblem::Duplicate(addr)));
+        }
+    }
+    if seen.len() > MAX_SERVERS {
+        problems.push((Slot::Set, ServerProblem::TooMany { count: seen.len() }));
+    }
+    problems
+}
+
+/// [`check_servers`] as one error for a request or a file that is not the
+/// config (`lb servers`, the state file): the problems joined by "; ".
+pub fn validate_servers(
+    vip: SocketAddr,
+    servers: &[SocketAddr],
+    default: Option<SocketAddr>,
+    vip_owner: impl Fn(SocketAddr) -> Option<String>,
+) -> Result<(), String> {
+    let problems = check_servers(vip, servers, default, vip_owner);
+    if problems.is_empty() {
+        return Ok(());
+    }
+    let words: Vec<String> = problems
+        .iter()
+        .map(|(slot, problem)| match slot {
+            Slot::Server(i) => format!("servers[{i}]: {problem}"),
+            Slot::Default => format!("default: {problem}"),
+            Slot::Set => format!("servers: {problem}"),
+        })
+        .collect();
+    Err(words.join("; "))
 }
 
 // The file as written. Unknown keys are errors: a typo must not silently
@@ -185,9 +315,7 @@ pub struct ClientPaths {
 
 impl ClientPaths {
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
-            problems: vec![format!("{}: cannot read the config file: {e}", path.display())],
-        })?;
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::unreadable(path, &e))?;
         let table: toml::Table = text.parse().unwrap_or_default();
         let daemon = table.get("daemon").and_then(|d| d.as_table());
         let get = |key: &str, default: &str| PathBuf::from(daemon.and_then(|d| d.get(key)).and_then(|v| v.as_str()).unwrap_or(default));
@@ -195,20 +323,30 @@ impl ClientPaths {
     }
 }
 
+/// A service as read, before the checks that need every service (VIPs used
+/// as servers) have run.
+struct Parsed {
+    service: Service,
+    /// Line of each server, of the default, and of the list.
+    server_lines: Vec<usize>,
+    default_line: Option<usize>,
+    list_line: usize,
+    key: String,
+}
+
 impl Config {
     /// Reads and validates `path`.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
-            problems: vec![format!("{}: cannot read the config file: {e}", path.display())],
-        })?;
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::unreadable(path, &e))?;
         Self::parse(&text, path)
     }
 
     /// Parses and validates `text`; `path` only names the file in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        let file = path.display();
+        let line_of = |span: std::ops::Range<usize>| text.as_bytes()[..span.start.min(text.len())].iter().filter(|b| **b == b'\n').count() + 1;
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError {
-            problems: vec![format!("{file}: {}", e.to_string().trim_end())],
+            file: path.to_owned(),
+            problems: vec![Problem::new(e.span().map(&line_of), "", e.message().trim_end())],
         })?;
         let mut problems = Vec::new();
         let daemon = Daemon {
@@ -216,172 +354,168 @@ impl Config {
             bpffs: raw.daemon.bpffs.unwrap_or_else(|| DEFAULT_BPFFS.into()),
             control_socket: raw.daemon.control_socket.unwrap_or_else(|| DEFAULT_CONTROL_SOCKET.into()),
             state_dir: raw.daemon.state_dir.unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
-            metrics: raw.daemon.metrics.as_deref().and_then(|m| parse_addr(m, &format!("{file}: daemon.metrics"), &mut problems)),
+            metrics: raw.daemon.metrics.as_deref().and_then(|m| parse_endpoint(m, None, "daemon.metrics", &mut problems)),
         };
         for (key, value) in [("bpffs", Some(&daemon.bpffs)), ("cgroup", daemon.cgroup.as_ref()), ("control_socket", Some(&daemon.control_socket))] {
             if value.is_some_and(|p| !p.is_absolute()) {
-                problems.push(format!("{file}: daemon.{key}: must be an absolute path"));
+                problems.push(Problem::new(None, format!("daemon.{key}"), "must be an absolute path"));
             }
         }
 
         if raw.service.len() > MAX_SERVICES as usize {
-            problems.push(format!("{file}: service: {} services configured, at most {MAX_SERVICES} are supported", raw.service.len()));
+            problems.push(Problem::new(None, "service", format!("{} services configured, at most {MAX_SERVICES} are supported", raw.service.len())));
         }
-        let mut services = Vec::with_capacity(raw.service.len());
+        let mut parsed = Vec::with_capacity(raw.service.len());
         let mut names = HashMap::new();
         let mut vips = HashMap::new();
-        // "FILE:LINE: service[i] (name)" for a value at `span`.
-        let line_of = |span: std::ops::Range<usize>| text.as_bytes()[..span.start.min(text.len())].iter().filter(|b| **b == b'\n').count() + 1;
         for (i, raw) in raw.service.into_iter().enumerate() {
             let name = raw.name.get_ref().clone();
-            let at = |span: std::ops::Range<usize>| format!("{file}:{}: service[{i}] ({name:?})", line_of(span));
-            let name_at = at(raw.name.span());
+            let key = format!("service[{i}] ({name:?})");
+            let at = |span: std::ops::Range<usize>| Some(line_of(span));
+            let sub = |k: &str| format!("{key}: {k}");
             if name.is_empty() {
-                problems.push(format!("{name_at}: name: must not be empty"));
+                problems.push(Problem::new(at(raw.name.span()), sub("name"), "must not be empty"));
             }
             if let Some(first) = names.insert(name.clone(), i) {
-                problems.push(format!("{name_at}: name: duplicate of service[{first}]"));
+                problems.push(Problem::new(at(raw.name.span()), sub("name"), format!("duplicate of service[{first}]")));
             }
-            let vip_at = at(raw.vip.span());
-            let vip = parse_addr(raw.vip.get_ref(), &format!("{vip_at}: vip"), &mut problems);
+            let vip = parse_endpoint(raw.vip.get_ref(), at(raw.vip.span()), &sub("vip"), &mut problems);
             if let Some(vip) = vip
-                && let Some(first) = vips.insert(vip, i) {
-                    problems.push(format!("{vip_at}: vip: {vip} is already the VIP of service[{first}]"));
-                }
+                && let Some(first) = vips.insert(vip, i)
+            {
+                problems.push(Problem::new(at(raw.vip.span()), sub("vip"), format!("{vip} is already the VIP of service[{first}]")));
+            }
             let mut servers = Vec::new();
-            let mut seen = HashSet::new();
+            let mut server_lines = Vec::new();
             for (j, s) in raw.servers.get_ref().iter().enumerate() {
-                let server_at = format!("{}: servers[{j}]", at(s.span()));
-                if let Some(addr) = parse_addr(s.get_ref(), &server_at, &mut problems) {
-                    if seen.insert(addr) {
-                        servers.push(addr);
-                    } else {
-                        problems.push(format!("{server_at}: {addr} is listed twice"));
-                    }
+                if let Some(addr) = parse_addr(s.get_ref(), at(s.span()), &sub(&format!("servers[{j}]")), &mut problems) {
+                    servers.push(addr);
+                    server_lines.push(line_of(s.span()));
                 }
             }
-            let default = raw.default.as_ref().and_then(|d| parse_addr(d.get_ref(), &format!("{}: default", at(d.span())), &mut problems));
-            let selectable = servers.len() + usize::from(default.is_some_and(|d| !seen.contains(&d)));
-            if selectable > MAX_SERVERS {
-                problems.push(format!("{}: servers: {selectable} servers (with the default), at most {MAX_SERVERS} are supported", at(raw.servers.span())));
-            }
+            let default = raw.default.as_ref().and_then(|d| parse_addr(d.get_ref(), at(d.span()), &sub("default"), &mut problems));
             let policy = match raw.policy.as_ref().map(|p| (p.get_ref().as_str(), p.span())) {
                 None | Some(("failover", _)) => Policy::Failover,
                 Some(("spread", _)) => Policy::Spread,
                 Some((other, span)) => {
-                    problems.push(format!("{}: policy: {other:?} is not a policy; use \"failover\" or \"spread\"", at(span)));
+                    problems.push(Problem::new(at(span), sub("policy"), format!("{other:?} is not a policy; use \"failover\" or \"spread\"")));
                     Policy::Failover
                 }
             };
             let hold_down = raw
                 .hold_down
                 .as_ref()
-                .and_then(|text| parse_duration(text.get_ref(), &format!("{}: hold_down", at(text.span())), &mut problems))
+                .and_then(|text| parse_duration(text.get_ref(), at(text.span()), &sub("hold_down"), &mut problems))
                 .unwrap_or(DEFAULT_HOLD_DOWN);
             let health = match raw.health {
                 Some(health) => {
-                    let health_at = format!("{}: health.", at(health.span()));
-                    parse_health(health.into_inner(), &health_at, &mut problems)
+                    let line = at(health.span());
+                    parse_health(health.into_inner(), line, &sub("health."), &mut problems)
                 }
                 None => HealthConfig::default(),
             };
             if let Some(vip) = vip {
-                for (key, addr) in servers.iter().map(|s| ("servers", s)).chain(default.iter().map(|d| ("default", d))) {
-                    if vip.is_ipv4() != addr.is_ipv4() {
-                        problems.push(format!(
-                            "{vip_at}: {key}: {addr} is {} but the VIP {vip} is {}; a socket dialling the VIP cannot reach it",
-                            family(addr),
-                            family(&vip)
-                        ));
-                    }
-                }
-                services.push(Service { name, vip, servers, default, policy, hold_down, health });
+                parsed.push(Parsed {
+                    service: Service { name, vip, servers, default, policy, hold_down, health },
+                    server_lines,
+                    default_line: raw.default.as_ref().map(|d| line_of(d.span())),
+                    list_line: line_of(raw.servers.span()),
+                    key,
+                });
             }
         }
-        // A VIP used as a server would loop through the datapath.
-        for service in &services {
-            for addr in service.servers.iter().chain(&service.default) {
-                if let Some(&owner) = vips.get(addr) {
-                    problems.push(format!(
-                        "{file}: service {:?}: {addr} is a server but also the VIP of service[{owner}]; that would loop",
-                        service.name
-                    ));
-                }
+        // Now that every VIP is known: the server sets, by the one set of
+        // rules every other source of servers is held to.
+        for p in &parsed {
+            let s = &p.service;
+            let owner = |addr: SocketAddr| vips.get(&addr).map(|i| format!("service[{i}]"));
+            for (slot, problem) in check_servers(s.vip, &s.servers, s.default, owner) {
+                let (line, key) = match slot {
+                    Slot::Server(j) => (p.server_lines[j], format!("{}: servers[{j}]", p.key)),
+                    Slot::Default => (p.default_line.unwrap_or(p.list_line), format!("{}: default", p.key)),
+                    Slot::Set => (p.list_line, format!("{}: servers", p.key)),
+                };
+                problems.push(Problem::new(Some(line), key, problem));
             }
         }
-        if problems.is_empty() { Ok(Self { daemon, services }) } else { Err(ConfigError { problems }) }
-    }
-}
-
-fn parse_duration(text: &str, at: &str, problems: &mut Vec<String>) -> Option<Duration> {
-    match humantime::parse_duration(text) {
-        Ok(d) if d.is_zero() => {
-            problems.push(format!("{at}: must be more than zero"));
-            None
-        }
-        Ok(d) if d.as_nanos() > u128::from(u64::MAX) => {
-            problems.push(format!("{at}: {text:?} is too long"));
-            None
-        }
-        Ok(d) => Some(d),
-        Err(e) => {
-            problems.push(format!("{at}: {text:?} is not a duration like \"5s\" or \"500ms\": {e}"));
-            None
+        if problems.is_empty() {
+            Ok(Self { daemon, services: parsed.into_iter().map(|p| p.service).collect() })
+        } else {
+            Err(ConfigError { file: path.to_owned(), problems })
         }
     }
 }
 
-fn parse_health(raw: RawHealth, at: &str, problems: &mut Vec<String>) -> HealthConfig {
+fn parse_duration(text: &str, line: Option<usize>, key: &str, problems: &mut Vec<Problem>) -> Option<Duration> {
+    let what = match humantime::parse_duration(text) {
+        Ok(d) if d.is_zero() => "must be more than zero".to_owned(),
+        Ok(d) if d.as_nanos() > u128::from(u64::MAX) => format!("{text:?} is too long"),
+        Ok(d) => return Some(d),
+        Err(e) => format!("{text:?} is not a duration like \"5s\" or \"500ms\": {e}"),
+    };
+    problems.push(Problem::new(line, key, what));
+    None
+}
+
+fn parse_health(raw: RawHealth, line: Option<usize>, at: &str, problems: &mut Vec<Problem>) -> HealthConfig {
+    let mut problem = |key: &str, what: String| problems.push(Problem::new(line, format!("{at}{key}"), what));
     let check = match raw.check.as_deref() {
         None | Some("tcp") => CheckKind::Tcp,
         Some("http") => CheckKind::Http,
         Some("https") => CheckKind::Https,
         Some("none") => CheckKind::None,
         Some(other) => {
-            problems.push(format!("{at}check: {other:?} is not a check; use \"tcp\", \"http\", \"https\" or \"none\""));
+            problem("check", format!("{other:?} is not a check; use \"tcp\", \"http\", \"https\" or \"none\""));
             CheckKind::Tcp
         }
     };
     let mut health = HealthConfig { check, ..HealthConfig::default() };
     if let Some(path) = raw.path {
         if !path.starts_with('/') {
-            problems.push(format!("{at}path: {path:?} must start with \"/\""));
+            problem("path", format!("{path:?} must start with \"/\""));
         }
         health.path = path;
     }
     for (key, text, slot) in [("interval", raw.interval, &mut health.interval), ("timeout", raw.timeout, &mut health.timeout)] {
-        if let Some(d) = text.as_deref().and_then(|t| parse_duration(t, &format!("{at}{key}"), problems)) {
+        if let Some(d) = text.as_deref().and_then(|t| parse_duration(t, line, &format!("{at}{key}"), problems)) {
             *slot = d;
         }
     }
+    let mut problem = |key: &str, what: String| problems.push(Problem::new(line, format!("{at}{key}"), what));
     if health.timeout > health.interval {
-        problems.push(format!("{at}timeout: {:?} is longer than the interval {:?}", health.timeout, health.interval));
+        problem("timeout", format!("{:?} is longer than the interval {:?}", health.timeout, health.interval));
     }
     for (key, value, slot) in [("rise", raw.rise, &mut health.rise), ("fall", raw.fall, &mut health.fall)] {
         match value {
-            Some(0) => problems.push(format!("{at}{key}: must be at least 1")),
-            Some(n) if n > 100 => problems.push(format!("{at}{key}: {n} is more than 100")),
+            Some(0) => problem(key, "must be at least 1".to_owned()),
+            Some(n) if n > 100 => problem(key, format!("{n} is more than 100")),
             Some(n) => *slot = n,
             None => {}
         }
     }
     if let Some(text) = raw.status {
-        let range = text.split_once('-').map_or((text.as_str(), text.as_str()), |(lo, hi)| (lo, hi));
+        let range = text.split_once('-').unwrap_or((text.as_str(), text.as_str()));
         match (range.0.trim().parse::<u16>(), range.1.trim().parse::<u16>()) {
             (Ok(lo), Ok(hi)) if (100..=599).contains(&lo) && (lo..=599).contains(&hi) => health.status = (lo, hi),
-            _ => problems.push(format!("{at}status: {text:?} is not a status range like \"200-399\"")),
+            _ => problem("status", format!("{text:?} is not a status range like \"200-399\"")),
         }
     }
-    let tls_keys = [("ca_file", raw.ca_file.is_some()), ("cert_file", raw.cert_file.is_some()), ("key_file", raw.key_file.is_some()), ("server_name", raw.server_name.is_some()), ("insecure_skip_verify", raw.insecure_skip_verify.is_some())];
+    let tls_keys = [
+        ("ca_file", raw.ca_file.is_some()),
+        ("cert_file", raw.cert_file.is_some()),
+        ("key_file", raw.key_file.is_some()),
+        ("server_name", raw.server_name.is_some()),
+        ("insecure_skip_verify", raw.insecure_skip_verify.is_some()),
+    ];
     if health.check != CheckKind::Https {
         for (key, set) in tls_keys {
             if set {
-                problems.push(format!("{at}{key}: only applies to check = \"https\""));
+                problem(key, "only applies to check = \"https\"".to_owned());
             }
         }
     }
     if raw.cert_file.is_some() != raw.key_file.is_some() {
-        problems.push(format!("{at}cert_file: a client certificate needs both cert_file and key_file"));
+        problem("cert_file", "a client certificate needs both cert_file and key_file".to_owned());
     }
     health.ca_file = raw.ca_file;
     health.cert_file = raw.cert_file;
@@ -391,26 +525,31 @@ fn parse_health(raw: RawHealth, at: &str, problems: &mut Vec<String>) -> HealthC
     health
 }
 
-fn family(addr: &SocketAddr) -> &'static str {
+const fn family(addr: &SocketAddr) -> &'static str {
     if addr.is_ipv4() { "IPv4" } else { "IPv6" }
 }
 
-fn parse_addr(text: &str, at: &str, problems: &mut Vec<String>) -> Option<SocketAddr> {
-    match text.parse::<SocketAddr>() {
-        Ok(addr) if addr.port() == 0 => {
-            problems.push(format!("{at}: {text:?} has port 0"));
-            None
-        }
-        Ok(addr) if addr.ip().is_unspecified() => {
-            problems.push(format!("{at}: {text:?} is the unspecified address"));
-            None
-        }
-        Ok(addr) => Some(addr),
-        Err(_) => {
-            problems.push(format!("{at}: {text:?} is not an address like \"127.0.0.1:6443\" or \"[::1]:6443\""));
-            None
-        }
-    }
+/// An address as written (`127.0.0.1:6443`, `[::1]:6443`); whether it can
+/// be used is for the caller to check.
+fn parse_addr(text: &str, line: Option<usize>, key: &str, problems: &mut Vec<Problem>) -> Option<SocketAddr> {
+    text.parse::<SocketAddr>()
+        .inspect_err(|_| problems.push(Problem::new(line, key, format!("{text:?} is not an address like \"127.0.0.1:6443\" or \"[::1]:6443\""))))
+        .ok()
+}
+
+/// An address to listen on or to dial (a VIP, the metrics address): not
+/// port 0, not the unspecified address.
+fn parse_endpoint(text: &str, line: Option<usize>, key: &str, problems: &mut Vec<Problem>) -> Option<SocketAddr> {
+    let addr = parse_addr(text, line, key, problems)?;
+    let what = if addr.port() == 0 {
+        ServerProblem::PortZero(addr)
+    } else if addr.ip().is_unspecified() {
+        ServerProblem::Unspecified(addr)
+    } else {
+        return Some(addr);
+    };
+    problems.push(Problem::new(line, key, what));
+    None
 }
 
 #[cfg(test)]
@@ -452,7 +591,7 @@ mod tests {
     #[test]
     fn unknown_key_is_named() {
         let msg = problems(&GOOD.replace("hold_down", "holddown"));
-        assert!(msg.contains("test.toml") && msg.contains("holddown") && msg.contains("line 10"), "{msg}");
+        assert!(msg.starts_with("test.toml:10: ") && msg.contains("holddown"), "{msg}");
     }
 
     #[test]
@@ -464,13 +603,13 @@ mod tests {
     #[test]
     fn port_zero_is_rejected() {
         let msg = problems(&GOOD.replace("127.0.0.1:6444", "127.0.0.1:0"));
-        assert!(msg.contains("vip: \"127.0.0.1:0\" has port 0"), "{msg}");
+        assert!(msg.contains("test.toml:7: service[0] (\"api\"): vip: 127.0.0.1:0 has port 0"), "{msg}");
     }
 
     #[test]
     fn mixed_families_are_rejected_with_a_reason() {
         let msg = problems(&GOOD.replace("127.0.0.2:16443", "[::1]:16443"));
-        assert!(msg.contains("servers: [::1]:16443 is IPv6 but the VIP 127.0.0.1:6444 is IPv4"), "{msg}");
+        assert!(msg.contains("servers[1]: [::1]:16443 is IPv6 but the VIP 127.0.0.1:6444 is IPv4"), "{msg}");
     }
 
     #[test]
@@ -484,7 +623,7 @@ mod tests {
     #[test]
     fn vip_as_a_server_is_a_loop() {
         let msg = problems(&GOOD.replace("127.0.0.2:16443", "127.0.0.1:6444"));
-        assert!(msg.contains("that would loop"), "{msg}");
+        assert!(msg.contains("servers[1]: 127.0.0.1:6444 is the VIP of service[0]; using it as a server would loop"), "{msg}");
     }
 
     #[test]
@@ -533,7 +672,30 @@ mod tests {
     fn too_many_servers_is_rejected() {
         let servers: Vec<String> = (1..=17).map(|i| format!("\"127.0.1.{i}:80\"")).collect();
         let text = format!("[[service]]\nname = \"big\"\nvip = \"127.0.0.1:80\"\nservers = [{}]\n", servers.join(","));
-        assert!(problems(&text).contains("17 servers"));
+        assert!(problems(&text).contains("test.toml:4: service[0] (\"big\"): servers: 17 servers (with the default)"));
+    }
+
+    #[test]
+    fn a_server_twice_is_named_where_it_repeats() {
+        let msg = problems(&GOOD.replace("127.0.0.2:16443", "127.0.0.1:16443"));
+        assert!(msg.contains("test.toml:8: service[0] (\"api\"): servers[1]: 127.0.0.1:16443 is listed twice"), "{msg}");
+    }
+
+    #[test]
+    fn one_server_check_for_every_source() {
+        let vip: SocketAddr = "127.0.0.1:6444".parse().unwrap();
+        let a = |s: &str| s.parse::<SocketAddr>().unwrap();
+        let none = |_| None;
+        assert_eq!(validate_servers(vip, &[a("127.0.0.1:1"), a("127.0.0.2:1")], Some(a("127.0.0.1:1")), none), Ok(()), "the default may be listed");
+        let err = validate_servers(vip, &[a("127.0.0.1:0"), a("[::1]:1"), a("127.0.0.3:1"), a("127.0.0.3:1")], None, none).unwrap_err();
+        assert_eq!(
+            err,
+            "servers[0]: 127.0.0.1:0 has port 0; servers[1]: [::1]:1 is IPv6 but the VIP 127.0.0.1:6444 is IPv4; a socket dialling the VIP cannot reach it; servers[3]: 127.0.0.3:1 is listed twice"
+        );
+        let err = validate_servers(vip, &[a("127.0.0.9:80")], None, |addr| (addr == a("127.0.0.9:80")).then(|| "service \"db\"".to_owned())).unwrap_err();
+        assert_eq!(err, "servers[0]: 127.0.0.9:80 is the VIP of service \"db\"; using it as a server would loop");
+        let many: Vec<SocketAddr> = (1..=17).map(|i| SocketAddr::from(([127, 0, 1, i], 80))).collect();
+        assert!(validate_servers(vip, &many, None, none).unwrap_err().contains("17 servers"));
     }
 
     #[test]

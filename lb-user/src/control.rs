@@ -1,15 +1,34 @@
-//! The control socket: a Unix stream socket (mode 0600) carrying one JSON
-//! request and one JSON response per line. `lb status`, `lb detach` and the
-//! other client subcommands talk to the daemon through it.
+//! The control socket, both ends: a Unix stream socket (mode 0600)
+//! carrying one JSON request and one JSON response per line. The client
+//! ([`call`]) is used by `lb status`, `lb detach` and the other client
+//! subcommands; the server ([`bind`], [`serve`]) hands each request to the
+//! daemon's owner task through a channel of [`Call`]s and writes back the
+//! answer, so this module never needs to know the daemon.
 
-use std::{collections::BTreeMap, net::SocketAddr, path::Path, time::Duration};
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    os::unix::fs::{FileTypeExt as _, PermissionsExt as _},
+    path::Path,
+    time::Duration,
+};
 
 use anyhow::{Context as _, bail};
 use serde::{Deserialize, Serialize};
 use tokio::{
-    io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader},
-    net::UnixStream,
+    io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader},
+    net::{UnixListener, UnixStream},
+    sync::{mpsc, oneshot},
 };
+use tracing::debug;
+
+/// Longest request line the server reads; a longer one is refused and the
+/// connection closed (a request is a few hundred bytes; `lb servers` with
+/// the most servers allowed is under 2 KiB).
+pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
+/// How long the server waits for a client's next request line before it
+/// closes the connection.
+pub const CLIENT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "command", rename_all = "snake_case")]
@@ -136,70 +155,163 @@ pub async fn call(socket: &Path, request: &Request) -> anyhow::Result<Response> 
     serde_json::from_str(&answer).with_context(|| format!("unexpected answer from the daemon: {answer}"))
 }
 
-impl Status {
-    /// The human-readable table of `lb status`.
-    pub fn table(&self) -> String {
-        use std::fmt::Write as _;
-        let mut out = String::new();
-        if self.services.is_empty() {
-            out.push_str("no services configured\n");
-        }
-        for s in &self.services {
-            let selected: Vec<String> = s.selected.iter().map(ToString::to_string).collect();
-            let _ = writeln!(out, "{}  vip {}  policy {}  selected [{}]", s.name, s.vip, s.policy, selected.join(", "));
-            let _ = writeln!(out, "  {:<42} {:<10} {:<8} {:>11}  NOTES", "SERVER", "STATE", "HEALTHY", "CONNECTIONS");
-            for server in &s.servers {
-                let mut notes = Vec::new();
-                if server.default {
-                    notes.push("default".to_owned());
-                }
-                if server.readiness != "ready" {
-                    notes.push(server.readiness.clone());
-                }
-                if server.recently_failed {
-                    notes.push("connect failed recently".to_owned());
-                }
-                if let Some(error) = &server.last_check {
-                    notes.push(format!("last check: {error}"));
-                }
-                let healthy = match server.healthy {
-                    Some(true) => "yes",
-                    Some(false) => "no",
-                    None => "-",
-                };
-                let _ = writeln!(
-                    out,
-                    "  {:<42} {:<10} {:<8} {:>11}  {}",
-                    server.address.to_string(),
-                    server.state,
-                    healthy,
-                    server.connections,
-                    notes.join("; ")
-                );
+/// A request on its way to the daemon, with where to send the answer.
+pub type Call = (Request, oneshot::Sender<Response>);
+
+/// Binds the control socket at `path` (mode 0600), creating its directory.
+/// A live socket there means another daemon runs: an error naming it. A
+/// stale socket is replaced; anything that is not a socket is left alone
+/// and refused, so a mistyped path can never delete a file.
+pub async fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            if UnixStream::connect(path).await.is_ok() {
+                bail!("another lb daemon is already listening on {}", path.display());
             }
+            std::fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))?;
         }
-        if let Some(reload) = &self.config.last_reload {
-            match &reload.error {
-                None => {
-                    let _ = writeln!(out, "config: last reload ok");
-                }
-                Some(error) => {
-                    let _ = writeln!(out, "config: LAST RELOAD FAILED; still serving the previous config:\n{error}");
-                }
+        Ok(_) => bail!("{} exists and is not a socket; refusing to replace it (check daemon.control_socket)", path.display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("inspecting {}", path.display())),
+    }
+    let listener = UnixListener::bind(path).with_context(|| format!("binding control socket {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("making {} private (mode 0600)", path.display()))?;
+    Ok(listener)
+}
+
+/// Accepts clients for ever, each in its own task, and sends their requests
+/// to `calls`. Returns when the receiving side is gone.
+pub async fn serve(listener: UnixListener, calls: mpsc::Sender<Call>) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                debug!("control socket accept: {e}");
+                // E.g. out of file descriptors: don't spin.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
             }
+        };
+        if calls.is_closed() {
+            return;
         }
-        let _ = writeln!(
-            out,
-            "datapath: cgroup {}  pins {}{}",
-            self.datapath.cgroup,
-            self.datapath.bpffs,
-            if self.datapath.adopted { "  (adopted from a previous run)" } else { "" }
-        );
-        for (name, present) in [("getpeername hooks", self.datapath.features.getpeername), ("closing connections (SOCK_DESTROY)", self.datapath.features.sock_destroy)] {
-            if !present {
-                let _ = writeln!(out, "degraded: this kernel lacks {name}");
+        let calls = calls.clone();
+        tokio::spawn(async move {
+            if let Err(e) = serve_client(stream, &calls).await {
+                debug!("control client: {e:#}");
             }
+        });
+    }
+}
+
+/// One client: request lines in, answer lines out, until it hangs up, goes
+/// quiet for [`CLIENT_IDLE_TIMEOUT`] or sends a line over [`MAX_REQUEST_BYTES`].
+async fn serve_client(stream: UnixStream, calls: &mpsc::Sender<Call>) -> anyhow::Result<()> {
+    let (read, mut write) = stream.into_split();
+    // One byte over the limit tells a long line from one that just fits.
+    let mut reader = BufReader::new(read.take(0));
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        reader.get_mut().set_limit(MAX_REQUEST_BYTES as u64 + 1);
+        let read = tokio::time::timeout(CLIENT_IDLE_TIMEOUT, reader.read_until(b'\n', &mut line))
+            .await
+            .context("client idle too long")??;
+        if read == 0 {
+            return Ok(());
         }
-        out
+        if line.len() > MAX_REQUEST_BYTES {
+            let refusal = Response::Error { error: format!("request longer than {MAX_REQUEST_BYTES} bytes") };
+            write_line(&mut write, &refusal).await?;
+            bail!("request line over {MAX_REQUEST_BYTES} bytes");
+        }
+        let response = match serde_json::from_slice::<Request>(&line) {
+            Ok(request) => {
+                let (reply_tx, reply_rx) = oneshot::channel();
+                calls.send((request, reply_tx)).await.context("daemon is shutting down")?;
+                reply_rx.await.context("daemon is shutting down")?
+            }
+            Err(e) => Response::Error { error: format!("bad request {:?}: {e}", String::from_utf8_lossy(&line).trim_end()) },
+        };
+        write_line(&mut write, &response).await?;
+    }
+}
+
+async fn write_line(write: &mut (impl tokio::io::AsyncWrite + Unpin), response: &Response) -> anyhow::Result<()> {
+    let mut out = serde_json::to_string(response)?;
+    out.push('\n');
+    write.write_all(out.as_bytes()).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn socket_path(name: &str) -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("lb-control-{name}-{}", std::process::id())).join("lb.sock")
+    }
+
+    /// A server whose "daemon" answers every request with `Ok`.
+    async fn answering(path: &Path) {
+        let listener = bind(path).await.unwrap();
+        let (tx, mut rx) = mpsc::channel::<Call>(4);
+        tokio::spawn(serve(listener, tx));
+        tokio::spawn(async move {
+            while let Some((_, reply)) = rx.recv().await {
+                let _ = reply.send(Response::Ok);
+            }
+        });
+    }
+
+    #[tokio::test]
+    async fn a_request_gets_its_answer_and_garbage_an_error() {
+        let path = socket_path("answer");
+        answering(&path).await;
+        assert_eq!(call(&path, &Request::Reload).await.unwrap(), Response::Ok);
+        let mut stream = UnixStream::connect(&path).await.unwrap();
+        stream.write_all(b"{\"command\":\"explode\"}\n").await.unwrap();
+        let mut answer = String::new();
+        BufReader::new(&mut stream).read_line(&mut answer).await.unwrap();
+        assert!(answer.contains("bad request") && answer.contains("explode"), "{answer}");
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_endless_line_is_refused_without_reading_it_all() {
+        let path = socket_path("long");
+        answering(&path).await;
+        let mut stream = UnixStream::connect(&path).await.unwrap();
+        let junk = vec![b'x'; MAX_REQUEST_BYTES + 10];
+        // The server may close before all of it is written.
+        let _ = stream.write_all(&junk).await;
+        let mut answer = String::new();
+        BufReader::new(&mut stream).read_line(&mut answer).await.unwrap();
+        assert!(answer.contains("request longer than"), "{answer}");
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_file_at_the_socket_path_is_never_removed() {
+        let path = socket_path("file");
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, "precious").unwrap();
+        let err = bind(&path).await.unwrap_err();
+        assert!(format!("{err:#}").contains("is not a socket"), "{err:#}");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "precious");
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_second_server_on_a_live_socket_is_refused() {
+        let path = socket_path("twice");
+        answering(&path).await;
+        let err = bind(&path).await.unwrap_err();
+        assert!(format!("{err:#}").contains("another lb daemon is already listening"), "{err:#}");
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
     }
 }

@@ -1,21 +1,24 @@
-//! `lb run`: the daemon. One task owns every service's balancer and the
-//! datapath and is the only writer of the maps; kernel events, health
-//! results, control requests, timers and signals reach it as messages.
+//! `lb run`: the daemon's owner loop. One task owns every service's
+//! balancer and the datapath, and is the only writer of the maps; kernel
+//! reports, health results, control requests, timers and signals reach it
+//! as messages, and it carries out the balancers' effects.
+//!
+//! What it decides with lives elsewhere: the state machine in `balancer`,
+//! what a reload changes in `reload`, the status view in `status`, the
+//! socket protocol in `control`.
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     net::SocketAddr,
-    os::unix::fs::PermissionsExt as _,
-    path::{Path, PathBuf},
+    path::PathBuf,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, bail};
 use aya::maps::{MapData, RingBuf};
-use lb_common::{EVENT_CLOSED, EVENT_CONNECT_FAILED, EVENT_CONNECT_TIMEOUT, EVENT_ESTABLISHED, Event, MAX_SERVERS};
+use lb_common::{Event, EventKind};
 use tokio::{
-    io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader, unix::AsyncFd},
-    net::{UnixListener, UnixStream},
+    io::unix::AsyncFd,
     signal::unix::{SignalKind, signal},
     sync::{mpsc, oneshot},
     task::JoinHandle,
@@ -25,16 +28,19 @@ use tracing::{debug, error, info, warn};
 use crate::{
     balancer::{Balancer, Checks, CloseReason, Connection, Effect, Health, Readiness, State},
     config::{self, CheckKind, Config},
-    control::{self, ConfigStatus, DatapathStatus, Features, ReloadStatus, Request, Response, ServerStatus, ServiceStatus, Status},
+    control::{self, ConfigStatus, DatapathStatus, Features, ReloadStatus, Request, Response, Status},
     datapath::{self, Datapath, VipEntry},
-    health::Checker,
+    health::{Checker, Tls},
     metrics::{self, ClosedLabels, Metrics, ResultLabels, ServiceLabels, server_labels},
+    reload::{self, Change},
     sock_destroy,
     state::{SavedList, SavedState},
+    status::{self, KernelView},
 };
 
+/// What reaches the owner task from the kernel and the health checks.
+/// (Control requests come on their own channel, as `control::Call`s.)
 enum Message {
-    Control(Request, oneshot::Sender<Response>),
     Kernel(Event),
     Health { service: String, server: SocketAddr, result: Health, took: Duration },
 }
@@ -50,16 +56,41 @@ pub struct Options {
 /// One service: its config, its state machine and its health check tasks.
 struct Service {
     config: config::Service,
+    /// The TLS files of its checks, read once (start or reload).
+    tls: Tls,
     balancer: Balancer,
     checks: HashMap<SocketAddr, JoinHandle<()>>,
 }
 
-impl Drop for Service {
-    fn drop(&mut self) {
-        for task in self.checks.values() {
+impl Service {
+    fn new(config: config::Service, tls: Tls, servers: &[SocketAddr], default: Option<SocketAddr>, now: Instant) -> (Self, Vec<Effect>) {
+        let (balancer, effects) = Balancer::new(config.policy, checks_of(&config), servers, default, now);
+        (Self { config, tls, balancer, checks: HashMap::new() }, effects)
+    }
+
+    fn entry(&self) -> VipEntry {
+        VipEntry { vip: self.config.vip, selection: self.balancer.selection(), hold_down: self.config.hold_down }
+    }
+
+    fn stop_checks(&mut self) {
+        for (_, task) in self.checks.drain() {
             task.abort();
         }
     }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.stop_checks();
+    }
+}
+
+/// Why the owner loop ended.
+enum Exit {
+    Signal(&'static str),
+    /// `lb detach` (or a control client) asked; answered once the daemon
+    /// has done what exiting means.
+    Requested(oneshot::Sender<Response>),
 }
 
 struct Daemon {
@@ -76,27 +107,40 @@ struct Daemon {
     sock_destroy: bool,
 }
 
-/// Builds each service's health checker once, so that what only shows
-/// when the files are read (a missing CA bundle, a key that does not
-/// parse) fails a start or a reload instead of leaving servers unchecked.
-fn check_health_settings(config: &Config) -> anyhow::Result<()> {
-    for service in &config.services {
-        // No check is made: the address only goes into the URL.
-        Checker::new(&service.health, service.vip).with_context(|| format!("service {:?}", service.name))?;
-    }
-    Ok(())
+/// Reads every service's TLS files once, so that what only shows when the
+/// files are read (a missing CA bundle, a key that does not parse) fails a
+/// start or a reload instead of leaving servers unchecked.
+fn load_tls(config: &Config) -> anyhow::Result<HashMap<String, Tls>> {
+    config
+        .services
+        .iter()
+        .map(|s| Ok((s.name.clone(), Tls::load(&s.health).with_context(|| format!("service {:?}", s.name))?)))
+        .collect()
 }
 
 fn checks_of(service: &config::Service) -> Checks {
     Checks { rise: service.health.rise, fall: service.health.fall, passive_only: service.health.check == CheckKind::None }
 }
 
+impl KernelView for Datapath {
+    fn selection(&self, vip: SocketAddr) -> Vec<SocketAddr> {
+        Self::selection(self, vip)
+    }
+    fn connections(&self, vip: SocketAddr, server: SocketAddr) -> i64 {
+        Self::connections(self, vip, server)
+    }
+    fn recently_failed(&self, server: SocketAddr, hold_down: Duration) -> bool {
+        Self::recently_failed(self, server, hold_down)
+    }
+}
+
 /// Runs the daemon until SIGTERM/SIGINT or a shutdown request. The datapath
-/// stays pinned and working after it returns (fail-static).
+/// stays pinned and working after it returns (fail-static) unless
+/// `detach_on_exit`.
 pub async fn run(options: Options) -> anyhow::Result<()> {
     let config = Config::load(&options.config_path)?;
     // Before anything is attached.
-    check_health_settings(&config)?;
+    let mut tls = load_tls(&config)?;
     let cgroup = match &config.daemon.cgroup {
         Some(path) => path.clone(),
         None => datapath::cgroup2_root()?,
@@ -104,21 +148,17 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     let socket_path = config.daemon.control_socket.clone();
     // Bind first: a second daemon for the same config fails here, before it
     // touches the datapath the first one owns.
-    let listener = bind_control_socket(&socket_path).await?;
+    let listener = control::bind(&socket_path).await?;
 
     let saved = SavedState::load(&config.daemon.state_dir);
     let now = Instant::now();
     let mut services = Vec::new();
-    let mut initial = Vec::new();
     for service in &config.services {
-        let (list, default) = saved
-            .list_for(&service.name, &service.servers, service.default)
-            .inspect(|(list, _)| info!(service = %service.name, servers = ?list, "using the server list set at runtime (state file)"))
-            .unwrap_or_else(|| (service.servers.clone(), service.default));
-        let (balancer, _) = Balancer::new(service.policy, checks_of(service), &list, default, now);
-        initial.push(VipEntry { vip: service.vip, selection: balancer.selection(), hold_down: service.hold_down });
-        services.push(Service { config: service.clone(), balancer, checks: HashMap::new() });
+        let (list, default) = saved_list(&saved, &config, service).unwrap_or_else(|| (service.servers.clone(), service.default));
+        let tls = tls.remove(&service.name).unwrap_or_default();
+        services.push(Service::new(service.clone(), tls, &list, default, now).0);
     }
+    let initial: Vec<VipEntry> = services.iter().map(Service::entry).collect();
 
     let bpffs = config.daemon.bpffs.clone();
     let mut datapath = Datapath::open(&bpffs, &cgroup, &initial, options.bpf_log)?;
@@ -129,7 +169,8 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     if let Some(logger) = datapath.take_logger() {
         tokio::spawn(forward_kernel_logs(logger));
     }
-    tokio::spawn(serve_control(listener, tx.clone()));
+    let (calls_tx, mut calls) = mpsc::channel(64);
+    tokio::spawn(control::serve(listener, calls_tx));
     let (scrape_tx, mut scrapes) = mpsc::channel(16);
     if let Some(addr) = config.daemon.metrics {
         metrics::serve(addr, scrape_tx).await?;
@@ -143,11 +184,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     let mut daemon =
         Daemon { config, config_path: options.config_path, cgroup, datapath, services, saved, tx, metrics, last_reload: None, sock_destroy };
     for i in 0..daemon.services.len() {
-        let service = &daemon.services[i];
-        for server in service.balancer.servers() {
-            daemon.metrics.set_state(&service.config.name, server.addr, server.state);
-        }
-        daemon.sync_checks(i);
+        daemon.service_appeared(i);
     }
     // systemd (Type=notify): ready once the datapath is attached and the
     // first selections are written. A no-op outside systemd.
@@ -163,47 +200,79 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut hangup = signal(SignalKind::hangup())?;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
-    loop {
+    let exit = loop {
         tokio::select! {
-            _ = terminate.recv() => { info!("SIGTERM: exiting; the datapath stays attached"); break; }
-            _ = interrupt.recv() => { info!("SIGINT: exiting; the datapath stays attached"); break; }
+            _ = terminate.recv() => break Exit::Signal("SIGTERM"),
+            _ = interrupt.recv() => break Exit::Signal("SIGINT"),
             _ = hangup.recv() => { let _ = daemon.reload(); }
             Some(scrape) = scrapes.recv() => { let _ = scrape.send(daemon.scrape()); }
-            _ = tick.tick() => {
-                let now = Instant::now();
-                for i in 0..daemon.services.len() {
-                    let effects = daemon.services[i].balancer.on_tick(now);
-                    daemon.apply(i, effects);
-                }
-            }
+            _ = tick.tick() => daemon.on_tick(Instant::now()),
+            Some((request, reply)) = calls.recv() => match request {
+                Request::Shutdown => break Exit::Requested(reply),
+                request => { let _ = reply.send(daemon.handle(request)); }
+            },
             Some(message) = rx.recv() => match message {
                 Message::Kernel(event) => daemon.on_kernel_event(&event),
                 Message::Health { service, server, result, took } => daemon.on_health(&service, server, result, took),
-                Message::Control(Request::Shutdown, reply) => {
-                    info!("shutdown requested: exiting; the datapath stays attached");
-                    let _ = reply.send(Response::Ok);
-                    let _ = std::fs::remove_file(&socket_path);
-                    return Ok(());
-                }
-                Message::Control(request, reply) => {
-                    let _ = reply.send(daemon.handle(request));
-                }
             },
         }
+    };
+    // The same way out for a signal and a request: tell systemd, free the
+    // socket path, detach if asked, and only then answer the requester.
+    match &exit {
+        Exit::Signal(name) => info!("{name}: exiting"),
+        Exit::Requested(_) => info!("shutdown requested: exiting"),
     }
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
     let _ = std::fs::remove_file(&socket_path);
+    drop(daemon);
     if options.detach_on_exit {
-        drop(daemon);
         let removed = datapath::detach(&bpffs)?;
         info!(pins = removed.len(), "--detach-on-exit: detached everything");
+    } else {
+        info!("the datapath stays attached and keeps serving the last selections");
+    }
+    if let Exit::Requested(reply) = exit {
+        let _ = reply.send(Response::Ok);
     }
     Ok(())
 }
 
+/// The list set at runtime for `service` (state file), if it was saved
+/// against the same configured list and still passes the checks every
+/// server list must pass. A saved list that fails them is reported loudly
+/// and the config's list is used.
+fn saved_list(saved: &SavedState, config: &Config, service: &config::Service) -> Option<(Vec<SocketAddr>, Option<SocketAddr>)> {
+    let (list, default) = saved.list_for(&service.name, &service.servers, service.default)?;
+    match config::validate_servers(service.vip, &list, default, |addr| vip_owner(&config.services, addr)) {
+        Ok(()) => {
+            info!(service = %service.name, servers = ?list, "using the server list set at runtime (state file)");
+            Some((list, default))
+        }
+        Err(problems) => {
+            error!(service = %service.name, "ignoring the server list in the state file, using the config's: {problems}");
+            None
+        }
+    }
+}
+
+/// Names the service whose VIP `addr` is, for server-list checks.
+fn vip_owner(services: &[config::Service], addr: SocketAddr) -> Option<String> {
+    services.iter().find(|s| s.vip == addr).map(|s| format!("service {:?}", s.name))
+}
+
 impl Daemon {
-    fn index(&self, name: &str) -> Option<usize> {
-        self.services.iter().position(|s| s.config.name == name)
+    fn index(&self, name: &str) -> anyhow::Result<usize> {
+        self.services.iter().position(|s| s.config.name == name).with_context(|| format!("no service named {name:?}"))
+    }
+
+    /// Metrics and checks for service `i`, new to this daemon.
+    fn service_appeared(&mut self, i: usize) {
+        let service = &self.services[i];
+        for server in service.balancer.servers() {
+            self.metrics.set_state(&service.config.name, server.addr, server.state);
+        }
+        self.sync_checks(i);
     }
 
     /// Carries out a balancer's effects for service `i`.
@@ -212,18 +281,18 @@ impl Daemon {
         let mut closes = Vec::new();
         for effect in effects {
             let service = &self.services[i];
-            let (name, vip) = (service.config.name.clone(), service.config.vip);
+            let name = &service.config.name;
             match effect {
                 Effect::StateChanged { server, from, to, why } => {
                     info!(service = %name, %server, %from, %to, "server {from} -> {to}: {why}");
                     if to == State::Invalid {
-                        self.metrics.forget_server(&name, server);
+                        self.metrics.forget_server(name, server);
                     } else {
-                        self.metrics.set_state(&name, server, to);
+                        self.metrics.set_state(name, server, to);
                     }
                 }
                 Effect::WriteSelection(selection) => {
-                    let entry = VipEntry { vip, selection, hold_down: service.config.hold_down };
+                    let entry = VipEntry { vip: service.config.vip, selection, hold_down: service.config.hold_down };
                     match self.datapath.write(&entry) {
                         Ok(()) => {
                             info!(service = %name, selection = ?entry.selection.servers, spread = entry.selection.spread, "selection written");
@@ -243,6 +312,13 @@ impl Daemon {
         }
     }
 
+    fn on_tick(&mut self, now: Instant) {
+        for i in 0..self.services.len() {
+            let effects = self.services[i].balancer.on_tick(now);
+            self.apply(i, effects);
+        }
+    }
+
     /// Makes the health check tasks of service `i` match its servers.
     fn sync_checks(&mut self, i: usize) {
         let tx = self.tx.clone();
@@ -255,19 +331,19 @@ impl Daemon {
             }
             keep
         });
-        if service.config.health.check == CheckKind::None {
-            return;
-        }
+        let config = &service.config;
         for addr in wanted {
             if service.checks.contains_key(&addr) {
                 continue;
             }
-            match Checker::new(&service.config.health, addr) {
-                Ok(checker) => {
-                    let task = tokio::spawn(check_loop(service.config.name.clone(), addr, checker, service.config.health.interval, tx.clone()));
+            match Checker::new(&config.health, &service.tls, addr) {
+                Ok(Some(checker)) => {
+                    let task = tokio::spawn(check_loop(config.name.clone(), addr, checker, config.health.interval, tx.clone()));
                     service.checks.insert(addr, task);
                 }
-                Err(e) => error!(service = %service.config.name, server = %addr, "cannot check this server: {e:#}"),
+                // `check = "none"`: the kernel's reports are the signal.
+                Ok(None) => {}
+                Err(e) => error!(service = %config.name, server = %addr, "cannot check this server: {e:#}"),
             }
         }
     }
@@ -296,7 +372,7 @@ impl Daemon {
         if closes.is_empty() || !self.sock_destroy {
             return;
         }
-        let (name, vip) = (self.services[i].config.name.clone(), self.services[i].config.vip);
+        let (name, vip) = (&self.services[i].config.name, self.services[i].config.vip);
         let closed = match self.close(|v, server| v == vip && closes.iter().any(|(s, _)| *s == server)) {
             Ok(closed) => closed,
             Err(e) => return error!(service = %name, "closing connections failed: {e:#}"),
@@ -310,7 +386,7 @@ impl Daemon {
     }
 
     fn on_health(&mut self, service: &str, server: SocketAddr, result: Health, took: Duration) {
-        let Some(i) = self.index(service) else { return };
+        let Ok(i) = self.index(service) else { return };
         debug!(service, %server, ?result, ?took, "health check");
         let effects = self.services[i].balancer.on_health(server, result, Instant::now());
         self.apply(i, effects);
@@ -336,24 +412,21 @@ impl Daemon {
     fn on_kernel_event(&mut self, event: &Event) {
         let vip = SocketAddr::from(event.vip);
         let server = SocketAddr::from(event.server);
-        let connection = match event.kind {
-            EVENT_ESTABLISHED => Connection::Established,
-            EVENT_CONNECT_FAILED => Connection::ConnectFailed,
-            EVENT_CONNECT_TIMEOUT => Connection::ConnectTimedOut,
-            EVENT_CLOSED => {
-                debug!(%vip, %server, "connection closed");
-                return;
+        let connection = match EventKind::try_from(event.kind) {
+            Ok(EventKind::Established) => {
+                debug!(%vip, %server, "connection established");
+                Connection::Established
             }
-            other => {
-                warn!(kind = other, "unknown kernel event");
-                return;
+            Ok(EventKind::ConnectFailed) => {
+                warn!(%vip, %server, "connect through the VIP failed; the kernel skips this server for its hold-down");
+                Connection::ConnectFailed
             }
+            Ok(EventKind::ConnectTimeout) => {
+                warn!(%vip, %server, "connect through the VIP got no answer yet; the kernel skips this server for its hold-down");
+                Connection::ConnectTimedOut
+            }
+            Err(e) => return warn!("ignoring a kernel event: {e}"),
         };
-        match connection {
-            Connection::Established => debug!(%vip, %server, "connection established"),
-            Connection::ConnectFailed => warn!(%vip, %server, "connect through the VIP failed; the kernel skips this server for its hold-down"),
-            Connection::ConnectTimedOut => warn!(%vip, %server, "connect through the VIP got no answer yet; the kernel skips this server for its hold-down"),
-        }
         let Some(i) = self.services.iter().position(|s| s.config.vip == vip) else { return };
         if connection != Connection::Established {
             self.metrics.connect_failures.get_or_create(&server_labels(&self.services[i].config.name, server)).inc();
@@ -362,37 +435,26 @@ impl Daemon {
         self.apply(i, effects);
     }
 
+    /// A control request (other than shutdown, which ends the loop).
     fn handle(&mut self, request: Request) -> Response {
         let result = match request {
             Request::Status => return Response::Status(self.status()),
-            Request::CloseConnections { server, service } => self.close_connections(server, service.as_deref()).map(|closed| Response::Closed { closed }),
+            Request::CloseConnections { server, service } => {
+                self.close_connections(server, service.as_deref()).map(|closed| Response::Closed { closed })
+            }
             Request::SetServers { service, servers, default } => self.set_servers(&service, &servers, default).map(|()| Response::Ok),
             Request::Drain { service, server, undo } => self.drain(&service, server, undo).map(|()| Response::Ok),
             Request::Reload => self.reload().map(|()| Response::Ok),
-            Request::Shutdown => Ok(Response::Ok),
+            Request::Shutdown => Err(anyhow::anyhow!("shutdown is handled by the owner loop")),
         };
         result.unwrap_or_else(|e| Response::Error { error: format!("{e:#}") })
     }
 
+    /// `lb servers`: checked with the same rules as the config file.
     fn set_servers(&mut self, name: &str, servers: &[SocketAddr], default: Option<SocketAddr>) -> anyhow::Result<()> {
-        let i = self.index(name).with_context(|| format!("no service named {name:?}"))?;
+        let i = self.index(name)?;
         let vip = self.services[i].config.vip;
-        let all: Vec<SocketAddr> = servers.iter().chain(&default).copied().collect();
-        for addr in &all {
-            if addr.port() == 0 || addr.ip().is_unspecified() {
-                bail!("{addr} is not a usable server address");
-            }
-            if addr.is_ipv4() != vip.is_ipv4() {
-                bail!("{addr} and the VIP {vip} are of different address families; a socket dialling the VIP cannot reach it");
-            }
-            if self.services.iter().any(|s| s.config.vip == *addr) {
-                bail!("{addr} is a VIP; using it as a server would loop");
-            }
-        }
-        let unique: HashSet<SocketAddr> = all.iter().copied().collect();
-        if unique.len() > MAX_SERVERS {
-            bail!("{} servers (with the default); at most {MAX_SERVERS} are supported", unique.len());
-        }
+        config::validate_servers(vip, servers, default, |addr| vip_owner(&self.config.services, addr)).map_err(anyhow::Error::msg)?;
         let effects = self.services[i].balancer.set_servers(servers, default, Instant::now());
         self.apply(i, effects);
         let config = &self.services[i].config;
@@ -406,7 +468,7 @@ impl Daemon {
     }
 
     fn drain(&mut self, name: &str, server: SocketAddr, undo: bool) -> anyhow::Result<()> {
-        let i = self.index(name).with_context(|| format!("no service named {name:?}"))?;
+        let i = self.index(name)?;
         if self.services[i].balancer.server(server).is_none() {
             bail!("{server} is not a server of {name:?}");
         }
@@ -418,41 +480,8 @@ impl Daemon {
     }
 
     fn status(&self) -> Status {
-        let services = self
-            .services
-            .iter()
-            .map(|s| {
-                let vip = s.config.vip;
-                ServiceStatus {
-                    name: s.config.name.clone(),
-                    vip,
-                    policy: s.config.policy.to_string(),
-                    selected: self.datapath.selection(vip),
-                    servers: s
-                        .balancer
-                        .servers()
-                        .iter()
-                        .map(|server| ServerStatus {
-                            address: server.addr,
-                            connections: self.datapath.connections(vip, server.addr),
-                            state: server.state.name().to_owned(),
-                            healthy: server.healthy,
-                            last_check: server.last_error.clone(),
-                            readiness: match server.readiness {
-                                Readiness::Ready => "ready",
-                                Readiness::Serving => "serving",
-                                Readiness::Terminating => "terminating",
-                            }
-                            .to_owned(),
-                            default: server.is_default,
-                            recently_failed: self.datapath.recently_failed(server.addr, s.config.hold_down),
-                        })
-                        .collect(),
-                }
-            })
-            .collect();
         Status {
-            services,
+            services: self.services.iter().map(|s| status::service(&s.config, &s.balancer, &self.datapath)).collect(),
             config: ConfigStatus { path: self.config_path.display().to_string(), last_reload: self.last_reload.clone() },
             datapath: DatapathStatus {
                 cgroup: self.cgroup.display().to_string(),
@@ -468,10 +497,7 @@ impl Daemon {
     /// (of `service`, or of any service) to `server`. Direct connections to
     /// it are left alone. Counted with reason `manual`.
     fn close_connections(&mut self, server: SocketAddr, service: Option<&str>) -> anyhow::Result<u64> {
-        let vip = match service {
-            None => None,
-            Some(name) => Some(self.services[self.index(name).with_context(|| format!("no service named {name:?}"))?].config.vip),
-        };
+        let vip = service.map(|name| self.index(name).map(|i| self.services[i].config.vip)).transpose()?;
         let closed = self
             .close(|v, s| s == server && vip.is_none_or(|vip| vip == v))
             .with_context(|| format!("closing connections to {server}"))?;
@@ -500,76 +526,67 @@ impl Daemon {
         result
     }
 
-    /// Applies the config file's difference: unchanged services keep their
-    /// state and connections; removed services stop being rewritten and
-    /// their VIP connections are closed. Nothing changes if it is invalid.
+    /// Applies the config file's difference ([`reload::plan`]): unchanged
+    /// services keep their state and connections; removed services stop
+    /// being rewritten and their VIP connections are closed. Nothing
+    /// changes if the file is invalid.
     fn try_reload(&mut self) -> anyhow::Result<()> {
         let config = Config::load(&self.config_path)?;
-        check_health_settings(&config)?;
+        let mut tls = load_tls(&config)?;
         if config.daemon != self.config.daemon {
             warn!("[daemon] settings changed; they take effect at the next start");
         }
         let now = Instant::now();
-        let mut old: HashMap<String, Service> = self.services.drain(..).map(|s| (s.config.name.clone(), s)).collect();
+        let running: Vec<config::Service> = self.services.iter().map(|s| s.config.clone()).collect();
         let mut removed_vips = HashSet::new();
-        for wanted in &config.services {
-            let service = match old.remove(&wanted.name) {
-                Some(mut service) if service.config.vip == wanted.vip => {
-                    let previous = std::mem::replace(&mut service.config, wanted.clone());
-                    let mut effects = Vec::new();
-                    if previous.policy != wanted.policy || previous.health != wanted.health {
-                        effects.extend(service.balancer.set_policy(wanted.policy, checks_of(wanted), now));
-                        for task in service.checks.values() {
-                            task.abort();
-                        }
-                        service.checks.clear();
+        for change in reload::plan(&running, &config.services) {
+            match change {
+                Change::Remove { name } => {
+                    let i = self.index(&name)?;
+                    let service = self.services.remove(i);
+                    info!(service = %name, vip = %service.config.vip, "service removed");
+                    for server in service.balancer.servers() {
+                        self.metrics.forget_server(&name, server.addr);
                     }
-                    if previous.servers != wanted.servers || previous.default != wanted.default {
-                        effects.extend(service.balancer.set_servers(&wanted.servers, wanted.default, now));
-                        self.saved.services.remove(&wanted.name);
-                    }
-                    if previous.hold_down != wanted.hold_down {
-                        let entry = VipEntry { vip: wanted.vip, selection: service.balancer.selection(), hold_down: wanted.hold_down };
-                        if let Err(e) = self.datapath.write(&entry) {
-                            error!(service = %wanted.name, "writing the hold-down failed: {e:#}");
-                        }
-                    }
+                    removed_vips.insert(service.config.vip);
+                }
+                Change::Add(wanted) => {
+                    info!(service = %wanted.name, vip = %wanted.vip, "service added");
+                    let tls = tls.remove(&wanted.name).unwrap_or_default();
+                    let (servers, default) = (wanted.servers.clone(), wanted.default);
+                    let (service, effects) = Service::new(wanted, tls, &servers, default, now);
                     self.services.push(service);
                     let i = self.services.len() - 1;
                     self.apply(i, effects);
-                    continue;
+                    self.service_appeared(i);
                 }
-                Some(service) => {
-                    removed_vips.insert(service.config.vip);
-                    info!(service = %wanted.name, "VIP changed: replacing the service");
-                    drop(service);
-                    let (balancer, effects) = Balancer::new(wanted.policy, checks_of(wanted), &wanted.servers, wanted.default, now);
-                    (Service { config: wanted.clone(), balancer, checks: HashMap::new() }, effects)
+                Change::Update { service: wanted, what } => {
+                    let i = self.index(&wanted.name)?;
+                    let service = &mut self.services[i];
+                    service.config = wanted.clone();
+                    let mut effects = Vec::new();
+                    if what.policy_or_health {
+                        service.tls = tls.remove(&wanted.name).unwrap_or_default();
+                        effects.extend(service.balancer.set_policy(wanted.policy, checks_of(&wanted), now));
+                        // Restarted by `sync_checks` below, with the new settings.
+                        service.stop_checks();
+                    }
+                    if what.servers {
+                        effects.extend(service.balancer.set_servers(&wanted.servers, wanted.default, now));
+                        self.saved.services.remove(&wanted.name);
+                    }
+                    if what.hold_down
+                        && let Err(e) = self.datapath.write(&self.services[i].entry())
+                    {
+                        error!(service = %wanted.name, "writing the hold-down failed: {e:#}");
+                    }
+                    self.apply(i, effects);
                 }
-                None => {
-                    info!(service = %wanted.name, vip = %wanted.vip, "service added");
-                    let (balancer, effects) = Balancer::new(wanted.policy, checks_of(wanted), &wanted.servers, wanted.default, now);
-                    (Service { config: wanted.clone(), balancer, checks: HashMap::new() }, effects)
-                }
-            };
-            let (service, effects) = service;
-            self.services.push(service);
-            let i = self.services.len() - 1;
-            self.apply(i, effects);
-            self.sync_checks(i);
-        }
-        for (name, service) in old {
-            info!(service = %name, vip = %service.config.vip, "service removed");
-            for server in service.balancer.servers() {
-                self.metrics.forget_server(&name, server.addr);
             }
-            removed_vips.insert(service.config.vip);
         }
-        let entries: Vec<VipEntry> = self
-            .services
-            .iter()
-            .map(|s| VipEntry { vip: s.config.vip, selection: s.balancer.selection(), hold_down: s.config.hold_down })
-            .collect();
+        // The config's order, as `lb status` shows it.
+        self.services.sort_by_key(|s| config.services.iter().position(|c| c.name == s.config.name));
+        let entries: Vec<VipEntry> = self.services.iter().map(Service::entry).collect();
         if let Err(e) = self.datapath.reconcile(&entries) {
             error!("reload: writing the datapath failed: {e:#}");
         }
@@ -649,56 +666,4 @@ async fn forward_kernel_logs(logger: datapath::KernelLogger) {
         guard.get_inner_mut().flush();
         guard.clear_ready();
     }
-}
-
-async fn bind_control_socket(path: &Path) -> anyhow::Result<UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    if path.exists() {
-        if UnixStream::connect(path).await.is_ok() {
-            bail!("another lb daemon is already listening on {}", path.display());
-        }
-        std::fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))?;
-    }
-    let listener = UnixListener::bind(path).with_context(|| format!("binding control socket {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    Ok(listener)
-}
-
-async fn serve_control(listener: UnixListener, tx: mpsc::Sender<Message>) {
-    loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
-        let tx = tx.clone();
-        tokio::spawn(async move {
-            if let Err(e) = serve_client(stream, tx).await {
-                debug!("control client: {e:#}");
-            }
-        });
-    }
-}
-
-async fn serve_client(stream: UnixStream, tx: mpsc::Sender<Message>) -> anyhow::Result<()> {
-    let (read, mut write) = stream.into_split();
-    let mut lines = BufReader::new(read).lines();
-    while let Some(line) = lines.next_line().await? {
-        let response = match serde_json::from_str::<Request>(&line) {
-            Ok(request) => {
-                let (reply_tx, reply_rx) = oneshot::channel();
-                tx.send(Message::Control(request, reply_tx)).await.context("daemon is shutting down")?;
-                reply_rx.await.context("daemon is shutting down")?
-            }
-            Err(e) => Response::Error { error: format!("bad request {line:?}: {e}") },
-        };
-        let mut out = serde_json::to_string(&response)?;
-        out.push('\n');
-        write.write_all(out.as_bytes()).await?;
-    }
-    Ok(())
-}
-
-/// Used by `lb detach`: stop a running daemon first so it does not keep
-/// working on a datapath that is going away.
-pub async fn stop_running_daemon(socket: &Path) -> bool {
-    matches!(control::call(socket, &Request::Shutdown).await, Ok(Response::Ok))
 }

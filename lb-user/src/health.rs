@@ -3,7 +3,7 @@
 //! delays the checks of others. Checks go straight to the servers (never a
 //! VIP), so the datapath never rewrites them.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{net::SocketAddr, path::Path, time::Duration};
 
 use anyhow::Context as _;
 
@@ -12,52 +12,99 @@ use crate::{
     config::{CheckKind, HealthConfig},
 };
 
+/// What one check of a server does.
+enum Probe {
+    /// Connect, then close.
+    Tcp,
+    /// GET `url`; a status within `status` (inclusive) passes.
+    Http { client: reqwest::Client, url: String, status: (u16, u16) },
+}
+
 /// Checks one server the way its service is configured.
 pub struct Checker {
-    kind: CheckKind,
+    probe: Probe,
     timeout: Duration,
-    status: (u16, u16),
-    url: String,
-    client: Option<reqwest::Client>,
+}
+
+/// The files of an https check, read and parsed once per service: a CA
+/// bundle that does not parse or a key that is missing fails a start or a
+/// reload here, before any server is checked.
+#[derive(Clone, Default)]
+pub struct Tls {
+    /// Trusted roots instead of the system's, when `ca_file` is set.
+    roots: Option<Vec<reqwest::Certificate>>,
+    /// The client certificate and key (`cert_file`, `key_file`).
+    identity: Option<reqwest::Identity>,
+}
+
+impl Tls {
+    /// Reads the TLS files `config` names (none for a check that is not
+    /// https). Errors name the key and the file.
+    pub fn load(config: &HealthConfig) -> anyhow::Result<Self> {
+        if config.check != CheckKind::Https {
+            return Ok(Self::default());
+        }
+        let read = |key: &str, path: &Path| std::fs::read(path).with_context(|| format!("health.{key}: reading {}", path.display()));
+        let roots = match &config.ca_file {
+            Some(path) => Some(
+                reqwest::Certificate::from_pem_bundle(&read("ca_file", path)?)
+                    .with_context(|| format!("health.ca_file: {} is not a PEM bundle", path.display()))?,
+            ),
+            None => None,
+        };
+        let identity = match (&config.cert_file, &config.key_file) {
+            (Some(cert), Some(key)) => {
+                let mut pem = read("cert_file", cert)?;
+                pem.extend(read("key_file", key)?);
+                Some(reqwest::Identity::from_pem(&pem).with_context(|| {
+                    format!("health.cert_file/key_file: {} and {} are not a PEM certificate and key", cert.display(), key.display())
+                })?)
+            }
+            _ => None,
+        };
+        Ok(Self { roots, identity })
+    }
 }
 
 impl Checker {
-    /// Builds the checker of `server`; errors name the file that is wrong.
-    pub fn new(config: &HealthConfig, server: SocketAddr) -> anyhow::Result<Self> {
-        let scheme = if config.check == CheckKind::Https { "https" } else { "http" };
-        let host = config.server_name.clone().unwrap_or_else(|| match server {
-            SocketAddr::V4(a) => a.ip().to_string(),
-            SocketAddr::V6(a) => format!("[{}]", a.ip()),
-        });
-        let url = format!("{scheme}://{host}:{}{}", server.port(), config.path);
-        let client = match config.check {
-            CheckKind::Http | CheckKind::Https => Some(http_client(config, server)?),
-            CheckKind::Tcp | CheckKind::None => None,
+    /// The checker of `server`, or `None` for `check = "none"` (the kernel's
+    /// connection reports are then the only signal).
+    pub fn new(config: &HealthConfig, tls: &Tls, server: SocketAddr) -> anyhow::Result<Option<Self>> {
+        let probe = match config.check {
+            CheckKind::None => return Ok(None),
+            CheckKind::Tcp => Probe::Tcp,
+            CheckKind::Http | CheckKind::Https => {
+                let scheme = if config.check == CheckKind::Https { "https" } else { "http" };
+                let host = config.server_name.clone().unwrap_or_else(|| match server {
+                    SocketAddr::V4(a) => a.ip().to_string(),
+                    SocketAddr::V6(a) => format!("[{}]", a.ip()),
+                });
+                let url = format!("{scheme}://{host}:{}{}", server.port(), config.path);
+                Probe::Http { client: http_client(config, tls, server)?, url, status: config.status }
+            }
         };
-        Ok(Self { kind: config.check, timeout: config.timeout, status: config.status, url, client })
+        Ok(Some(Self { probe, timeout: config.timeout }))
     }
 
     /// One check of `server`; always returns within the timeout.
     pub async fn check(&self, server: SocketAddr) -> Health {
         let attempt = async {
-            match (self.kind, &self.client) {
-                (CheckKind::None, _) => Health::Unknown,
-                (CheckKind::Tcp, _) => match tokio::net::TcpStream::connect(server).await {
+            match &self.probe {
+                Probe::Tcp => match tokio::net::TcpStream::connect(server).await {
                     Ok(_) => Health::Pass,
                     Err(e) => Health::Fail(format!("tcp connect: {e}")),
                 },
-                (_, Some(client)) => match client.get(&self.url).send().await {
+                Probe::Http { client, url, status } => match client.get(url).send().await {
                     Ok(response) => {
                         let code = response.status().as_u16();
-                        if (self.status.0..=self.status.1).contains(&code) {
+                        if (status.0..=status.1).contains(&code) {
                             Health::Pass
                         } else {
-                            Health::Fail(format!("GET {}: HTTP {code}", self.url))
+                            Health::Fail(format!("GET {url}: HTTP {code}"))
                         }
                     }
-                    Err(e) => Health::Fail(format!("GET {}: {}", self.url, error_chain(&e))),
+                    Err(e) => Health::Fail(format!("GET {url}: {}", error_chain(&e))),
                 },
-                (_, None) => Health::Unknown,
             }
         };
         match tokio::time::timeout(self.timeout, attempt).await {
@@ -78,7 +125,7 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
-fn http_client(config: &HealthConfig, server: SocketAddr) -> anyhow::Result<reqwest::Client> {
+fn http_client(config: &HealthConfig, tls: &Tls, server: SocketAddr) -> anyhow::Result<reqwest::Client> {
     let mut builder = reqwest::Client::builder()
         .timeout(config.timeout)
         .connect_timeout(config.timeout)
@@ -94,21 +141,15 @@ fn http_client(config: &HealthConfig, server: SocketAddr) -> anyhow::Result<reqw
     // a CA bundle of its own. Loading them costs tens of milliseconds per
     // client (seconds under emulation), and `ca_file` replaces them, so
     // that a cluster's private CA is the only one trusted.
-    builder = builder.tls_built_in_native_certs(config.check == CheckKind::Https && config.ca_file.is_none());
-    if config.check == CheckKind::Https {
+    let https = config.check == CheckKind::Https;
+    builder = builder.tls_built_in_native_certs(https && tls.roots.is_none());
+    if https {
         builder = builder.use_rustls_tls();
-        if let Some(path) = &config.ca_file {
-            let pem = std::fs::read(path).with_context(|| format!("health.ca_file: reading {}", path.display()))?;
-            for cert in reqwest::Certificate::from_pem_bundle(&pem).with_context(|| format!("health.ca_file: {} is not a PEM bundle", path.display()))? {
-                builder = builder.add_root_certificate(cert);
-            }
+        for cert in tls.roots.iter().flatten() {
+            builder = builder.add_root_certificate(cert.clone());
         }
-        if let (Some(cert), Some(key)) = (&config.cert_file, &config.key_file) {
-            let mut pem = std::fs::read(cert).with_context(|| format!("health.cert_file: reading {}", cert.display()))?;
-            pem.extend(std::fs::read(key).with_context(|| format!("health.key_file: reading {}", key.display()))?);
-            let identity = reqwest::Identity::from_pem(&pem)
-                .with_context(|| format!("health.cert_file/key_file: {} and {} are not a PEM certificate and key", cert.display(), key.display()))?;
-            builder = builder.identity(identity);
+        if let Some(identity) = &tls.identity {
+            builder = builder.identity(identity.clone());
         }
         if config.insecure_skip_verify {
             builder = builder.danger_accept_invalid_certs(true);
@@ -141,24 +182,29 @@ mod tests {
         HealthConfig { check, path: "/readyz".into(), ..HealthConfig::default() }
     }
 
+    fn checker(config: &HealthConfig, server: SocketAddr) -> Checker {
+        Checker::new(config, &Tls::load(config).unwrap(), server).unwrap().expect("a check is configured")
+    }
+
     #[tokio::test]
     async fn http_status_decides() {
         let ok = http_server(200);
-        assert_eq!(Checker::new(&config(CheckKind::Http), ok).unwrap().check(ok).await, Health::Pass);
+        assert_eq!(checker(&config(CheckKind::Http), ok).check(ok).await, Health::Pass);
         let broken = http_server(500);
-        let result = Checker::new(&config(CheckKind::Http), broken).unwrap().check(broken).await;
+        let result = checker(&config(CheckKind::Http), broken).check(broken).await;
         assert!(matches!(&result, Health::Fail(e) if e.contains("HTTP 500") && e.contains("/readyz")), "{result:?}");
     }
 
     #[tokio::test]
-    async fn tcp_refused_fails_and_none_is_unknown() {
+    async fn tcp_refused_fails_and_none_has_no_checker() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
-        assert_eq!(Checker::new(&config(CheckKind::Tcp), addr).unwrap().check(addr).await, Health::Pass);
+        assert_eq!(checker(&config(CheckKind::Tcp), addr).check(addr).await, Health::Pass);
         drop(listener);
-        let result = Checker::new(&config(CheckKind::Tcp), addr).unwrap().check(addr).await;
+        let result = checker(&config(CheckKind::Tcp), addr).check(addr).await;
         assert!(matches!(&result, Health::Fail(e) if e.contains("refused")), "{result:?}");
-        assert_eq!(Checker::new(&config(CheckKind::None), addr).unwrap().check(addr).await, Health::Unknown);
+        let none = config(CheckKind::None);
+        assert!(Checker::new(&none, &Tls::load(&none).unwrap(), addr).unwrap().is_none(), "check = none has no checker");
     }
 
     #[tokio::test]
@@ -166,7 +212,7 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let cfg = HealthConfig { timeout: Duration::from_millis(200), ..config(CheckKind::Http) };
-        let result = Checker::new(&cfg, addr).unwrap().check(addr).await;
+        let result = checker(&cfg, addr).check(addr).await;
         assert!(matches!(&result, Health::Fail(_)), "{result:?}");
         drop(listener);
     }
@@ -174,7 +220,7 @@ mod tests {
     #[test]
     fn missing_ca_file_is_named() {
         let cfg = HealthConfig { ca_file: Some("/nonexistent/ca.pem".into()), ..config(CheckKind::Https) };
-        let err = Checker::new(&cfg, "127.0.0.1:1".parse().unwrap()).err().unwrap();
+        let err = Tls::load(&cfg).err().unwrap();
         assert!(format!("{err:#}").contains("health.ca_file: reading /nonexistent/ca.pem"), "{err:#}");
     }
 }

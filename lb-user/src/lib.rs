@@ -1,25 +1,29 @@
-//! The `lb` daemon and its command-line client.
-//!
-//! Where things are:
-//! - `cli`: the command line;
-//! - `config`: the TOML config and its validation;
-//! - `balancer`: the server state machine (sans-I/O, simulated-time tests);
-//! - `health`: active health checks (tcp, http, https);
-//! - `state`: server lists set at runtime, kept across restarts;
-//! - `daemon`: `lb run`, the task that owns all balancer state;
-//! - `datapath`: loading, attaching, pinning and adopting the eBPF programs
-//!   and reading and writing their maps (the programs are in `lb-ebpf`);
-//! - `sock_destroy`: closing connections made through a VIP;
-//! - `control`: the control socket protocol and `lb status`;
-//! - `metrics`: Prometheus metrics.
+//! The `lb` daemon and its command-line client. ARCHITECTURE.md at the top
+//! of the repository is the map; in short, top floor first (each module
+//! uses only those below it):
+//! - `client`: the subcommands that talk to a running daemon;
+//! - `daemon`: `lb run`, the owner loop, the one place that mutates
+//!   balancer state and writes the maps;
+//! - `datapath` (loading, attaching, pinning and adopting the eBPF programs;
+//!   map reads and writes), `metrics` (Prometheus), `health` (tcp, http,
+//!   https checks), `status` (the status view and its table);
+//! - `balancer` (the server state machine: sans-I/O, simulated-time tests),
+//!   `cli` (the command line), `reload` (what a new config changes);
+//! - `control` (the control socket protocol, client and server), `config`
+//!   (the TOML file and the one validation of server lists);
+//! - `sock_destroy` (closing VIP connections), `state` (server lists set at
+//!   runtime, kept across restarts).
 
 pub mod balancer;
 pub mod cli;
+pub mod client;
 pub mod config;
 pub mod control;
 pub mod daemon;
 pub mod datapath;
 pub mod health;
 pub mod metrics;
+pub mod reload;
 pub mod sock_destroy;
 pub mod state;
+pub mod status;

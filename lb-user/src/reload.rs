@@ -1,0 +1,137 @@
+//! Reloading the config: what changed between the running services and the
+//! new file's, as a list of changes for the daemon to apply. Pure: the
+//! daemon owns the state and carries the changes out.
+//!
+//! A service is known by its name. Same name and VIP: updated in place (its
+//! servers keep their state and connections). Same name, new VIP: removed
+//! and added again, since the kernel knows a service by its VIP.
+
+use std::collections::HashMap;
+
+use crate::config::Service;
+
+/// One difference between the running services and the new config's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// Stop rewriting this service's VIP and close its connections (unless
+    /// an added service takes the VIP over).
+    Remove { name: String },
+    /// A new service (or one whose VIP changed, after its `Remove`).
+    Add(Service),
+    /// A service that stays, with what changed about it.
+    Update { service: Service, what: Update },
+}
+
+/// What changed about a service that stays.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Update {
+    /// The policy or the health settings: checks restart with the new ones.
+    pub policy_or_health: bool,
+    /// The configured server list or default: the new list replaces a list
+    /// set at runtime (`lb servers`), as the operator just edited it.
+    pub servers: bool,
+    /// Only the kernel's value changes.
+    pub hold_down: bool,
+}
+
+/// The changes that turn `old` into `new`: removals first, then additions
+/// and updates in the new file's order. Unchanged services are left out.
+pub fn plan(old: &[Service], new: &[Service]) -> Vec<Change> {
+    let before: HashMap<&str, &Service> = old.iter().map(|s| (s.name.as_str(), s)).collect();
+    let after: HashMap<&str, &Service> = new.iter().map(|s| (s.name.as_str(), s)).collect();
+    let mut changes: Vec<Change> = old
+        .iter()
+        .filter(|s| after.get(s.name.as_str()).is_none_or(|n| n.vip != s.vip))
+        .map(|s| Change::Remove { name: s.name.clone() })
+        .collect();
+    for wanted in new {
+        let Some(previous) = before.get(wanted.name.as_str()).filter(|p| p.vip == wanted.vip) else {
+            changes.push(Change::Add(wanted.clone()));
+            continue;
+        };
+        let Service { name: _, vip: _, servers, default, policy, hold_down, health } = previous;
+        let what = Update {
+            policy_or_health: *policy != wanted.policy || *health != wanted.health,
+            servers: *servers != wanted.servers || *default != wanted.default,
+            hold_down: *hold_down != wanted.hold_down,
+        };
+        if what != Update::default() {
+            changes.push(Change::Update { service: wanted.clone(), what });
+        }
+    }
+    changes
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{net::SocketAddr, time::Duration};
+
+    use super::*;
+    use crate::config::{CheckKind, HealthConfig, Policy};
+
+    fn service(name: &str, vip: u16) -> Service {
+        Service {
+            name: name.into(),
+            vip: SocketAddr::from(([127, 0, 0, 1], vip)),
+            servers: vec![SocketAddr::from(([127, 0, 0, 2], 80))],
+            default: None,
+            policy: Policy::Failover,
+            hold_down: Duration::from_secs(5),
+            health: HealthConfig::default(),
+        }
+    }
+
+    #[test]
+    fn the_same_config_changes_nothing() {
+        let config = vec![service("a", 1), service("b", 2)];
+        assert_eq!(plan(&config, &config), vec![]);
+    }
+
+    #[test]
+    fn added_and_removed_services() {
+        let old = vec![service("a", 1), service("b", 2)];
+        let new = vec![service("b", 2), service("c", 3)];
+        assert_eq!(plan(&old, &new), vec![Change::Remove { name: "a".into() }, Change::Add(service("c", 3))]);
+    }
+
+    #[test]
+    fn a_new_vip_is_a_new_service() {
+        let old = vec![service("a", 1)];
+        let new = vec![service("a", 9)];
+        assert_eq!(plan(&old, &new), vec![Change::Remove { name: "a".into() }, Change::Add(service("a", 9))]);
+    }
+
+    #[test]
+    fn each_kind_of_update_is_named() {
+        let old = vec![service("a", 1)];
+        let update = |edit: fn(&mut Service)| {
+            let mut new = service("a", 1);
+            edit(&mut new);
+            match plan(&old, &[new]).as_slice() {
+                [Change::Update { what, .. }] => *what,
+                other => panic!("expected one update, got {other:?}"),
+            }
+        };
+        let servers = Update { servers: true, ..Update::default() };
+        let policy = Update { policy_or_health: true, ..Update::default() };
+        assert_eq!(update(|s| s.servers.push(SocketAddr::from(([127, 0, 0, 3], 80)))), servers);
+        assert_eq!(update(|s| s.default = Some(SocketAddr::from(([127, 0, 0, 3], 80)))), servers);
+        assert_eq!(update(|s| s.policy = Policy::Spread), policy);
+        assert_eq!(update(|s| s.health.check = CheckKind::None), policy);
+        assert_eq!(update(|s| s.hold_down = Duration::from_secs(1)), Update { hold_down: true, ..Update::default() });
+        assert_eq!(
+            update(|s| {
+                s.hold_down = Duration::from_secs(1);
+                s.health.fall = 3;
+            }),
+            Update { policy_or_health: true, hold_down: true, ..Update::default() }
+        );
+    }
+
+    #[test]
+    fn a_vip_moving_between_services_is_removed_before_it_is_added() {
+        let old = vec![service("a", 1), service("b", 2)];
+        let new = vec![service("b", 1)];
+        assert_eq!(plan(&old, &new), vec![Change::Remove { name: "a".into() }, Change::Remove { name: "b".into() }, Change::Add(service("b", 1))]);
+    }
+}

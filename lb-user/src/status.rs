@@ -1,0 +1,179 @@
+//! The status view: what `lb status` shows, built from the services' state
+//! and the kernel's maps (data in, data out), and its table for people.
+
+use std::{fmt::Write as _, net::SocketAddr, time::Duration};
+
+use crate::{
+    balancer::{Balancer, Readiness},
+    config,
+    control::{ServerStatus, ServiceStatus, Status},
+};
+
+/// What status needs from the kernel's maps.
+pub trait KernelView {
+    /// The selection the kernel holds for `vip`, best first.
+    fn selection(&self, vip: SocketAddr) -> Vec<SocketAddr>;
+    /// Live connections through `vip` to `server`.
+    fn connections(&self, vip: SocketAddr, server: SocketAddr) -> i64;
+    /// Whether a connect to `server` through a VIP failed within `hold_down`.
+    fn recently_failed(&self, server: SocketAddr, hold_down: Duration) -> bool;
+}
+
+/// One service as `lb status` shows it.
+pub fn service(config: &config::Service, balancer: &Balancer, kernel: &impl KernelView) -> ServiceStatus {
+    let vip = config.vip;
+    ServiceStatus {
+        name: config.name.clone(),
+        vip,
+        policy: config.policy.to_string(),
+        selected: kernel.selection(vip),
+        servers: balancer
+            .servers()
+            .iter()
+            .map(|server| ServerStatus {
+                address: server.addr,
+                connections: kernel.connections(vip, server.addr),
+                state: server.state.name().to_owned(),
+                healthy: server.healthy,
+                last_check: server.last_error.clone(),
+                readiness: readiness_name(server.readiness).to_owned(),
+                default: server.is_default,
+                recently_failed: kernel.recently_failed(server.addr, config.hold_down),
+            })
+            .collect(),
+    }
+}
+
+const fn readiness_name(readiness: Readiness) -> &'static str {
+    match readiness {
+        Readiness::Ready => "ready",
+        Readiness::Serving => "serving",
+        Readiness::Terminating => "terminating",
+    }
+}
+
+/// The human-readable table of `lb status`.
+pub fn table(status: &Status) -> String {
+    let mut out = String::new();
+    if status.services.is_empty() {
+        out.push_str("no services configured\n");
+    }
+    for s in &status.services {
+        let selected: Vec<String> = s.selected.iter().map(ToString::to_string).collect();
+        let _ = writeln!(out, "{}  vip {}  policy {}  selected [{}]", s.name, s.vip, s.policy, selected.join(", "));
+        let _ = writeln!(out, "  {:<42} {:<10} {:<8} {:>11}  NOTES", "SERVER", "STATE", "HEALTHY", "CONNECTIONS");
+        for server in &s.servers {
+            let mut notes = Vec::new();
+            if server.default {
+                notes.push("default".to_owned());
+            }
+            if server.readiness != "ready" {
+                notes.push(server.readiness.clone());
+            }
+            if server.recently_failed {
+                notes.push("connect failed recently".to_owned());
+            }
+            if let Some(error) = &server.last_check {
+                notes.push(format!("last check: {error}"));
+            }
+            let healthy = match server.healthy {
+                Some(true) => "yes",
+                Some(false) => "no",
+                None => "-",
+            };
+            let _ = writeln!(
+                out,
+                "  {:<42} {:<10} {:<8} {:>11}  {}",
+                server.address.to_string(),
+                server.state,
+                healthy,
+                server.connections,
+                notes.join("; ")
+            );
+        }
+    }
+    if let Some(reload) = &status.config.last_reload {
+        match &reload.error {
+            None => out.push_str("config: last reload ok\n"),
+            Some(error) => {
+                let _ = writeln!(out, "config: LAST RELOAD FAILED; still serving the previous config:\n{error}");
+            }
+        }
+    }
+    let datapath = &status.datapath;
+    let _ = writeln!(
+        out,
+        "datapath: cgroup {}  pins {}{}",
+        datapath.cgroup,
+        datapath.bpffs,
+        if datapath.adopted { "  (adopted from a previous run)" } else { "" }
+    );
+    for (name, present) in [("getpeername hooks", datapath.features.getpeername), ("closing connections (SOCK_DESTROY)", datapath.features.sock_destroy)] {
+        if !present {
+            let _ = writeln!(out, "degraded: this kernel lacks {name}");
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{collections::HashMap, time::Instant};
+
+    use super::*;
+    use crate::{
+        balancer::{Checks, Health},
+        config::{HealthConfig, Policy},
+    };
+
+    struct FakeKernel {
+        connections: HashMap<SocketAddr, i64>,
+        failed: Vec<SocketAddr>,
+    }
+
+    impl KernelView for FakeKernel {
+        fn selection(&self, _vip: SocketAddr) -> Vec<SocketAddr> {
+            vec![a(2), a(1)]
+        }
+        fn connections(&self, _vip: SocketAddr, server: SocketAddr) -> i64 {
+            self.connections.get(&server).copied().unwrap_or(0)
+        }
+        fn recently_failed(&self, server: SocketAddr, _hold_down: Duration) -> bool {
+            self.failed.contains(&server)
+        }
+    }
+
+    fn a(n: u8) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, n], 80))
+    }
+
+    #[test]
+    fn status_shows_the_balancer_and_the_kernel_side_by_side() {
+        let config = config::Service {
+            name: "api".into(),
+            vip: SocketAddr::from(([127, 0, 0, 100], 6444)),
+            servers: vec![a(1), a(2)],
+            default: None,
+            policy: Policy::Failover,
+            hold_down: Duration::from_secs(5),
+            health: HealthConfig::default(),
+        };
+        let now = Instant::now();
+        let checks = Checks { rise: 1, fall: 1, passive_only: false };
+        let (mut balancer, _) = Balancer::new(config.policy, checks, &config.servers, None, now);
+        balancer.on_health(a(1), Health::Fail("tcp connect: refused".into()), now);
+        balancer.on_health(a(2), Health::Pass, now);
+        let kernel = FakeKernel { connections: HashMap::from([(a(2), 7)]), failed: vec![a(1)] };
+
+        let status = service(&config, &balancer, &kernel);
+        assert_eq!(status.selected, vec![a(2), a(1)]);
+        let (one, two) = (&status.servers[0], &status.servers[1]);
+        assert_eq!((one.state.as_str(), one.healthy, one.recently_failed, one.connections), ("failed", Some(false), true, 0));
+        assert_eq!(one.last_check.as_deref(), Some("tcp connect: refused"));
+        assert_eq!((two.state.as_str(), two.healthy, two.connections, two.readiness.as_str()), ("active", Some(true), 7, "ready"));
+
+        let text = table(&Status { services: vec![status], ..Status::default() });
+        assert!(text.contains("api  vip 127.0.0.100:6444  policy failover  selected [127.0.0.2:80, 127.0.0.1:80]"), "{text}");
+        assert!(text.contains("connect failed recently; last check: tcp connect: refused"), "{text}");
+    }
+}
