@@ -16,18 +16,28 @@
 //! | `recovering` | passed at least one check (or accepted a connection) since it failed, not yet `rise` in a row |
 //! | `unchecked`  | just added, no check result yet |
 //! | `standby`    | the default server when it is not in the server list: a last resort, never marked failed |
-//! | `failed`     | failed `fall` checks in a row, or a connect through the VIP to it failed |
+//! | `failed`     | failed `fall` checks in a row, or a connect through the VIP to it failed and that was confirmed |
 //! | `invalid`    | removed (only ever seen in logs: removed servers are forgotten) |
 //!
 //! # Transitions
 //!
-//! | from \ input                    | check passes (`rise` in a row) | check fails (`fall` in a row) | connect via VIP fails | connection via VIP established |
+//! | from \ input                    | check passes (`rise` in a row) | check fails (`fall` in a row, or once after a kernel report) | connect via VIP fails (kernel report) | connection via VIP established |
 //! |---------------------------------|-------------------------------|-------------------------------|-----------------------|-------------------------------|
-//! | unchecked                       | preferred (recovering before `rise`) | failed                 | failed                | -                             |
-//! | recovering                      | preferred                     | failed                        | failed                | -                             |
+//! | unchecked                       | preferred (recovering before `rise`) | failed                 | - (suspect: check now) | -                            |
+//! | recovering                      | preferred                     | failed                        | - (suspect: check now) | -                            |
 //! | failed                          | preferred (recovering before `rise`) | -                      | - (hold-down renewed in the kernel) | recovering      |
-//! | preferred, healthy, active      | -                             | failed                        | failed                | -                             |
+//! | preferred, healthy, active      | -                             | failed                        | - (suspect: check now) | -                            |
 //! | standby                         | -                             | -                             | -                     | -                             |
+//!
+//! A kernel report of a failed connect (refused, reset, SYN timeout) is
+//! ambiguous: one lost SYN, or a client's own slow path, looks the same.
+//! The kernel already steers the next connects away for the hold-down; the
+//! balancer only makes the server *suspect* and asks for an immediate check
+//! ([`Effect::CheckNow`]). The first failing check after that confirms it
+//! (whatever `fall` says); a passing one clears it. So one report never
+//! resets a healthy server's connections. With `check = "none"` there is no
+//! check to ask: `fall` reports in a row (with no established connection
+//! between them) confirm instead.
 //!
 //! Also: `preferred` becomes `healthy` after [`PREFERRED_FOR`] without being
 //! elected. An unknown check result changes nothing. With `check = "none"`,
@@ -46,8 +56,13 @@
 //!
 //! The *healthy class* is the ready servers in `active`, `preferred` or
 //! `healthy`. With `failover`, when no server is `active`, the best of the
-//! healthy class is elected; an active server stays active while it is
-//! healthy (no flapping back). Connections are closed:
+//! healthy class is elected (best state, then the default, then configured
+//! order); an active server stays active while it is healthy (no flapping
+//! back). The first election of a service waits (at most
+//! [`FIRST_ELECTION_WAIT`]) for the servers that would win it and have no
+//! result yet, so that with every server healthy the default, then the
+//! first configured server, is active after every start, whichever check
+//! happened to answer first. Connections are closed:
 //! - of a removed server, always;
 //! - of a server that leaves the healthy class by failing, when there is
 //!   somewhere better to go (a server in the healthy class, or a standby
@@ -65,6 +80,10 @@ use crate::config::Policy;
 
 /// How long a server stays `preferred` before it is merely `healthy`.
 pub const PREFERRED_FOR: Duration = Duration::from_secs(60);
+
+/// The longest the first election waits for better-ranked servers' first
+/// results (their checks normally answer within one timeout).
+pub const FIRST_ELECTION_WAIT: Duration = Duration::from_secs(10);
 
 /// Server states, in increasing order of preference.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -181,6 +200,9 @@ pub enum Effect {
     CloseConnections { server: SocketAddr, reason: CloseReason },
     /// A server changed state (for logs and metrics).
     StateChanged { server: SocketAddr, from: State, to: State, why: &'static str },
+    /// Check `server` now, out of turn: the kernel reported a failed
+    /// connect and the result confirms or clears it.
+    CheckNow { server: SocketAddr },
 }
 
 /// Health check settings the state machine needs.
@@ -209,6 +231,9 @@ pub struct Server {
     pub last_error: Option<String>,
     /// When `state` was entered.
     pub since: Instant,
+    /// The kernel reported a failed connect that no check has confirmed or
+    /// cleared yet.
+    pub suspect: bool,
     passes: u32,
     failures: u32,
 }
@@ -224,9 +249,16 @@ impl Server {
             healthy: None,
             last_error: None,
             since: now,
+            suspect: false,
             passes: 0,
             failures: 0,
         }
+    }
+
+    /// Who wins an election among servers of the same state: the default,
+    /// then the configured order (`index` in that order).
+    fn election_rank(&self, index: usize) -> (bool, std::cmp::Reverse<usize>) {
+        (self.is_default, std::cmp::Reverse(index))
     }
 
     /// How good a choice this server is, before its exact state: the
@@ -255,13 +287,17 @@ pub struct Balancer {
     /// List servers in configured order, then the standby default if any.
     servers: Vec<Server>,
     written: Option<Selection>,
+    /// When the balancer was made, and whether an active server was ever
+    /// elected: the first election waits for better-ranked first results.
+    created: Instant,
+    elected_once: bool,
 }
 
 impl Balancer {
     /// A service with `servers` (and `default`), all unchecked. The effects
     /// include the first selection.
     pub fn new(policy: Policy, checks: Checks, servers: &[SocketAddr], default: Option<SocketAddr>, now: Instant) -> (Self, Vec<Effect>) {
-        let mut balancer = Self { policy, checks, servers: Vec::new(), written: None };
+        let mut balancer = Self { policy, checks, servers: Vec::new(), written: None, created: now, elected_once: false };
         let effects = balancer.set_servers(servers, default, now);
         (balancer, effects)
     }
@@ -370,6 +406,7 @@ impl Balancer {
                 let server = &mut self.servers[i];
                 server.healthy = Some(true);
                 server.last_error = None;
+                server.suspect = false;
                 server.failures = 0;
                 server.passes = server.passes.saturating_add(1);
                 self.on_pass(i, "passed health checks", now, &mut step.effects);
@@ -380,7 +417,10 @@ impl Balancer {
                 server.last_error = Some(error);
                 server.passes = 0;
                 server.failures = server.failures.saturating_add(1);
-                if server.failures >= self.checks.fall {
+                let confirmed = std::mem::take(&mut server.suspect);
+                if confirmed {
+                    self.fail(i, "a check confirmed the kernel's report of a failed connect", now, &mut step);
+                } else if server.failures >= self.checks.fall {
                     self.fail(i, "failed health checks", now, &mut step);
                 }
             }
@@ -405,10 +445,25 @@ impl Balancer {
                 }
             }
             Connection::ConnectFailed | Connection::ConnectTimedOut => {
+                let why = if event == Connection::ConnectFailed {
+                    "connects through the VIP failed (confirmed by `fall` reports in a row)"
+                } else {
+                    "connects through the VIP timed out (confirmed by `fall` reports in a row)"
+                };
+                let fall = self.checks.fall;
                 let server = &mut self.servers[i];
                 server.passes = 0;
-                let why = if event == Connection::ConnectFailed { "a connect through the VIP failed" } else { "a connect through the VIP timed out" };
-                self.fail(i, why, now, &mut step);
+                if matches!(server.state, State::Failed | State::Standby) {
+                    // Nothing to confirm: already out, or never failed.
+                } else if self.checks.passive_only {
+                    server.failures = server.failures.saturating_add(1);
+                    if server.failures >= fall {
+                        self.fail(i, why, now, &mut step);
+                    }
+                } else if !server.suspect {
+                    server.suspect = true;
+                    step.effects.push(Effect::CheckNow { server: addr });
+                }
             }
         }
         self.settle(step, now)
@@ -449,6 +504,22 @@ impl Balancer {
         self.servers.iter().position(|s| s.addr == addr)
     }
 
+    /// Whether the first election must still wait for server `candidate`'s
+    /// betters: a ready listed server that ranks above it and has no
+    /// result yet (or is still rising).
+    fn first_election_pending(&self, candidate: usize, now: Instant) -> bool {
+        if self.elected_once || now.saturating_duration_since(self.created) >= FIRST_ELECTION_WAIT {
+            return false;
+        }
+        let rank = self.servers[candidate].election_rank(candidate);
+        self.servers.iter().enumerate().any(|(i, s)| {
+            s.in_list
+                && s.readiness == Readiness::Ready
+                && matches!(s.state, State::Unchecked | State::Recovering)
+                && s.election_rank(i) > rank
+        })
+    }
+
     fn transition(&mut self, i: usize, to: State, why: &'static str, now: Instant, effects: &mut Vec<Effect>) {
         let server = &mut self.servers[i];
         if server.state != to {
@@ -469,7 +540,8 @@ impl Balancer {
     /// `servers[i]` failed (its checks, or a connect through the VIP).
     fn fail(&mut self, i: usize, why: &'static str, now: Instant, step: &mut Step) {
         let server = &self.servers[i];
-        if matches!(server.state, State::Standby | State::Invalid) {
+        // A standby default is a last resort: never marked failed.
+        if server.state == State::Standby {
             return;
         }
         if server.in_healthy_class() {
@@ -503,10 +575,13 @@ impl Balancer {
                 .iter()
                 .enumerate()
                 .filter(|(_, s)| s.in_healthy_class())
-                .max_by_key(|(i, s)| (s.state, std::cmp::Reverse(*i)))
+                .max_by_key(|(i, s)| (s.state, s.election_rank(*i)))
                 .map(|(i, _)| i);
-            if let Some(i) = best {
+            if let Some(i) = best
+                && !self.first_election_pending(i, now)
+            {
                 self.transition(i, State::Active, "elected active", now, &mut step.effects);
+                self.elected_once = true;
             }
         }
 
@@ -539,6 +614,7 @@ impl Balancer {
             Effect::StateChanged { .. } => 0,
             Effect::WriteSelection(_) => 1,
             Effect::CloseConnections { .. } => 2,
+            Effect::CheckNow { .. } => 3,
         });
         step.effects
     }

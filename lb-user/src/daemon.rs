@@ -11,6 +11,7 @@ use std::{
     collections::{BTreeMap, HashMap, HashSet},
     net::SocketAddr,
     path::PathBuf,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -20,7 +21,7 @@ use lb_common::{Event, EventKind};
 use tokio::{
     io::unix::AsyncFd,
     signal::unix::{SignalKind, signal},
-    sync::{mpsc, oneshot},
+    sync::{Notify, mpsc, oneshot},
     task::JoinHandle,
 };
 use tracing::{debug, error, info, warn};
@@ -53,13 +54,20 @@ pub struct Options {
     pub detach_on_exit: bool,
 }
 
+/// The health check task of one server.
+struct CheckTask {
+    task: JoinHandle<()>,
+    /// Wakes the task for a check out of turn ([`Effect::CheckNow`]).
+    now: Arc<Notify>,
+}
+
 /// One service: its config, its state machine and its health check tasks.
 struct Service {
     config: config::Service,
     /// The TLS files of its checks, read once (start or reload).
     tls: Tls,
     balancer: Balancer,
-    checks: HashMap<SocketAddr, JoinHandle<()>>,
+    checks: HashMap<SocketAddr, CheckTask>,
 }
 
 impl Service {
@@ -73,8 +81,8 @@ impl Service {
     }
 
     fn stop_checks(&mut self) {
-        for (_, task) in self.checks.drain() {
-            task.abort();
+        for (_, check) in self.checks.drain() {
+            check.task.abort();
         }
     }
 }
@@ -302,6 +310,10 @@ impl Daemon {
                     }
                 }
                 Effect::CloseConnections { server, reason } => closes.push((server, reason)),
+                Effect::CheckNow { server } => match service.checks.get(&server) {
+                    Some(check) => check.now.notify_one(),
+                    None => warn!(service = %name, %server, "no check task to confirm a kernel report with"),
+                },
             }
         }
         // After the new selection is written, so that a client reconnecting
@@ -324,10 +336,10 @@ impl Daemon {
         let tx = self.tx.clone();
         let service = &mut self.services[i];
         let wanted: HashSet<SocketAddr> = service.balancer.servers().iter().map(|s| s.addr).collect();
-        service.checks.retain(|addr, task| {
+        service.checks.retain(|addr, check| {
             let keep = wanted.contains(addr);
             if !keep {
-                task.abort();
+                check.task.abort();
             }
             keep
         });
@@ -338,8 +350,9 @@ impl Daemon {
             }
             match Checker::new(&config.health, &service.tls, addr) {
                 Ok(Some(checker)) => {
-                    let task = tokio::spawn(check_loop(config.name.clone(), addr, checker, config.health.interval, tx.clone()));
-                    service.checks.insert(addr, task);
+                    let now = Arc::new(Notify::new());
+                    let task = tokio::spawn(check_loop(config.name.clone(), addr, checker, config.health.interval, Arc::clone(&now), tx.clone()));
+                    service.checks.insert(addr, CheckTask { task, now });
                 }
                 // `check = "none"`: the kernel's reports are the signal.
                 Ok(None) => {}
@@ -610,11 +623,15 @@ impl Daemon {
     }
 }
 
-async fn check_loop(service: String, server: SocketAddr, checker: Checker, interval: Duration, tx: mpsc::Sender<Message>) {
+/// Checks `server` every `interval`, and at once when `now` is notified.
+async fn check_loop(service: String, server: SocketAddr, checker: Checker, interval: Duration, now: Arc<Notify>, tx: mpsc::Sender<Message>) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        ticker.tick().await;
+        tokio::select! {
+            _ = ticker.tick() => {}
+            () = now.notified() => ticker.reset(),
+        }
         let started = Instant::now();
         let result = checker.check(server).await;
         let took = started.elapsed();

@@ -110,6 +110,10 @@ fn state_transition_table() {
     let refused: Input = |s, x| {
         s.kernel(x, Connection::ConnectFailed);
     };
+    let refused_then_fail: Input = |s, x| {
+        s.kernel(x, Connection::ConnectFailed);
+        s.fail(x);
+    };
     let established: Input = |s, x| {
         s.kernel(x, Connection::Established);
     };
@@ -123,10 +127,11 @@ fn state_transition_table() {
         s.pass(x);
     };
     let none: Input = |_, _| {};
-    let rows: [(&str, Input, Input, State); 14] = [
+    let rows: [(&str, Input, Input, State); 17] = [
         ("unchecked + pass", none, pass, Active),
         ("unchecked + fail", none, fail, Failed),
-        ("unchecked + refused", none, refused, Failed),
+        ("unchecked + refused (suspect)", none, refused, Unchecked),
+        ("unchecked + refused, confirmed", none, refused_then_fail, Failed),
         ("unchecked + established", none, established, Unchecked),
         ("unchecked + unknown", none, unknown, Unchecked),
         ("failed + pass", to_failed, pass, Active),
@@ -135,7 +140,9 @@ fn state_transition_table() {
         ("failed + unknown", to_failed, unknown, Failed),
         ("active + pass", to_active, pass, Active),
         ("active + fail", to_active, fail, Failed),
-        ("active + refused", to_active, refused, Failed),
+        ("active + refused (suspect)", to_active, refused, Active),
+        ("active + refused, confirmed", to_active, refused_then_fail, Failed),
+        ("failed + refused", to_failed, refused, Failed),
         ("active + established", to_active, established, Active),
         ("active + unknown", to_active, unknown, Active),
     ];
@@ -255,16 +262,88 @@ fn behaviour_3_without_a_healthy_peer_connections_stay() {
     assert_eq!(sim.target(), Some(a(2)));
 }
 
+/// The kernel itself steers the next connect away (its hold-down, tested
+/// in `choose` and the integration tests); the balancer asks for a check at
+/// once and fails the server when the check confirms it, whatever `fall`.
 #[test]
-fn behaviour_4_a_failed_connect_moves_the_next_connect_at_once() {
+fn behaviour_4_a_failed_connect_is_confirmed_at_once_then_moves_everything() {
+    let checks = Checks { rise: 1, fall: 3, passive_only: false };
+    let mut sim = Sim::new(Policy::Failover, checks, &[a(1), a(2)], None);
+    sim.pass(a(1));
+    sim.pass(a(2));
+    assert_eq!(sim.kernel(a(1), Connection::ConnectFailed), [Effect::CheckNow { server: a(1) }]);
+    assert_eq!(sim.state(a(1)), State::Active, "one report is not yet a failure");
+    assert_eq!(sim.kernel(a(1), Connection::ConnectFailed), [], "already being checked");
+    let effects = sim.fail(a(1)).to_vec();
+    assert_eq!(sim.state(a(1)), State::Failed, "the check confirmed it, fall = 3 notwithstanding");
+    assert!(effects.contains(&Effect::WriteSelection(Selection { servers: vec![a(2), a(1)], spread: 1 })), "{effects:?}");
+    assert_eq!(closed(&effects), [a(1)]);
+    sim.kernel(a(2), Connection::ConnectTimedOut);
+    assert_eq!(sim.state(a(2)), State::Active);
+    sim.fail(a(2));
+    assert_eq!(sim.state(a(2)), State::Failed);
+}
+
+/// Hardening #1: a client that gives up on its connects (or a lost SYN)
+/// must not fail a healthy server or reset its connections.
+#[test]
+fn behaviour_4_one_ambiguous_report_never_resets_a_healthy_server() {
     let mut sim = Sim::failover(&[a(1), a(2)]);
     sim.pass(a(1));
     sim.pass(a(2));
-    let effects = sim.kernel(a(1), Connection::ConnectFailed).to_vec();
+    for _ in 0..100 {
+        let effects = sim.kernel(a(1), Connection::ConnectTimedOut).to_vec();
+        assert!(closed(&effects).is_empty() && writes(&effects) == 0, "{effects:?}");
+    }
+    sim.pass(a(1));
+    assert_eq!(sim.state(a(1)), State::Active);
+    assert!(!sim.lb.server(a(1)).unwrap().suspect, "a passing check clears the report");
+    assert_eq!(sim.kernel(a(1), Connection::ConnectFailed), [Effect::CheckNow { server: a(1) }], "a new report asks again");
+}
+
+#[test]
+fn passive_only_needs_fall_reports_in_a_row() {
+    let checks = Checks { rise: 1, fall: 2, passive_only: true };
+    let mut sim = Sim::new(Policy::Failover, checks, &[a(1), a(2)], None);
+    sim.kernel(a(1), Connection::ConnectFailed);
+    assert_eq!(sim.state(a(1)), State::Active);
+    sim.kernel(a(1), Connection::Established);
+    sim.kernel(a(1), Connection::ConnectFailed);
+    assert_eq!(sim.state(a(1)), State::Active, "an established connection in between resets the count");
+    sim.kernel(a(1), Connection::ConnectTimedOut);
     assert_eq!(sim.state(a(1)), State::Failed);
-    assert!(effects.contains(&Effect::WriteSelection(Selection { servers: vec![a(2), a(1)], spread: 1 })), "{effects:?}");
-    sim.kernel(a(2), Connection::ConnectTimedOut);
-    assert_eq!(sim.state(a(2)), State::Failed);
+    assert_eq!(sim.target(), Some(a(2)));
+}
+
+/// Hardening #6: with every server healthy, the first active server is the
+/// default, then the first configured, whatever order the checks answer in.
+#[test]
+fn the_first_election_is_the_default_then_configured_order_whoever_answers_first() {
+    let orders: [[u8; 3]; 6] = [[1, 2, 3], [1, 3, 2], [2, 1, 3], [2, 3, 1], [3, 1, 2], [3, 2, 1]];
+    for order in orders {
+        let mut sim = Sim::failover(&[a(1), a(2), a(3)]);
+        for n in order {
+            sim.pass(a(n));
+        }
+        assert_eq!(sim.state(a(1)), State::Active, "checks answered in the order {order:?}");
+        let mut sim = Sim::new(Policy::Failover, CHECKS, &[a(1), a(2), a(3)], Some(a(3)));
+        for n in order {
+            sim.pass(a(n));
+        }
+        assert_eq!(sim.state(a(3)), State::Active, "the default wins; checks answered in the order {order:?}");
+    }
+    // A better-ranked server that fails does not hold the election up.
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    sim.pass(a(2));
+    assert_eq!(sim.state(a(2)), State::Preferred, "waits for server 1's first result");
+    assert_eq!(sim.target(), Some(a(2)), "but new connections already go to a healthy server");
+    sim.fail(a(1));
+    assert_eq!(sim.state(a(2)), State::Active);
+    // Nor one that never answers.
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    sim.pass(a(2));
+    sim.advance(FIRST_ELECTION_WAIT);
+    assert_eq!(sim.state(a(2)), State::Active);
 }
 
 #[test]
@@ -300,6 +379,7 @@ fn behaviour_6_recovers_from_a_total_outage_without_a_restart() {
         sim.pass(a(2));
         assert!(sim.lb.servers().iter().any(|s| s.state == State::Active), "round {round}");
         sim.kernel(a(1), Connection::ConnectFailed);
+        sim.fail(a(1));
         sim.fail(a(2));
         assert!(sim.lb.servers().iter().all(|s| s.state == State::Failed), "round {round}");
         assert_eq!(sim.lb.selection().servers.len(), 2, "round {round}: still selectable");
@@ -368,7 +448,7 @@ fn passive_only_uses_kernel_reports_as_health() {
     let mut sim = Sim::new(Policy::Failover, checks, &[a(1), a(2)], None);
     assert_eq!(sim.state(a(1)), State::Active);
     sim.kernel(a(1), Connection::ConnectFailed);
-    assert_eq!(sim.target(), Some(a(2)));
+    assert_eq!(sim.target(), Some(a(2)), "fall = 1: one report is enough");
     sim.kernel(a(1), Connection::Established);
     assert_eq!(sim.state(a(1)), State::Preferred);
 }
@@ -496,7 +576,7 @@ proptest! {
             prop_assert!(active <= 1);
             if policy == Policy::Spread {
                 prop_assert_eq!(active, 0);
-            } else if lb.servers().iter().any(|s| s.in_healthy_class()) {
+            } else if lb.servers().iter().any(|s| s.in_healthy_class()) && lb.elected_once {
                 prop_assert_eq!(active, 1);
             }
             // A healthy active server is never replaced by an equally ranked one.
