@@ -5,11 +5,18 @@
 //! operator has since changed the config's list, the config wins and the
 //! entry is dropped (a stale file must never pin a node to dead servers).
 
-use std::{collections::BTreeMap, net::SocketAddr, path::Path};
+use std::{
+    collections::BTreeMap,
+    fs::{File, OpenOptions},
+    io::Write as _,
+    net::SocketAddr,
+    os::unix::fs::OpenOptionsExt as _,
+    path::Path,
+};
 
 use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
-use tracing::warn;
+use tracing::error;
 
 const FILE: &str = "servers.json";
 
@@ -28,30 +35,49 @@ pub struct SavedList {
 }
 
 impl SavedState {
-    /// Reads `dir/servers.json`; a missing file is an empty state, an
-    /// unreadable one is logged and ignored (the config still works).
+    /// Reads `dir/servers.json`; a missing file is an empty state. A file
+    /// that cannot be read or parsed is reported as an error (the config's
+    /// lists are used instead) and left in place for the operator to see;
+    /// it is replaced at the next `lb servers`. Each list is checked again
+    /// by the daemon against its service before it is used.
     pub fn load(dir: &Path) -> Self {
         let path = dir.join(FILE);
-        match std::fs::read_to_string(&path) {
-            Ok(text) => serde_json::from_str(&text).unwrap_or_else(|e| {
-                warn!(path = %path.display(), "ignoring an unreadable state file: {e}");
-                Self::default()
-            }),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Self::default(),
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Self::default(),
             Err(e) => {
-                warn!(path = %path.display(), "ignoring an unreadable state file: {e}");
-                Self::default()
+                error!(path = %path.display(), "cannot read the state file; using the config's server lists: {e}");
+                return Self::default();
             }
-        }
+        };
+        serde_json::from_str(&text).unwrap_or_else(|e| {
+            error!(path = %path.display(), "the state file is corrupt; using the config's server lists: {e}");
+            Self::default()
+        })
     }
 
-    /// Writes `dir/servers.json` atomically (temporary file, then rename).
+    /// Writes `dir/servers.json` so that a crash or power loss leaves
+    /// either the old file or the new one: a new temporary file in the
+    /// same directory (created exclusively, never through a symlink),
+    /// written and fsynced, renamed over the old one, then the directory
+    /// fsynced so that the rename itself is durable.
     pub fn save(&self, dir: &Path) -> anyhow::Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating state directory {}", dir.display()))?;
         let path = dir.join(FILE);
-        let tmp = dir.join(format!("{FILE}.tmp"));
-        std::fs::write(&tmp, serde_json::to_vec_pretty(self)?).with_context(|| format!("writing {}", tmp.display()))?;
+        let tmp = dir.join(format!(".{FILE}.{}.tmp", std::process::id()));
+        // A leftover from a crashed write of this same process id.
+        let _ = std::fs::remove_file(&tmp);
+        let write = || -> std::io::Result<()> {
+            let mut file = OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(&tmp)?;
+            file.write_all(&serde_json::to_vec_pretty(self)?)?;
+            file.sync_all()
+        };
+        if let Err(e) = write() {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e).with_context(|| format!("writing {}", tmp.display()));
+        }
         std::fs::rename(&tmp, &path).with_context(|| format!("replacing {}", path.display()))?;
+        File::open(dir).and_then(|d| d.sync_all()).with_context(|| format!("syncing state directory {}", dir.display()))?;
         Ok(())
     }
 
@@ -84,6 +110,35 @@ mod tests {
         assert_eq!(loaded.list_for("other", &[a(1)], None), None);
         std::fs::write(dir.join(FILE), "{not json").unwrap();
         assert_eq!(SavedState::load(&dir), SavedState::default());
+        assert_eq!(std::fs::read_to_string(dir.join(FILE)).unwrap(), "{not json", "a corrupt file is left for the operator");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn save_replaces_the_file_and_leaves_no_temporary_behind() {
+        let dir = std::env::temp_dir().join(format!("lb-state-save-{}", std::process::id()));
+        let mut state = SavedState::default();
+        state.services.insert("api".into(), SavedList { servers: vec![a(3)], default: None, configured: vec![a(1)], configured_default: None });
+        state.save(&dir).unwrap();
+        state.services.clear();
+        state.save(&dir).unwrap();
+        assert_eq!(SavedState::load(&dir), state);
+        let names: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, [FILE]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn save_never_writes_through_a_symlink() {
+        let dir = std::env::temp_dir().join(format!("lb-state-symlink-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let victim = dir.join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        let tmp = dir.join(format!(".{FILE}.{}.tmp", std::process::id()));
+        // A symlink planted at the temporary name is removed, not followed.
+        std::os::unix::fs::symlink(&victim, &tmp).unwrap();
+        SavedState::default().save(&dir).unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
