@@ -20,6 +20,13 @@ pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
 pub const DEFAULT_CONTROL_SOCKET: &str = "/run/lb/lb.sock";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/lb";
 pub const DEFAULT_HOLD_DOWN: Duration = Duration::from_secs(5);
+/// How long discovery waits for a burst of changes to settle (an apiserver
+/// adds, removes and re-adds itself while it starts): short enough that a
+/// rolling update still moves within about a second.
+pub const DEFAULT_DEBOUNCE: Duration = Duration::from_secs(1);
+/// Bounds of DNS re-resolution: the records' TTL, clamped to these.
+pub const DEFAULT_DNS_REFRESH_MIN: Duration = Duration::from_secs(5);
+pub const DEFAULT_DNS_REFRESH_MAX: Duration = Duration::from_secs(300);
 
 /// A validated configuration.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,6 +44,9 @@ pub struct Daemon {
     pub state_dir: PathBuf,
     /// Where to serve Prometheus metrics; off when `None`.
     pub metrics: Option<SocketAddr>,
+    /// The kubeconfig for Kubernetes discovery; `None`: in-cluster (the
+    /// pod's service account), when any service uses it.
+    pub kubeconfig: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,6 +76,27 @@ pub struct Service {
     /// How long the kernel skips a server after a connect to it failed.
     pub hold_down: Duration,
     pub health: HealthConfig,
+    /// Where the server list comes from besides `servers` (which are then
+    /// the bootstrap list); `None`: only `servers` and `lb servers`.
+    pub discovery: Option<Discovery>,
+}
+
+/// A source of a service's server list.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Discovery {
+    /// The endpoints of a Kubernetes Service (its EndpointSlices), per
+    /// endpoint and its conditions.
+    Kubernetes { namespace: String, service: String, port: PortRef, debounce: Duration },
+    /// The A (IPv4 VIP) or AAAA (IPv6 VIP) records of `name`, re-resolved
+    /// at their TTL clamped to `refresh_min..=refresh_max`.
+    Dns { name: String, port: u16, debounce: Duration, refresh_min: Duration, refresh_max: Duration },
+}
+
+/// A Service port, by name (`"https"`) or number.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PortRef {
+    Name(String),
+    Number(u16),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -273,6 +304,7 @@ struct RawDaemon {
     control_socket: Option<PathBuf>,
     state_dir: Option<PathBuf>,
     metrics: Option<String>,
+    kubeconfig: Option<PathBuf>,
 }
 
 #[derive(Deserialize)]
@@ -280,11 +312,44 @@ struct RawDaemon {
 struct RawService {
     name: Spanned<String>,
     vip: Spanned<String>,
-    servers: Spanned<Vec<Spanned<String>>>,
+    servers: Option<Spanned<Vec<Spanned<String>>>>,
     default: Option<Spanned<String>>,
     policy: Option<Spanned<String>>,
     hold_down: Option<Spanned<String>>,
     health: Option<Spanned<RawHealth>>,
+    discovery: Option<Spanned<RawDiscovery>>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDiscovery {
+    kubernetes: Option<RawKubernetes>,
+    dns: Option<RawDns>,
+    debounce: Option<String>,
+    refresh_min: Option<String>,
+    refresh_max: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKubernetes {
+    namespace: String,
+    service: String,
+    port: RawPort,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawPort {
+    Number(i64),
+    Name(String),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDns {
+    name: String,
+    port: i64,
 }
 
 #[derive(Default, Deserialize)]
@@ -355,8 +420,14 @@ impl Config {
             control_socket: raw.daemon.control_socket.unwrap_or_else(|| DEFAULT_CONTROL_SOCKET.into()),
             state_dir: raw.daemon.state_dir.unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
             metrics: raw.daemon.metrics.as_deref().and_then(|m| parse_endpoint(m, None, "daemon.metrics", &mut problems)),
+            kubeconfig: raw.daemon.kubeconfig,
         };
-        for (key, value) in [("bpffs", Some(&daemon.bpffs)), ("cgroup", daemon.cgroup.as_ref()), ("control_socket", Some(&daemon.control_socket))] {
+        for (key, value) in [
+            ("bpffs", Some(&daemon.bpffs)),
+            ("cgroup", daemon.cgroup.as_ref()),
+            ("control_socket", Some(&daemon.control_socket)),
+            ("kubeconfig", daemon.kubeconfig.as_ref()),
+        ] {
             if value.is_some_and(|p| !p.is_absolute()) {
                 problems.push(Problem::new(None, format!("daemon.{key}"), "must be an absolute path"));
             }
@@ -387,7 +458,7 @@ impl Config {
             }
             let mut servers = Vec::new();
             let mut server_lines = Vec::new();
-            for (j, s) in raw.servers.get_ref().iter().enumerate() {
+            for (j, s) in raw.servers.iter().flat_map(|list| list.get_ref()).enumerate() {
                 if let Some(addr) = parse_addr(s.get_ref(), at(s.span()), &sub(&format!("servers[{j}]")), &mut problems) {
                     servers.push(addr);
                     server_lines.push(line_of(s.span()));
@@ -414,12 +485,20 @@ impl Config {
                 }
                 None => HealthConfig::default(),
             };
+            let discovery = raw.discovery.map(|d| {
+                let line = at(d.span());
+                parse_discovery(d.into_inner(), line, &sub("discovery."), &mut problems)
+            });
+            let discovery = discovery.flatten();
+            if servers.is_empty() && default.is_none() && discovery.is_none() {
+                problems.push(Problem::new(at(raw.name.span()), sub("servers"), "a service needs servers, a default, or a [service.discovery] source"));
+            }
             if let Some(vip) = vip {
                 parsed.push(Parsed {
-                    service: Service { name, vip, servers, default, policy, hold_down, health },
+                    service: Service { name, vip, servers, default, policy, hold_down, health, discovery },
                     server_lines,
                     default_line: raw.default.as_ref().map(|d| line_of(d.span())),
-                    list_line: line_of(raw.servers.span()),
+                    list_line: line_of(raw.servers.as_ref().map_or(raw.name.span(), Spanned::span)),
                     key,
                 });
             }
@@ -455,6 +534,53 @@ fn parse_duration(text: &str, line: Option<usize>, key: &str, problems: &mut Vec
     };
     problems.push(Problem::new(line, key, what));
     None
+}
+
+fn parse_discovery(raw: RawDiscovery, line: Option<usize>, at: &str, problems: &mut Vec<Problem>) -> Option<Discovery> {
+    let mut duration = |key: &str, text: Option<String>, default: Duration| {
+        text.and_then(|t| parse_duration(&t, line, &format!("{at}{key}"), problems)).unwrap_or(default)
+    };
+    let debounce = duration("debounce", raw.debounce, DEFAULT_DEBOUNCE);
+    let refresh = (raw.refresh_min.is_some() || raw.refresh_max.is_some()).then(|| {
+        (duration("refresh_min", raw.refresh_min, DEFAULT_DNS_REFRESH_MIN), duration("refresh_max", raw.refresh_max, DEFAULT_DNS_REFRESH_MAX))
+    });
+    let mut problem = |key: &str, what: &str| {
+        problems.push(Problem::new(line, format!("{at}{key}"), what));
+        None
+    };
+    let port = |value: i64| u16::try_from(value).ok().filter(|p| *p != 0);
+    match (raw.kubernetes, raw.dns) {
+        (Some(_), Some(_)) => problem("kubernetes", "give one source: kubernetes or dns, not both"),
+        (None, None) => problem("kubernetes", "give a source: kubernetes = { namespace, service, port } or dns = { name, port }"),
+        (Some(k), None) => {
+            if refresh.is_some() {
+                return problem("refresh_min", "only applies to dns discovery");
+            }
+            if k.namespace.is_empty() || k.service.is_empty() {
+                return problem("kubernetes", "namespace and service must not be empty");
+            }
+            let port = match k.port {
+                RawPort::Name(name) if !name.is_empty() => PortRef::Name(name),
+                RawPort::Number(n) => match port(n) {
+                    Some(p) => PortRef::Number(p),
+                    None => return problem("kubernetes.port", &format!("{n} is not a port (1-65535)")),
+                },
+                RawPort::Name(_) => return problem("kubernetes.port", "must be a port name or number"),
+            };
+            Some(Discovery::Kubernetes { namespace: k.namespace, service: k.service, port, debounce })
+        }
+        (None, Some(d)) => {
+            let (refresh_min, refresh_max) = refresh.unwrap_or((DEFAULT_DNS_REFRESH_MIN, DEFAULT_DNS_REFRESH_MAX));
+            if refresh_min > refresh_max {
+                return problem("refresh_min", &format!("{refresh_min:?} is longer than refresh_max {refresh_max:?}"));
+            }
+            if d.name.is_empty() || d.name.parse::<std::net::IpAddr>().is_ok() {
+                return problem("dns.name", &format!("{:?} is not a DNS name", d.name));
+            }
+            let Some(port) = port(d.port) else { return problem("dns.port", &format!("{} is not a port (1-65535)", d.port)) };
+            Some(Discovery::Dns { name: d.name, port, debounce, refresh_min, refresh_max })
+        }
+    }
 }
 
 fn parse_health(raw: RawHealth, line: Option<usize>, at: &str, problems: &mut Vec<Problem>) -> HealthConfig {
@@ -696,6 +822,53 @@ mod tests {
         assert_eq!(err, "servers[0]: 127.0.0.9:80 is the VIP of service \"db\"; using it as a server would loop");
         let many: Vec<SocketAddr> = (1..=17).map(|i| SocketAddr::from(([127, 0, 1, i], 80))).collect();
         assert!(validate_servers(vip, &many, None, none).unwrap_err().contains("17 servers"));
+    }
+
+    #[test]
+    fn discovery_sources_parse_with_defaults() {
+        let k8s = "[[service]]\nname = \"api\"\nvip = \"127.0.0.1:6444\"\n[service.discovery]\nkubernetes = { namespace = \"default\", service = \"kubernetes\", port = \"https\" }\n";
+        let service = &parse(k8s).unwrap().services[0];
+        assert!(service.servers.is_empty(), "servers are optional with discovery");
+        assert_eq!(
+            service.discovery,
+            Some(Discovery::Kubernetes {
+                namespace: "default".into(),
+                service: "kubernetes".into(),
+                port: PortRef::Name("https".into()),
+                debounce: DEFAULT_DEBOUNCE
+            })
+        );
+        let dns = format!("{GOOD}[service.discovery]\ndns = {{ name = \"api.example.internal\", port = 2379 }}\ndebounce = \"3s\"\nrefresh_max = \"1m\"\n");
+        assert_eq!(
+            parse(&dns).unwrap().services[0].discovery,
+            Some(Discovery::Dns {
+                name: "api.example.internal".into(),
+                port: 2379,
+                debounce: Duration::from_secs(3),
+                refresh_min: DEFAULT_DNS_REFRESH_MIN,
+                refresh_max: Duration::from_secs(60)
+            })
+        );
+    }
+
+    #[test]
+    fn bad_discovery_settings_are_named() {
+        let base = format!("{GOOD}[service.discovery]\n");
+        for (body, expected) in [
+            ("", "test.toml:11: service[0] (\"api\"): discovery.kubernetes: give a source"),
+            ("dns = { name = \"x\", port = 1 }\nkubernetes = { namespace = \"a\", service = \"b\", port = 1 }\n", "not both"),
+            ("kubernetes = { namespace = \"a\", service = \"b\", port = 0 }\n", "discovery.kubernetes.port: 0 is not a port"),
+            ("dns = { name = \"10.0.0.1\", port = 53 }\n", "discovery.dns.name: \"10.0.0.1\" is not a DNS name"),
+            ("dns = { name = \"x\", port = 70000 }\n", "discovery.dns.port: 70000 is not a port"),
+            ("dns = { name = \"x\", port = 1 }\nrefresh_min = \"10m\"\nrefresh_max = \"1m\"\n", "discovery.refresh_min: 600s is longer than refresh_max 60s"),
+            ("kubernetes = { namespace = \"a\", service = \"b\", port = \"https\" }\nrefresh_min = \"1s\"\n", "only applies to dns"),
+            ("dns = { name = \"x\", port = 1 }\ndebounce = \"never\"\n", "discovery.debounce: \"never\" is not a duration"),
+        ] {
+            let msg = problems(&format!("{base}{body}"));
+            assert!(msg.contains(expected), "{expected:?} missing from:\n{msg}");
+        }
+        let msg = problems("[[service]]\nname = \"x\"\nvip = \"127.0.0.1:1\"\n");
+        assert!(msg.contains("servers: a service needs servers, a default, or a [service.discovery] source"), "{msg}");
     }
 
     #[test]

@@ -113,6 +113,10 @@ struct Daemon {
     last_reload: Option<ReloadStatus>,
     /// Netlink SOCK_DESTROY works on this kernel (probed once at start).
     sock_destroy: bool,
+    /// `CLOCK_MONOTONIC` when this daemon started: kernel events from
+    /// before (left in the ring buffer by a previous daemon) are history,
+    /// not news; the kernel has already acted on them.
+    started_ns: u64,
 }
 
 /// Reads every service's TLS files once, so that what only shows when the
@@ -146,6 +150,7 @@ impl KernelView for Datapath {
 /// stays pinned and working after it returns (fail-static) unless
 /// `detach_on_exit`.
 pub async fn run(options: Options) -> anyhow::Result<()> {
+    let started_ns = datapath::monotonic_now_ns();
     let config = Config::load(&options.config_path)?;
     // Before anything is attached.
     let mut tls = load_tls(&config)?;
@@ -190,7 +195,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     }
     let metrics = Metrics::new();
     let mut daemon =
-        Daemon { config, config_path: options.config_path, cgroup, datapath, services, saved, tx, metrics, last_reload: None, sock_destroy };
+        Daemon { config, config_path: options.config_path, cgroup, datapath, services, saved, tx, metrics, last_reload: None, sock_destroy, started_ns };
     for i in 0..daemon.services.len() {
         daemon.service_appeared(i);
     }
@@ -425,6 +430,9 @@ impl Daemon {
     fn on_kernel_event(&mut self, event: &Event) {
         let vip = SocketAddr::from(event.vip);
         let server = SocketAddr::from(event.server);
+        if event.time_ns < self.started_ns {
+            return debug!(%vip, %server, kind = event.kind, "ignoring a kernel event from before this daemon started");
+        }
         let connection = match EventKind::try_from(event.kind) {
             Ok(EventKind::Established) => {
                 debug!(%vip, %server, "connection established");

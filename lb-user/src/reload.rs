@@ -32,6 +32,8 @@ pub struct Update {
     pub servers: bool,
     /// Only the kernel's value changes.
     pub hold_down: bool,
+    /// The discovery source: its task restarts with the new settings.
+    pub discovery: bool,
 }
 
 /// The changes that turn `old` into `new`: removals first, then additions
@@ -49,11 +51,12 @@ pub fn plan(old: &[Service], new: &[Service]) -> Vec<Change> {
             changes.push(Change::Add(wanted.clone()));
             continue;
         };
-        let Service { name: _, vip: _, servers, default, policy, hold_down, health } = previous;
+        let Service { name: _, vip: _, servers, default, policy, hold_down, health, discovery } = previous;
         let what = Update {
             policy_or_health: *policy != wanted.policy || *health != wanted.health,
             servers: *servers != wanted.servers || *default != wanted.default,
             hold_down: *hold_down != wanted.hold_down,
+            discovery: *discovery != wanted.discovery,
         };
         if what != Update::default() {
             changes.push(Change::Update { service: wanted.clone(), what });
@@ -78,6 +81,7 @@ mod tests {
             policy: Policy::Failover,
             hold_down: Duration::from_secs(5),
             health: HealthConfig::default(),
+            discovery: None,
         }
     }
 
@@ -119,6 +123,16 @@ mod tests {
         assert_eq!(update(|s| s.policy = Policy::Spread), policy);
         assert_eq!(update(|s| s.health.check = CheckKind::None), policy);
         assert_eq!(update(|s| s.hold_down = Duration::from_secs(1)), Update { hold_down: true, ..Update::default() });
+        let dns = |s: &mut Service| {
+            s.discovery = Some(crate::config::Discovery::Dns {
+                name: "api.example.internal".into(),
+                port: 443,
+                debounce: Duration::from_secs(1),
+                refresh_min: Duration::from_secs(5),
+                refresh_max: Duration::from_secs(300),
+            });
+        };
+        assert_eq!(update(dns), Update { discovery: true, ..Update::default() });
         assert_eq!(
             update(|s| {
                 s.hold_down = Duration::from_secs(1);

@@ -157,6 +157,7 @@ mod tests {
             policy: Policy::Failover,
             hold_down: Duration::from_secs(5),
             health: HealthConfig::default(),
+            discovery: None,
         };
         let now = Instant::now();
         let checks = Checks { rise: 1, fall: 1, passive_only: false };
