@@ -39,11 +39,28 @@ use crate::{
     status::{self, KernelView},
 };
 
-/// What reaches the owner task from the kernel and the health checks.
-/// (Control requests come on their own channel, as `control::Call`s.)
+/// What reaches the owner task from the kernel, the health checks and its
+/// own background work. (Control requests come on their own channel, as
+/// `control::Call`s.)
 enum Message {
     Kernel(Event),
     Health { service: String, server: SocketAddr, result: Health, took: Duration },
+    /// A batch of VIP connections was closed in the background.
+    Closed { why: Closing, result: Result<Closed, String> },
+}
+
+/// How many VIP connections were closed, per (VIP, server).
+type Closed = BTreeMap<(SocketAddr, SocketAddr), u64>;
+
+/// Why a batch of VIP connections is closed: what to log and count when
+/// the closing is done.
+enum Closing {
+    /// One step of a service's balancer moved traffic off these servers.
+    Balancer { service: String, vip: SocketAddr, servers: Vec<(SocketAddr, CloseReason)> },
+    /// `lb close-connections`: the client waits for the total.
+    Manual { server: SocketAddr, reply: oneshot::Sender<Response> },
+    /// A reload removed these VIPs.
+    RemovedVips,
 }
 
 pub struct Options {
@@ -222,11 +239,13 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
             _ = tick.tick() => daemon.on_tick(Instant::now()),
             Some((request, reply)) = calls.recv() => match request {
                 Request::Shutdown => break Exit::Requested(reply),
+                Request::CloseConnections { server, service } => daemon.close_connections(server, service.as_deref(), reply),
                 request => { let _ = reply.send(daemon.handle(request)); }
             },
             Some(message) = rx.recv() => match message {
                 Message::Kernel(event) => daemon.on_kernel_event(&event),
                 Message::Health { service, server, result, took } => daemon.on_health(&service, server, result, took),
+                Message::Closed { why, result } => daemon.on_closed(why, result),
             },
         }
     };
@@ -323,7 +342,7 @@ impl Daemon {
         }
         // After the new selection is written, so that a client reconnecting
         // at once gets a server of it.
-        self.close_servers(i, &closes);
+        self.close_servers(i, closes);
         if changed_servers {
             self.sync_checks(i);
         }
@@ -353,54 +372,93 @@ impl Daemon {
             if service.checks.contains_key(&addr) {
                 continue;
             }
-            match Checker::new(&config.health, &service.tls, addr) {
-                Ok(Some(checker)) => {
-                    let now = Arc::new(Notify::new());
-                    let task = tokio::spawn(check_loop(config.name.clone(), addr, checker, config.health.interval, Arc::clone(&now), tx.clone()));
-                    service.checks.insert(addr, CheckTask { task, now });
-                }
-                // `check = "none"`: the kernel's reports are the signal.
-                Ok(None) => {}
-                Err(e) => error!(service = %config.name, server = %addr, "cannot check this server: {e:#}"),
+            // `check = "none"`: the kernel's reports are the signal.
+            if config.health.check == CheckKind::None {
+                continue;
             }
+            let now = Arc::new(Notify::new());
+            let task = tokio::spawn(check_loop(config.name.clone(), addr, config.health.clone(), service.tls.clone(), Arc::clone(&now), tx.clone()));
+            service.checks.insert(addr, CheckTask { task, now });
         }
     }
 
-    /// Resets the VIP connections that `wanted(vip, server)` picks, with one
-    /// socket dump however many servers that covers. Returns how many were
-    /// closed per (VIP, server).
-    fn close(&self, wanted: impl Fn(SocketAddr, SocketAddr) -> bool) -> anyhow::Result<BTreeMap<(SocketAddr, SocketAddr), u64>> {
+    /// Resets, in the background, the VIP connections that
+    /// `wanted(vip, server)` picks; `why` says what to do with the outcome
+    /// ([`Self::on_closed`]). The netlink socket dump and the destroys run
+    /// on a blocking thread: with thousands of connections they take a
+    /// while, and the owner loop must keep answering kernel reports, checks
+    /// and `lb status` meanwhile. The sockets are picked here, from the
+    /// `SOCKETS` map, after the new selection is written.
+    fn close_in_background(&self, wanted: impl Fn(SocketAddr, SocketAddr) -> bool, why: Closing) {
         if !self.sock_destroy {
-            bail!("this kernel cannot destroy sockets (it lacks CONFIG_INET_DIAG_DESTROY, or the tcp_diag module is not loaded)");
+            let error = "this kernel cannot destroy sockets (it lacks CONFIG_INET_DIAG_DESTROY, or the tcp_diag module is not loaded)";
+            return self.on_closed(why, Err(error.to_owned()));
         }
         let sockets: HashMap<u64, (SocketAddr, SocketAddr)> =
             self.datapath.vip_sockets().filter(|s| wanted(s.vip, s.server)).map(|s| (s.cookie, (s.vip, s.server))).collect();
-        let cookies = sockets.keys().copied().collect();
-        let mut closed = BTreeMap::new();
-        for cookie in sock_destroy::destroy(&cookies).context("destroying sockets with netlink SOCK_DESTROY")? {
-            *closed.entry(sockets[&cookie]).or_default() += 1;
+        let tx = self.tx.clone();
+        tokio::task::spawn_blocking(move || {
+            let cookies = sockets.keys().copied().collect();
+            let result = sock_destroy::destroy(&cookies)
+                .map(|destroyed| {
+                    let mut closed = Closed::new();
+                    for cookie in destroyed {
+                        *closed.entry(sockets[&cookie]).or_default() += 1;
+                    }
+                    closed
+                })
+                .map_err(|e| format!("destroying sockets with netlink SOCK_DESTROY: {e}"));
+            let _ = tx.blocking_send(Message::Closed { why, result });
+        });
+    }
+
+    /// A background closing is done: log it, count it, answer who asked.
+    fn on_closed(&self, why: Closing, result: Result<Closed, String>) {
+        let service_of = |vip: SocketAddr| self.services.iter().find(|s| s.config.vip == vip).map(|s| s.config.name.clone());
+        let count = |service: String, server: SocketAddr, reason: &str, n: u64| {
+            let labels = ClosedLabels { service, server: server.to_string(), reason: reason.to_owned() };
+            self.metrics.connections_closed.get_or_create(&labels).inc_by(n);
+        };
+        match (why, result) {
+            (Closing::Balancer { service, vip, servers }, Ok(closed)) => {
+                for (server, reason) in servers {
+                    let n = closed.get(&(vip, server)).copied().unwrap_or(0);
+                    info!(service = %service, %server, closed = n, reason = reason.name(), "closed VIP connections");
+                    count(service.clone(), server, reason.name(), n);
+                }
+            }
+            (Closing::Balancer { service, .. }, Err(e)) => error!(service = %service, "closing connections failed: {e}"),
+            (Closing::Manual { server, reply }, result) => {
+                let response = match result {
+                    Ok(closed) => {
+                        for (&(vip, server), &n) in &closed {
+                            if let Some(service) = service_of(vip) {
+                                count(service, server, "manual", n);
+                            }
+                        }
+                        let total = closed.values().sum();
+                        info!(%server, closed = total, "closed VIP connections on request");
+                        Response::Closed { closed: total }
+                    }
+                    Err(e) => Response::Error { error: format!("closing connections to {server}: {e}") },
+                };
+                let _ = reply.send(response);
+            }
+            (Closing::RemovedVips, Ok(closed)) => info!(closed = closed.values().sum::<u64>(), "closed the connections of removed VIPs"),
+            (Closing::RemovedVips, Err(e)) => error!("closing the connections of removed VIPs failed: {e}"),
         }
-        Ok(closed)
     }
 
     /// Closes the VIP connections of service `i` to the servers one step of
-    /// its balancer moved traffic away from, and counts them by reason.
-    fn close_servers(&mut self, i: usize, closes: &[(SocketAddr, CloseReason)]) {
+    /// its balancer moved traffic away from.
+    fn close_servers(&self, i: usize, closes: Vec<(SocketAddr, CloseReason)>) {
         // Without socket destroy (said once at start) they end on their own.
         if closes.is_empty() || !self.sock_destroy {
             return;
         }
-        let (name, vip) = (&self.services[i].config.name, self.services[i].config.vip);
-        let closed = match self.close(|v, server| v == vip && closes.iter().any(|(s, _)| *s == server)) {
-            Ok(closed) => closed,
-            Err(e) => return error!(service = %name, "closing connections failed: {e:#}"),
-        };
-        for &(server, reason) in closes {
-            let count = closed.get(&(vip, server)).copied().unwrap_or(0);
-            info!(service = %name, %server, closed = count, reason = reason.name(), "closed VIP connections");
-            let labels = ClosedLabels { service: name.clone(), server: server.to_string(), reason: reason.name().to_owned() };
-            self.metrics.connections_closed.get_or_create(&labels).inc_by(count);
-        }
+        let (service, vip) = (self.services[i].config.name.clone(), self.services[i].config.vip);
+        let servers: HashSet<SocketAddr> = closes.iter().map(|(s, _)| *s).collect();
+        self.close_in_background(|v, server| v == vip && servers.contains(&server), Closing::Balancer { service, vip, servers: closes });
     }
 
     fn on_health(&mut self, service: &str, server: SocketAddr, result: Health, took: Duration) {
@@ -460,9 +518,7 @@ impl Daemon {
     fn handle(&mut self, request: Request) -> Response {
         let result = match request {
             Request::Status => return Response::Status(self.status()),
-            Request::CloseConnections { server, service } => {
-                self.close_connections(server, service.as_deref()).map(|closed| Response::Closed { closed })
-            }
+            Request::CloseConnections { .. } => Err(anyhow::anyhow!("close-connections is answered when the closing is done")),
             Request::SetServers { service, servers, default } => self.set_servers(&service, &servers, default).map(|()| Response::Ok),
             Request::Drain { service, server, undo } => self.drain(&service, server, undo).map(|()| Response::Ok),
             Request::Reload => self.reload().map(|()| Response::Ok),
@@ -515,22 +571,15 @@ impl Daemon {
     }
 
     /// `lb close-connections`: resets the connections made through a VIP
-    /// (of `service`, or of any service) to `server`. Direct connections to
-    /// it are left alone. Counted with reason `manual`.
-    fn close_connections(&mut self, server: SocketAddr, service: Option<&str>) -> anyhow::Result<u64> {
-        let vip = service.map(|name| self.index(name).map(|i| self.services[i].config.vip)).transpose()?;
-        let closed = self
-            .close(|v, s| s == server && vip.is_none_or(|vip| vip == v))
-            .with_context(|| format!("closing connections to {server}"))?;
-        for (&(vip, server), &count) in &closed {
-            if let Some(service) = self.services.iter().find(|s| s.config.vip == vip) {
-                let labels = ClosedLabels { service: service.config.name.clone(), server: server.to_string(), reason: "manual".to_owned() };
-                self.metrics.connections_closed.get_or_create(&labels).inc_by(count);
-            }
-        }
-        let total = closed.values().sum();
-        info!(%server, closed = total, "closed VIP connections on request");
-        Ok(total)
+    /// (of `service`, or of any service) to `server`, and answers with how
+    /// many once done. Direct connections to it are left alone. Counted
+    /// with reason `manual`.
+    fn close_connections(&self, server: SocketAddr, service: Option<&str>, reply: oneshot::Sender<Response>) {
+        let vip = match service.map(|name| self.index(name).map(|i| self.services[i].config.vip)).transpose() {
+            Ok(vip) => vip,
+            Err(e) => return drop(reply.send(Response::Error { error: format!("{e:#}") })),
+        };
+        self.close_in_background(|v, s| s == server && vip.is_none_or(|vip| vip == v), Closing::Manual { server, reply });
     }
 
     /// SIGHUP or `lb reload`: apply a new config if it is valid; keep the
@@ -617,10 +666,7 @@ impl Daemon {
             removed_vips.remove(&service.config.vip);
         }
         if !removed_vips.is_empty() && self.sock_destroy {
-            match self.close(|vip, _| removed_vips.contains(&vip)) {
-                Ok(closed) => info!(closed = closed.values().sum::<u64>(), "closed the connections of removed VIPs"),
-                Err(e) => error!("closing the connections of removed VIPs failed: {e:#}"),
-            }
+            self.close_in_background(|vip, _| removed_vips.contains(&vip), Closing::RemovedVips);
         }
         for i in 0..self.services.len() {
             self.sync_checks(i);
@@ -631,8 +677,17 @@ impl Daemon {
     }
 }
 
-/// Checks `server` every `interval`, and at once when `now` is notified.
-async fn check_loop(service: String, server: SocketAddr, checker: Checker, interval: Duration, now: Arc<Notify>, tx: mpsc::Sender<Message>) {
+/// Checks `server` every interval, and at once when `now` is notified.
+/// The checker is built here, on a blocking thread, not by the owner loop:
+/// an https client may load the system's CA store, which takes a while.
+async fn check_loop(service: String, server: SocketAddr, health: config::HealthConfig, tls: Tls, now: Arc<Notify>, tx: mpsc::Sender<Message>) {
+    let interval = health.interval;
+    let checker = match tokio::task::spawn_blocking(move || Checker::new(&health, &tls, server)).await {
+        Ok(Ok(Some(checker))) => checker,
+        Ok(Ok(None)) => return,
+        Ok(Err(e)) => return error!(service, %server, "cannot check this server: {e:#}"),
+        Err(e) => return error!(service, %server, "building the checker failed: {e}"),
+    };
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
