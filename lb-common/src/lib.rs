@@ -1,13 +1,18 @@
 //! Types shared by the kernel programs (`lb-ebpf`) and the daemon (`lb-user`).
 //!
-//! Everything here is `#[repr(C)]` with explicit padding and no `bool`, enum
-//! or `Option`, because it crosses the user/kernel boundary as raw bytes in
-//! BPF maps and ring-buffer records. Sizes are asserted at compile time so a
-//! layout change cannot slip through on one side only.
+//! Every map key, map value and ring-buffer record here is `#[repr(C)]` with
+//! explicit padding and no `bool`, enum or `Option`, because it crosses the
+//! user/kernel boundary as raw bytes. Sizes are asserted at compile time so a
+//! layout change cannot slip through on one side only. The enums
+//! ([`EventKind`], [`Reason`]) name the raw `u32` values those records and
+//! the `COUNTERS` array carry; they are converted at the edge, never stored.
 //!
-//! The `user` feature adds the userspace-only conversions (`user` module).
+//! [`choose`] is the kernel's choice of a server, a pure function tested on
+//! the host. The `user` feature adds the userspace-only conversions (`user`
+//! module).
 #![no_std]
 
+pub mod choose;
 #[cfg(feature = "user")]
 pub mod user;
 
@@ -134,16 +139,53 @@ pub struct ConnKey {
     pub server: Endpoint,
 }
 
-/// `Event::kind`: a connect through a VIP established.
-pub const EVENT_ESTABLISHED: u32 = 1;
-/// `Event::kind`: a connect through a VIP closed before establishing
-/// (refused, reset, timed out, abandoned).
-pub const EVENT_CONNECT_FAILED: u32 = 2;
-/// `Event::kind`: a connect's SYN went unanswered for a retransmission
-/// timeout; it may still establish later.
-pub const EVENT_CONNECT_TIMEOUT: u32 = 3;
-/// `Event::kind`: an established connection through a VIP closed.
-pub const EVENT_CLOSED: u32 = 4;
+/// What a sock_ops [`Event`] reports. The record carries it as a raw `u32`
+/// (`EventKind::X as u32`, see [`Event::kind`]): no enum crosses the
+/// user/kernel boundary, so an unknown value from a newer or older kernel
+/// object is an error to handle, not undefined behaviour.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EventKind {
+    /// A connect through a VIP established.
+    Established = 1,
+    /// A connect through a VIP closed before establishing (refused, reset,
+    /// timed out, abandoned).
+    ConnectFailed = 2,
+    /// A connect's SYN went unanswered for a retransmission timeout; it may
+    /// still establish later.
+    ConnectTimeout = 3,
+}
+
+/// An [`Event::kind`] value that names no [`EventKind`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnknownEventKind(pub u32);
+
+impl core::fmt::Display for UnknownEventKind {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "unknown kernel event kind {}", self.0)
+    }
+}
+
+impl core::error::Error for UnknownEventKind {}
+
+impl TryFrom<u32> for EventKind {
+    type Error = UnknownEventKind;
+
+    fn try_from(value: u32) -> Result<Self, Self::Error> {
+        match value {
+            1 => Ok(Self::Established),
+            2 => Ok(Self::ConnectFailed),
+            3 => Ok(Self::ConnectTimeout),
+            other => Err(UnknownEventKind(other)),
+        }
+    }
+}
+
+impl From<EventKind> for u32 {
+    fn from(kind: EventKind) -> Self {
+        kind as u32
+    }
+}
 
 /// A ring-buffer record from `sock_ops` about one connection through a VIP.
 #[repr(C)]
@@ -154,75 +196,137 @@ pub struct Event {
     pub time_ns: u64,
     pub vip: Endpoint,
     pub server: Endpoint,
-    /// `EVENT_*`.
+    /// An [`EventKind`] as `u32`; read it with [`Event::kind()`].
     pub kind: u32,
     pub _pad: u32,
 }
 
-/// Index of a per-CPU counter in the `COUNTERS` array: why a program did
-/// what it did. Every early return of every program is counted.
-pub mod reason {
+impl Event {
+    /// What happened, or the raw value if it names no [`EventKind`].
+    pub fn kind(&self) -> Result<EventKind, UnknownEventKind> {
+        EventKind::try_from(self.kind)
+    }
+}
+
+/// Declares [`Reason`] from one table (variant, counter index, stable name),
+/// so that `ALL`, `COUNT` and `name` cannot disagree with the enum.
+macro_rules! reasons {
+    ($($(#[doc = $doc:literal])* $variant:ident = $index:literal => $name:literal,)*) => {
+        /// Why a program did what it did: the index of a per-CPU counter in
+        /// the `COUNTERS` array (the kernel counts `Reason::X as u32`). Every
+        /// early return of every program is counted.
+        ///
+        /// The values are the counters' indexes and [`Reason::name`] their
+        /// stable names in metrics and `lb status`: append new reasons, never
+        /// renumber or rename.
+        #[repr(u32)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum Reason {
+            $($(#[doc = $doc])* $variant = $index,)*
+        }
+
+        impl Reason {
+            /// Number of reasons: the `COUNTERS` array's size.
+            pub const COUNT: usize = [$($index),*].len();
+
+            /// Every reason, in counter-index order (`Reason::ALL[i] as usize == i`).
+            pub const ALL: [Reason; Self::COUNT] = [$(Self::$variant),*];
+
+            /// The stable name in metrics (`reason` label) and `lb status`.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $name,)*
+                }
+            }
+        }
+    };
+}
+
+reasons! {
     /// connect: destination was a VIP and was rewritten.
-    pub const CONNECT_REWRITTEN: u32 = 0;
+    ConnectRewritten = 0 => "connect_rewritten",
     /// connect: destination is not a VIP; untouched.
-    pub const CONNECT_NOT_VIP: u32 = 1;
+    ConnectNotVip = 1 => "connect_not_vip",
     /// connect: the VIP's service has no server; connect refused (EPERM).
-    pub const CONNECT_NO_SERVER: u32 = 2;
+    ConnectNoServer = 2 => "connect_no_server",
     /// connect: every server failed recently; the first was used anyway.
-    pub const CONNECT_ALL_FAILED: u32 = 3;
+    ConnectAllFailed = 3 => "connect_all_failed",
     /// connect: a recently failed server was skipped.
-    pub const CONNECT_SKIPPED_FAILED: u32 = 4;
+    ConnectSkippedFailed = 4 => "connect_skipped_failed",
     /// connect: protocol is neither TCP nor UDP; untouched.
-    pub const CONNECT_OTHER_PROTOCOL: u32 = 5;
+    ConnectOtherProtocol = 5 => "connect_other_protocol",
     /// connect4: the selected server is IPv6, unreachable from an IPv4
-    /// socket; untouched (the daemon's config check prevents this).
-    pub const CONNECT_FAMILY_MISMATCH: u32 = 6;
+    /// socket; untouched and not tracked (the daemon's config check
+    /// prevents this).
+    ConnectFamilyMismatch = 6 => "connect_family_mismatch",
     /// connect: the socket table was full; rewritten but not tracked.
-    pub const CONNECT_UNTRACKED: u32 = 7;
+    ConnectUntracked = 7 => "connect_untracked",
     /// getpeername: the VIP was reported instead of the server.
-    pub const GETPEERNAME_REWRITTEN: u32 = 8;
+    GetpeernameRewritten = 8 => "getpeername_rewritten",
     /// getpeername: not a socket connected through a VIP; untouched.
-    pub const GETPEERNAME_UNTOUCHED: u32 = 9;
+    GetpeernameUntouched = 9 => "getpeername_untouched",
     /// sock_ops: a tracked connect established.
-    pub const SOCKOPS_ESTABLISHED: u32 = 10;
+    SockopsEstablished = 10 => "sockops_established",
     /// sock_ops: a tracked connect failed before establishing.
-    pub const SOCKOPS_CONNECT_FAILED: u32 = 11;
+    SockopsConnectFailed = 11 => "sockops_connect_failed",
     /// sock_ops: a tracked connect's SYN timed out once.
-    pub const SOCKOPS_CONNECT_TIMEOUT: u32 = 12;
-    /// sock_ops: a tracked connection closed.
-    pub const SOCKOPS_CLOSED: u32 = 13;
+    SockopsConnectTimeout = 12 => "sockops_connect_timeout",
+    /// sock_ops: a tracked, established connection closed.
+    SockopsClosed = 13 => "sockops_closed",
     /// sock_ops: a callback for a socket that is not tracked; ignored.
-    pub const SOCKOPS_UNTRACKED: u32 = 14;
+    SockopsUntracked = 14 => "sockops_untracked",
     /// sock_ops: the event ring buffer was full; the event was dropped
     /// (counts and failure marks are still updated).
-    pub const EVENT_DROPPED: u32 = 15;
-    /// Any program: a map update failed.
-    pub const MAP_ERROR: u32 = 16;
-
-    /// Number of counters (the `COUNTERS` array's size).
-    pub const COUNT: u32 = 17;
-
-    /// Stable names for metrics and `lb status`, indexed by reason.
-    pub const NAMES: [&str; COUNT as usize] = [
-        "connect_rewritten",
-        "connect_not_vip",
-        "connect_no_server",
-        "connect_all_failed",
-        "connect_skipped_failed",
-        "connect_other_protocol",
-        "connect_family_mismatch",
-        "connect_untracked",
-        "getpeername_rewritten",
-        "getpeername_untouched",
-        "sockops_established",
-        "sockops_connect_failed",
-        "sockops_connect_timeout",
-        "sockops_closed",
-        "sockops_untracked",
-        "event_dropped",
-        "map_error",
-    ];
+    EventDropped = 15 => "event_dropped",
+    /// Any program: a map update (or a lookup that cannot miss) failed.
+    MapError = 16 => "map_error",
 }
+
+impl Reason {
+    /// The index of this reason's counter in `COUNTERS`.
+    pub const fn index(self) -> u32 {
+        self as u32
+    }
+}
+
+/// A counter index that names no [`Reason`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnknownReason(pub u32);
+
+impl core::fmt::Display for UnknownReason {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "unknown counter reason {}", self.0)
+    }
+}
+
+impl core::error::Error for UnknownReason {}
+
+impl TryFrom<u32> for Reason {
+    type Error = UnknownReason;
+
+    fn try_from(value: u32) -> Result<Self, Self::Error> {
+        match Self::ALL.get(value as usize) {
+            Some(&reason) => Ok(reason),
+            None => Err(UnknownReason(value)),
+        }
+    }
+}
+
+impl From<Reason> for u32 {
+    fn from(reason: Reason) -> Self {
+        reason as u32
+    }
+}
+
+// Entry i of `Reason::ALL` must be reason i (the indexes are dense, from 0),
+// or `TryFrom<u32>` and the daemon's counter read would name the wrong one.
+const _: () = {
+    let mut i = 0;
+    while i < Reason::COUNT {
+        assert!(Reason::ALL[i] as usize == i);
+        i += 1;
+    }
+};
 
 // The kernel and the daemon must agree on these byte for byte.
 const _: () = assert!(core::mem::size_of::<Endpoint>() == 20);
@@ -231,3 +335,59 @@ const _: () = assert!(core::mem::size_of::<SockEntry>() == 48);
 const _: () = assert!(core::mem::size_of::<ConnKey>() == 40);
 const _: () = assert!(core::mem::size_of::<Event>() == 64);
 const _: () = assert!(core::mem::align_of::<Service>() == 8);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reason_names_are_the_stable_interface() {
+        // Metrics labels and `lb status` keys: changing one breaks dashboards.
+        let names: [&str; Reason::COUNT] = Reason::ALL.map(Reason::name);
+        assert_eq!(
+            names,
+            [
+                "connect_rewritten",
+                "connect_not_vip",
+                "connect_no_server",
+                "connect_all_failed",
+                "connect_skipped_failed",
+                "connect_other_protocol",
+                "connect_family_mismatch",
+                "connect_untracked",
+                "getpeername_rewritten",
+                "getpeername_untouched",
+                "sockops_established",
+                "sockops_connect_failed",
+                "sockops_connect_timeout",
+                "sockops_closed",
+                "sockops_untracked",
+                "event_dropped",
+                "map_error",
+            ]
+        );
+    }
+
+    #[test]
+    fn reasons_round_trip_through_their_counter_index() {
+        for (i, reason) in Reason::ALL.into_iter().enumerate() {
+            assert_eq!(reason.index() as usize, i);
+            assert_eq!(Reason::try_from(i as u32), Ok(reason));
+        }
+        assert_eq!(Reason::try_from(Reason::COUNT as u32), Err(UnknownReason(Reason::COUNT as u32)));
+        assert_eq!(Reason::try_from(u32::MAX), Err(UnknownReason(u32::MAX)));
+    }
+
+    #[test]
+    fn event_kinds_keep_their_wire_values() {
+        for (kind, value) in [(EventKind::Established, 1), (EventKind::ConnectFailed, 2), (EventKind::ConnectTimeout, 3)] {
+            assert_eq!(u32::from(kind), value);
+            assert_eq!(EventKind::try_from(value), Ok(kind));
+            assert_eq!(Event { kind: value, ..Event::default() }.kind(), Ok(kind));
+        }
+        // 4 was the close event, no longer sent.
+        for bad in [0, 4, u32::MAX] {
+            assert_eq!(Event { kind: bad, ..Event::default() }.kind(), Err(UnknownEventKind(bad)));
+        }
+    }
+}

@@ -2,13 +2,15 @@
 //! the kernel, and report what became of them.
 //!
 //! - `lb_connect4` / `lb_connect6` (cgroup/connect4, cgroup/connect6): if the
-//!   destination is a VIP, pick a server from the service's selection and
-//!   rewrite the destination. Track the socket by cookie.
+//!   destination is a VIP, pick a server from the service's selection
+//!   (`lb_common::choose`, tested on the host) and rewrite the destination.
+//!   Track the socket by cookie.
 //! - `lb_getpeername4` / `lb_getpeername6`: a tracked socket reports the VIP
 //!   as its peer, so the application sees the address it dialled.
 //! - `lb_sock_ops`: for tracked TCP sockets, count live connections per
 //!   (VIP, server), mark a server failed the moment a connect to it fails,
-//!   and tell the daemon through the `EVENTS` ring buffer.
+//!   and tell the daemon through the `EVENTS` ring buffer when a connect
+//!   establishes, fails or times out (a close is only counted).
 //!
 //! The programs are dumb and fast: the daemon decides the selection; the
 //! kernel only skips servers whose connect failed within the hold-down.
@@ -32,10 +34,10 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use lb_common::{
-    ConnKey, EVENTS_BYTES, EVENT_CLOSED, EVENT_CONNECT_FAILED, EVENT_CONNECT_TIMEOUT,
-    EVENT_ESTABLISHED, Endpoint, Event, MAX_FAILED_SERVERS, MAX_SERVER_PAIRS, MAX_SERVERS,
-    MAX_SERVICES, MAX_TRACKED_SOCKETS, SOCK_ESTABLISHED, SOCK_FAILURE_REPORTED,
-    Service, SockEntry, reason,
+    ConnKey, EVENTS_BYTES, Endpoint, Event, EventKind, MAX_FAILED_SERVERS, MAX_SERVER_PAIRS,
+    MAX_SERVERS, MAX_SERVICES, MAX_TRACKED_SOCKETS, Reason, SOCK_ESTABLISHED,
+    SOCK_FAILURE_REPORTED, Service, SockEntry,
+    choose::{Choice, choose_from_mask, usable_mask},
 };
 
 /// VIP → service (its selection). Written only by the daemon, one whole
@@ -58,13 +60,17 @@ static SOCKETS: LruHashMap<u64, SockEntry> = LruHashMap::with_max_entries(MAX_TR
 #[map]
 static CONNECTIONS: PerCpuHashMap<ConnKey, i64> = PerCpuHashMap::with_max_entries(MAX_SERVER_PAIRS, 0);
 
-/// Established / failed / closed reports for the daemon.
+/// `Event`s for the daemon: a connect established, failed or timed out.
 #[map]
 static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_BYTES, 0);
 
-/// Per-CPU counters of every decision, indexed by `lb_common::reason`.
+/// One word per CPU for `unknown_to_verifier`; kernel-only, never pinned.
 #[map]
-static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(reason::COUNT, 0);
+static SCRATCH: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
+
+/// Per-CPU counters of every decision, indexed by `lb_common::Reason`.
+#[map]
+static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Reason::COUNT as u32, 0);
 
 const IPPROTO_TCP: u32 = 6;
 const IPPROTO_UDP: u32 = 17;
@@ -74,8 +80,8 @@ const ALLOW: i32 = 1;
 const REFUSE: i32 = 0;
 
 #[inline(always)]
-fn count(reason: u32) {
-    if let Some(counter) = COUNTERS.get_ptr_mut(reason) {
+fn count(reason: Reason) {
+    if let Some(counter) = COUNTERS.get_ptr_mut(reason.index()) {
         // SAFETY: a per-CPU slot is only touched by programs on this CPU,
         // and a program is not preempted by another on the same CPU here.
         unsafe { *counter += 1 };
@@ -127,18 +133,15 @@ fn write_port(ctx: &SockAddrContext, port_be: u16) {
 #[cgroup_sock_addr(connect4)]
 pub fn lb_connect4(ctx: SockAddrContext) -> i32 {
     let dst = Endpoint::from_v4_raw(ctx_read!(ctx, user_ip4), read_port(&ctx));
-    match try_connect(&ctx, &dst) {
+    match try_connect(&ctx, &dst, true) {
         Ok(None) => ALLOW,
         Ok(Some(server)) => {
-            if !server.is_v4() {
-                count(reason::CONNECT_FAMILY_MISMATCH);
-                return ALLOW;
-            }
+            // `try_connect` returns only IPv4 servers to an IPv4 socket.
             ctx_write!(ctx, server.addr[3], user_ip4);
             write_port(&ctx, server.port);
             ALLOW
         }
-        Err(()) => REFUSE,
+        Err(Refuse) => REFUSE,
     }
 }
 
@@ -147,65 +150,65 @@ pub fn lb_connect6(ctx: SockAddrContext) -> i32 {
     // An IPv4-mapped destination arrives here in mapped form and finds the
     // IPv4 VIP's entry, because the map stores IPv4 mapped too.
     let dst = Endpoint { addr: read_ip6(&ctx), port: read_port(&ctx), _pad: [0; 2] };
-    match try_connect(&ctx, &dst) {
+    match try_connect(&ctx, &dst, false) {
         Ok(None) => ALLOW,
         Ok(Some(server)) => {
             write_ip6(&ctx, &server.addr);
             write_port(&ctx, server.port);
             ALLOW
         }
-        Err(()) => REFUSE,
+        Err(Refuse) => REFUSE,
     }
 }
 
-/// Decide a connect to `dst`: `Ok(None)` leaves it alone, `Ok(Some(server))`
-/// rewrites it to `server`, `Err(())` refuses it (a service with no server).
+/// The connect must fail (EPERM): its VIP's service has no server.
+struct Refuse;
+
+// `try_connect` masks a server index with `MAX_SERVERS - 1`.
+const _: () = assert!(MAX_SERVERS.is_power_of_two());
+
+/// `value`, read back from map memory, so that the verifier no longer knows
+/// it; `None` only if the per-CPU slot is missing, which cannot happen.
+///
+/// Verifier workaround: `usable_mask` is built on up to 2^16 paths (one
+/// branch per server), each with its own constant mask. The choice then
+/// indexes `servers` with a value computed from the mask, and the verifier
+/// marks every value that flows into a pointer offset as precise, back
+/// through all the arithmetic to the mask; paths with different precise
+/// masks never merge, and it would verify the rest of the program once per
+/// mask, far beyond its limit of a million instructions. A value loaded
+/// from a map is unknown to the verifier and ends that chain, so the paths
+/// merge right here. Arithmetic or the stack cannot do this: the verifier
+/// tracks values through both.
 #[inline(always)]
-fn try_connect(ctx: &SockAddrContext, dst: &Endpoint) -> Result<Option<Endpoint>, ()> {
+fn unknown_to_verifier(value: u32) -> Option<u32> {
+    let slot = SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: this CPU's slot, used only here, between these two accesses;
+    // volatile so that the compiler does not forward the value past the map.
+    unsafe {
+        core::ptr::write_volatile(slot, value);
+        Some(core::ptr::read_volatile(slot))
+    }
+}
+
+/// Decide a connect to `dst` from a socket of the family `ipv4_socket`
+/// says: `Ok(None)` leaves it alone, `Ok(Some(server))` rewrites it to
+/// `server` (tracked in `SOCKETS`), `Err(Refuse)` refuses it.
+#[inline(always)]
+fn try_connect(ctx: &SockAddrContext, dst: &Endpoint, ipv4_socket: bool) -> Result<Option<Endpoint>, Refuse> {
     // SAFETY: the value is only read; the daemon replaces values whole.
     let Some(service) = (unsafe { SERVICES.get(dst) }) else {
-        count(reason::CONNECT_NOT_VIP);
+        count(Reason::ConnectNotVip);
         return Ok(None);
     };
     let protocol = ctx_read!(ctx, protocol);
     if protocol != IPPROTO_TCP && protocol != IPPROTO_UDP {
-        count(reason::CONNECT_OTHER_PROTOCOL);
+        count(Reason::ConnectOtherProtocol);
         return Ok(None);
     }
-    let Some(index) = choose_server(service) else {
-        count(reason::CONNECT_NO_SERVER);
-        return Err(());
-    };
-    let Some(server) = service.servers.get(index) else {
-        count(reason::CONNECT_NO_SERVER);
-        return Err(());
-    };
 
-    // SAFETY: the helper only reads the socket behind the context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let entry = SockEntry { vip: *dst, server: *server, flags: 0, _pad: 0 };
-    if SOCKETS.insert(cookie, entry, u64::from(BPF_ANY)).is_err() {
-        count(reason::CONNECT_UNTRACKED);
-    }
-    count(reason::CONNECT_REWRITTEN);
-    debug!(ctx, "connect rewritten to server {}", index);
-    Ok(Some(*server))
-}
-
-/// Index of the server to use, or `None` for a service with no server.
-///
-/// Within the first `spread` servers, a random usable one; failing that,
-/// the first usable server after them; failing that (every server failed
-/// within the hold-down), the first: never black-hole.
-#[inline(always)]
-fn choose_server(service: &Service) -> Option<usize> {
-    let len = (service.count as usize).min(MAX_SERVERS);
-    if len == 0 {
-        return None;
-    }
-    let group = (service.spread as usize).clamp(1, len);
-    // SAFETY: plain helper call without arguments.
-    let now = unsafe { bpf_ktime_get_ns() };
+    // SAFETY: plain helper calls without arguments.
+    let (now, random) = unsafe { (bpf_ktime_get_ns(), bpf_get_prandom_u32()) };
     let usable = |server: &Endpoint| {
         // SAFETY: `FAILED_AT` values are single u64 timestamps.
         match unsafe { FAILED_AT.get(server) } {
@@ -213,50 +216,47 @@ fn choose_server(service: &Service) -> Option<usize> {
             None => true,
         }
     };
+    let Some(mask) = unknown_to_verifier(usable_mask(service, usable)) else {
+        count(Reason::MapError);
+        return Ok(None);
+    };
+    let index = match choose_from_mask(service, mask, random) {
+        Choice::NoServer => {
+            count(Reason::ConnectNoServer);
+            return Err(Refuse);
+        }
+        Choice::Server { index, skipped_failed, all_failed } => {
+            if skipped_failed {
+                count(Reason::ConnectSkippedFailed);
+            }
+            if all_failed {
+                count(Reason::ConnectAllFailed);
+            }
+            index
+        }
+    };
+    // `index < MAX_SERVERS` already (see `Choice`); the mask says so to the
+    // compiler, so the access has no bounds check, whose panic path the
+    // verifier would refuse.
+    let server = service.servers[index & (MAX_SERVERS - 1)];
 
-    let mut usable_in_group = 0u32;
-    for (i, server) in service.servers.iter().enumerate() {
-        if i >= group {
-            break;
-        }
-        if usable(server) {
-            usable_in_group += 1;
-        }
+    // Before tracking: an IPv6 server cannot be reached from an IPv4
+    // socket. Leave the connect alone (it goes to the VIP itself) and keep
+    // it out of `SOCKETS`, so sock_ops and getpeername never see it as ours.
+    if ipv4_socket && !server.is_v4() {
+        count(Reason::ConnectFamilyMismatch);
+        return Ok(None);
     }
-    if usable_in_group > 0 {
-        if (usable_in_group as usize) < group {
-            count(reason::CONNECT_SKIPPED_FAILED);
-        }
-        if group == 1 {
-            return Some(0);
-        }
-        // SAFETY: plain helper call without arguments.
-        let mut nth = unsafe { bpf_get_prandom_u32() } % usable_in_group;
-        for (i, server) in service.servers.iter().enumerate() {
-            if i >= group {
-                break;
-            }
-            if usable(server) {
-                if nth == 0 {
-                    return Some(i);
-                }
-                nth -= 1;
-            }
-        }
-        // A server's mark changed between the two passes.
-        return Some(0);
+
+    // SAFETY: the helper only reads the socket behind the context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let entry = SockEntry { vip: *dst, server, flags: 0, _pad: 0 };
+    if SOCKETS.insert(cookie, entry, u64::from(BPF_ANY)).is_err() {
+        count(Reason::ConnectUntracked);
     }
-    count(reason::CONNECT_SKIPPED_FAILED);
-    for (i, server) in service.servers.iter().enumerate() {
-        if i >= len {
-            break;
-        }
-        if i >= group && usable(server) {
-            return Some(i);
-        }
-    }
-    count(reason::CONNECT_ALL_FAILED);
-    Some(0)
+    count(Reason::ConnectRewritten);
+    debug!(ctx, "connect rewritten to server {}", index);
+    Ok(Some(server))
 }
 
 #[cgroup_sock_addr(getpeername4)]
@@ -288,11 +288,11 @@ fn vip_of_peer(ctx: &SockAddrContext, peer: &Endpoint) -> Option<Endpoint> {
     // SAFETY: entries are written whole by connect4/6 and sock_ops.
     match unsafe { SOCKETS.get(&cookie) } {
         Some(entry) if entry.server == *peer && (peer.is_v4() == entry.vip.is_v4()) => {
-            count(reason::GETPEERNAME_REWRITTEN);
+            count(Reason::GetpeernameRewritten);
             Some(entry.vip)
         }
         _ => {
-            count(reason::GETPEERNAME_UNTOUCHED);
+            count(Reason::GetpeernameUntouched);
             None
         }
     }
@@ -323,7 +323,7 @@ fn tracked(ctx: &SockOpsContext) -> Option<(u64, *mut SockEntry)> {
     match SOCKETS.get_ptr_mut(&cookie) {
         Some(entry) => Some((cookie, entry)),
         None => {
-            count(reason::SOCKOPS_UNTRACKED);
+            count(Reason::SockopsUntracked);
             None
         }
     }
@@ -335,7 +335,7 @@ fn on_connect(ctx: &SockOpsContext) {
     if tracked(ctx).is_some() {
         let flags = ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG;
         if ctx.set_cb_flags(flags as i32).is_err() {
-            count(reason::MAP_ERROR);
+            count(Reason::MapError);
         }
     }
 }
@@ -350,8 +350,8 @@ fn on_established(ctx: &SockOpsContext) {
     // right: most servers have no failure mark.
     let _ = FAILED_AT.remove(&entry.server);
     add_connection(&ConnKey { vip: entry.vip, server: entry.server }, 1);
-    count(reason::SOCKOPS_ESTABLISHED);
-    emit(cookie, entry, EVENT_ESTABLISHED);
+    count(Reason::SockopsEstablished);
+    emit(cookie, entry, EventKind::Established);
 }
 
 /// The SYN (or a later segment) was not answered in time. Before the
@@ -366,8 +366,8 @@ fn on_retransmit_timeout(ctx: &SockOpsContext) {
     }
     entry.flags |= SOCK_FAILURE_REPORTED;
     mark_failed(&entry.server);
-    count(reason::SOCKOPS_CONNECT_TIMEOUT);
-    emit(cookie, entry, EVENT_CONNECT_TIMEOUT);
+    count(Reason::SockopsConnectTimeout);
+    emit(cookie, entry, EventKind::ConnectTimeout);
 }
 
 fn on_close(ctx: &SockOpsContext) {
@@ -376,12 +376,14 @@ fn on_close(ctx: &SockOpsContext) {
     let entry = unsafe { *entry };
     if entry.flags & SOCK_ESTABLISHED != 0 {
         add_connection(&ConnKey { vip: entry.vip, server: entry.server }, -1);
-        count(reason::SOCKOPS_CLOSED);
-        emit(cookie, &entry, EVENT_CLOSED);
+        // Counted, not reported: the daemon reads live counts from
+        // `CONNECTIONS`, and a ring-buffer record per closed connection
+        // would only wake it for nothing.
+        count(Reason::SockopsClosed);
     } else if ctx.arg(0) == BPF_TCP_SYN_SENT {
         mark_failed(&entry.server);
-        count(reason::SOCKOPS_CONNECT_FAILED);
-        emit(cookie, &entry, EVENT_CONNECT_FAILED);
+        count(Reason::SockopsConnectFailed);
+        emit(cookie, &entry, EventKind::ConnectFailed);
     }
     // Ignoring the error is right: LRU eviction may have removed it already.
     let _ = SOCKETS.remove(&cookie);
@@ -391,7 +393,7 @@ fn mark_failed(server: &Endpoint) {
     // SAFETY: plain helper call without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     if FAILED_AT.insert(server, now, u64::from(BPF_ANY)).is_err() {
-        count(reason::MAP_ERROR);
+        count(Reason::MapError);
     }
 }
 
@@ -410,18 +412,18 @@ fn add_connection(key: &ConnKey, delta: i64) {
     match CONNECTIONS.get_ptr_mut(key) {
         // SAFETY: as above.
         Some(value) => unsafe { *value += delta },
-        None => count(reason::MAP_ERROR),
+        None => count(Reason::MapError),
     }
 }
 
-fn emit(cookie: u64, entry: &SockEntry, kind: u32) {
+fn emit(cookie: u64, entry: &SockEntry, kind: EventKind) {
     let Some(mut slot) = EVENTS.reserve::<Event>(0) else {
-        count(reason::EVENT_DROPPED);
+        count(Reason::EventDropped);
         return;
     };
     // SAFETY: plain helper call without arguments.
     let time_ns = unsafe { bpf_ktime_get_ns() };
-    slot.write(Event { cookie, time_ns, vip: entry.vip, server: entry.server, kind, _pad: 0 });
+    slot.write(Event { cookie, time_ns, vip: entry.vip, server: entry.server, kind: kind as u32, _pad: 0 });
     slot.submit(0);
 }
 

@@ -27,8 +27,8 @@ use aya::{
     },
 };
 use lb_common::{
-    ConnKey, Endpoint, MAX_SERVERS, Service as ServiceValue, SockEntry,
-    maps, programs, reason,
+    ConnKey, Endpoint, MAX_SERVERS, Reason, Service as ServiceValue, SockEntry,
+    maps, programs,
 };
 use tracing::{info, warn};
 
@@ -266,12 +266,11 @@ impl Datapath {
 
     /// The kernel's decision counters, summed over CPUs, by reason name.
     pub fn counters(&self) -> Vec<(&'static str, u64)> {
-        reason::NAMES
-            .iter()
-            .enumerate()
-            .map(|(i, name)| {
-                let total = self.counters.get(&(i as u32), 0).map(|v| v.iter().sum()).unwrap_or(0);
-                (*name, total)
+        Reason::ALL
+            .into_iter()
+            .map(|reason| {
+                let total = self.counters.get(&reason.index(), 0).map(|v| v.iter().sum()).unwrap_or(0);
+                (reason.name(), total)
             })
             .collect()
     }
