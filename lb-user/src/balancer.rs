@@ -489,6 +489,24 @@ impl Balancer {
         self.settle(step, now)
     }
 
+    /// Adopting a running datapath: the kernel already holds `selection`
+    /// for this service (the previous daemon's, with the failures it had
+    /// learned). It stays until this balancer's own view differs from it,
+    /// instead of being overwritten at once by a fresh, all-unchecked order.
+    /// Servers in `failed_recently` (the kernel's failure marks) are
+    /// suspect: each is checked at once.
+    pub fn adopt(&mut self, selection: Selection, failed_recently: &[SocketAddr]) -> Vec<Effect> {
+        self.written = Some(selection);
+        let mut effects = Vec::new();
+        for server in &mut self.servers {
+            if failed_recently.contains(&server.addr) && !self.checks.passive_only && server.state != State::Standby {
+                server.suspect = true;
+                effects.push(Effect::CheckNow { server: server.addr });
+            }
+        }
+        effects
+    }
+
     /// The selection for the kernel, as it follows from the states now.
     pub fn selection(&self) -> Selection {
         let mut order: Vec<(usize, &Server)> = self.servers.iter().enumerate().collect();

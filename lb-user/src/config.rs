@@ -79,6 +79,28 @@ pub struct Service {
     /// Where the server list comes from besides `servers` (which are then
     /// the bootstrap list); `None`: only `servers` and `lb servers`.
     pub discovery: Option<Discovery>,
+    /// Whose connects to the VIP are rewritten.
+    pub scope: Scope,
+}
+
+/// Whose connects to a VIP are rewritten.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// Only sockets in the daemon's network namespace: a pod dialling its
+    /// own loopback reaches its own loopback. The default for loopback VIPs.
+    Host,
+    /// Sockets in every network namespace of the attached cgroups: for a
+    /// VIP that pods must reach too. The default for other VIPs.
+    All,
+}
+
+impl fmt::Display for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Host => "host",
+            Self::All => "all",
+        })
+    }
 }
 
 /// A source of a service's server list.
@@ -318,6 +340,7 @@ struct RawService {
     hold_down: Option<Spanned<String>>,
     health: Option<Spanned<RawHealth>>,
     discovery: Option<Spanned<RawDiscovery>>,
+    scope: Option<Spanned<String>>,
 }
 
 #[derive(Default, Deserialize)]
@@ -490,12 +513,22 @@ impl Config {
                 parse_discovery(d.into_inner(), line, &sub("discovery."), &mut problems)
             });
             let discovery = discovery.flatten();
+            let scope = match raw.scope.as_ref().map(|p| (p.get_ref().as_str(), p.span())) {
+                Some(("host", _)) => Scope::Host,
+                Some(("all", _)) => Scope::All,
+                None if vip.is_some_and(|v| v.ip().is_loopback()) => Scope::Host,
+                None => Scope::All,
+                Some((other, span)) => {
+                    problems.push(Problem::new(at(span), sub("scope"), format!("{other:?} is not a scope; use \"host\" or \"all\"")));
+                    Scope::Host
+                }
+            };
             if servers.is_empty() && default.is_none() && discovery.is_none() {
                 problems.push(Problem::new(at(raw.name.span()), sub("servers"), "a service needs servers, a default, or a [service.discovery] source"));
             }
             if let Some(vip) = vip {
                 parsed.push(Parsed {
-                    service: Service { name, vip, servers, default, policy, hold_down, health, discovery },
+                    service: Service { name, vip, servers, default, policy, hold_down, health, discovery, scope },
                     server_lines,
                     default_line: raw.default.as_ref().map(|d| line_of(d.span())),
                     list_line: line_of(raw.servers.as_ref().map_or(raw.name.span(), Spanned::span)),
@@ -822,6 +855,16 @@ mod tests {
         assert_eq!(err, "servers[0]: 127.0.0.9:80 is the VIP of service \"db\"; using it as a server would loop");
         let many: Vec<SocketAddr> = (1..=17).map(|i| SocketAddr::from(([127, 0, 1, i], 80))).collect();
         assert!(validate_servers(vip, &many, None, none).unwrap_err().contains("17 servers"));
+    }
+
+    #[test]
+    fn scope_defaults_to_host_for_loopback_vips_only() {
+        assert_eq!(parse(GOOD).unwrap().services[0].scope, Scope::Host);
+        let cluster = GOOD.replace("127.0.0.1:6444", "[fd00::1]:6444").replace("127.0.0.", "[fd00::").replace(":16443", "]:16443");
+        assert_eq!(parse(&cluster).unwrap().services[0].scope, Scope::All, "{cluster}");
+        let with = |scope: &str| GOOD.replace("hold_down", &format!("scope = \"{scope}\"\nhold_down"));
+        assert_eq!(parse(&with("all")).unwrap().services[0].scope, Scope::All);
+        assert!(problems(&with("pods")).contains("scope: \"pods\" is not a scope"));
     }
 
     #[test]

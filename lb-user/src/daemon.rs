@@ -94,7 +94,7 @@ impl Service {
     }
 
     fn entry(&self) -> VipEntry {
-        VipEntry { vip: self.config.vip, selection: self.balancer.selection(), hold_down: self.config.hold_down }
+        VipEntry { vip: self.config.vip, selection: self.balancer.selection(), hold_down: self.config.hold_down, scope: self.config.scope }
     }
 
     fn stop_checks(&mut self) {
@@ -216,6 +216,9 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     for i in 0..daemon.services.len() {
         daemon.service_appeared(i);
     }
+    if daemon.datapath.adopted {
+        daemon.adopt();
+    }
     // systemd (Type=notify): ready once the datapath is attached and the
     // first selections are written. A no-op outside systemd.
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
@@ -294,6 +297,38 @@ fn vip_owner(services: &[config::Service], addr: SocketAddr) -> Option<String> {
 }
 
 impl Daemon {
+    /// Starts from what the kernel of an adopted datapath holds: a service
+    /// whose servers are the same keeps the kernel's selection (and its
+    /// failure marks make those servers suspect, checked at once) until
+    /// this daemon's own checks say otherwise; the others get their new
+    /// selection. So a restart during an outage does not send connects back
+    /// to the server that is down.
+    fn adopt(&mut self) {
+        let mut entries = Vec::with_capacity(self.services.len());
+        for i in 0..self.services.len() {
+            let service = &mut self.services[i];
+            let mut entry = service.entry();
+            let kernel = self.datapath.selection(entry.vip);
+            let same: HashSet<SocketAddr> = kernel.iter().copied().collect();
+            let ours: HashSet<SocketAddr> = entry.selection.servers.iter().copied().collect();
+            if !kernel.is_empty() && same == ours {
+                let failed: Vec<SocketAddr> =
+                    kernel.iter().copied().filter(|s| self.datapath.recently_failed(*s, service.config.hold_down)).collect();
+                info!(service = %service.config.name, selection = ?kernel, recently_failed = ?failed, "adopted the kernel's selection");
+                entry.selection.servers = kernel;
+                entry.selection.spread = self.datapath.spread(entry.vip);
+                let effects = service.balancer.adopt(entry.selection.clone(), &failed);
+                entries.push(entry);
+                self.apply(i, effects);
+            } else {
+                entries.push(entry);
+            }
+        }
+        if let Err(e) = self.datapath.reconcile(&entries) {
+            error!("writing the selections of the adopted datapath failed: {e:#}");
+        }
+    }
+
     fn index(&self, name: &str) -> anyhow::Result<usize> {
         self.services.iter().position(|s| s.config.name == name).with_context(|| format!("no service named {name:?}"))
     }
@@ -324,7 +359,7 @@ impl Daemon {
                     }
                 }
                 Effect::WriteSelection(selection) => {
-                    let entry = VipEntry { vip: service.config.vip, selection, hold_down: service.config.hold_down };
+                    let entry = VipEntry { vip: service.config.vip, selection, hold_down: service.config.hold_down, scope: service.config.scope };
                     match self.datapath.write(&entry) {
                         Ok(()) => {
                             info!(service = %name, selection = ?entry.selection.servers, spread = entry.selection.spread, "selection written");
@@ -645,10 +680,10 @@ impl Daemon {
                         effects.extend(service.balancer.set_servers(&wanted.servers, wanted.default, now));
                         self.saved.services.remove(&wanted.name);
                     }
-                    if what.hold_down
+                    if what.kernel
                         && let Err(e) = self.datapath.write(&self.services[i].entry())
                     {
-                        error!(service = %wanted.name, "writing the hold-down failed: {e:#}");
+                        error!(service = %wanted.name, "writing the hold-down and scope failed: {e:#}");
                     }
                     self.apply(i, effects);
                 }

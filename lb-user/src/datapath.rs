@@ -32,7 +32,7 @@ use lb_common::{
 };
 use tracing::{info, warn};
 
-use crate::balancer::Selection;
+use crate::{balancer::Selection, config::Scope};
 
 /// Forwards the kernel programs' aya-log records to `log` (and so to tracing).
 pub type KernelLogger = aya_log::EbpfLogger<&'static dyn log::Log>;
@@ -64,6 +64,8 @@ pub struct VipEntry {
     pub vip: SocketAddr,
     pub selection: Selection,
     pub hold_down: Duration,
+    /// Whose connects are rewritten: this network namespace's, or all.
+    pub scope: Scope,
 }
 
 /// A live socket that connected through a VIP (from the kernel's table).
@@ -108,9 +110,9 @@ fn has_getpeername(bpffs: &Path) -> bool {
 }
 
 impl Datapath {
-    /// Adopts the pinned datapath under `bpffs` if it is complete; otherwise
-    /// loads the programs, writes `initial` selections, attaches to `cgroup`
-    /// and pins everything.
+    /// Adopts the pinned datapath under `bpffs` if it is complete (its maps
+    /// untouched: `initial` is not written); otherwise loads the programs,
+    /// writes `initial` selections, attaches to `cgroup` and pins everything.
     pub fn open(
         bpffs: &Path,
         cgroup: &Path,
@@ -120,11 +122,12 @@ impl Datapath {
         ensure_bpffs(bpffs)?;
         let present = required_pins(bpffs).filter(|p| p.exists()).count();
         if present == programs::REQUIRED.len() + maps::ALL.len() {
-            let mut datapath = Self::adopt(bpffs)?;
+            let datapath = Self::adopt(bpffs)?;
             if bpf_log {
                 warn!("--bpf-log has no effect on an adopted datapath; run `lb detach` and start again to enable it");
             }
-            datapath.reconcile(initial)?;
+            // The daemon writes an adopted datapath's selections itself,
+            // starting from what the kernel holds (see `daemon::adopt`).
             return Ok(datapath);
         }
         if present > 0 || has_getpeername(bpffs) {
@@ -251,6 +254,11 @@ impl Datapath {
     }
 
     /// Live connections through `vip` to `server`.
+    /// The spread width the kernel holds for `vip` (1 when unknown).
+    pub fn spread(&self, vip: SocketAddr) -> usize {
+        self.services.get(&Endpoint::from(vip), 0).map_or(1, |value| value.spread.max(1) as usize)
+    }
+
     pub fn connections(&self, vip: SocketAddr, server: SocketAddr) -> i64 {
         let key = ConnKey { vip: vip.into(), server: server.into() };
         self.connections.get(&key, 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0)
@@ -463,6 +471,7 @@ mod tests {
             vip: "127.0.0.1:80".parse().unwrap(),
             selection: Selection { servers: vec!["127.0.0.2:80".parse().unwrap(), "127.0.0.3:81".parse().unwrap()], spread: 2 },
             hold_down: Duration::from_millis(1500),
+            scope: Scope::Host,
         };
         let value = entry.to_value();
         assert_eq!(value.count, 2);

@@ -30,8 +30,8 @@ pub struct Update {
     /// The configured server list or default: the new list replaces a list
     /// set at runtime (`lb servers`), as the operator just edited it.
     pub servers: bool,
-    /// Only the kernel's value changes.
-    pub hold_down: bool,
+    /// The hold-down or the scope: only the kernel's value changes.
+    pub kernel: bool,
     /// The discovery source: its task restarts with the new settings.
     pub discovery: bool,
 }
@@ -51,11 +51,11 @@ pub fn plan(old: &[Service], new: &[Service]) -> Vec<Change> {
             changes.push(Change::Add(wanted.clone()));
             continue;
         };
-        let Service { name: _, vip: _, servers, default, policy, hold_down, health, discovery } = previous;
+        let Service { name: _, vip: _, servers, default, policy, hold_down, health, discovery, scope } = previous;
         let what = Update {
             policy_or_health: *policy != wanted.policy || *health != wanted.health,
             servers: *servers != wanted.servers || *default != wanted.default,
-            hold_down: *hold_down != wanted.hold_down,
+            kernel: *hold_down != wanted.hold_down || *scope != wanted.scope,
             discovery: *discovery != wanted.discovery,
         };
         if what != Update::default() {
@@ -82,6 +82,7 @@ mod tests {
             hold_down: Duration::from_secs(5),
             health: HealthConfig::default(),
             discovery: None,
+            scope: crate::config::Scope::Host,
         }
     }
 
@@ -122,7 +123,8 @@ mod tests {
         assert_eq!(update(|s| s.default = Some(SocketAddr::from(([127, 0, 0, 3], 80)))), servers);
         assert_eq!(update(|s| s.policy = Policy::Spread), policy);
         assert_eq!(update(|s| s.health.check = CheckKind::None), policy);
-        assert_eq!(update(|s| s.hold_down = Duration::from_secs(1)), Update { hold_down: true, ..Update::default() });
+        assert_eq!(update(|s| s.hold_down = Duration::from_secs(1)), Update { kernel: true, ..Update::default() });
+        assert_eq!(update(|s| s.scope = crate::config::Scope::All), Update { kernel: true, ..Update::default() });
         let dns = |s: &mut Service| {
             s.discovery = Some(crate::config::Discovery::Dns {
                 name: "api.example.internal".into(),
@@ -138,7 +140,7 @@ mod tests {
                 s.hold_down = Duration::from_secs(1);
                 s.health.fall = 3;
             }),
-            Update { policy_or_health: true, hold_down: true, ..Update::default() }
+            Update { policy_or_health: true, kernel: true, ..Update::default() }
         );
     }
 

@@ -158,6 +158,7 @@ mod tests {
             hold_down: Duration::from_secs(5),
             health: HealthConfig::default(),
             discovery: None,
+            scope: crate::config::Scope::Host,
         };
         let now = Instant::now();
         let checks = Checks { rise: 1, fall: 1, passive_only: false };

@@ -301,6 +301,22 @@ fn behaviour_4_one_ambiguous_report_never_resets_a_healthy_server() {
     assert_eq!(sim.kernel(a(1), Connection::ConnectFailed), [Effect::CheckNow { server: a(1) }], "a new report asks again");
 }
 
+/// Hardening #4: a restarted daemon keeps the kernel's selection (server
+/// 1 down, server 2 first) until its own checks say otherwise, instead of
+/// writing the configured order with every server unchecked.
+#[test]
+fn adopting_keeps_the_kernels_selection_until_checks_say_otherwise() {
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    let kernel = Selection { servers: vec![a(2), a(1)], spread: 1 };
+    assert_eq!(sim.lb.adopt(kernel, &[a(1)]), [Effect::CheckNow { server: a(1) }]);
+    assert_eq!(sim.pass(a(2)), [Effect::StateChanged { server: a(2), from: State::Unchecked, to: State::Preferred, why: "passed health checks" }], "no write: the kernel's order holds");
+    let effects = sim.fail(a(1)).to_vec();
+    assert_eq!(writes(&effects), 0, "{effects:?}");
+    assert_eq!(sim.state(a(1)), State::Failed);
+    assert_eq!(sim.state(a(2)), State::Active);
+    assert_eq!(sim.lb.selection().servers, [a(2), a(1)]);
+}
+
 #[test]
 fn passive_only_needs_fall_reports_in_a_row() {
     let checks = Checks { rise: 1, fall: 2, passive_only: true };
