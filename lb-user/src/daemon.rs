@@ -32,7 +32,7 @@ use crate::{
     control::{self, ConfigStatus, DatapathStatus, Features, ReloadStatus, Request, Response, Status},
     datapath::{self, Datapath, VipEntry},
     health::{Checker, Tls},
-    metrics::{self, ClosedLabels, Metrics, ResultLabels, ServiceLabels, server_labels},
+    metrics::{self, Metrics, ResultLabels, ServiceLabels, server_labels},
     reload::{self, Change},
     sock_destroy,
     state::{SavedList, SavedState},
@@ -203,7 +203,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     tokio::spawn(control::serve(listener, calls_tx));
     let (scrape_tx, mut scrapes) = mpsc::channel(16);
     if let Some(addr) = config.daemon.metrics {
-        metrics::serve(addr, scrape_tx).await?;
+        metrics::serve(addr, metrics::Limits::default(), scrape_tx).await?;
     }
 
     let sock_destroy = sock_destroy::supported();
@@ -337,6 +337,7 @@ impl Daemon {
     fn service_appeared(&mut self, i: usize) {
         let service = &self.services[i];
         for server in service.balancer.servers() {
+            self.metrics.server_appeared(&service.config.name, server.addr);
             self.metrics.set_state(&service.config.name, server.addr, server.state);
         }
         self.sync_checks(i);
@@ -355,6 +356,9 @@ impl Daemon {
                     if to == State::Invalid {
                         self.metrics.forget_server(name, server);
                     } else {
+                        if from == State::Invalid {
+                            self.metrics.server_appeared(name, server);
+                        }
                         self.metrics.set_state(name, server, to);
                     }
                 }
@@ -451,8 +455,7 @@ impl Daemon {
     fn on_closed(&self, why: Closing, result: Result<Closed, String>) {
         let service_of = |vip: SocketAddr| self.services.iter().find(|s| s.config.vip == vip).map(|s| s.config.name.clone());
         let count = |service: String, server: SocketAddr, reason: &str, n: u64| {
-            let labels = ClosedLabels { service, server: server.to_string(), reason: reason.to_owned() };
-            self.metrics.connections_closed.get_or_create(&labels).inc_by(n);
+            self.metrics.connections_closed.get_or_create(&metrics::closed_labels(&service, server, reason)).inc_by(n);
         };
         match (why, result) {
             (Closing::Balancer { service, vip, servers }, Ok(closed)) => {

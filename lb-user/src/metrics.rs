@@ -2,13 +2,18 @@
 //! absent). The owner task updates them as things happen; a scrape asks the
 //! owner task for a fresh snapshot, which also reads the kernel's live
 //! connection counts and decision counters.
+//!
+//! The endpoint is bounded ([`Limits`]): a local process that opens
+//! thousands of idle connections to it cannot take the daemon's file
+//! descriptors or time; extra connections are closed at once, idle ones
+//! after a short timeout.
 
-use std::{collections::HashMap, convert::Infallible, net::SocketAddr};
+use std::{collections::HashMap, convert::Infallible, net::SocketAddr, sync::Arc, time::Duration};
 
 use anyhow::Context as _;
 use http_body_util::Full;
 use hyper::{Request, Response, body::Bytes, server::conn::http1, service::service_fn};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::{
     encoding::{EncodeLabelSet, text::encode},
     metrics::{
@@ -19,8 +24,8 @@ use prometheus_client::{
     },
     registry::Registry,
 };
-use tokio::sync::{mpsc, oneshot};
-use tracing::{debug, info};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tracing::{debug, info, warn};
 
 use crate::balancer::State;
 
@@ -59,6 +64,10 @@ pub struct ResultLabels {
     pub result: String,
 }
 
+/// Reasons the daemon closes connections, as `lb_connections_closed_total`
+/// labels them; every server has each series from the start, at zero.
+const CLOSE_REASONS: [&str; 4] = ["failed", "fail_back", "removed", "manual"];
+
 const STATES: [State; 7] = [State::Active, State::Preferred, State::Healthy, State::Recovering, State::Unchecked, State::Standby, State::Failed];
 
 type HistogramFamily = Family<ServerLabels, Histogram, fn() -> Histogram>;
@@ -85,6 +94,10 @@ fn health_histogram() -> Histogram {
 
 pub fn server_labels(service: &str, server: SocketAddr) -> ServerLabels {
     ServerLabels { service: service.to_owned(), server: server.to_string() }
+}
+
+pub fn closed_labels(service: &str, server: SocketAddr, reason: &str) -> ClosedLabels {
+    ClosedLabels { service: service.to_owned(), server: server.to_string(), reason: reason.to_owned() }
 }
 
 impl Metrics {
@@ -142,6 +155,17 @@ impl Metrics {
         }
     }
 
+    /// A server joined its service: its counters exist from now on, at
+    /// zero, so that `rate()` and alerts see the first failure (as
+    /// Prometheus advises for labels known in advance).
+    pub fn server_appeared(&self, service: &str, server: SocketAddr) {
+        // Creating the series is the point; the guards are not needed.
+        drop(self.connect_failures.get_or_create(&server_labels(service, server)));
+        for reason in CLOSE_REASONS {
+            drop(self.connections_closed.get_or_create(&closed_labels(service, server, reason)));
+        }
+    }
+
     /// Drops every series of a server that left its service.
     pub fn forget_server(&self, service: &str, server: SocketAddr) {
         let labels = server_labels(service, server);
@@ -151,6 +175,9 @@ impl Metrics {
         self.health_check_duration.remove(&labels);
         for s in STATES {
             self.server_state.remove(&StateLabels { service: service.to_owned(), server: server.to_string(), state: s.name().to_owned() });
+        }
+        for reason in CLOSE_REASONS {
+            self.connections_closed.remove(&closed_labels(service, server, reason));
         }
     }
 
@@ -181,26 +208,66 @@ impl Default for Metrics {
 /// A scrape: the owner task answers with the encoded metrics.
 pub type ScrapeRequest = oneshot::Sender<String>;
 
+/// Bounds of the metrics endpoint.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Connections served at once; more are closed as soon as accepted.
+    pub connections: usize,
+    /// How long a connection may take to send its request headers.
+    pub header_timeout: Duration,
+    /// How long one connection may live, keep-alive included.
+    pub lifetime: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { connections: 16, header_timeout: Duration::from_secs(5), lifetime: Duration::from_secs(60) }
+    }
+}
+
 /// Serves `GET /metrics` on `addr`; each scrape goes to the owner task.
-pub async fn serve(addr: SocketAddr, scrapes: mpsc::Sender<ScrapeRequest>) -> anyhow::Result<()> {
+/// Returns the address bound (useful with port 0).
+pub async fn serve(addr: SocketAddr, limits: Limits, scrapes: mpsc::Sender<ScrapeRequest>) -> anyhow::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the metrics address {addr}"))?;
-    info!(%addr, "serving metrics at /metrics");
+    let bound = listener.local_addr().context("reading the metrics address")?;
+    if !addr.ip().is_loopback() {
+        warn!(%addr, "metrics are served beyond loopback; anyone who can reach {addr} can read them");
+    }
+    info!(addr = %bound, "serving metrics at /metrics");
+    let slots = Arc::new(Semaphore::new(limits.connections));
     tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else { continue };
+            let stream = match listener.accept().await {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    debug!("metrics accept: {e}");
+                    // E.g. out of file descriptors: don't spin.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            // Over the limit: closed at once (dropped), holding nothing.
+            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else { continue };
             let scrapes = scrapes.clone();
             tokio::spawn(async move {
                 let service = service_fn(move |request: Request<hyper::body::Incoming>| {
                     let scrapes = scrapes.clone();
                     async move { Ok::<_, Infallible>(answer(request.uri().path(), &scrapes).await) }
                 });
-                if let Err(e) = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await {
-                    debug!("metrics connection: {e}");
+                let connection = http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(limits.header_timeout)
+                    .serve_connection(TokioIo::new(stream), service);
+                match tokio::time::timeout(limits.lifetime, connection).await {
+                    Ok(Err(e)) => debug!("metrics connection: {e}"),
+                    Err(_) => debug!("metrics connection closed after {:?}", limits.lifetime),
+                    Ok(Ok(())) => {}
                 }
+                drop(slot);
             });
         }
     });
-    Ok(())
+    Ok(bound)
 }
 
 async fn answer(path: &str, scrapes: &mpsc::Sender<ScrapeRequest>) -> Response<Full<Bytes>> {
@@ -249,5 +316,54 @@ mod tests {
         }
         metrics.forget_server("api", server);
         assert!(!metrics.encode().contains("127.0.0.1:6443"));
+    }
+
+    #[test]
+    fn a_new_servers_counters_start_at_zero() {
+        let metrics = Metrics::new();
+        let server: SocketAddr = "127.0.0.1:6443".parse().unwrap();
+        metrics.server_appeared("api", server);
+        let text = metrics.encode();
+        for line in [
+            r#"lb_connect_failures_total{service="api",server="127.0.0.1:6443"} 0"#,
+            r#"lb_connections_closed_total{service="api",server="127.0.0.1:6443",reason="failed"} 0"#,
+            r#"lb_connections_closed_total{service="api",server="127.0.0.1:6443",reason="manual"} 0"#,
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing from:\n{text}");
+        }
+        metrics.forget_server("api", server);
+        assert!(!metrics.encode().contains("127.0.0.1:6443"));
+    }
+
+    /// Hardening #9: a flood of idle connections holds at most
+    /// `limits.connections` of the daemon's descriptors, and only until the
+    /// header timeout; scrapes work again right after.
+    #[tokio::test]
+    async fn idle_connections_cannot_hold_the_endpoint() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let limits = Limits { connections: 4, header_timeout: Duration::from_millis(300), lifetime: Duration::from_secs(5) };
+        let (tx, mut rx) = mpsc::channel::<ScrapeRequest>(4);
+        tokio::spawn(async move {
+            while let Some(reply) = rx.recv().await {
+                let _ = reply.send("lb_up 1\n".to_owned());
+            }
+        });
+        let addr = serve("127.0.0.1:0".parse().unwrap(), limits, tx).await.unwrap();
+        let mut idle = Vec::new();
+        for _ in 0..200 {
+            idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        // Every idle connection is closed by the server: the ones over the
+        // limit at once, the others at the header timeout.
+        for (i, stream) in idle.iter_mut().enumerate() {
+            let mut buf = [0u8; 1];
+            let read = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await;
+            assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "idle connection {i} was not closed: {read:?}");
+        }
+        let mut scrape = tokio::net::TcpStream::connect(addr).await.unwrap();
+        scrape.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+        let mut answer = String::new();
+        tokio::time::timeout(Duration::from_secs(5), scrape.read_to_string(&mut answer)).await.unwrap().unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200") && answer.contains("lb_up 1"), "{answer}");
     }
 }
