@@ -233,13 +233,24 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut hangup = signal(SignalKind::hangup())?;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    // systemd's WatchdogSec: pinged from the owner loop's tick, so a loop
+    // that stops turning (not only a dead process) gets the daemon restarted.
+    let watchdog = sd_notify::watchdog_enabled();
+    if let Some(every) = watchdog {
+        info!(?every, "systemd watchdog enabled; pinging every second");
+    }
     let exit = loop {
         tokio::select! {
             _ = terminate.recv() => break Exit::Signal("SIGTERM"),
             _ = interrupt.recv() => break Exit::Signal("SIGINT"),
             _ = hangup.recv() => { let _ = daemon.reload(); }
             Some(scrape) = scrapes.recv() => { let _ = scrape.send(daemon.scrape()); }
-            _ = tick.tick() => daemon.on_tick(Instant::now()),
+            _ = tick.tick() => {
+                daemon.on_tick(Instant::now());
+                if watchdog.is_some() {
+                    let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+                }
+            }
             Some((request, reply)) = calls.recv() => match request {
                 Request::Shutdown => break Exit::Requested(reply),
                 Request::CloseConnections { server, service } => daemon.close_connections(server, service.as_deref(), reply),

@@ -18,6 +18,7 @@ fn example_config_is_valid() {
     let config = Config::load(&deploy("config.toml")).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(config.services[0].name, "apiserver");
     assert!(config.daemon.metrics.is_some());
+    assert!(config.services.iter().all(|s| !s.health.insecure_skip_verify), "the shipped example must verify certificates");
 }
 
 #[test]
@@ -29,9 +30,11 @@ fn systemd_unit_is_type_notify_and_keeps_what_bpf_needs() {
     assert!(get("ExecStart").unwrap().ends_with("lb run --config /etc/lb/config.toml"));
     assert_eq!(get("ExecReload"), Some("/bin/kill -HUP $MAINPID"));
     let caps = get("CapabilityBoundingSet").unwrap();
-    for cap in ["CAP_BPF", "CAP_NET_ADMIN", "CAP_PERFMON", "CAP_SYS_ADMIN"] {
+    for cap in ["CAP_BPF", "CAP_NET_ADMIN", "CAP_PERFMON"] {
         assert!(caps.contains(cap), "{cap} missing from CapabilityBoundingSet");
     }
+    assert!(!caps.contains("CAP_SYS_ADMIN"), "bpffs is mounted by ExecStartPre=+, the daemon needs no CAP_SYS_ADMIN");
+    assert!(get("WatchdogSec").is_some(), "the daemon pings the watchdog from its owner loop");
     assert_eq!(get("ReadWritePaths"), Some("/sys/fs/bpf"), "pins must stay writable under ProtectSystem=strict");
     assert!(get("RestrictAddressFamilies").unwrap().contains("AF_NETLINK"), "SOCK_DESTROY needs netlink");
 }
@@ -47,7 +50,8 @@ fn daemonset_runs_on_the_host_network_with_only_the_capabilities_it_needs() {
     assert_eq!(security["privileged"], false);
     assert_eq!(security["capabilities"]["drop"][0], "ALL");
     let added: Vec<&str> = security["capabilities"]["add"].as_sequence().unwrap().iter().filter_map(|c| c.as_str()).collect();
-    assert_eq!(added, ["BPF", "PERFMON", "NET_ADMIN", "SYS_ADMIN"]);
+    assert_eq!(added, ["BPF", "PERFMON", "NET_ADMIN"]);
+    assert_eq!(security["seccompProfile"]["type"], "RuntimeDefault");
     let mounts: Vec<&str> = container["volumeMounts"].as_sequence().unwrap().iter().filter_map(|m| m["mountPath"].as_str()).collect();
     for path in ["/sys/fs/bpf", "/sys/fs/cgroup", "/etc/lb"] {
         assert!(mounts.contains(&path), "{path} is not mounted");
