@@ -1,7 +1,14 @@
 //! Harness for lb's privileged integration tests: throwaway cgroups, loopback
 //! backends that say who they are, a client that runs inside the cgroup, and
-//! a daemon under test. Everything cleans up on drop, also when a test fails
-//! or panics.
+//! a daemon under test, and [`ServiceBuilder`] for the services of its
+//! config. Everything cleans up on drop, also when a test fails or panics.
+//!
+//! Leaks fail the test. Each guard ([`TestCgroup`], [`Client`], [`Daemon`],
+//! the bpffs mount, [`in_new_netns`]) first does all the cleanup it can, then
+//! checks that nothing is left (a cgroup, pins, a process, a process in the
+//! namespace) and, if something is, panics with what and where; when the
+//! test is already failing it prints the leak instead (a second panic
+//! would abort the process and hide the first).
 //!
 //! Addresses: every test owns `127.77.<id>.0/24` (VIPs and backends), or
 //! lives in a network namespace it created. Nothing leaves loopback.
@@ -9,9 +16,15 @@
 use std::{
     collections::HashMap,
     ffi::CString,
+    fmt,
+    fs::File,
     io::{BufRead as _, BufReader, Write as _},
     net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
-    os::unix::{ffi::OsStringExt as _, process::CommandExt as _},
+    os::unix::{
+        ffi::{OsStrExt as _, OsStringExt as _},
+        fs::MetadataExt as _,
+        process::CommandExt as _,
+    },
     path::{Path, PathBuf},
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
     sync::{
@@ -21,6 +34,9 @@ use std::{
     thread::{self, JoinHandle},
     time::{Duration, Instant},
 };
+
+pub mod fake_apiserver;
+pub mod fake_dns;
 
 /// Whether privileged tests can run here. Without root they are skipped with
 /// a printed reason, except under `CI=true`, where that is a failure.
@@ -34,6 +50,24 @@ pub fn privileged() -> bool {
     }
     eprintln!("SKIPPED: this test needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN); run `cargo xtask test` as root");
     false
+}
+
+/// Reports what a guard found left behind *after* it did all the cleanup it
+/// could: a panic that fails the test, naming the leak; or, if the thread is
+/// already panicking (the test failed, the guard runs while unwinding), a
+/// printed line, since a panic during a panic aborts the whole test binary
+/// and hides the test's own failure.
+#[track_caller]
+fn leaked(guard: &str, problems: &[String]) {
+    if problems.is_empty() {
+        return;
+    }
+    let what = problems.join("; ");
+    if thread::panicking() {
+        eprintln!("LEAK ({guard}, while the test was already failing): {what}");
+    } else {
+        panic!("LEAK ({guard}): {what}");
+    }
 }
 
 /// The `lb` binary under test: `$LB_BIN`, or the workspace's debug build.
@@ -118,15 +152,29 @@ fn kill_members(path: &Path) {
 }
 
 impl Drop for TestCgroup {
+    /// Kills every member and removes the directory; a cgroup that is still
+    /// there after a second is a leak.
     fn drop(&mut self) {
         kill_members(&self.path);
+        let mut error = None;
         for _ in 0..50 {
-            if std::fs::remove_dir(&self.path).is_ok() || !self.path.exists() {
-                return;
+            match std::fs::remove_dir(&self.path) {
+                Ok(()) => return,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+                Err(e) => error = Some(e),
             }
             thread::sleep(Duration::from_millis(20));
         }
-        eprintln!("warning: could not remove cgroup {}", self.path.display());
+        let members = std::fs::read_to_string(self.path.join("cgroup.procs")).unwrap_or_default();
+        let members: Vec<&str> = members.split_whitespace().collect();
+        leaked(
+            "TestCgroup",
+            &[format!(
+                "cgroup {} could not be removed ({}); processes still in it: {members:?}",
+                self.path.display(),
+                error.map_or_else(|| "no error".to_owned(), |e| e.to_string())
+            )],
+        );
     }
 }
 
@@ -354,14 +402,19 @@ impl Client {
 }
 
 impl Drop for Client {
+    /// Kills and reaps the client; one that cannot be reaped is a leak.
     fn drop(&mut self) {
         let _ = self.child.kill();
-        let _ = self.child.wait();
+        if let Err(e) = self.child.wait() {
+            leaked("Client", &[format!("lb-test-client (pid {}) could not be reaped: {e}", self.child.id())]);
+        }
     }
 }
 
 /// The daemon under test, with its own config, pins and control socket.
-/// On drop it is killed and `lb detach` removes everything it attached.
+/// On drop it is killed and `lb detach` removes everything it attached;
+/// an `lb` process still running with its config, or a pin left under its
+/// `bpffs` directory, is then a leak (the test fails).
 pub struct Daemon {
     pub dir: PathBuf,
     pub config: PathBuf,
@@ -369,6 +422,8 @@ pub struct Daemon {
     /// Extra lines for the `[daemon]` section.
     daemon_settings: String,
     child: Option<Child>,
+    /// Dropped after `Daemon::drop` has removed the pins.
+    _bpffs_mount: BpffsMount,
 }
 
 impl Daemon {
@@ -380,13 +435,15 @@ impl Daemon {
 
     /// As `start`, with extra lines for the `[daemon]` section.
     pub fn start_with(name: &str, cgroup: &TestCgroup, daemon_settings: &str, services_toml: &str) -> Self {
+        // First: if this panics, nothing else has been made yet.
+        let _bpffs_mount = BpffsMount::acquire();
         let tag = format!("lb-test-{}-{name}", std::process::id());
         let dir = std::env::temp_dir().join(&tag);
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let bpffs = PathBuf::from("/sys/fs/bpf").join(&tag);
+        let bpffs = Path::new(BPFFS_ROOT).join(&tag);
         let config = dir.join("config.toml");
-        let mut daemon = Self { dir, config, bpffs, daemon_settings: daemon_settings.to_owned(), child: None };
+        let mut daemon = Self { dir, config, bpffs, daemon_settings: daemon_settings.to_owned(), child: None, _bpffs_mount };
         daemon.write_config(cgroup, services_toml);
         daemon.restart();
         daemon
@@ -489,7 +546,11 @@ impl Daemon {
 
     /// Whether this kernel has the optional feature `name` (as
     /// `lb status` reports it). Without it, says the test is skipped and why;
-    /// with `LB_TEST_REQUIRE_FEATURES=1` (the host run in CI) that is a failure.
+    /// with `LB_TEST_REQUIRE_FEATURES=1` (`cargo xtask test` sets it for the
+    /// host kernel, also in CI) that is a failure. `CI=true` alone does not
+    /// forbid the skip: the VM runs set it on older kernels where a missing
+    /// optional feature is expected, and `cargo xtask vmtest` lists every
+    /// such skip with its reason, so it is never a silent pass.
     pub fn has_feature(&self, name: &str) -> bool {
         if self.status()["datapath"]["features"][name] == true {
             return true;
@@ -512,14 +573,375 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        self.kill();
+        let mut problems = Vec::new();
+        if let Some(mut child) = self.child.take() {
+            let pid = child.id();
+            let _ = child.kill();
+            if let Err(e) = child.wait() {
+                problems.push(format!("lb run (pid {pid}) could not be reaped: {e}"));
+            }
+        }
         // `lb detach` reads only the paths from the config, so a test that
         // left a broken config behind still cleans up.
-        if let Err(e) = self.try_lb(&["detach"]) {
-            eprintln!("warning: lb detach failed: {e}");
+        let mut detach = self.try_lb(&["detach"]);
+        let stray = processes_with_arg(&self.config);
+        if !stray.is_empty() {
+            for (pid, _) in &stray {
+                // SAFETY: sending a signal has no memory-safety preconditions.
+                unsafe { libc::kill(*pid, libc::SIGKILL) };
+            }
+            problems.push(format!("lb processes still running with {} (killed): {stray:?}", self.config.display()));
+            // A daemon that outlived the first detach may have pinned again.
+            thread::sleep(Duration::from_millis(100));
+            detach = self.try_lb(&["detach"]);
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if self.bpffs.exists() {
+            let pins = files_under(&self.bpffs);
+            let removed = match std::fs::remove_dir_all(&self.bpffs) {
+                Ok(()) => "removed them".to_owned(),
+                Err(e) => format!("removing them failed: {e}"),
+            };
+            let detach = match &detach {
+                Ok(out) => out.trim().to_owned(),
+                Err(e) => format!("failed: {}", e.trim()),
+            };
+            problems.push(format!("pins left under {} after `lb detach` ({detach}): {pins:?}; {removed}", self.bpffs.display()));
+        }
+        if let Err(e) = std::fs::remove_dir_all(&self.dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            problems.push(format!("could not remove {}: {e}", self.dir.display()));
+        }
+        leaked("Daemon", &problems);
     }
+}
+
+/// Other processes that have `arg` as one of their arguments, with their
+/// names.
+fn processes_with_arg(arg: &Path) -> Vec<(i32, String)> {
+    let me = std::process::id() as i32;
+    let Ok(proc) = std::fs::read_dir("/proc") else { return Vec::new() };
+    proc.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| *pid != me)
+        .filter_map(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            cmdline.split(|b| *b == 0).any(|a| a == arg.as_os_str().as_bytes()).then(|| (pid, comm(pid)))
+        })
+        .collect()
+}
+
+fn comm(pid: i32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm")).map_or_else(|_| "?".to_owned(), |c| c.trim().to_owned())
+}
+
+/// Every file below `dir` (pins, on bpffs), relative to it.
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(next) = todo.pop() {
+        for entry in std::fs::read_dir(&next).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                todo.push(path);
+            } else {
+                files.push(path.strip_prefix(dir).unwrap_or(&path).to_path_buf());
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// Where the daemons under test pin, each in its own directory.
+const BPFFS_ROOT: &str = "/sys/fs/bpf";
+
+/// This test process's use of the bpffs at `/sys/fs/bpf`, held by each
+/// [`Daemon`]. If nothing is mounted there when a daemon is about to start,
+/// the harness mounts it itself (not left to the daemon's own fallback:
+/// two daemons starting at once could stack two mounts), and unmounts it
+/// when the last daemon of this process is gone, so a test run leaves the
+/// host's mounts as it found them. A bpffs that was already mounted is
+/// never touched.
+///
+/// It stays mounted, with a printed note, if it then holds anything this
+/// process did not create (say, a second test run that started while the
+/// mount was there): unmounting would drop that run's pins and detach its
+/// programs. Pins this process left there are removed and are a leak.
+struct BpffsMount(());
+
+struct BpffsUsers {
+    users: usize,
+    /// Set while the mount is this process's: what a fresh mount holds by
+    /// itself (`maps.debug`, `progs.debug` with `CONFIG_BPF_PRELOAD`).
+    mounted_here: Option<Vec<PathBuf>>,
+}
+
+static BPFFS_USERS: Mutex<BpffsUsers> = Mutex::new(BpffsUsers { users: 0, mounted_here: None });
+
+fn entries(dir: &Path) -> Vec<PathBuf> {
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir).into_iter().flatten().flatten().map(|e| e.path()).collect();
+    entries.sort();
+    entries
+}
+
+impl BpffsMount {
+    fn acquire() -> Self {
+        let mut state = BPFFS_USERS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let root = Path::new(BPFFS_ROOT);
+        if state.users == 0 && !is_bpffs(root) {
+            let target = CString::new(BPFFS_ROOT).unwrap();
+            // SAFETY: valid NUL-terminated strings; no data.
+            let rc = unsafe { libc::mount(c"bpf".as_ptr(), target.as_ptr(), c"bpf".as_ptr(), 0, std::ptr::null()) };
+            assert_eq!(rc, 0, "mounting bpffs at {BPFFS_ROOT}: {}", std::io::Error::last_os_error());
+            eprintln!("(mounted bpffs at {BPFFS_ROOT}; unmounted again after the last daemon of this test process)");
+            state.mounted_here = Some(entries(root));
+        }
+        state.users += 1;
+        Self(())
+    }
+}
+
+impl Drop for BpffsMount {
+    fn drop(&mut self) {
+        let mut state = BPFFS_USERS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.users -= 1;
+        if state.users > 0 {
+            return;
+        }
+        let Some(fresh) = state.mounted_here.take() else { return };
+        let root = Path::new(BPFFS_ROOT);
+        let ours = format!("lb-test-{}-", std::process::id());
+        let (mine, theirs): (Vec<PathBuf>, Vec<PathBuf>) = entries(root)
+            .into_iter()
+            .filter(|p| !fresh.contains(p))
+            .partition(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&ours)));
+        let mut problems = Vec::new();
+        for dir in &mine {
+            let pins = files_under(dir);
+            let removed = std::fs::remove_dir_all(dir).map_or_else(|e| format!("removing it failed: {e}"), |()| "removed it".to_owned());
+            problems.push(format!("{} left on bpffs after every daemon was gone: {pins:?}; {removed}", dir.display()));
+        }
+        if theirs.is_empty() {
+            let target = CString::new(BPFFS_ROOT).unwrap();
+            // SAFETY: a valid NUL-terminated path. No MNT_DETACH: if it is
+            // busy, that is reported, not hidden.
+            if unsafe { libc::umount2(target.as_ptr(), 0) } != 0 {
+                problems.push(format!("unmounting the bpffs this test process mounted at {BPFFS_ROOT}: {}", std::io::Error::last_os_error()));
+            }
+        } else {
+            eprintln!("note: leaving the bpffs this test process mounted at {BPFFS_ROOT} in place: it now holds {theirs:?}, not created here");
+        }
+        leaked("bpffs mount", &problems);
+    }
+}
+
+fn is_bpffs(path: &Path) -> bool {
+    let Ok(c_path) = CString::new(path.as_os_str().as_bytes()) else { return false };
+    // SAFETY: statfs fills the zeroed struct we pass.
+    let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid path and out-pointer.
+    (unsafe { libc::statfs(c_path.as_ptr(), &mut stat) }) == 0 && stat.f_type == libc::BPF_FS_MAGIC
+}
+
+/// How the daemon judges a service's servers, besides the kernel's reports
+/// of connects through the VIP (which every check also gets).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Check {
+    /// `check = "none"`: no probes; only the kernel's reports.
+    None,
+    /// `check = "tcp"`: connect and close, every `interval`.
+    Tcp { interval: Duration },
+    /// `check = "http"`: `GET path` every `interval`; a [`Backend`] answers
+    /// with the status set by [`Backend::set_health`].
+    Http { path: &'static str, interval: Duration },
+}
+
+/// A service's `policy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    Failover,
+    Spread,
+}
+
+/// One `[[service]]` of a test's config, rendered as TOML by
+/// [`toml`](Self::toml) (or `Display`). Settings that are not set are left
+/// out, so the daemon's own defaults apply, except for the health check:
+///
+/// **The default health setting is [`ServiceBuilder::DEFAULT_CHECK`],
+/// `Check::None`**: the daemon sends no probes and judges servers by the
+/// kernel's connect reports alone. A test then sees only what it caused
+/// (the kernel's own choices, no check flipping a state behind its back,
+/// no timing to wait for), and a test about health checks says which
+/// check it runs and how often. (The daemon's own default, `tcp` every 2
+/// s, would make every test slow and timing-dependent.)
+///
+/// ```
+/// # use lb_tests::{Check, ServiceBuilder};
+/// # use std::time::Duration;
+/// let vip = "127.77.1.100:6444".parse().unwrap();
+/// let toml = ServiceBuilder::new("api", vip)
+///     .servers(&["127.77.1.1:80".parse().unwrap()])
+///     .hold_down(Duration::from_secs(1))
+///     .check(Check::Http { path: "/readyz", interval: Duration::from_millis(200) })
+///     .toml();
+/// assert!(toml.contains("timeout = \"150ms\""));
+/// ```
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct ServiceBuilder {
+    name: String,
+    vip: SocketAddr,
+    servers: Vec<SocketAddr>,
+    default: Option<SocketAddr>,
+    policy: Option<Policy>,
+    hold_down: Option<Duration>,
+    check: Check,
+    timeout: Option<Duration>,
+    rise: Option<u32>,
+    fall: Option<u32>,
+    raw: Vec<String>,
+}
+
+impl ServiceBuilder {
+    /// The health check of a service that does not set one; see the type's
+    /// documentation for why.
+    pub const DEFAULT_CHECK: Check = Check::None;
+
+    /// A service `name` on `vip`, with no servers yet.
+    pub fn new(name: &str, vip: SocketAddr) -> Self {
+        Self {
+            name: name.to_owned(),
+            vip,
+            servers: Vec::new(),
+            default: None,
+            policy: None,
+            hold_down: None,
+            check: Self::DEFAULT_CHECK,
+            timeout: None,
+            rise: None,
+            fall: None,
+            raw: Vec::new(),
+        }
+    }
+
+    /// `servers`, in order.
+    pub fn servers(mut self, servers: &[SocketAddr]) -> Self {
+        self.servers = servers.to_vec();
+        self
+    }
+
+    /// `default`: the last-resort server.
+    pub fn default(mut self, server: SocketAddr) -> Self {
+        self.default = Some(server);
+        self
+    }
+
+    /// `policy`.
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policy = Some(policy);
+        self
+    }
+
+    /// `hold_down`: how long the kernel skips a server after a failed connect.
+    pub fn hold_down(mut self, hold_down: Duration) -> Self {
+        self.hold_down = Some(hold_down);
+        self
+    }
+
+    /// The health check (`[service.health] check`, `path`, `interval`).
+    pub fn check(mut self, check: Check) -> Self {
+        self.check = check;
+        self
+    }
+
+    /// `[service.health] timeout` of a probing check. Without it: 3/4 of
+    /// the interval, at least 50 ms.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// `[service.health] rise`: passes in a row to be usable again.
+    pub fn rise(mut self, rise: u32) -> Self {
+        self.rise = Some(rise);
+        self
+    }
+
+    /// `[service.health] fall`: failures (checks or kernel reports) in a
+    /// row to be failed.
+    pub fn fall(mut self, fall: u32) -> Self {
+        self.fall = Some(fall);
+        self
+    }
+
+    /// A line copied as it is into the `[[service]]` table, e.g. a
+    /// deliberately misspelt key.
+    pub fn raw(mut self, line: &str) -> Self {
+        self.raw.push(line.to_owned());
+        self
+    }
+
+    /// The `[[service]]` table, with its `[service.health]`.
+    pub fn toml(&self) -> String {
+        let Self { name, vip, servers, default, policy, hold_down, check, timeout, rise, fall, raw } = self;
+        let servers: Vec<String> = servers.iter().map(|s| format!("\"{s}\"")).collect();
+        let mut t = format!("[[service]]\nname = \"{name}\"\nvip = \"{vip}\"\nservers = [{}]\n", servers.join(", "));
+        if let Some(default) = default {
+            t += &format!("default = \"{default}\"\n");
+        }
+        if let Some(policy) = policy {
+            t += &format!("policy = \"{}\"\n", match policy {
+                Policy::Failover => "failover",
+                Policy::Spread => "spread",
+            });
+        }
+        if let Some(hold_down) = hold_down {
+            t += &format!("hold_down = \"{}\"\n", toml_duration(*hold_down));
+        }
+        for line in raw {
+            t += line;
+            t += "\n";
+        }
+        t += "[service.health]\n";
+        let interval = match check {
+            Check::None => {
+                assert!(timeout.is_none(), "service {name}: a timeout needs a check that probes, not Check::None");
+                t += "check = \"none\"\n";
+                None
+            }
+            Check::Tcp { interval } => {
+                t += "check = \"tcp\"\n";
+                Some(*interval)
+            }
+            Check::Http { path, interval } => {
+                t += &format!("check = \"http\"\npath = \"{path}\"\n");
+                Some(*interval)
+            }
+        };
+        if let Some(interval) = interval {
+            let timeout = timeout.unwrap_or_else(|| (interval * 3 / 4).max(Duration::from_millis(50)));
+            t += &format!("interval = \"{}\"\ntimeout = \"{}\"\n", toml_duration(interval), toml_duration(timeout));
+        }
+        if let Some(rise) = rise {
+            t += &format!("rise = {rise}\n");
+        }
+        if let Some(fall) = fall {
+            t += &format!("fall = {fall}\n");
+        }
+        t
+    }
+}
+
+impl fmt::Display for ServiceBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.toml())
+    }
+}
+
+/// `"5s"` or `"150ms"`: whole milliseconds only.
+fn toml_duration(d: Duration) -> String {
+    assert_eq!(d.subsec_nanos() % 1_000_000, 0, "{d:?}: test configs use whole milliseconds");
+    if d.subsec_millis() == 0 { format!("{}s", d.as_secs()) } else { format!("{}ms", d.as_millis()) }
 }
 
 /// Polls `check` every 20 ms until it holds or `timeout` passes.
@@ -562,16 +984,78 @@ pub fn tally<'a>(answers: impl IntoIterator<Item = &'a Connect>) -> HashMap<Stri
 
 /// Runs `body` on a thread in a new network namespace with loopback up.
 /// Every process the body starts lives in that namespace; the namespace
-/// disappears when the body's processes and the thread are gone.
+/// disappears when the body's processes and the thread are gone. A process
+/// or thread still in it once the body is done is a leak (see [`NetnsGuard`]).
 pub fn in_new_netns<T: Send + 'static>(body: impl FnOnce() -> T + Send + 'static) -> T {
-    thread::spawn(move || {
+    let (ns_tx, ns_rx) = std::sync::mpsc::channel();
+    let result = thread::spawn(move || {
         // SAFETY: unshare(CLONE_NEWNET) affects only this thread.
         assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0, "unshare(CLONE_NEWNET): {}", std::io::Error::last_os_error());
+        let ns = File::open("/proc/thread-self/ns/net").expect("opening /proc/thread-self/ns/net");
+        let _ = ns_tx.send(NetnsGuard { ns });
         set_loopback_up();
         body()
     })
-    .join()
-    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    .join();
+    // Declared before the body's panic is resumed, so it checks on that
+    // path too (and then only prints).
+    let _guard = ns_rx.try_recv().ok();
+    result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+}
+
+/// The network namespace of an [`in_new_netns`] body, after the body is
+/// done. On drop it waits up to 5 s for every task to leave it (a
+/// backend's connection thread may take a moment), then kills any process
+/// still in it (by construction one the test started) and reports the
+/// leak. The open namespace file keeps the namespace's inode from being
+/// reused by another namespace while it looks.
+///
+/// Not checked: sockets still open in it, which also keep a namespace
+/// alive; they belong to this process and go with its other guards.
+pub struct NetnsGuard {
+    ns: File,
+}
+
+impl Drop for NetnsGuard {
+    fn drop(&mut self) {
+        let Ok(meta) = self.ns.metadata() else { return };
+        let id = (meta.dev(), meta.ino());
+        let mut left = Vec::new();
+        if wait_until(Duration::from_secs(5), || {
+            left = tasks_in_netns(id);
+            left.is_empty()
+        }) {
+            return;
+        }
+        let me = std::process::id() as i32;
+        let mut described = Vec::new();
+        for (pid, tid, name) in &left {
+            if *pid == me {
+                described.push(format!("thread {tid} ({name}) of this test process"));
+            } else {
+                // SAFETY: sending a signal has no memory-safety preconditions.
+                unsafe { libc::kill(*pid, libc::SIGKILL) };
+                described.push(format!("pid {pid} ({name}), killed"));
+            }
+        }
+        described.dedup();
+        leaked("in_new_netns", &[format!("the test's network namespace net:[{}] still has tasks in it: {}", id.1, described.join(", "))]);
+    }
+}
+
+/// Every task (pid, tid, name) whose network namespace is the nsfs inode `id`.
+fn tasks_in_netns(id: (u64, u64)) -> Vec<(i32, i32, String)> {
+    let mut tasks = Vec::new();
+    for pid in std::fs::read_dir("/proc").into_iter().flatten().flatten().filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok()) {
+        for tid in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten().filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok()) {
+            // metadata() follows the `net:[inode]` link to the namespace's nsfs inode.
+            if std::fs::metadata(format!("/proc/{pid}/task/{tid}/ns/net")).is_ok_and(|m| (m.dev(), m.ino()) == id) {
+                let name = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).unwrap_or_default();
+                tasks.push((pid, tid, name.trim().to_owned()));
+            }
+        }
+    }
+    tasks
 }
 
 fn set_loopback_up() {

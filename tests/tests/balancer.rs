@@ -7,23 +7,20 @@ use std::{
     time::{Duration, Instant},
 };
 
-use lb_tests::{Backend, Client, Connect, Daemon, TestCgroup, addr, monotonic_ns, privileged, wait_until};
+use lb_tests::{Backend, Check, Client, Connect, Daemon, ServiceBuilder, TestCgroup, addr, monotonic_ns, privileged, wait_until};
 
 fn client(cgroup: &TestCgroup) -> Client {
     Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(cgroup))
 }
 
-/// A service checked over HTTP (`GET /readyz`) every `interval_ms`.
-fn service(vip: SocketAddr, servers: &[SocketAddr], default: Option<SocketAddr>, interval_ms: u64) -> String {
-    let servers: Vec<String> = servers.iter().map(|s| format!("\"{s}\"")).collect();
-    let default = default.map(|d| format!("default = \"{d}\"\n")).unwrap_or_default();
-    format!(
-        "[[service]]\nname = \"api\"\nvip = \"{vip}\"\nservers = [{}]\n{default}hold_down = \"1s\"\n\
-         [service.health]\ncheck = \"http\"\npath = \"/readyz\"\ninterval = \"{interval_ms}ms\"\ntimeout = \"{}ms\"\n",
-        servers.join(", "),
-        (interval_ms * 3 / 4).max(50)
-    )
+/// The readiness check the k3s issues are about: `GET /readyz` every
+/// `interval_ms` (timeout: the builder's 3/4 of it, at least 50 ms).
+fn readyz(interval_ms: u64) -> Check {
+    Check::Http { path: "/readyz", interval: Duration::from_millis(interval_ms) }
 }
+
+/// How long the kernel skips a server after a failed connect, in these tests.
+const HOLD_DOWN: Duration = Duration::from_secs(1);
 
 fn server_field(daemon: &Daemon, server: SocketAddr, field: &str) -> serde_json::Value {
     let status = daemon.status();
@@ -92,7 +89,8 @@ fn k3s_rework_sequence() {
     let s2 = Backend::start("s2", addr(20, 3, 0));
     let s3 = Backend::start("s3", addr(20, 4, 0));
     let vip = addr(20, 100, 6444);
-    let daemon = Daemon::start("k3sseq", &cgroup, &service(vip, &[], Some(default.addr), 200));
+    let config = ServiceBuilder::new("api", vip).servers(&[]).default(default.addr).hold_down(HOLD_DOWN).check(readyz(200)).toml();
+    let daemon = Daemon::start("k3sseq", &cgroup, &config);
     if !daemon.has_feature("sock_destroy") {
         return;
     }
@@ -150,7 +148,8 @@ fn k3s_10240_all_checks_failing_still_connects() {
     s1.set_health(500);
     s2.set_health(503);
     let vip = addr(21, 100, 6444);
-    let daemon = Daemon::start("k10240", &cgroup, &service(vip, &[s1.addr, s2.addr], None, 200));
+    let config = ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).check(readyz(200)).toml();
+    let daemon = Daemon::start("k10240", &cgroup, &config);
     wait_state(&daemon, s1.addr, "failed");
     wait_state(&daemon, s2.addr, "failed");
     let mut inside = client(&cgroup);
@@ -172,7 +171,8 @@ fn k3s_9882_removed_server_loses_everything() {
     let s1 = Backend::start("s1", addr(22, 1, 0));
     let s2 = Backend::start("s2", addr(22, 2, 0));
     let vip = addr(22, 100, 6444);
-    let daemon = Daemon::start("k9882", &cgroup, &service(vip, &[s1.addr, s2.addr], None, 200));
+    let config = ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).check(readyz(200)).toml();
+    let daemon = Daemon::start("k9882", &cgroup, &config);
     if !daemon.has_feature("sock_destroy") {
         return;
     }
@@ -205,7 +205,8 @@ fn k3s_9910_readyz_failure_moves_traffic_and_connections() {
     let s1 = Backend::start("s1", addr(23, 1, 0));
     let s2 = Backend::start("s2", addr(23, 2, 0));
     let vip = addr(23, 100, 6444);
-    let daemon = Daemon::start("k9910", &cgroup, &service(vip, &[s1.addr, s2.addr], None, 200));
+    let config = ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).check(readyz(200)).toml();
+    let daemon = Daemon::start("k9910", &cgroup, &config);
     if !daemon.has_feature("sock_destroy") {
         return;
     }
@@ -235,7 +236,8 @@ fn passive_detection_moves_traffic_without_waiting_for_a_check() {
     let s1 = Backend::start("s1", addr(24, 1, 0));
     let s2 = Backend::start("s2", addr(24, 2, 0));
     let vip = addr(24, 100, 6444);
-    let daemon = Daemon::start("passive", &cgroup, &service(vip, &[s1.addr, s2.addr], None, 60_000));
+    let config = ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).check(readyz(60_000)).toml();
+    let daemon = Daemon::start("passive", &cgroup, &config);
     let (active, other) = wait_active_pair(&daemon, &s1, &s2);
     let (active_name, other_name, other_addr) = (active.name.clone(), other.name.clone(), other.addr);
     let (s1, _s2) = if active.name == "s1" { (s1, s2) } else { (s2, s1) };
@@ -259,7 +261,8 @@ fn passive_detection_moves_traffic_without_waiting_for_a_check() {
     assert_eq!(first_ok, other_name);
     wait_state(&daemon, s1_addr, "failed");
     wait_state(&daemon, other_addr, "active");
-    assert!(daemon.log().contains("a connect through the VIP failed"), "{}", daemon.log());
+    // The check that confirmed it ran at once, asked for by the kernel's report.
+    assert!(daemon.log().contains("a check confirmed the kernel's report of a failed connect"), "{}", daemon.log());
 }
 
 /// k3s 11311: after an outage of every real server, the recovery of one
@@ -274,7 +277,8 @@ fn k3s_11311_fail_back_off_the_default() {
     let s1 = Backend::start("s1", addr(25, 2, 0));
     let s2 = Backend::start("s2", addr(25, 3, 0));
     let vip = addr(25, 100, 6444);
-    let daemon = Daemon::start("k11311", &cgroup, &service(vip, &[s1.addr, s2.addr], Some(default.addr), 200));
+    let config = ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).default(default.addr).hold_down(HOLD_DOWN).check(readyz(200)).toml();
+    let daemon = Daemon::start("k11311", &cgroup, &config);
     if !daemon.has_feature("sock_destroy") {
         return;
     }
@@ -306,7 +310,8 @@ fn k3s_11349_recovers_round_after_round() {
     let mut s2 = Some(Backend::start("s2", addr(26, 2, 0)));
     let (a1, a2) = (s1.as_ref().unwrap().addr, s2.as_ref().unwrap().addr);
     let vip = addr(26, 100, 6444);
-    let daemon = Daemon::start("k11349", &cgroup, &service(vip, &[a1, a2], None, 200));
+    let config = ServiceBuilder::new("api", vip).servers(&[a1, a2]).hold_down(HOLD_DOWN).check(readyz(200)).toml();
+    let daemon = Daemon::start("k11349", &cgroup, &config);
     let mut inside = client(&cgroup);
     for round in 0..3 {
         // s1 down: traffic on s2.
@@ -344,7 +349,8 @@ fn k3s_10317_no_races_under_concurrent_connects_and_list_changes() {
     let backends: Vec<Backend> = (1..=4).map(|i| Backend::start(&format!("s{i}"), addr(27, i, 0))).collect();
     let vip = addr(27, 100, 6444);
     let all: Vec<SocketAddr> = backends.iter().map(|b| b.addr).collect();
-    let mut daemon = Daemon::start("k10317", &cgroup, &service(vip, &all[..2], None, 100));
+    let config = ServiceBuilder::new("api", vip).servers(&all[..2]).hold_down(HOLD_DOWN).check(readyz(100)).toml();
+    let mut daemon = Daemon::start("k10317", &cgroup, &config);
     let mut storm_client = client(&cgroup);
 
     let stop_file = daemon.dir.join("stop-storm");
@@ -411,7 +417,8 @@ fn restart_restores_the_runtime_server_list() {
     let s1 = Backend::start("s1", addr(28, 1, 0));
     let s2 = Backend::start("s2", addr(28, 2, 0));
     let vip = addr(28, 100, 6444);
-    let mut daemon = Daemon::start("statefile", &cgroup, &service(vip, &[s1.addr], None, 200));
+    let config = ServiceBuilder::new("api", vip).servers(&[s1.addr]).hold_down(HOLD_DOWN).check(readyz(200)).toml();
+    let mut daemon = Daemon::start("statefile", &cgroup, &config);
     daemon.lb(&["servers", "api", &s2.addr.to_string()]);
     wait_state(&daemon, s2.addr, "active");
     daemon.kill();
@@ -437,10 +444,7 @@ fn passive_detection_of_a_server_that_accepts_nothing() {
     let hung = full_listener(addr(29, 1, 0));
     let hung_addr = hung.addr;
     let vip = addr(29, 100, 6444);
-    let config = format!(
-        "[[service]]\nname = \"api\"\nvip = \"{vip}\"\nservers = [\"{hung_addr}\", \"{}\"]\nhold_down = \"60s\"\n[service.health]\ncheck = \"none\"\n",
-        good.addr
-    );
+    let config = ServiceBuilder::new("api", vip).servers(&[hung_addr, good.addr]).hold_down(Duration::from_secs(60)).check(Check::None).toml();
     let daemon = Daemon::start("hung", &cgroup, &config);
     let mut inside = client(&cgroup);
     // This connect meets the full queue: its SYN is dropped, retransmitted
@@ -448,7 +452,7 @@ fn passive_detection_of_a_server_that_accepts_nothing() {
     let first = inside.connect(vip);
     assert!(matches!(&first, Connect::Err(_)), "{first:?}");
     assert!(wait_until(Duration::from_secs(10), || server_field(&daemon, hung_addr, "state") == "failed"), "{}", daemon.log());
-    assert!(daemon.log().contains("a connect through the VIP timed out"), "{}", daemon.log());
+    assert!(daemon.log().contains("connects through the VIP timed out"), "{}", daemon.log());
     assert_eq!(landed(&inside.connect(vip)), "good");
     drop(hung);
 }

@@ -2,10 +2,14 @@
 //! cgroup, real loopback sockets. Each test proves where a connection
 //! landed (the greeting of the backend that accepted it) and what the
 //! application saw (getpeername). Needs root; see `lb_tests::privileged`.
+//!
+//! Every service here has the builder's default health setting, no checks
+//! (`ServiceBuilder::DEFAULT_CHECK`): servers are judged by the kernel's
+//! reports alone, so these tests see the kernel's own choices.
 
 use std::{net::SocketAddr, time::Duration};
 
-use lb_tests::{Backend, Client, Connect, Daemon, TestCgroup, addr, in_new_netns, privileged, tally, wait_until};
+use lb_tests::{Backend, Client, Connect, Daemon, Policy, ServiceBuilder, TestCgroup, addr, in_new_netns, privileged, tally, wait_until};
 
 fn client(cgroup: &TestCgroup) -> Client {
     Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(cgroup))
@@ -13,13 +17,6 @@ fn client(cgroup: &TestCgroup) -> Client {
 
 fn outside_client() -> Client {
     Client::start(env!("CARGO_BIN_EXE_lb-test-client"), None)
-}
-
-/// A service whose health is judged by the kernel's reports alone, so
-/// these datapath tests see the kernel's own choices.
-fn service(name: &str, vip: SocketAddr, servers: &[SocketAddr], extra: &str) -> String {
-    let servers: Vec<String> = servers.iter().map(|s| format!("\"{s}\"")).collect();
-    format!("[[service]]\nname = \"{name}\"\nvip = \"{vip}\"\nservers = [{}]\n{extra}\n[service.health]\ncheck = \"none\"\n", servers.join(", "))
 }
 
 #[track_caller]
@@ -42,7 +39,7 @@ fn ipv4_vip_is_rewritten_only_for_vips_and_only_inside_the_cgroup() {
     let one = Backend::start("one", addr(1, 1, 0));
     let two = Backend::start("two", addr(1, 2, 0));
     let vip = addr(1, 100, 6444);
-    let _daemon = Daemon::start("ipv4", &cgroup, &service("api", vip, &[one.addr, two.addr], ""));
+    let _daemon = Daemon::start("ipv4", &cgroup, &ServiceBuilder::new("api", vip).servers(&[one.addr, two.addr]).toml());
 
     let mut inside = client(&cgroup);
     // TCP through the VIP: lands on the first server, the app sees the VIP.
@@ -71,7 +68,7 @@ fn ipv6_vip_in_a_test_netns() {
         let two = Backend::start("two6", "[::1]:0".parse().unwrap());
         // Only routable inside this namespace, which has nothing but lo.
         let vip: SocketAddr = "[fd00:1b::100]:6444".parse().unwrap();
-        let _daemon = Daemon::start("ipv6", &cgroup, &service("api6", vip, &[one.addr, two.addr], ""));
+        let _daemon = Daemon::start("ipv6", &cgroup, &ServiceBuilder::new("api6", vip).servers(&[one.addr, two.addr]).toml());
         let mut inside = client(&cgroup);
         assert_lands(&inside.connect(vip), &one, vip);
         assert_lands(&inside.udp(vip), &one, vip);
@@ -87,7 +84,7 @@ fn changing_the_selection_moves_new_connections_and_keeps_established_ones() {
     let one = Backend::start("one", addr(3, 1, 0));
     let two = Backend::start("two", addr(3, 2, 0));
     let vip = addr(3, 100, 6444);
-    let daemon = Daemon::start("reselect", &cgroup, &service("api", vip, &[one.addr, two.addr], ""));
+    let daemon = Daemon::start("reselect", &cgroup, &ServiceBuilder::new("api", vip).servers(&[one.addr, two.addr]).toml());
     let mut inside = client(&cgroup);
     let old = inside.connect(vip);
     assert_lands(&old, &one, vip);
@@ -108,7 +105,7 @@ fn spread_mode_uses_every_selected_server() {
     let backends: Vec<Backend> = (1..=3).map(|i| Backend::start(&format!("s{i}"), addr(4, i, 0))).collect();
     let servers: Vec<SocketAddr> = backends.iter().map(|b| b.addr).collect();
     let vip = addr(4, 100, 6444);
-    let _daemon = Daemon::start("spread", &cgroup, &service("api", vip, &servers, "policy = \"spread\""));
+    let _daemon = Daemon::start("spread", &cgroup, &ServiceBuilder::new("api", vip).servers(&servers).policy(Policy::Spread).toml());
     let mut inside = client(&cgroup);
     let answers: Vec<Connect> = (0..60).map(|_| inside.connect(vip)).collect();
     let counts = tally(&answers);
@@ -129,7 +126,8 @@ fn sock_ops_counts_connections_and_reports_refused_connects() {
     // Nothing listens here: connects to it are refused.
     let dead = addr(5, 9, one.addr.port());
     let vip = addr(5, 100, 6444);
-    let daemon = Daemon::start("sockops", &cgroup, &service("api", vip, &[dead, one.addr], "hold_down = \"60s\""));
+    let config = ServiceBuilder::new("api", vip).servers(&[dead, one.addr]).hold_down(Duration::from_secs(60)).toml();
+    let daemon = Daemon::start("sockops", &cgroup, &config);
     let mut inside = client(&cgroup);
 
     // The first connect goes to the dead first server and is refused ...
@@ -165,7 +163,8 @@ fn the_kernel_fails_over_and_back_while_the_daemon_is_dead() {
     let one = Backend::start("one", addr(6, 1, 0));
     let two = Backend::start("two", addr(6, 2, 0));
     let vip = addr(6, 100, 6444);
-    let mut daemon = Daemon::start("selfheal", &cgroup, &service("api", vip, &[one.addr, two.addr], "hold_down = \"1s\""));
+    let config = ServiceBuilder::new("api", vip).servers(&[one.addr, two.addr]).hold_down(Duration::from_secs(1)).toml();
+    let mut daemon = Daemon::start("selfheal", &cgroup, &config);
     let mut inside = client(&cgroup);
     assert_lands(&inside.connect(vip), &one, vip);
 
@@ -192,7 +191,7 @@ fn sigkill_keeps_traffic_flowing_restart_adopts_and_detach_removes_everything() 
     let cgroup = TestCgroup::new("failstatic");
     let one = Backend::start("one", addr(7, 1, 0));
     let vip = addr(7, 100, 6444);
-    let mut daemon = Daemon::start("failstatic", &cgroup, &service("api", vip, &[one.addr], ""));
+    let mut daemon = Daemon::start("failstatic", &cgroup, &ServiceBuilder::new("api", vip).servers(&[one.addr]).toml());
     let mut inside = client(&cgroup);
     let before: Vec<u32> = (0..2).map(|_| inside.connect(vip)).inspect(|a| assert_lands(a, &one, vip)).map(|a| a.id()).collect();
     let status_before = daemon.status();
@@ -232,7 +231,7 @@ fn closing_a_server_resets_only_its_vip_connections() {
     let two = Backend::start("two", addr(8, 2, 0));
     let vip = addr(8, 100, 6444);
     let other_vip = addr(8, 101, 6444);
-    let config = service("api", vip, &[one.addr], "") + &service("other", other_vip, &[two.addr], "");
+    let config = ServiceBuilder::new("api", vip).servers(&[one.addr]).toml() + &ServiceBuilder::new("other", other_vip).servers(&[two.addr]).toml();
     let daemon = Daemon::start("close", &cgroup, &config);
     if !daemon.has_feature("sock_destroy") {
         return;
@@ -263,7 +262,7 @@ fn a_thousand_services_load_and_route() {
     let backends: Vec<Backend> = (1..=4).map(|i| Backend::start(&format!("b{i}"), addr(9, i, 0))).collect();
     // VIPs 127.78.<i / 250>.<i % 250 + 1>:7000, each with one backend.
     let vips: Vec<SocketAddr> = (0..1000u16).map(|i| SocketAddr::from(([127, 78, (i / 250) as u8, (i % 250 + 1) as u8], 7000))).collect();
-    let config: String = vips.iter().enumerate().map(|(i, vip)| service(&format!("svc{i}"), *vip, &[backends[i % 4].addr], "")).collect();
+    let config: String = vips.iter().enumerate().map(|(i, vip)| ServiceBuilder::new(&format!("svc{i}"), *vip).servers(&[backends[i % 4].addr]).toml()).collect();
     let daemon = Daemon::start("thousand", &cgroup, &config);
     assert_eq!(daemon.status()["services"].as_array().unwrap().len(), 1000);
     let mut inside = client(&cgroup);

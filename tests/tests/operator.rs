@@ -8,16 +8,15 @@ use std::{
     time::Duration,
 };
 
-use lb_tests::{Backend, Client, Connect, Daemon, TestCgroup, addr, privileged, wait_until};
+use lb_tests::{Backend, Check, Client, Connect, Daemon, Policy, ServiceBuilder, TestCgroup, addr, privileged, wait_until};
 
 fn client(cgroup: &TestCgroup) -> Client {
     Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(cgroup))
 }
 
-fn service(name: &str, vip: SocketAddr, servers: &[SocketAddr], extra: &str) -> String {
-    let servers: Vec<String> = servers.iter().map(|s| format!("\"{s}\"")).collect();
-    format!("[[service]]\nname = \"{name}\"\nvip = \"{vip}\"\nservers = [{}]\n{extra}\n[service.health]\ncheck = \"tcp\"\ninterval = \"200ms\"\ntimeout = \"150ms\"\n", servers.join(", "))
-}
+/// The services here are checked over TCP every 200 ms (timeout 150 ms),
+/// so states settle fast enough to assert on them and on their metrics.
+const TCP_EVERY_200MS: Check = Check::Tcp { interval: Duration::from_millis(200) };
 
 fn scrape(metrics: SocketAddr) -> String {
     let mut stream = TcpStream::connect_timeout(&metrics, Duration::from_secs(5)).expect("metrics endpoint");
@@ -44,7 +43,9 @@ fn reload_applies_only_the_difference_under_live_connections() {
     let two = Backend::start("two", addr(30, 2, 0));
     let three = Backend::start("three", addr(30, 3, 0));
     let (kept_vip, changed_vip, removed_vip, added_vip) = (addr(30, 100, 80), addr(30, 101, 80), addr(30, 102, 80), addr(30, 103, 80));
-    let before = service("kept", kept_vip, &[one.addr], "") + &service("changed", changed_vip, &[two.addr], "") + &service("removed", removed_vip, &[three.addr], "");
+    let before = ServiceBuilder::new("kept", kept_vip).servers(&[one.addr]).check(TCP_EVERY_200MS).toml()
+        + &ServiceBuilder::new("changed", changed_vip).servers(&[two.addr]).check(TCP_EVERY_200MS).toml()
+        + &ServiceBuilder::new("removed", removed_vip).servers(&[three.addr]).check(TCP_EVERY_200MS).toml();
     let daemon = Daemon::start("reload", &cgroup, &before);
     if !daemon.has_feature("sock_destroy") {
         return;
@@ -58,9 +59,9 @@ fn reload_applies_only_the_difference_under_live_connections() {
     assert_eq!(removed.landed(), "three");
     let kept_state_before = daemon.status()["services"][0].clone();
 
-    let after = service("kept", kept_vip, &[one.addr], "")
-        + &service("changed", changed_vip, &[two.addr, three.addr], "policy = \"spread\"")
-        + &service("added", added_vip, &[three.addr], "");
+    let after = ServiceBuilder::new("kept", kept_vip).servers(&[one.addr]).check(TCP_EVERY_200MS).toml()
+        + &ServiceBuilder::new("changed", changed_vip).servers(&[two.addr, three.addr]).check(TCP_EVERY_200MS).policy(Policy::Spread).toml()
+        + &ServiceBuilder::new("added", added_vip).servers(&[three.addr]).check(TCP_EVERY_200MS).toml();
     daemon.write_config(&cgroup, &after);
     assert_eq!(daemon.lb(&["reload"]).trim(), "config reloaded");
 
@@ -86,13 +87,14 @@ fn an_invalid_reload_keeps_serving_the_old_config_and_says_so() {
     let cgroup = TestCgroup::new("badreload");
     let one = Backend::start("one", addr(31, 1, 0));
     let vip = addr(31, 100, 80);
-    let daemon = Daemon::start("badreload", &cgroup, &service("api", vip, &[one.addr], ""));
+    let daemon = Daemon::start("badreload", &cgroup, &ServiceBuilder::new("api", vip).servers(&[one.addr]).check(TCP_EVERY_200MS).toml());
     let mut inside = client(&cgroup);
     let open = inside.connect(vip);
     assert_eq!(open.landed(), "one");
 
     // A typo'd key and a bad address: rejected as a whole.
-    daemon.write_config(&cgroup, &service("api", vip, &["127.77.31.2:0".parse().unwrap()], "polcy = \"spread\""));
+    let bad = ServiceBuilder::new("api", vip).servers(&["127.77.31.2:0".parse().unwrap()]).check(TCP_EVERY_200MS).raw("polcy = \"spread\"");
+    daemon.write_config(&cgroup, &bad.toml());
     let error = daemon.try_lb(&["reload"]).expect_err("an invalid reload must fail");
     assert!(error.contains("polcy"), "{error}");
     // SIGHUP takes the same path.
@@ -121,12 +123,12 @@ fn metrics_match_what_happened() {
     // A second service judged by kernel reports only, whose first server
     // is dead: the connect through it fails and is counted.
     let passive_vip = addr(32, 101, 80);
-    let passive = format!("[[service]]\nname = \"passive\"\nvip = \"{passive_vip}\"\nservers = [\"{dead}\", \"{}\"]\n[service.health]\ncheck = \"none\"\n", one.addr);
+    let passive = ServiceBuilder::new("passive", passive_vip).servers(&[dead, one.addr]).check(Check::None);
     let daemon = Daemon::start_with(
         "metrics",
         &cgroup,
         &format!("metrics = \"{metrics}\"\n"),
-        &(service("api", vip, &[dead, one.addr], "hold_down = \"60s\"") + &passive),
+        &(ServiceBuilder::new("api", vip).servers(&[dead, one.addr]).check(TCP_EVERY_200MS).hold_down(Duration::from_secs(60)).toml() + &passive.toml()),
     );
     if !daemon.has_feature("sock_destroy") {
         return;
@@ -173,7 +175,7 @@ fn sigterm_leaves_the_datapath_working_unless_detach_on_exit() {
     let cgroup = TestCgroup::new("sigterm");
     let one = Backend::start("one", addr(33, 1, 0));
     let vip = addr(33, 100, 80);
-    let mut daemon = Daemon::start("sigterm", &cgroup, &service("api", vip, &[one.addr], ""));
+    let mut daemon = Daemon::start("sigterm", &cgroup, &ServiceBuilder::new("api", vip).servers(&[one.addr]).check(TCP_EVERY_200MS).toml());
     let mut inside = client(&cgroup);
     let open = inside.connect(vip);
     assert_eq!(open.landed(), "one");
