@@ -334,9 +334,30 @@ impl Balancer {
         self.settle(step, now)
     }
 
-    /// Replaces the server list and the default. An unchanged set is a no-op.
+    /// Replaces the server list and the default. An unchanged set is a
+    /// no-op; servers that stay keep their state and readiness.
     pub fn set_servers(&mut self, list: &[SocketAddr], default: Option<SocketAddr>, now: Instant) -> Vec<Effect> {
         let mut step = Step::begin(self);
+        self.replace_servers(list, default, now, &mut step);
+        self.settle(step, now)
+    }
+
+    /// A discovered list: the servers with the readiness their source
+    /// declares for each (per endpoint address), in one step, so that the
+    /// kernel sees one new selection.
+    pub fn set_endpoints(&mut self, list: &[(SocketAddr, Readiness)], default: Option<SocketAddr>, now: Instant) -> Vec<Effect> {
+        let mut step = Step::begin(self);
+        let addrs: Vec<SocketAddr> = list.iter().map(|(addr, _)| *addr).collect();
+        self.replace_servers(&addrs, default, now, &mut step);
+        for &(addr, readiness) in list {
+            if let Some(i) = self.index(addr) {
+                self.servers[i].readiness = readiness;
+            }
+        }
+        self.settle(step, now)
+    }
+
+    fn replace_servers(&mut self, list: &[SocketAddr], default: Option<SocketAddr>, now: Instant, step: &mut Step) {
         let mut unique: Vec<SocketAddr> = Vec::with_capacity(list.len());
         for addr in list {
             if !unique.contains(addr) {
@@ -393,7 +414,6 @@ impl Balancer {
             }
         // Configured order: the list first, the standby default last.
         self.servers.sort_by_key(|s| (!s.in_list, unique.iter().position(|a| *a == s.addr)));
-        self.settle(step, now)
     }
 
     /// A health check result for `addr`.

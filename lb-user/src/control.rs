@@ -91,6 +91,26 @@ pub struct ServiceStatus {
     /// The selection in the kernel, best first.
     pub selected: Vec<SocketAddr>,
     pub servers: Vec<ServerStatus>,
+    /// Whose connects are rewritten: `host` (this network namespace) or `all`.
+    #[serde(default)]
+    pub scope: String,
+    /// The discovery source, if the service has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub discovery: Option<DiscoveryStatus>,
+}
+
+/// How a service's discovery is going.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiscoveryStatus {
+    /// `kubernetes` or `dns`.
+    pub source: String,
+    /// Seconds since the Unix epoch of the last successful sync, or `null`.
+    pub last_success: Option<u64>,
+    /// Why the last sync failed, or why its result was not applied (an
+    /// empty list keeps the last one); `null` when the last sync applied.
+    pub last_error: Option<String>,
+    /// Endpoints left out of the last list: a service holds at most 16.
+    pub truncated: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -21,7 +21,7 @@ use lb_common::{Event, EventKind};
 use tokio::{
     io::unix::AsyncFd,
     signal::unix::{SignalKind, signal},
-    sync::{Notify, mpsc, oneshot},
+    sync::{Notify, mpsc, oneshot, watch},
     task::JoinHandle,
 };
 use tracing::{debug, error, info, warn};
@@ -29,10 +29,11 @@ use tracing::{debug, error, info, warn};
 use crate::{
     balancer::{Balancer, Checks, CloseReason, Connection, Effect, Health, Readiness, State},
     config::{self, CheckKind, Config},
-    control::{self, ConfigStatus, DatapathStatus, Features, ReloadStatus, Request, Response, Status},
+    control::{self, ConfigStatus, DatapathStatus, DiscoveryStatus, Features, ReloadStatus, Request, Response, Status},
     datapath::{self, Datapath, VipEntry},
+    discovery,
     health::{Checker, Tls},
-    metrics::{self, Metrics, ResultLabels, ServiceLabels, server_labels},
+    metrics::{self, DiscoveryLabels, Metrics, ResultLabels, ServiceLabels, server_labels},
     reload::{self, Change},
     sock_destroy,
     state::{SavedList, SavedState},
@@ -78,19 +79,30 @@ struct CheckTask {
     now: Arc<Notify>,
 }
 
-/// One service: its config, its state machine and its health check tasks.
+/// The discovery task of one service and what it last said.
+struct Discovery {
+    task: JoinHandle<()>,
+    /// The service's selection, best first, for the task to reconnect
+    /// through (a watch of the apiservers goes through a usable one).
+    usable: watch::Sender<Vec<SocketAddr>>,
+    status: DiscoveryStatus,
+}
+
+/// One service: its config, its state machine, its health check tasks and
+/// its discovery task.
 struct Service {
     config: config::Service,
     /// The TLS files of its checks, read once (start or reload).
     tls: Tls,
     balancer: Balancer,
     checks: HashMap<SocketAddr, CheckTask>,
+    discovery: Option<Discovery>,
 }
 
 impl Service {
     fn new(config: config::Service, tls: Tls, servers: &[SocketAddr], default: Option<SocketAddr>, now: Instant) -> (Self, Vec<Effect>) {
         let (balancer, effects) = Balancer::new(config.policy, checks_of(&config), servers, default, now);
-        (Self { config, tls, balancer, checks: HashMap::new() }, effects)
+        (Self { config, tls, balancer, checks: HashMap::new(), discovery: None }, effects)
     }
 
     fn entry(&self) -> VipEntry {
@@ -107,6 +119,9 @@ impl Service {
 impl Drop for Service {
     fn drop(&mut self) {
         self.stop_checks();
+        if let Some(discovery) = self.discovery.take() {
+            discovery.task.abort();
+        }
     }
 }
 
@@ -126,6 +141,8 @@ struct Daemon {
     services: Vec<Service>,
     saved: SavedState,
     tx: mpsc::Sender<Message>,
+    /// Where discovery tasks send their lists.
+    discovered: mpsc::Sender<discovery::Update>,
     metrics: Metrics,
     last_reload: Option<ReloadStatus>,
     /// Netlink SOCK_DESTROY works on this kernel (probed once at start).
@@ -200,6 +217,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
         tokio::spawn(forward_kernel_logs(logger));
     }
     let (calls_tx, mut calls) = mpsc::channel(64);
+    let (discovered, mut discoveries) = mpsc::channel(64);
     tokio::spawn(control::serve(listener, calls_tx));
     let (scrape_tx, mut scrapes) = mpsc::channel(16);
     if let Some(addr) = config.daemon.metrics {
@@ -212,12 +230,15 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     }
     let metrics = Metrics::new();
     let mut daemon =
-        Daemon { config, config_path: options.config_path, cgroup, datapath, services, saved, tx, metrics, last_reload: None, sock_destroy, started_ns };
+        Daemon { config, config_path: options.config_path, cgroup, datapath, services, saved, tx, metrics, last_reload: None, sock_destroy, started_ns, discovered };
     for i in 0..daemon.services.len() {
         daemon.service_appeared(i);
     }
     if daemon.datapath.adopted {
         daemon.adopt();
+    }
+    for i in 0..daemon.services.len() {
+        daemon.start_discovery(i);
     }
     // systemd (Type=notify): ready once the datapath is attached and the
     // first selections are written. A no-op outside systemd.
@@ -256,6 +277,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
                 Request::CloseConnections { server, service } => daemon.close_connections(server, service.as_deref(), reply),
                 request => { let _ = reply.send(daemon.handle(request)); }
             },
+            Some(update) = discoveries.recv() => daemon.on_discovered(update),
             Some(message) = rx.recv() => match message {
                 Message::Kernel(event) => daemon.on_kernel_event(&event),
                 Message::Health { service, server, result, took } => daemon.on_health(&service, server, result, took),
@@ -374,6 +396,9 @@ impl Daemon {
                     }
                 }
                 Effect::WriteSelection(selection) => {
+                    if let Some(discovery) = &service.discovery {
+                        discovery.usable.send_replace(selection.servers.clone());
+                    }
                     let entry = VipEntry { vip: service.config.vip, selection, hold_down: service.config.hold_down, scope: service.config.scope };
                     match self.datapath.write(&entry) {
                         Ok(()) => {
@@ -396,6 +421,95 @@ impl Daemon {
         if changed_servers {
             self.sync_checks(i);
         }
+    }
+
+    /// Starts (or restarts) the discovery task of service `i`, if it has a
+    /// source.
+    fn start_discovery(&mut self, i: usize) {
+        let kubeconfig = self.config.daemon.kubeconfig.clone();
+        let service = &mut self.services[i];
+        if let Some(old) = service.discovery.take() {
+            old.task.abort();
+        }
+        let Some(source) = service.config.discovery.clone() else { return };
+        let name = match &source {
+            config::Discovery::Kubernetes { .. } => discovery::Source::Kubernetes,
+            config::Discovery::Dns { .. } => discovery::Source::Dns,
+        };
+        let (usable, usable_rx) = watch::channel(service.balancer.selection().servers);
+        let task = discovery::spawn(service.config.name.clone(), service.config.vip, source, kubeconfig, usable_rx, self.discovered.clone());
+        info!(service = %service.config.name, source = name.name(), "following the discovery source");
+        let status = DiscoveryStatus { source: name.name().to_owned(), ..DiscoveryStatus::default() };
+        service.discovery = Some(Discovery { task, usable, status });
+    }
+
+    /// A list from a discovery source. Applied like `lb servers` (same
+    /// checks, kept in the state file), with each endpoint's readiness;
+    /// an empty list or a failed sync keeps the last list (a source that
+    /// goes blank must never empty a VIP).
+    fn on_discovered(&mut self, update: discovery::Update) {
+        let Ok(i) = self.index(&update.service) else { return };
+        let source = update.source.name();
+        let name = update.service.clone();
+        let now_unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let result = match update.result {
+            Ok(endpoints) if endpoints.is_empty() => {
+                warn!(service = %name, source, "the discovery source lists no endpoints; keeping the last list");
+                Err(("empty", "the source listed no endpoints; keeping the last list".to_owned()))
+            }
+            Ok(endpoints) => {
+                let list: Vec<(SocketAddr, Readiness)> = endpoints.iter().map(|e| (e.addr, e.readiness)).collect();
+                self.apply_discovered(i, &list, update.truncated).map_err(|e| ("error", e))
+            }
+            Err(error) => {
+                warn!(service = %name, source, "discovery failed; keeping the last list: {error}");
+                Err(("error", error))
+            }
+        };
+        let outcome = match &result {
+            Ok(()) => "applied",
+            Err((outcome, _)) => outcome,
+        };
+        let labels = DiscoveryLabels { service: name.clone(), source: source.to_owned(), result: outcome.to_owned() };
+        self.metrics.discovery_updates.get_or_create(&labels).inc();
+        let Some(discovery) = &mut self.services[i].discovery else { return };
+        match result {
+            Ok(()) => {
+                discovery.status.last_success = Some(now_unix);
+                discovery.status.last_error = None;
+                discovery.status.truncated = update.truncated;
+                let at = i64::try_from(now_unix).unwrap_or(i64::MAX);
+                self.metrics.discovery_last_success.get_or_create(&ServiceLabels { service: name }).set(at);
+            }
+            Err((_, error)) => discovery.status.last_error = Some(error),
+        }
+    }
+
+    /// Applies a discovered, non-empty list to service `i` and keeps it in
+    /// the state file.
+    fn apply_discovered(&mut self, i: usize, list: &[(SocketAddr, Readiness)], truncated: usize) -> Result<(), String> {
+        let config = &self.services[i].config;
+        let (name, vip, default) = (config.name.clone(), config.vip, config.default);
+        let servers: Vec<SocketAddr> = list.iter().map(|(addr, _)| *addr).collect();
+        config::validate_servers(vip, &servers, default, |addr| vip_owner(&self.config.services, addr))
+            .map_err(|problems| format!("the discovered list was refused: {problems}"))?;
+        if truncated > 0 {
+            warn!(service = %name, truncated, "the source lists more endpoints than a service holds; the best 16 are used");
+        }
+        let effects = self.services[i].balancer.set_endpoints(list, default, Instant::now());
+        if !effects.is_empty() {
+            info!(service = %name, servers = ?servers, "applying the discovered list");
+        }
+        self.apply(i, effects);
+        let config = &self.services[i].config;
+        let saved = SavedList { servers, default, configured: config.servers.clone(), configured_default: config.default };
+        if self.saved.services.get(&name) != Some(&saved) {
+            self.saved.services.insert(name, saved);
+            if let Err(e) = self.saved.save(&self.config.daemon.state_dir) {
+                error!("saving the discovered list to the state directory failed: {e:#}");
+            }
+        }
+        Ok(())
     }
 
     fn on_tick(&mut self, now: Instant) {
@@ -607,7 +721,11 @@ impl Daemon {
 
     fn status(&self) -> Status {
         Status {
-            services: self.services.iter().map(|s| status::service(&s.config, &s.balancer, &self.datapath)).collect(),
+            services: self
+                .services
+                .iter()
+                .map(|s| status::service(&s.config, &s.balancer, s.discovery.as_ref().map(|d| &d.status), &self.datapath))
+                .collect(),
             config: ConfigStatus { path: self.config_path.display().to_string(), last_reload: self.last_reload.clone() },
             datapath: DatapathStatus {
                 cgroup: self.cgroup.display().to_string(),
@@ -678,6 +796,7 @@ impl Daemon {
                     let i = self.services.len() - 1;
                     self.apply(i, effects);
                     self.service_appeared(i);
+                    self.start_discovery(i);
                 }
                 Change::Update { service: wanted, what } => {
                     let i = self.index(&wanted.name)?;
@@ -700,6 +819,9 @@ impl Daemon {
                         error!(service = %wanted.name, "writing the hold-down and scope failed: {e:#}");
                     }
                     self.apply(i, effects);
+                    if what.discovery {
+                        self.start_discovery(i);
+                    }
                 }
             }
         }

@@ -21,6 +21,7 @@ pub mod config;
 pub mod control;
 pub mod daemon;
 pub mod datapath;
+pub mod discovery;
 pub mod health;
 pub mod metrics;
 pub mod reload;

@@ -64,6 +64,14 @@ pub struct ResultLabels {
     pub result: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DiscoveryLabels {
+    pub service: String,
+    pub source: String,
+    /// `applied`, `empty` (kept the last list) or `error`.
+    pub result: String,
+}
+
 /// Reasons the daemon closes connections, as `lb_connections_closed_total`
 /// labels them; every server has each series from the start, at zero.
 const CLOSE_REASONS: [&str; 4] = ["failed", "fail_back", "removed", "manual"];
@@ -83,6 +91,8 @@ pub struct Metrics {
     pub health_check_duration: HistogramFamily,
     pub datapath_decisions: Family<ReasonLabels, Counter>,
     pub config_reloads: Family<ResultLabels, Counter>,
+    pub discovery_updates: Family<DiscoveryLabels, Counter>,
+    pub discovery_last_success: Family<ServiceLabels, Gauge>,
     /// Kernel counters as last read, to turn them into counter increments.
     last_decisions: HashMap<&'static str, u64>,
 }
@@ -121,6 +131,14 @@ impl Metrics {
         registry.register("lb_datapath_decisions", "Decisions of the kernel programs, by reason", datapath_decisions.clone());
         let config_reloads = Family::default();
         registry.register("lb_config_reloads", "Config reloads, by result", config_reloads.clone());
+        let discovery_updates = Family::default();
+        registry.register("lb_discovery_updates", "Lists from discovery sources, by result", discovery_updates.clone());
+        let discovery_last_success = Family::default();
+        registry.register(
+            "lb_discovery_last_success_timestamp_seconds",
+            "When a discovery source last synced (Unix time)",
+            discovery_last_success.clone(),
+        );
         Self {
             registry,
             server_connections,
@@ -132,6 +150,8 @@ impl Metrics {
             health_check_duration,
             datapath_decisions,
             config_reloads,
+            discovery_updates,
+            discovery_last_success,
             last_decisions: HashMap::new(),
         }
     }

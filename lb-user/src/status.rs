@@ -6,7 +6,7 @@ use std::{fmt::Write as _, net::SocketAddr, time::Duration};
 use crate::{
     balancer::{Balancer, Readiness},
     config,
-    control::{ServerStatus, ServiceStatus, Status},
+    control::{DiscoveryStatus, ServerStatus, ServiceStatus, Status},
 };
 
 /// What status needs from the kernel's maps.
@@ -20,7 +20,7 @@ pub trait KernelView {
 }
 
 /// One service as `lb status` shows it.
-pub fn service(config: &config::Service, balancer: &Balancer, kernel: &impl KernelView) -> ServiceStatus {
+pub fn service(config: &config::Service, balancer: &Balancer, discovery: Option<&DiscoveryStatus>, kernel: &impl KernelView) -> ServiceStatus {
     let vip = config.vip;
     ServiceStatus {
         name: config.name.clone(),
@@ -41,6 +41,8 @@ pub fn service(config: &config::Service, balancer: &Balancer, kernel: &impl Kern
                 recently_failed: kernel.recently_failed(server.addr, config.hold_down),
             })
             .collect(),
+        scope: config.scope.to_string(),
+        discovery: discovery.cloned(),
     }
 }
 
@@ -60,7 +62,21 @@ pub fn table(status: &Status) -> String {
     }
     for s in &status.services {
         let selected: Vec<String> = s.selected.iter().map(ToString::to_string).collect();
-        let _ = writeln!(out, "{}  vip {}  policy {}  selected [{}]", s.name, s.vip, s.policy, selected.join(", "));
+        let _ = writeln!(out, "{}  vip {}  policy {}  scope {}  selected [{}]", s.name, s.vip, s.policy, s.scope, selected.join(", "));
+        if let Some(d) = &s.discovery {
+            let synced = d.last_success.map_or_else(
+                || "not synced yet".to_owned(),
+                |at| format!("last sync {}", humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_secs(at))),
+            );
+            let _ = write!(out, "  discovery {}: {synced}", d.source);
+            if d.truncated > 0 {
+                let _ = write!(out, "; {} endpoints left out (at most 16 servers)", d.truncated);
+            }
+            if let Some(error) = &d.last_error {
+                let _ = write!(out, "; LAST SYNC: {error}");
+            }
+            out.push('\n');
+        }
         let _ = writeln!(out, "  {:<42} {:<10} {:<8} {:>11}  NOTES", "SERVER", "STATE", "HEALTHY", "CONNECTIONS");
         for server in &s.servers {
             let mut notes = Vec::new();
@@ -167,7 +183,8 @@ mod tests {
         balancer.on_health(a(2), Health::Pass, now);
         let kernel = FakeKernel { connections: HashMap::from([(a(2), 7)]), failed: vec![a(1)] };
 
-        let status = service(&config, &balancer, &kernel);
+        let discovery = DiscoveryStatus { source: "dns".into(), last_success: Some(1_700_000_000), last_error: Some("SERVFAIL".into()), truncated: 0 };
+        let status = service(&config, &balancer, Some(&discovery), &kernel);
         assert_eq!(status.selected, vec![a(2), a(1)]);
         let (one, two) = (&status.servers[0], &status.servers[1]);
         assert_eq!((one.state.as_str(), one.healthy, one.recently_failed, one.connections), ("failed", Some(false), true, 0));
@@ -175,7 +192,8 @@ mod tests {
         assert_eq!((two.state.as_str(), two.healthy, two.connections, two.readiness.as_str()), ("active", Some(true), 7, "ready"));
 
         let text = table(&Status { services: vec![status], ..Status::default() });
-        assert!(text.contains("api  vip 127.0.0.100:6444  policy failover  selected [127.0.0.2:80, 127.0.0.1:80]"), "{text}");
+        assert!(text.contains("api  vip 127.0.0.100:6444  policy failover  scope host  selected [127.0.0.2:80, 127.0.0.1:80]"), "{text}");
+        assert!(text.contains("  discovery dns: last sync 2023-11-14T22:13:20Z; LAST SYNC: SERVFAIL"), "{text}");
         assert!(text.contains("connect failed recently; last check: tcp connect: refused"), "{text}");
     }
 }

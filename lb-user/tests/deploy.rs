@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use lb_user::config::Config;
+use serde::Deserialize as _;
 
 fn deploy(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy").join(path)
@@ -59,6 +60,24 @@ fn daemonset_runs_on_the_host_network_with_only_the_capabilities_it_needs() {
     let host_paths: Vec<&str> = pod["volumes"].as_sequence().unwrap().iter().filter_map(|v| v["hostPath"]["path"].as_str()).collect();
     assert!(host_paths.contains(&"/sys/fs/bpf") && host_paths.contains(&"/sys/fs/cgroup"));
     assert!(container["args"].as_sequence().unwrap().iter().any(|a| a == "run"));
+}
+
+#[test]
+fn rbac_allows_only_listing_and_watching_endpointslices() {
+    let text = std::fs::read_to_string(deploy("kubernetes/rbac.yaml")).unwrap();
+    let docs: Vec<serde_yaml::Value> =
+        serde_yaml::Deserializer::from_str(&text).map(|d| serde_yaml::Value::deserialize(d).unwrap()).collect();
+    let role = docs.iter().find(|d| d["kind"] == "ClusterRole").expect("a ClusterRole");
+    let rules = role["rules"].as_sequence().unwrap();
+    assert_eq!(rules.len(), 1);
+    assert_eq!(rules[0]["apiGroups"][0], "discovery.k8s.io");
+    assert_eq!(rules[0]["resources"].as_sequence().unwrap().len(), 1);
+    assert_eq!(rules[0]["resources"][0], "endpointslices");
+    let verbs: Vec<&str> = rules[0]["verbs"].as_sequence().unwrap().iter().filter_map(|v| v.as_str()).collect();
+    assert_eq!(verbs, ["list", "watch"]);
+    let ds = yaml("kubernetes/daemonset.yaml");
+    let account = docs.iter().find(|d| d["kind"] == "ServiceAccount").expect("a ServiceAccount");
+    assert_eq!(ds["spec"]["template"]["spec"]["serviceAccountName"], account["metadata"]["name"]);
 }
 
 #[test]
