@@ -138,7 +138,13 @@ struct Daemon {
     config_path: PathBuf,
     cgroup: PathBuf,
     datapath: Datapath,
+    /// In the config's order.
     services: Vec<Service>,
+    /// Where each service is in `services`, by name and by VIP: with
+    /// thousands of services, every lookup (a kernel report, a check
+    /// result, a request) must not walk them all.
+    by_name: HashMap<String, usize>,
+    by_vip: HashMap<SocketAddr, usize>,
     saved: SavedState,
     tx: mpsc::Sender<Message>,
     /// Where discovery tasks send their lists.
@@ -200,8 +206,9 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     let saved = SavedState::load(&config.daemon.state_dir);
     let now = Instant::now();
     let mut services = Vec::new();
+    let vips: HashMap<SocketAddr, &str> = config.services.iter().map(|s| (s.vip, s.name.as_str())).collect();
     for service in &config.services {
-        let (list, default) = saved_list(&saved, &config, service).unwrap_or_else(|| (service.servers.clone(), service.default));
+        let (list, default) = saved_list(&saved, &vips, service).unwrap_or_else(|| (service.servers.clone(), service.default));
         let tls = tls.remove(&service.name).unwrap_or_default();
         services.push(Service::new(service.clone(), tls, &list, default, now).0);
     }
@@ -230,7 +237,8 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     }
     let metrics = Metrics::new();
     let mut daemon =
-        Daemon { config, config_path: options.config_path, cgroup, datapath, services, saved, tx, metrics, last_reload: None, sock_destroy, started_ns, discovered };
+        Daemon { config, config_path: options.config_path, cgroup, datapath, services, saved, tx, metrics, last_reload: None, sock_destroy, started_ns, discovered, by_name: HashMap::new(), by_vip: HashMap::new() };
+    daemon.reindex();
     for i in 0..daemon.services.len() {
         daemon.service_appeared(i);
     }
@@ -310,9 +318,9 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
 /// against the same configured list and still passes the checks every
 /// server list must pass. A saved list that fails them is reported loudly
 /// and the config's list is used.
-fn saved_list(saved: &SavedState, config: &Config, service: &config::Service) -> Option<(Vec<SocketAddr>, Option<SocketAddr>)> {
+fn saved_list(saved: &SavedState, vips: &HashMap<SocketAddr, &str>, service: &config::Service) -> Option<(Vec<SocketAddr>, Option<SocketAddr>)> {
     let (list, default) = saved.list_for(&service.name, &service.servers, service.default)?;
-    match config::validate_servers(service.vip, &list, default, |addr| vip_owner(&config.services, addr)) {
+    match config::validate_servers(service.vip, &list, default, |addr| vips.get(&addr).map(|name| format!("service {name:?}"))) {
         Ok(()) => {
             info!(service = %service.name, servers = ?list, "using the server list set at runtime (state file)");
             Some((list, default))
@@ -324,10 +332,6 @@ fn saved_list(saved: &SavedState, config: &Config, service: &config::Service) ->
     }
 }
 
-/// Names the service whose VIP `addr` is, for server-list checks.
-fn vip_owner(services: &[config::Service], addr: SocketAddr) -> Option<String> {
-    services.iter().find(|s| s.vip == addr).map(|s| format!("service {:?}", s.name))
-}
 
 impl Daemon {
     /// Starts from what the kernel of an adopted datapath holds: a service
@@ -363,7 +367,18 @@ impl Daemon {
     }
 
     fn index(&self, name: &str) -> anyhow::Result<usize> {
-        self.services.iter().position(|s| s.config.name == name).with_context(|| format!("no service named {name:?}"))
+        self.by_name.get(name).copied().with_context(|| format!("no service named {name:?}"))
+    }
+
+    /// Rebuilds `by_name` and `by_vip` after `services` changed shape.
+    fn reindex(&mut self) {
+        self.by_name = self.services.iter().enumerate().map(|(i, s)| (s.config.name.clone(), i)).collect();
+        self.by_vip = self.services.iter().enumerate().map(|(i, s)| (s.config.vip, i)).collect();
+    }
+
+    /// Names the service whose VIP `addr` is, for server-list checks.
+    fn vip_owner(&self, addr: SocketAddr) -> Option<String> {
+        self.by_vip.get(&addr).map(|&i| format!("service {:?}", self.services[i].config.name))
     }
 
     /// Metrics and checks for service `i`, new to this daemon.
@@ -491,7 +506,7 @@ impl Daemon {
         let config = &self.services[i].config;
         let (name, vip, default) = (config.name.clone(), config.vip, config.default);
         let servers: Vec<SocketAddr> = list.iter().map(|(addr, _)| *addr).collect();
-        config::validate_servers(vip, &servers, default, |addr| vip_owner(&self.config.services, addr))
+        config::validate_servers(vip, &servers, default, |addr| self.vip_owner(addr))
             .map_err(|problems| format!("the discovered list was refused: {problems}"))?;
         if truncated > 0 {
             warn!(service = %name, truncated, "the source lists more endpoints than a service holds; the best 16 are used");
@@ -578,7 +593,7 @@ impl Daemon {
 
     /// A background closing is done: log it, count it, answer who asked.
     fn on_closed(&self, why: Closing, result: Result<Closed, String>) {
-        let service_of = |vip: SocketAddr| self.services.iter().find(|s| s.config.vip == vip).map(|s| s.config.name.clone());
+        let service_of = |vip: SocketAddr| self.by_vip.get(&vip).map(|&i| self.services[i].config.name.clone());
         let count = |service: String, server: SocketAddr, reason: &str, n: u64| {
             self.metrics.connections_closed.get_or_create(&metrics::closed_labels(&service, server, reason)).inc_by(n);
         };
@@ -669,7 +684,7 @@ impl Daemon {
             }
             Err(e) => return warn!("ignoring a kernel event: {e}"),
         };
-        let Some(i) = self.services.iter().position(|s| s.config.vip == vip) else { return };
+        let Some(&i) = self.by_vip.get(&vip) else { return };
         if connection != Connection::Established {
             self.metrics.connect_failures.get_or_create(&server_labels(&self.services[i].config.name, server)).inc();
         }
@@ -694,7 +709,7 @@ impl Daemon {
     fn set_servers(&mut self, name: &str, servers: &[SocketAddr], default: Option<SocketAddr>) -> anyhow::Result<()> {
         let i = self.index(name)?;
         let vip = self.services[i].config.vip;
-        config::validate_servers(vip, servers, default, |addr| vip_owner(&self.config.services, addr)).map_err(anyhow::Error::msg)?;
+        config::validate_servers(vip, servers, default, |addr| self.vip_owner(addr)).map_err(anyhow::Error::msg)?;
         let effects = self.services[i].balancer.set_servers(servers, default, Instant::now());
         self.apply(i, effects);
         let config = &self.services[i].config;
@@ -776,17 +791,27 @@ impl Daemon {
         let now = Instant::now();
         let running: Vec<config::Service> = self.services.iter().map(|s| s.config.clone()).collect();
         let mut removed_vips = HashSet::new();
-        for change in reload::plan(&running, &config.services) {
-            match change {
-                Change::Remove { name } => {
-                    let i = self.index(&name)?;
-                    let service = self.services.remove(i);
-                    info!(service = %name, vip = %service.config.vip, "service removed");
-                    for server in service.balancer.servers() {
-                        self.metrics.forget_server(&name, server.addr);
-                    }
-                    removed_vips.insert(service.config.vip);
+        let changes = reload::plan(&running, &config.services);
+        // Removals first, in one pass (they come first in the plan).
+        let removed: HashSet<&str> =
+            changes.iter().filter_map(|c| if let Change::Remove { name } = c { Some(name.as_str()) } else { None }).collect();
+        if !removed.is_empty() {
+            let (gone, kept): (Vec<Service>, Vec<Service>) =
+                std::mem::take(&mut self.services).into_iter().partition(|s| removed.contains(s.config.name.as_str()));
+            self.services = kept;
+            self.reindex();
+            for service in gone {
+                let name = &service.config.name;
+                info!(service = %name, vip = %service.config.vip, "service removed");
+                for server in service.balancer.servers() {
+                    self.metrics.forget_server(name, server.addr);
                 }
+                removed_vips.insert(service.config.vip);
+            }
+        }
+        for change in changes {
+            match change {
+                Change::Remove { .. } => {}
                 Change::Add(wanted) => {
                     info!(service = %wanted.name, vip = %wanted.vip, "service added");
                     let tls = tls.remove(&wanted.name).unwrap_or_default();
@@ -794,6 +819,8 @@ impl Daemon {
                     let (service, effects) = Service::new(wanted, tls, &servers, default, now);
                     self.services.push(service);
                     let i = self.services.len() - 1;
+                    self.by_name.insert(self.services[i].config.name.clone(), i);
+                    self.by_vip.insert(self.services[i].config.vip, i);
                     self.apply(i, effects);
                     self.service_appeared(i);
                     self.start_discovery(i);
@@ -826,7 +853,9 @@ impl Daemon {
             }
         }
         // The config's order, as `lb status` shows it.
-        self.services.sort_by_key(|s| config.services.iter().position(|c| c.name == s.config.name));
+        let order: HashMap<&str, usize> = config.services.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+        self.services.sort_by_key(|s| order.get(s.config.name.as_str()).copied());
+        self.reindex();
         let entries: Vec<VipEntry> = self.services.iter().map(Service::entry).collect();
         if let Err(e) = self.datapath.reconcile(&entries) {
             error!("reload: writing the datapath failed: {e:#}");
