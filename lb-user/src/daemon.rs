@@ -207,10 +207,23 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     let now = Instant::now();
     let mut services = Vec::new();
     let vips: HashMap<SocketAddr, &str> = config.services.iter().map(|s| (s.vip, s.name.as_str())).collect();
+    let mut discovered_at = HashMap::new();
     for service in &config.services {
-        let (list, default) = saved_list(&saved, &vips, service).unwrap_or_else(|| (service.servers.clone(), service.default));
+        let restored = saved_list(&saved, &vips, service);
+        let (list, default) = restored.map_or_else(|| (service.servers.clone(), service.default), |s| (s.servers.clone(), s.default));
         let tls = tls.remove(&service.name).unwrap_or_default();
-        services.push(Service::new(service.clone(), tls, &list, default, now).0);
+        let (mut new, _) = Service::new(service.clone(), tls, &list, default, now);
+        if let Some(restored) = restored {
+            // A discovered list comes back as it was: drained endpoints
+            // stay drained until the source says otherwise.
+            for &addr in &restored.drained {
+                new.balancer.set_readiness(addr, Readiness::Serving, now);
+            }
+            if let Some(at) = restored.discovered_at {
+                discovered_at.insert(service.name.clone(), at);
+            }
+        }
+        services.push(new);
     }
     let initial: Vec<VipEntry> = services.iter().map(Service::entry).collect();
 
@@ -247,6 +260,10 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     }
     for i in 0..daemon.services.len() {
         daemon.start_discovery(i);
+        let service = &mut daemon.services[i];
+        if let (Some(discovery), Some(&at)) = (&mut service.discovery, discovered_at.get(&service.config.name)) {
+            discovery.status.last_success = Some(at);
+        }
     }
     // systemd (Type=notify): ready once the datapath is attached and the
     // first selections are written. A no-op outside systemd.
@@ -318,12 +335,12 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
 /// against the same configured list and still passes the checks every
 /// server list must pass. A saved list that fails them is reported loudly
 /// and the config's list is used.
-fn saved_list(saved: &SavedState, vips: &HashMap<SocketAddr, &str>, service: &config::Service) -> Option<(Vec<SocketAddr>, Option<SocketAddr>)> {
-    let (list, default) = saved.list_for(&service.name, &service.servers, service.default)?;
-    match config::validate_servers(service.vip, &list, default, |addr| vips.get(&addr).map(|name| format!("service {name:?}"))) {
+fn saved_list<'a>(saved: &'a SavedState, vips: &HashMap<SocketAddr, &str>, service: &config::Service) -> Option<&'a SavedList> {
+    let list = saved.list_for(&service.name, &service.servers, service.default)?;
+    match config::validate_servers(service.vip, &list.servers, list.default, |addr| vips.get(&addr).map(|name| format!("service {name:?}"))) {
         Ok(()) => {
-            info!(service = %service.name, servers = ?list, "using the server list set at runtime (state file)");
-            Some((list, default))
+            info!(service = %service.name, servers = ?list.servers, "using the server list set at runtime or discovered (state file)");
+            Some(list)
         }
         Err(problems) => {
             error!(service = %service.name, "ignoring the server list in the state file, using the config's: {problems}");
@@ -517,8 +534,13 @@ impl Daemon {
         }
         self.apply(i, effects);
         let config = &self.services[i].config;
-        let saved = SavedList { servers, default, configured: config.servers.clone(), configured_default: config.default };
-        if self.saved.services.get(&name) != Some(&saved) {
+        let drained = list.iter().filter(|(_, r)| *r != Readiness::Ready).map(|(addr, _)| *addr).collect();
+        let now_unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let saved =
+            SavedList { servers, default, configured: config.servers.clone(), configured_default: config.default, drained, discovered_at: Some(now_unix) };
+        // Written when the list changes, not at every confirmation.
+        let unchanged = self.saved.services.get(&name).is_some_and(|old| SavedList { discovered_at: old.discovered_at, ..saved.clone() } == *old);
+        if !unchanged {
             self.saved.services.insert(name, saved);
             if let Err(e) = self.saved.save(&self.config.daemon.state_dir) {
                 error!("saving the discovered list to the state directory failed: {e:#}");
@@ -715,7 +737,14 @@ impl Daemon {
         let config = &self.services[i].config;
         self.saved.services.insert(
             name.to_owned(),
-            SavedList { servers: servers.to_vec(), default, configured: config.servers.clone(), configured_default: config.default },
+            SavedList {
+                servers: servers.to_vec(),
+                default,
+                configured: config.servers.clone(),
+                configured_default: config.default,
+                drained: Vec::new(),
+                discovered_at: None,
+            },
         );
         self.saved.save(&self.config.daemon.state_dir).context("saving the server list to the state directory")?;
         info!(service = name, ?servers, ?default, "server list set");

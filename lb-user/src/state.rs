@@ -32,6 +32,14 @@ pub struct SavedList {
     /// The config's list and default when this was saved.
     pub configured: Vec<SocketAddr>,
     pub configured_default: Option<SocketAddr>,
+    /// Servers a discovery source declared serving but not ready
+    /// (terminating): drained again after a restart.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drained: Vec<SocketAddr>,
+    /// For a discovered list: when it was discovered (seconds since the
+    /// Unix epoch), shown as the last successful sync after a restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub discovered_at: Option<u64>,
 }
 
 impl SavedState {
@@ -83,9 +91,9 @@ impl SavedState {
 
     /// The runtime list for a service whose config says `configured` /
     /// `configured_default`, if one was saved against that same config.
-    pub fn list_for(&self, service: &str, configured: &[SocketAddr], configured_default: Option<SocketAddr>) -> Option<(Vec<SocketAddr>, Option<SocketAddr>)> {
+    pub fn list_for(&self, service: &str, configured: &[SocketAddr], configured_default: Option<SocketAddr>) -> Option<&SavedList> {
         let saved = self.services.get(service)?;
-        (saved.configured == configured && saved.configured_default == configured_default).then(|| (saved.servers.clone(), saved.default))
+        (saved.configured == configured && saved.configured_default == configured_default).then_some(saved)
     }
 }
 
@@ -101,11 +109,19 @@ mod tests {
     fn saved_list_applies_only_to_the_config_it_was_saved_against() {
         let dir = std::env::temp_dir().join(format!("lb-state-test-{}", std::process::id()));
         let mut state = SavedState::default();
-        state.services.insert("api".into(), SavedList { servers: vec![a(3)], default: Some(a(1)), configured: vec![a(1), a(2)], configured_default: Some(a(1)) });
+        let list = SavedList {
+            servers: vec![a(3), a(4)],
+            default: Some(a(1)),
+            configured: vec![a(1), a(2)],
+            configured_default: Some(a(1)),
+            drained: vec![a(4)],
+            discovered_at: Some(1_700_000_000),
+        };
+        state.services.insert("api".into(), list.clone());
         state.save(&dir).unwrap();
         let loaded = SavedState::load(&dir);
         assert_eq!(loaded, state);
-        assert_eq!(loaded.list_for("api", &[a(1), a(2)], Some(a(1))), Some((vec![a(3)], Some(a(1)))));
+        assert_eq!(loaded.list_for("api", &[a(1), a(2)], Some(a(1))), Some(&list));
         assert_eq!(loaded.list_for("api", &[a(1)], Some(a(1))), None, "the config changed since");
         assert_eq!(loaded.list_for("other", &[a(1)], None), None);
         std::fs::write(dir.join(FILE), "{not json").unwrap();
@@ -115,10 +131,20 @@ mod tests {
     }
 
     #[test]
+    fn a_file_from_before_drained_lists_still_loads() {
+        let text = r#"{"services":{"api":{"servers":["127.0.0.3:80"],"default":null,"configured":[],"configured_default":null}}}"#;
+        let state: SavedState = serde_json::from_str(text).unwrap();
+        assert_eq!(state.services["api"].drained, Vec::<SocketAddr>::new());
+    }
+
+    #[test]
     fn save_replaces_the_file_and_leaves_no_temporary_behind() {
         let dir = std::env::temp_dir().join(format!("lb-state-save-{}", std::process::id()));
         let mut state = SavedState::default();
-        state.services.insert("api".into(), SavedList { servers: vec![a(3)], default: None, configured: vec![a(1)], configured_default: None });
+        state.services.insert(
+            "api".into(),
+            SavedList { servers: vec![a(3)], default: None, configured: vec![a(1)], configured_default: None, drained: vec![], discovered_at: None },
+        );
         state.save(&dir).unwrap();
         state.services.clear();
         state.save(&dir).unwrap();
