@@ -255,11 +255,6 @@ impl Server {
         }
     }
 
-    /// Who wins an election among servers of the same state: the default,
-    /// then the configured order (`index` in that order).
-    fn election_rank(&self, index: usize) -> (bool, std::cmp::Reverse<usize>) {
-        (self.is_default, std::cmp::Reverse(index))
-    }
 
     /// How good a choice this server is, before its exact state: the
     /// healthy class first, then recovering, then unchecked, each ready
@@ -291,13 +286,29 @@ pub struct Balancer {
     /// elected: the first election waits for better-ranked first results.
     created: Instant,
     elected_once: bool,
+    /// After adopting a running datapath: the kernel's selection stays
+    /// (no write) until every listed server has a first result, something
+    /// must be closed, or this deadline passes.
+    hold_writes_until: Option<Instant>,
+    /// After adopting: the server the kernel sent connections to first; it
+    /// wins the first election among equals (no needless move).
+    adopted_first: Option<SocketAddr>,
 }
 
 impl Balancer {
     /// A service with `servers` (and `default`), all unchecked. The effects
     /// include the first selection.
     pub fn new(policy: Policy, checks: Checks, servers: &[SocketAddr], default: Option<SocketAddr>, now: Instant) -> (Self, Vec<Effect>) {
-        let mut balancer = Self { policy, checks, servers: Vec::new(), written: None, created: now, elected_once: false };
+        let mut balancer = Self {
+            policy,
+            checks,
+            servers: Vec::new(),
+            written: None,
+            created: now,
+            elected_once: false,
+            hold_writes_until: None,
+            adopted_first: None,
+        };
         let effects = balancer.set_servers(servers, default, now);
         (balancer, effects)
     }
@@ -511,20 +522,32 @@ impl Balancer {
 
     /// Adopting a running datapath: the kernel already holds `selection`
     /// for this service (the previous daemon's, with the failures it had
-    /// learned). It stays until this balancer's own view differs from it,
-    /// instead of being overwritten at once by a fresh, all-unchecked order.
-    /// Servers in `failed_recently` (the kernel's failure marks) are
-    /// suspect: each is checked at once.
-    pub fn adopt(&mut self, selection: Selection, failed_recently: &[SocketAddr]) -> Vec<Effect> {
+    /// learned). It stays, unwritten, until every listed server has a first
+    /// result of this daemon's own (or something must be closed, or
+    /// [`FIRST_ELECTION_WAIT`] passes), instead of being overwritten at
+    /// once by a fresh, all-unchecked order that would put a server that
+    /// is down back in front. The kernel's first server wins the first
+    /// election among equals. Servers in `failed_recently` (the kernel's
+    /// failure marks) are suspect and checked at once; with
+    /// `check = "none"`, which has no check to ask, they start failed.
+    pub fn adopt(&mut self, selection: Selection, failed_recently: &[SocketAddr], now: Instant) -> Vec<Effect> {
+        self.adopted_first = selection.servers.first().copied();
         self.written = Some(selection);
-        let mut effects = Vec::new();
-        for server in &mut self.servers {
-            if failed_recently.contains(&server.addr) && !self.checks.passive_only && server.state != State::Standby {
+        self.hold_writes_until = Some(now + FIRST_ELECTION_WAIT);
+        let mut step = Step::begin(self);
+        for i in 0..self.servers.len() {
+            let server = &mut self.servers[i];
+            if !failed_recently.contains(&server.addr) || server.state == State::Standby {
+                continue;
+            }
+            if self.checks.passive_only {
+                self.fail(i, "the kernel marked it failed before this daemon started", now, &mut step);
+            } else {
                 server.suspect = true;
-                effects.push(Effect::CheckNow { server: server.addr });
+                step.effects.push(Effect::CheckNow { server: server.addr });
             }
         }
-        effects
+        self.settle(step, now)
     }
 
     /// The selection for the kernel, as it follows from the states now.
@@ -549,13 +572,21 @@ impl Balancer {
         if self.elected_once || now.saturating_duration_since(self.created) >= FIRST_ELECTION_WAIT {
             return false;
         }
-        let rank = self.servers[candidate].election_rank(candidate);
+        let rank = self.election_rank(candidate);
         self.servers.iter().enumerate().any(|(i, s)| {
             s.in_list
                 && s.readiness == Readiness::Ready
                 && matches!(s.state, State::Unchecked | State::Recovering)
-                && s.election_rank(i) > rank
+                && self.election_rank(i) > rank
         })
+    }
+
+    /// Who wins an election among servers of the same state: after an
+    /// adoption the server the kernel used first, then the default, then
+    /// the configured order.
+    fn election_rank(&self, i: usize) -> (bool, bool, std::cmp::Reverse<usize>) {
+        let server = &self.servers[i];
+        (self.adopted_first == Some(server.addr), server.is_default, std::cmp::Reverse(i))
     }
 
     fn transition(&mut self, i: usize, to: State, why: &'static str, now: Instant, effects: &mut Vec<Effect>) {
@@ -613,7 +644,7 @@ impl Balancer {
                 .iter()
                 .enumerate()
                 .filter(|(_, s)| s.in_healthy_class())
-                .max_by_key(|(i, s)| (s.state, s.election_rank(*i)))
+                .max_by_key(|(i, s)| (s.state, self.election_rank(*i)))
                 .map(|(i, _)| i);
             if let Some(i) = best
                 && !self.first_election_pending(i, now)
@@ -640,8 +671,15 @@ impl Balancer {
                 }
             }
 
+        if let Some(until) = self.hold_writes_until {
+            let informed = self.servers.iter().all(|s| !s.in_list || s.state != State::Unchecked);
+            let closing = step.effects.iter().any(|e| matches!(e, Effect::CloseConnections { .. }));
+            if informed || closing || now >= until {
+                self.hold_writes_until = None;
+            }
+        }
         let selection = self.selection();
-        if self.written.as_ref() != Some(&selection) {
+        if self.hold_writes_until.is_none() && self.written.as_ref() != Some(&selection) {
             self.written = Some(selection.clone());
             step.effects.push(Effect::WriteSelection(selection));
         }

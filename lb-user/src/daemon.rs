@@ -371,7 +371,7 @@ impl Daemon {
                 info!(service = %service.config.name, selection = ?kernel, recently_failed = ?failed, "adopted the kernel's selection");
                 entry.selection.servers = kernel;
                 entry.selection.spread = self.datapath.spread(entry.vip);
-                let effects = service.balancer.adopt(entry.selection.clone(), &failed);
+                let effects = service.balancer.adopt(entry.selection.clone(), &failed, Instant::now());
                 entries.push(entry);
                 self.apply(i, effects);
             } else {
