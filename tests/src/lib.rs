@@ -35,8 +35,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-pub mod fake_apiserver;
-pub mod fake_dns;
+pub mod load;
 
 /// Whether privileged tests can run here. Without root they are skipped with
 /// a printed reason, except under `CI=true`, where that is a failure.
@@ -421,6 +420,8 @@ pub struct Daemon {
     pub bpffs: PathBuf,
     /// Extra lines for the `[daemon]` section.
     daemon_settings: String,
+    /// Extra environment variables of `lb run`, for every (re)start.
+    env: Vec<(String, String)>,
     child: Option<Child>,
     /// Dropped after `Daemon::drop` has removed the pins.
     _bpffs_mount: BpffsMount,
@@ -435,6 +436,12 @@ impl Daemon {
 
     /// As `start`, with extra lines for the `[daemon]` section.
     pub fn start_with(name: &str, cgroup: &TestCgroup, daemon_settings: &str, services_toml: &str) -> Self {
+        Self::start_with_env(name, cgroup, daemon_settings, &[], services_toml)
+    }
+
+    /// As `start_with`, with extra environment variables for `lb run`
+    /// (e.g. `LB_DNS_SERVER`), kept for every restart.
+    pub fn start_with_env(name: &str, cgroup: &TestCgroup, daemon_settings: &str, env: &[(&str, &str)], services_toml: &str) -> Self {
         // First: if this panics, nothing else has been made yet.
         let _bpffs_mount = BpffsMount::acquire();
         let tag = format!("lb-test-{}-{name}", std::process::id());
@@ -443,7 +450,8 @@ impl Daemon {
         std::fs::create_dir_all(&dir).unwrap();
         let bpffs = Path::new(BPFFS_ROOT).join(&tag);
         let config = dir.join("config.toml");
-        let mut daemon = Self { dir, config, bpffs, daemon_settings: daemon_settings.to_owned(), child: None, _bpffs_mount };
+        let env = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        let mut daemon = Self { dir, config, bpffs, daemon_settings: daemon_settings.to_owned(), env, child: None, _bpffs_mount };
         daemon.write_config(cgroup, services_toml);
         daemon.restart();
         daemon
@@ -481,6 +489,7 @@ impl Daemon {
             .args(args)
             .env("RUST_LOG", "info,lb_user=debug")
             .env("NO_COLOR", "1")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()

@@ -13,6 +13,20 @@
 //!   close, in a loop, until STOPFILE exists (at most MILLIS ms); then each
 //!   makes one final connect, and `last_ok` counts those that worked; `latest=NAME:NS,...` is, per server, the CLOCK_MONOTONIC time
 //!   at which the latest connect that landed there *started*.
+//! - `chaos ADDR[,ADDR...] THREADS MILLIS STOPFILE OUTFILE` → `chaos
+//!   attempts=N`: as `storm` (thread i uses the i-th address, round robin),
+//!   but every attempt is written to OUTFILE as one line `ADDRINDEX START_NS
+//!   END_NS FINAL OUTCOME` (CLOCK_MONOTONIC; FINAL is 1 for the attempt
+//!   after the stop; OUTCOME is the greeting, or `!refused`, `!reset`
+//!   (reset or EOF before the greeting), `!aborted` (ECONNABORTED before
+//!   the greeting), `!other:WHAT`);
+//! - `hold ADDR COUNT THREADS` → `held ok=N failed=N names=NAME:N,...
+//!   errors=WHAT:N,...`: opens COUNT connections (raising RLIMIT_NOFILE as
+//!   needed), reads each greeting and keeps them open;
+//! - `held` → `held alive=N dead=N kinds=KIND:N,...`: the state of the held
+//!   connections (`kinds`: how each dead one was first seen dead: `eof`,
+//!   `connection_aborted`, ...);
+//! - `release` → `released`: closes the held connections.
 //!
 //! Every read has a timeout, so a test can never hang on it.
 
@@ -27,6 +41,9 @@ const TIMEOUT: Duration = Duration::from_secs(5);
 
 fn main() {
     let mut conns: HashMap<u32, TcpStream> = HashMap::new();
+    // Held connections, with how each was first seen dead (a pending
+    // error is reported once; after it a peek sees EOF).
+    let mut held: Vec<(TcpStream, Option<String>)> = Vec::new();
     let mut next_id = 0u32;
     let stdout = std::io::stdout();
     for line in std::io::stdin().lock().lines() {
@@ -58,6 +75,23 @@ fn main() {
                 let millis = words.next().and_then(|w| w.parse().ok()).unwrap_or(1000);
                 let stop_file = words.next().unwrap_or("/nonexistent").to_owned();
                 storm(addr, threads, Duration::from_millis(millis), &stop_file)
+            }
+            (Some("chaos"), Some(addrs)) => {
+                let threads = words.next().and_then(|w| w.parse().ok()).unwrap_or(1);
+                let millis = words.next().and_then(|w| w.parse().ok()).unwrap_or(1000);
+                let stop_file = words.next().unwrap_or("/nonexistent").to_owned();
+                let out = words.next().unwrap_or("/dev/null").to_owned();
+                chaos(addrs, threads, Duration::from_millis(millis), &stop_file, &out)
+            }
+            (Some("hold"), Some(addr)) => {
+                let count = words.next().and_then(|w| w.parse().ok()).unwrap_or(1);
+                let threads = words.next().and_then(|w| w.parse().ok()).unwrap_or(1);
+                hold(addr, count, threads, &mut held)
+            }
+            (Some("held"), _) => held_report(&mut held),
+            (Some("release"), _) => {
+                held.clear();
+                "released".to_owned()
             }
             (Some("exit"), _) => break,
             _ => format!("err bad command {line:?}"),
@@ -174,4 +208,160 @@ fn alive(stream: &TcpStream) -> String {
         Ok(_) => "alive".to_owned(),
         Err(e) => format!("dead {}", e.kind()),
     }
+}
+
+/// One attempt of `chaos`: connect, ask `who`, read the greeting, close.
+/// The outcome says which server answered, or how it failed.
+fn chaos_attempt(addr: SocketAddr) -> String {
+    let stream = match TcpStream::connect_timeout(&addr, TIMEOUT) {
+        Ok(stream) => stream,
+        Err(e) if e.kind() == ErrorKind::ConnectionRefused => return "!refused".to_owned(),
+        Err(e) => return format!("!other:connect:{:?}", e.kind()),
+    };
+    let failed = |step: &str, e: &std::io::Error| match e.kind() {
+        ErrorKind::ConnectionReset | ErrorKind::BrokenPipe => "!reset".to_owned(),
+        ErrorKind::ConnectionAborted => "!aborted".to_owned(),
+        kind => format!("!other:{step}:{kind:?}"),
+    };
+    if let Err(e) = stream.set_read_timeout(Some(TIMEOUT)) {
+        return failed("timeout", &e);
+    }
+    if let Err(e) = (&stream).write_all(b"who\n") {
+        return failed("send", &e);
+    }
+    let mut greeting = String::new();
+    match BufReader::new(&stream).read_line(&mut greeting) {
+        Ok(0) => "!reset".to_owned(),
+        Ok(_) => greeting.trim().to_owned(),
+        Err(e) => failed("greeting", &e),
+    }
+}
+
+fn chaos(addrs: &str, threads: usize, duration: Duration, stop_file: &str, out: &str) -> String {
+    let addrs: Vec<SocketAddr> = match addrs.split(',').map(str::parse).collect() {
+        Ok(addrs) => addrs,
+        Err(e) => return format!("err bad address: {e}"),
+    };
+    let deadline = std::time::Instant::now() + duration;
+    let workers: Vec<_> = (0..threads)
+        .map(|t| {
+            let index = t % addrs.len();
+            let addr = addrs[index];
+            let stop_file = std::path::PathBuf::from(stop_file);
+            std::thread::spawn(move || {
+                let mut attempts: Vec<(usize, u64, u64, bool, String)> = Vec::new();
+                let mut stopping = false;
+                loop {
+                    let started = monotonic_ns();
+                    let outcome = chaos_attempt(addr);
+                    attempts.push((index, started, monotonic_ns(), stopping, outcome));
+                    if stopping {
+                        break;
+                    }
+                    stopping = std::time::Instant::now() >= deadline || stop_file.exists();
+                }
+                attempts
+            })
+        })
+        .collect();
+    let mut file = match std::fs::File::create(out) {
+        Ok(file) => std::io::BufWriter::new(file),
+        Err(e) => return format!("err creating {out}: {e}"),
+    };
+    let mut total = 0;
+    for worker in workers {
+        for (index, started, ended, last, outcome) in worker.join().unwrap_or_default() {
+            total += 1;
+            let _ = writeln!(file, "{index} {started} {ended} {} {outcome}", u8::from(last));
+        }
+    }
+    if let Err(e) = file.flush() {
+        return format!("err writing {out}: {e}");
+    }
+    format!("chaos attempts={total}")
+}
+
+/// Raises the limit of open files to `want`, or as far as the hard limit
+/// allows when it cannot be raised (no CAP_SYS_RESOURCE).
+fn raise_nofile(want: u64) {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit fill or read the struct we pass.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < want {
+            let wanted = libc::rlimit { rlim_cur: want, rlim_max: limit.rlim_max.max(want) };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &wanted) != 0 {
+                limit.rlim_cur = limit.rlim_max;
+                libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+            }
+        }
+    }
+}
+
+fn hold(addr: &str, count: usize, threads: usize, held: &mut Vec<(TcpStream, Option<String>)>) -> String {
+    raise_nofile((held.len() + count) as u64 + 1024);
+    let threads = threads.clamp(1, count.max(1));
+    let workers: Vec<_> = (0..threads)
+        .map(|t| {
+            let addr = addr.to_owned();
+            let n = count / threads + usize::from(t < count % threads);
+            std::thread::spawn(move || {
+                let mut streams = Vec::with_capacity(n);
+                let mut names: HashMap<String, usize> = HashMap::new();
+                let mut errors: HashMap<String, usize> = HashMap::new();
+                for _ in 0..n {
+                    match connect(&addr) {
+                        Ok((stream, _, name)) => {
+                            *names.entry(name).or_default() += 1;
+                            streams.push(stream);
+                        }
+                        Err(e) => *errors.entry(e).or_default() += 1,
+                    }
+                }
+                (streams, names, errors)
+            })
+        })
+        .collect();
+    let mut names: HashMap<String, usize> = HashMap::new();
+    let mut errors: HashMap<String, usize> = HashMap::new();
+    let mut ok = 0;
+    for worker in workers {
+        let Ok((streams, n, e)) = worker.join() else { continue };
+        ok += streams.len();
+        held.extend(streams.into_iter().map(|s| (s, None)));
+        for (name, c) in n {
+            *names.entry(name).or_default() += c;
+        }
+        for (error, c) in e {
+            *errors.entry(error).or_default() += c;
+        }
+    }
+    let join = |m: HashMap<String, usize>| {
+        let mut v: Vec<String> = m.into_iter().map(|(k, c)| format!("{k}:{c}")).collect();
+        v.sort();
+        v.join(",")
+    };
+    format!("held ok={ok} failed={} names={} errors={}", errors.values().sum::<usize>(), join(names), join(errors))
+}
+
+fn held_report(held: &mut [(TcpStream, Option<String>)]) -> String {
+    let (mut alive, mut dead) = (0, 0);
+    let mut kinds: HashMap<String, usize> = HashMap::new();
+    for (stream, seen_dead) in held {
+        if seen_dead.is_none() {
+            let state = self::alive(stream);
+            if state != "alive" {
+                *seen_dead = Some(state.trim_start_matches("dead ").replace(' ', "_"));
+            }
+        }
+        match seen_dead {
+            None => alive += 1,
+            Some(kind) => {
+                dead += 1;
+                *kinds.entry(kind.clone()).or_default() += 1;
+            }
+        }
+    }
+    let mut kinds: Vec<String> = kinds.into_iter().map(|(k, c)| format!("{k}:{c}")).collect();
+    kinds.sort();
+    format!("held alive={alive} dead={dead} kinds={}", kinds.join(","))
 }
