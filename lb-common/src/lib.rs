@@ -21,10 +21,43 @@ pub const MAX_SERVERS: usize = 16;
 
 /// Map capacities. The daemon refuses configurations that would not fit.
 pub const MAX_SERVICES: u32 = 16_384;
+/// TCP sockets connected through a VIP (`SOCKETS`).
 pub const MAX_TRACKED_SOCKETS: u32 = 262_144;
+/// Connected UDP sockets through a VIP (`SOCKETS_UDP`), apart from TCP so
+/// that a churn of UDP sockets never takes a TCP connection's slot.
+pub const MAX_TRACKED_UDP_SOCKETS: u32 = 65_536;
 pub const MAX_SERVER_PAIRS: u32 = 65_536;
 pub const MAX_FAILED_SERVERS: u32 = 16_384;
 pub const EVENTS_BYTES: u32 = 256 * 1024;
+
+/// The layout of the pinned maps (their names, types, keys and values).
+/// A daemon adopts pins only of its own layout; it is written to
+/// `META[META_LAYOUT_VERSION]` at attach. Bump it with every change a
+/// daemon of the previous version could not read or write correctly.
+///
+/// 1 (implicit: no `META` map): up to the hardening of issue 10.
+/// 2: `META`; `SOCKETS` a plain hash map of TCP sockets, `SOCKETS_UDP`;
+/// `Service::netns_cookie`; the `lb_sock_release` program.
+pub const LAYOUT_VERSION: u32 = 2;
+
+/// Index of the layout version in `META`.
+pub const META_LAYOUT_VERSION: u32 = 0;
+/// Indexes in `META` of a fingerprint of the attached programs (the low
+/// and high halves of a hash of the eBPF object): a daemon whose programs
+/// differ replaces them (atomic link updates) when it adopts the pins.
+pub const META_PROGRAMS_LOW: u32 = 1;
+pub const META_PROGRAMS_HIGH: u32 = 2;
+/// Number of `META` slots.
+pub const META_SLOTS: u32 = 3;
+
+/// `Service::netns_cookie`: rewrite connects from every network namespace.
+pub const NETNS_ANY: u64 = 0;
+/// `Service::netns_cookie`: rewrite connects only from the initial network
+/// namespace, whose cookie the kernel program asks for itself
+/// (`bpf_get_netns_cookie(NULL)`). For a daemon in the initial namespace on
+/// a kernel that cannot tell userspace its cookie (`SO_NETNS_COOKIE` is
+/// Linux 5.14+). Kernel cookies count up from 1 and never reach it.
+pub const NETNS_INITIAL: u64 = u64::MAX;
 
 /// Names of the maps, as the object file and the pin directory know them.
 pub mod maps {
@@ -34,8 +67,11 @@ pub mod maps {
     pub const CONNECTIONS: &str = "CONNECTIONS";
     pub const EVENTS: &str = "EVENTS";
     pub const COUNTERS: &str = "COUNTERS";
+    pub const SOCKETS_UDP: &str = "SOCKETS_UDP";
+    /// The layout version (`LAYOUT_VERSION`), an array of u32.
+    pub const META: &str = "META";
     /// Every map the daemon pins, in one list so attach, adopt and detach agree.
-    pub const ALL: [&str; 6] = [SERVICES, FAILED_AT, SOCKETS, CONNECTIONS, EVENTS, COUNTERS];
+    pub const ALL: [&str; 8] = [SERVICES, FAILED_AT, SOCKETS, CONNECTIONS, EVENTS, COUNTERS, SOCKETS_UDP, META];
 }
 
 /// Names of the programs in the object file; also their link pin names.
@@ -45,10 +81,14 @@ pub mod programs {
     pub const GETPEERNAME4: &str = "lb_getpeername4";
     pub const GETPEERNAME6: &str = "lb_getpeername6";
     pub const SOCK_OPS: &str = "lb_sock_ops";
-    pub const ALL: [&str; 5] = [CONNECT4, CONNECT6, GETPEERNAME4, GETPEERNAME6, SOCK_OPS];
+    /// cgroup sock_release (Linux 5.9+): a released socket leaves the
+    /// socket tables, and a connect its application gave up on is no
+    /// server failure.
+    pub const SOCK_RELEASE: &str = "lb_sock_release";
+    pub const ALL: [&str; 6] = [CONNECT4, CONNECT6, GETPEERNAME4, GETPEERNAME6, SOCK_OPS, SOCK_RELEASE];
     /// Without these there is no load balancing: a kernel lacking them is
     /// an error.
-    pub const REQUIRED: [&str; 3] = [CONNECT4, CONNECT6, SOCK_OPS];
+    pub const REQUIRED: [&str; 4] = [CONNECT4, CONNECT6, SOCK_OPS, SOCK_RELEASE];
     /// The getpeername hooks (Linux 5.8+): without them applications see
     /// the server's address instead of the VIP; lb degrades and says so.
     pub const OPTIONAL: [&str; 2] = [GETPEERNAME4, GETPEERNAME6];
@@ -104,11 +144,15 @@ pub struct Service {
     /// A server whose connect failed less than this long ago is skipped
     /// while another one is usable.
     pub hold_down_ns: u64,
+    /// Whose connects are rewritten: [`NETNS_ANY`], [`NETNS_INITIAL`], or
+    /// the cookie of the one network namespace (the daemon's) whose
+    /// sockets are rewritten; others are left alone.
+    pub netns_cookie: u64,
 }
 
 impl Default for Service {
     fn default() -> Self {
-        Self { servers: [Endpoint::default(); MAX_SERVERS], count: 0, spread: 1, hold_down_ns: 0 }
+        Self { servers: [Endpoint::default(); MAX_SERVERS], count: 0, spread: 1, hold_down_ns: 0, netns_cookie: NETNS_ANY }
     }
 }
 
@@ -116,17 +160,25 @@ impl Default for Service {
 pub const SOCK_ESTABLISHED: u32 = 1 << 0;
 /// `SockEntry::flags`: a failure was already reported for this connect.
 pub const SOCK_FAILURE_REPORTED: u32 = 1 << 1;
+/// `SockEntry::flags`: the connection established but `CONNECTIONS` was
+/// full, so it was not counted (and its close must not uncount it).
+pub const SOCK_UNCOUNTED: u32 = 1 << 2;
 
-/// The value of the `SOCKETS` map, keyed by socket cookie: a socket whose
-/// connect went through a VIP.
+/// The value of the `SOCKETS` (TCP) and `SOCKETS_UDP` maps, keyed by socket
+/// cookie: a socket whose connect went through a VIP.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SockEntry {
     pub vip: Endpoint,
     pub server: Endpoint,
-    /// `SOCK_*` bits.
+    /// `SOCK_*` bits; written only by sock_ops (under the socket's lock).
     pub flags: u32,
-    pub _pad: u32,
+    /// Nonzero once the application released the socket (close) before it
+    /// established: a connect it gave up on, whose close is no server
+    /// failure. Written only by sock_release, which runs without the
+    /// socket's lock: a word apart from `flags`, so that neither program's
+    /// write can undo the other's.
+    pub released: u32,
 }
 
 /// The key of the `CONNECTIONS` map (per-CPU live connection counts): the
@@ -259,7 +311,7 @@ reasons! {
     /// socket; untouched and not tracked (the daemon's config check
     /// prevents this).
     ConnectFamilyMismatch = 6 => "connect_family_mismatch",
-    /// connect: the socket table was full; rewritten but not tracked.
+    /// connect: the TCP socket table was full; rewritten but not tracked.
     ConnectUntracked = 7 => "connect_untracked",
     /// getpeername: the VIP was reported instead of the server.
     GetpeernameRewritten = 8 => "getpeername_rewritten",
@@ -280,6 +332,32 @@ reasons! {
     EventDropped = 15 => "event_dropped",
     /// Any program: a map update (or a lookup that cannot miss) failed.
     MapError = 16 => "map_error",
+    /// connect: the socket is in another network namespace than the
+    /// daemon's, and the service's scope is `host`; untouched.
+    ConnectOtherNetns = 17 => "connect_other_netns",
+    /// connect: the connected-UDP socket table was full; rewritten but
+    /// not tracked (getpeername shows the server).
+    ConnectUntrackedUdp = 18 => "connect_untracked_udp",
+    /// sock_release: a TCP connect through a VIP was released by its
+    /// application before it established (a cancelled connect): marked so
+    /// that its close is no server failure (or untracked, if TCP is done
+    /// with it).
+    ReleaseCancelled = 19 => "release_cancelled",
+    /// sock_release: a connected-UDP socket through a VIP was released;
+    /// untracked.
+    ReleaseUdp = 20 => "release_udp",
+    /// sock_release: nothing to untrack (not a VIP socket, or an
+    /// established TCP connection, untracked by sock_ops when it closes).
+    ReleaseUntouched = 21 => "release_untouched",
+    /// sock_ops: `FAILED_AT` was full; a failed server was not marked, so
+    /// the kernel does not skip it.
+    FailedAtFull = 22 => "failed_at_full",
+    /// sock_ops: `CONNECTIONS` was full; an established connection was not
+    /// counted.
+    ConnectionsFull = 23 => "connections_full",
+    /// sock_ops: a connect its application gave up on (released before it
+    /// established) closed: untracked, with no failure mark and no event.
+    SockopsCancelled = 24 => "sockops_cancelled",
 }
 
 impl Reason {
@@ -330,7 +408,7 @@ const _: () = {
 
 // The kernel and the daemon must agree on these byte for byte.
 const _: () = assert!(core::mem::size_of::<Endpoint>() == 20);
-const _: () = assert!(core::mem::size_of::<Service>() == 20 * MAX_SERVERS + 16);
+const _: () = assert!(core::mem::size_of::<Service>() == 20 * MAX_SERVERS + 24);
 const _: () = assert!(core::mem::size_of::<SockEntry>() == 48);
 const _: () = assert!(core::mem::size_of::<ConnKey>() == 40);
 const _: () = assert!(core::mem::size_of::<Event>() == 64);
@@ -364,6 +442,14 @@ mod tests {
                 "sockops_untracked",
                 "event_dropped",
                 "map_error",
+                "connect_other_netns",
+                "connect_untracked_udp",
+                "release_cancelled",
+                "release_udp",
+                "release_untouched",
+                "failed_at_full",
+                "connections_full",
+                "sockops_cancelled",
             ]
         );
     }

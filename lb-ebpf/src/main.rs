@@ -11,6 +11,11 @@
 //!   (VIP, server), mark a server failed the moment a connect to it fails,
 //!   and tell the daemon through the `EVENTS` ring buffer when a connect
 //!   establishes, fails or times out (a close is only counted).
+//! - `lb_sock_release` (cgroup sock_release): a released socket leaves the
+//!   socket tables: connected UDP at once; TCP that never established is
+//!   marked released (the application gave up on the connect), so that its
+//!   close untracks it as no server failure. Established TCP stays tracked
+//!   until sock_ops sees it close.
 //!
 //! The programs are dumb and fast: the daemon decides the selection; the
 //! kernel only skips servers whose connect failed within the hold-down.
@@ -27,16 +32,17 @@ use aya_ebpf::{
         BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG,
         BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE, BPF_TCP_SYN_SENT,
     },
-    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns},
-    macros::{cgroup_sock_addr, map, sock_ops},
-    maps::{HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
-    programs::{SockAddrContext, SockOpsContext},
+    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns},
+    macros::{cgroup_sock, cgroup_sock_addr, map, sock_ops},
+    maps::{Array, HashMap, PerCpuArray, PerCpuHashMap, RingBuf},
+    programs::{SockAddrContext, SockContext, SockOpsContext},
 };
 use aya_log_ebpf::debug;
 use lb_common::{
     ConnKey, EVENTS_BYTES, Endpoint, Event, EventKind, MAX_FAILED_SERVERS, MAX_SERVER_PAIRS,
-    MAX_SERVERS, MAX_SERVICES, MAX_TRACKED_SOCKETS, Reason, SOCK_ESTABLISHED,
-    SOCK_FAILURE_REPORTED, Service, SockEntry,
+    MAX_SERVERS, MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS, META_SLOTS,
+    NETNS_ANY, NETNS_INITIAL, Reason, SOCK_ESTABLISHED, SOCK_FAILURE_REPORTED, SOCK_UNCOUNTED,
+    Service, SockEntry,
     choose::{Choice, choose_from_mask, usable_mask},
 };
 
@@ -51,10 +57,19 @@ static SERVICES: HashMap<Endpoint, Service> = HashMap::with_max_entries(MAX_SERV
 #[map]
 static FAILED_AT: HashMap<Endpoint, u64> = HashMap::with_max_entries(MAX_FAILED_SERVERS, 0);
 
-/// Socket cookie → the VIP and server of a connect that went through a VIP.
-/// LRU so that sockets never closed through TCP (connected UDP) age out.
+/// Socket cookie → the VIP and server of a TCP connect that went through a
+/// VIP. A plain hash map, not an LRU: nothing is evicted behind anyone's
+/// back. An entry leaves when sock_ops sees the socket close, or at release
+/// if it never established (`lb_sock_release`); a full table is counted
+/// (`connect_untracked`).
 #[map]
-static SOCKETS: LruHashMap<u64, SockEntry> = LruHashMap::with_max_entries(MAX_TRACKED_SOCKETS, 0);
+static SOCKETS: HashMap<u64, SockEntry> = HashMap::with_max_entries(MAX_TRACKED_SOCKETS, 0);
+
+/// As `SOCKETS`, for connected UDP sockets: apart, so that a churn of UDP
+/// sockets never competes with TCP connections for a slot. An entry leaves
+/// when its socket is released (no TCP callbacks fire for UDP).
+#[map]
+static SOCKETS_UDP: HashMap<u64, SockEntry> = HashMap::with_max_entries(MAX_TRACKED_UDP_SOCKETS, 0);
 
 /// (VIP, server) → live established connections, per CPU (sum them).
 #[map]
@@ -72,8 +87,21 @@ static SCRATCH: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
 #[map]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Reason::COUNT as u32, 0);
 
+/// The pinned maps' layout version (`lb_common::LAYOUT_VERSION`), written by
+/// the daemon at attach and checked before it adopts pins. The programs
+/// never read it.
+#[map]
+static META: Array<u32> = Array::with_max_entries(META_SLOTS, 0);
+
 const IPPROTO_TCP: u32 = 6;
 const IPPROTO_UDP: u32 = 17;
+
+/// `E2BIG`: a hash map update failed because the map is full.
+const E2BIG: i32 = 7;
+
+/// TCP states as `bpf_sock::state` holds them (`include/net/tcp_states.h`).
+const TCP_SYN_SENT: u32 = 2;
+const TCP_CLOSE: u32 = 7;
 
 /// Verdicts of cgroup sock_addr programs.
 const ALLOW: i32 = 1;
@@ -206,6 +234,10 @@ fn try_connect(ctx: &SockAddrContext, dst: &Endpoint, ipv4_socket: bool) -> Resu
         count(Reason::ConnectOtherProtocol);
         return Ok(None);
     }
+    if !in_scope(ctx, service.netns_cookie) {
+        count(Reason::ConnectOtherNetns);
+        return Ok(None);
+    }
 
     // SAFETY: plain helper calls without arguments.
     let (now, random) = unsafe { (bpf_ktime_get_ns(), bpf_get_prandom_u32()) };
@@ -250,9 +282,11 @@ fn try_connect(ctx: &SockAddrContext, dst: &Endpoint, ipv4_socket: bool) -> Resu
 
     // SAFETY: the helper only reads the socket behind the context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let entry = SockEntry { vip: *dst, server, flags: 0, _pad: 0 };
-    if SOCKETS.insert(cookie, entry, u64::from(BPF_ANY)).is_err() {
-        count(Reason::ConnectUntracked);
+    let entry = SockEntry { vip: *dst, server, flags: 0, released: 0 };
+    // BPF_ANY: a UDP socket may connect again; its entry is replaced.
+    let (table, full) = sockets_of(protocol);
+    if table.insert(cookie, entry, u64::from(BPF_ANY)).is_err() {
+        count(full);
     }
     count(Reason::ConnectRewritten);
     debug!(ctx, "connect rewritten to server {}", index);
@@ -279,14 +313,47 @@ pub fn lb_getpeername6(ctx: SockAddrContext) -> i32 {
     ALLOW
 }
 
+/// Whether a connect from the socket behind `ctx` is rewritten for a
+/// service whose value holds `netns_cookie`: from any network namespace
+/// (`NETNS_ANY`), or only from the one the value names (`NETNS_INITIAL`:
+/// the initial one). The daemon picked the value once at start; no feature
+/// is probed here.
+#[inline(always)]
+fn in_scope(ctx: &SockAddrContext, netns_cookie: u64) -> bool {
+    if netns_cookie == NETNS_ANY {
+        return true;
+    }
+    // SAFETY: the helper only reads the socket behind the context; with a
+    // null context (ARG_PTR_TO_CTX_OR_NULL) it returns the initial network
+    // namespace's cookie (Linux 5.7+, as the helper itself).
+    let (mine, host) = unsafe {
+        let mine = bpf_get_netns_cookie(ctx.as_ptr());
+        let host = if netns_cookie == NETNS_INITIAL { bpf_get_netns_cookie(core::ptr::null_mut()) } else { netns_cookie };
+        (mine, host)
+    };
+    mine == host
+}
+
+/// The socket table of `protocol` (TCP or UDP) and the reason counted when
+/// it is full.
+///
+/// Verifier note: a map access through this may see either map at one call
+/// site. That is allowed: the verifier checks each path with the map it
+/// carries, and only stops inlining the lookup at that site.
+#[inline(always)]
+fn sockets_of(protocol: u32) -> (&'static HashMap<u64, SockEntry>, Reason) {
+    if protocol == IPPROTO_UDP { (&SOCKETS_UDP, Reason::ConnectUntrackedUdp) } else { (&SOCKETS, Reason::ConnectUntracked) }
+}
+
 /// The VIP a socket dialled, if it connected through one and its peer is
 /// still the server it was sent to (a UDP socket may have re-connected).
 #[inline(always)]
 fn vip_of_peer(ctx: &SockAddrContext, peer: &Endpoint) -> Option<Endpoint> {
     // SAFETY: the helper only reads the socket behind the context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let (table, _) = sockets_of(ctx_read!(ctx, protocol));
     // SAFETY: entries are written whole by connect4/6 and sock_ops.
-    match unsafe { SOCKETS.get(&cookie) } {
+    match unsafe { table.get(&cookie) } {
         Some(entry) if entry.server == *peer && (peer.is_v4() == entry.vip.is_v4()) => {
             count(Reason::GetpeernameRewritten);
             Some(entry.vip)
@@ -296,6 +363,63 @@ fn vip_of_peer(ctx: &SockAddrContext, peer: &Endpoint) -> Option<Endpoint> {
             None
         }
     }
+}
+
+#[cgroup_sock(sock_release)]
+pub fn lb_sock_release(ctx: SockContext) -> i32 {
+    count(try_release(&ctx));
+    // sock_release cannot refuse; 1 is the only verdict it takes.
+    1
+}
+
+// `bpf_sock` fields are read whole, like `ctx_read!` for `bpf_sock_addr`.
+macro_rules! sock_read {
+    ($ctx:expr, $field:ident) => {
+        // SAFETY: the context pointer is valid for the whole program run.
+        unsafe { core::ptr::read_volatile(&raw const (*$ctx.sock).$field) }
+    };
+}
+
+/// Untracks a released socket, or marks it; returns what it did. This runs
+/// in the application's close(), before TCP closes the socket.
+///
+/// A connect still in SYN_SENT is marked `released` (not removed: a SYN-ACK
+/// may be processed on another CPU right now, and its establishment must
+/// stay counted until the close uncounts it); the close that follows at
+/// once (sock_ops, SYN_SENT→CLOSE) then untracks it with no failure mark
+/// and no event. A refused, reset or timed-out connect closed while the
+/// application still held the socket: sock_ops has already marked the
+/// server and removed the entry.
+#[inline(always)]
+fn try_release(ctx: &SockContext) -> Reason {
+    let protocol = sock_read!(ctx, protocol);
+    if protocol == IPPROTO_UDP {
+        // SAFETY: the helper only reads the socket behind the context.
+        let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+        // Most UDP sockets never connected to a VIP: the miss is normal.
+        return if SOCKETS_UDP.remove(&cookie).is_ok() { Reason::ReleaseUdp } else { Reason::ReleaseUntouched };
+    }
+    // Only a socket that never established can need anything here; one
+    // that did (any other state) stays tracked until sock_ops sees it
+    // close, so the count stays exact. Checking the state first spares
+    // every established socket a lookup.
+    let state = sock_read!(ctx, state);
+    if protocol != IPPROTO_TCP || (state != TCP_SYN_SENT && state != TCP_CLOSE) {
+        return Reason::ReleaseUntouched;
+    }
+    // SAFETY: as above.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let Some(entry) = SOCKETS.get_ptr_mut(&cookie) else { return Reason::ReleaseUntouched };
+    if state == TCP_CLOSE {
+        // TCP is done with it (its connect never sent a SYN): no callback
+        // will come. Ignoring the error is right: it was just found.
+        let _ = SOCKETS.remove(&cookie);
+        return Reason::ReleaseCancelled;
+    }
+    // SAFETY: the entry is this socket's; this program is its only writer
+    // of `released` (sock_ops writes only `flags`).
+    unsafe { core::ptr::write_volatile(&raw mut (*entry).released, 1) };
+    Reason::ReleaseCancelled
 }
 
 #[sock_ops]
@@ -349,7 +473,9 @@ fn on_established(ctx: &SockOpsContext) {
     // The server answers again: lift its hold-down. Ignoring the error is
     // right: most servers have no failure mark.
     let _ = FAILED_AT.remove(&entry.server);
-    add_connection(&ConnKey { vip: entry.vip, server: entry.server }, 1);
+    if !add_connection(&ConnKey { vip: entry.vip, server: entry.server }, 1) {
+        entry.flags |= SOCK_UNCOUNTED;
+    }
     count(Reason::SockopsEstablished);
     emit(cookie, entry, EventKind::Established);
 }
@@ -361,7 +487,7 @@ fn on_retransmit_timeout(ctx: &SockOpsContext) {
     let Some((cookie, entry)) = tracked(ctx) else { return };
     // SAFETY: as in `on_established`.
     let entry = unsafe { &mut *entry };
-    if entry.flags & (SOCK_ESTABLISHED | SOCK_FAILURE_REPORTED) != 0 {
+    if entry.flags & (SOCK_ESTABLISHED | SOCK_FAILURE_REPORTED) != 0 || entry.released != 0 {
         return;
     }
     entry.flags |= SOCK_FAILURE_REPORTED;
@@ -375,44 +501,59 @@ fn on_close(ctx: &SockOpsContext) {
     // SAFETY: as in `on_established`; the entry is copied out before removal.
     let entry = unsafe { *entry };
     if entry.flags & SOCK_ESTABLISHED != 0 {
-        add_connection(&ConnKey { vip: entry.vip, server: entry.server }, -1);
+        if entry.flags & SOCK_UNCOUNTED == 0 {
+            add_connection(&ConnKey { vip: entry.vip, server: entry.server }, -1);
+        }
         // Counted, not reported: the daemon reads live counts from
         // `CONNECTIONS`, and a ring-buffer record per closed connection
         // would only wake it for nothing.
         count(Reason::SockopsClosed);
+    } else if entry.released != 0 {
+        // Its application gave up on the connect: no server failure.
+        count(Reason::SockopsCancelled);
     } else if ctx.arg(0) == BPF_TCP_SYN_SENT {
         mark_failed(&entry.server);
         count(Reason::SockopsConnectFailed);
         emit(cookie, &entry, EventKind::ConnectFailed);
     }
-    // Ignoring the error is right: LRU eviction may have removed it already.
+    // Ignoring the error is right: the entry was just found, and only this
+    // socket's callbacks (serialized by its lock) remove it.
     let _ = SOCKETS.remove(&cookie);
 }
 
 fn mark_failed(server: &Endpoint) {
     // SAFETY: plain helper call without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
-    if FAILED_AT.insert(server, now, u64::from(BPF_ANY)).is_err() {
-        count(Reason::MapError);
+    if let Err(e) = FAILED_AT.insert(server, now, u64::from(BPF_ANY)) {
+        count(if e == -E2BIG { Reason::FailedAtFull } else { Reason::MapError });
     }
 }
 
-fn add_connection(key: &ConnKey, delta: i64) {
+/// Adds `delta` to this CPU's count of `key`; false if the pair could not
+/// be counted (the map is full, or an error, both counted).
+fn add_connection(key: &ConnKey, delta: i64) -> bool {
     if let Some(value) = CONNECTIONS.get_ptr_mut(key) {
         // SAFETY: this CPU's slot; see `count`.
         unsafe { *value += delta };
-        return;
+        return true;
     }
     // First connection of this pair on any CPU: create the entry (the other
     // CPUs' slots start at zero). Losing a race to another CPU is fine; then
     // the entry exists and we add to our slot.
-    if CONNECTIONS.insert(key, delta, u64::from(BPF_NOEXIST)).is_ok() {
-        return;
-    }
+    let full = match CONNECTIONS.insert(key, delta, u64::from(BPF_NOEXIST)) {
+        Ok(()) => return true,
+        Err(e) => e == -E2BIG,
+    };
     match CONNECTIONS.get_ptr_mut(key) {
-        // SAFETY: as above.
-        Some(value) => unsafe { *value += delta },
-        None => count(Reason::MapError),
+        Some(value) => {
+            // SAFETY: as above.
+            unsafe { *value += delta };
+            true
+        }
+        None => {
+            count(if full { Reason::ConnectionsFull } else { Reason::MapError });
+            false
+        }
     }
 }
 

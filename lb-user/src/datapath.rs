@@ -6,13 +6,31 @@
 //! those pins exist the datapath keeps working with nobody running
 //! (fail-static); a starting daemon that finds them all adopts them instead
 //! of attaching again, so there is no window without the programs.
+//!
+//! Guards, both checked before anything is touched:
+//! - one daemon per pin directory: [`Datapath::open`] takes an exclusive
+//!   `flock` on it, held for the `Datapath`'s life; a second daemon fails
+//!   naming the first;
+//! - one map layout: `maps/META` holds `lb_common::LAYOUT_VERSION`; pins of
+//!   another layout (or from before layouts were versioned) are refused
+//!   with the command that removes them (`lb detach`).
+//!
+//! Upgrades: `META` also holds a fingerprint of the attached programs. A
+//! daemon that adopts pins of its layout but finds other programs (an older
+//! or newer lb) loads its own on the pinned maps and swaps each pinned link
+//! to them with `BPF_LINK_UPDATE`: every connect runs either the old or the
+//! new program, never none.
 
 use std::{
+    collections::HashSet,
     ffi::CString,
     fs::File,
     io,
     net::SocketAddr,
-    os::unix::ffi::OsStrExt as _,
+    os::{
+        fd::{AsFd as _, AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
+        unix::{ffi::OsStrExt as _, fs::MetadataExt as _},
+    },
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -20,15 +38,15 @@ use std::{
 use anyhow::{Context as _, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, Map, MapData, PerCpuArray, PerCpuHashMap, RingBuf},
+    maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap, RingBuf},
     programs::{
-        CgroupAttachMode, CgroupSockAddr, SockOps,
+        CgroupAttachMode, CgroupSock, CgroupSockAddr, SockOps,
         links::{FdLink, PinnedLink},
     },
 };
 use lb_common::{
-    ConnKey, Endpoint, MAX_SERVERS, Reason, Service as ServiceValue, SockEntry,
-    maps, programs,
+    ConnKey, Endpoint, LAYOUT_VERSION, MAX_SERVERS, META_LAYOUT_VERSION, META_PROGRAMS_HIGH, META_PROGRAMS_LOW,
+    NETNS_ANY, NETNS_INITIAL, Reason, Service as ServiceValue, SockEntry, maps, programs,
 };
 use tracing::{info, warn};
 
@@ -42,20 +60,48 @@ static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"),
 
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
-/// The attached datapath: handles to its maps.
+/// The attached datapath: handles to its maps, and the pin directory's lock.
 pub struct Datapath {
-    services: HashMap<MapData, Endpoint, ServiceValue>,
-    failed_at: HashMap<MapData, Endpoint, u64>,
-    sockets: HashMap<MapData, u64, SockEntry>,
-    connections: PerCpuHashMap<MapData, ConnKey, i64>,
-    counters: PerCpuArray<MapData, u64>,
+    maps: PinnedMaps,
     events: Option<RingBuf<MapData>>,
     /// Whether the programs were already attached when we started.
     pub adopted: bool,
     /// The getpeername hooks are attached (optional, Linux 5.8+).
     pub getpeername: bool,
+    /// `host`-scoped services are rewritten only in this daemon's network
+    /// namespace. False when this kernel cannot say which namespace that is
+    /// (no `SO_NETNS_COOKIE`, Linux 5.14+, and the daemon is not in the
+    /// initial namespace): then `host` acts as `all` (warned at start).
+    pub netns_scope: bool,
+    /// What `Scope::Host` writes into a service value (`Service::netns_cookie`).
+    host_netns: u64,
     /// Reader of the kernel programs' logs when `--bpf-log` is on.
     logger: Option<KernelLogger>,
+    /// The exclusive lock on the pin directory: released when the
+    /// `Datapath` is dropped (or the process dies).
+    _lock: PinLock,
+}
+
+/// Handles to the pinned maps the daemon reads and writes (all but the ring
+/// buffer). [`Datapath`] holds one; [`PinnedMaps::open`] opens another on a
+/// pin directory without its lock, to inspect it (tests, tools).
+pub struct PinnedMaps {
+    services: HashMap<MapData, Endpoint, ServiceValue>,
+    failed_at: HashMap<MapData, Endpoint, u64>,
+    sockets: HashMap<MapData, u64, SockEntry>,
+    sockets_udp: HashMap<MapData, u64, SockEntry>,
+    connections: PerCpuHashMap<MapData, ConnKey, i64>,
+    counters: PerCpuArray<MapData, u64>,
+}
+
+/// What [`Datapath::forget`] removed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Forgotten {
+    /// `FAILED_AT` entries of servers in no service.
+    pub failure_marks: usize,
+    /// `CONNECTIONS` entries of (VIP, server) pairs no longer configured,
+    /// with no live connection.
+    pub connection_counts: usize,
 }
 
 /// What one VIP gets in the kernel: its selection and its hold-down.
@@ -77,7 +123,9 @@ pub struct VipSocket {
 }
 
 impl VipEntry {
-    fn to_value(&self) -> ServiceValue {
+    /// The kernel's value; `host_netns` is what `Scope::Host` writes
+    /// ([`Datapath`] probed it at start).
+    fn to_value(&self, host_netns: u64) -> ServiceValue {
         let mut value = ServiceValue::default();
         let servers = &self.selection.servers;
         for (slot, server) in value.servers.iter_mut().zip(servers.iter().take(MAX_SERVERS)) {
@@ -86,6 +134,10 @@ impl VipEntry {
         value.count = servers.len().min(MAX_SERVERS) as u32;
         value.spread = self.selection.spread.clamp(1, MAX_SERVERS) as u32;
         value.hold_down_ns = u64::try_from(self.hold_down.as_nanos()).unwrap_or(u64::MAX);
+        value.netns_cookie = match self.scope {
+            Scope::Host => host_netns,
+            Scope::All => NETNS_ANY,
+        };
         value
     }
 }
@@ -113,6 +165,10 @@ impl Datapath {
     /// Adopts the pinned datapath under `bpffs` if it is complete (its maps
     /// untouched: `initial` is not written); otherwise loads the programs,
     /// writes `initial` selections, attaches to `cgroup` and pins everything.
+    ///
+    /// Fails, touching nothing, if another daemon holds the pin directory,
+    /// or if the pins there have another map layout (the message names
+    /// `lb detach`).
     pub fn open(
         bpffs: &Path,
         cgroup: &Path,
@@ -120,21 +176,54 @@ impl Datapath {
         bpf_log: bool,
     ) -> anyhow::Result<Self> {
         ensure_bpffs(bpffs)?;
-        let present = required_pins(bpffs).filter(|p| p.exists()).count();
-        if present == programs::REQUIRED.len() + maps::ALL.len() {
-            let datapath = Self::adopt(bpffs)?;
-            if bpf_log {
-                warn!("--bpf-log has no effect on an adopted datapath; run `lb detach` and start again to enable it");
+        let lock = PinLock::acquire(bpffs)?;
+        let (host_netns, netns_scope) = match host_netns_cookie() {
+            Some(cookie) => (cookie, true),
+            None => {
+                warn!(
+                    "this kernel cannot tell lb which network namespace is its own (SO_NETNS_COOKIE needs Linux \
+                     5.14, and lb does not run in the initial network namespace): services with scope = \"host\" \
+                     are rewritten in every network namespace of the cgroup, as with scope = \"all\""
+                );
+                (NETNS_ANY, false)
             }
-            // The daemon writes an adopted datapath's selections itself,
-            // starting from what the kernel holds (see `daemon::adopt`).
-            return Ok(datapath);
+        };
+        let any_link = programs::ALL.iter().any(|p| links_dir(bpffs).join(p).exists());
+        let any_map = maps::ALL.iter().any(|m| maps_dir(bpffs).join(m).exists());
+        if any_link {
+            // Programs are attached: refuse a layout we cannot read or
+            // write before touching anything.
+            check_layout(bpffs, read_layout_version(bpffs)?)?;
+            let present = required_pins(bpffs).filter(|p| p.exists()).count();
+            if present == programs::REQUIRED.len() + maps::ALL.len() {
+                let mut datapath = Self::adopt(bpffs, lock, host_netns, netns_scope)?;
+                if read_program_fingerprint(bpffs)? != Some(programs_fingerprint()) {
+                    match replace_programs(bpffs, bpf_log) {
+                        Ok(logger) => {
+                            datapath.logger = logger;
+                            info!("the pinned programs differed from this lb's: replaced them (one atomic link update each)");
+                            if let Err(e) = write_program_fingerprint(bpffs, programs_fingerprint()) {
+                                // The next start replaces them again: harmless.
+                                warn!("recording the new programs' fingerprint: {e:#}");
+                            }
+                        }
+                        // Same layout: the old programs keep serving correctly.
+                        Err(e) => warn!("keeping the pinned programs, which differ from this lb's: replacing them failed: {e:#}"),
+                    }
+                } else if bpf_log {
+                    warn!("--bpf-log has no effect on an adopted datapath; run `lb detach` and start again to enable it");
+                }
+                // The daemon writes an adopted datapath's selections itself,
+                // starting from what the kernel holds (see `daemon::adopt`).
+                return Ok(datapath);
+            }
         }
-        if present > 0 || has_getpeername(bpffs) {
-            warn!(bpffs = %bpffs.display(), present, "found an incomplete pinned datapath (interrupted attach?); removing it and attaching afresh");
-            detach(bpffs)?;
+        if any_link || any_map || has_getpeername(bpffs) {
+            warn!(bpffs = %bpffs.display(), "found an incomplete pinned datapath (interrupted attach?); removing it and attaching afresh");
+            // Keep the directory itself: it is what we hold locked.
+            remove_pins(bpffs)?;
         }
-        Self::attach(bpffs, cgroup, initial, bpf_log).inspect_err(|_| {
+        Self::attach(bpffs, cgroup, initial, bpf_log, lock, host_netns, netns_scope).inspect_err(|_| {
             // Leave nothing half-attached behind.
             if let Err(e) = detach(bpffs) {
                 warn!("cleaning up after a failed attach: {e:#}");
@@ -142,16 +231,20 @@ impl Datapath {
         })
     }
 
-    fn adopt(bpffs: &Path) -> anyhow::Result<Self> {
-        let map = |name: &str| -> anyhow::Result<Map> {
-            let path = maps_dir(bpffs).join(name);
-            let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
-            Map::from_map_data(data).with_context(|| format!("pinned map {} has an unexpected type", path.display()))
-        };
+    fn adopt(bpffs: &Path, lock: PinLock, host_netns: u64, netns_scope: bool) -> anyhow::Result<Self> {
         info!(bpffs = %bpffs.display(), "adopting the pinned datapath; programs stay attached");
-        let mut datapath = Self::from_maps(map, true, None)?;
-        datapath.getpeername = has_getpeername(bpffs);
-        Ok(datapath)
+        let map = |name: &str| open_pinned_map(bpffs, name);
+        let events = RingBuf::try_from(map(maps::EVENTS)?).context("pinned map EVENTS")?;
+        Ok(Self {
+            maps: PinnedMaps::from_maps(map)?,
+            events: Some(events),
+            adopted: true,
+            getpeername: has_getpeername(bpffs),
+            netns_scope,
+            host_netns,
+            logger: None,
+            _lock: lock,
+        })
     }
 
     fn attach(
@@ -159,6 +252,9 @@ impl Datapath {
         cgroup: &Path,
         initial: &[VipEntry],
         bpf_log: bool,
+        lock: PinLock,
+        host_netns: u64,
+        netns_scope: bool,
     ) -> anyhow::Result<Self> {
         // aya-log's level: 0 turns every kernel log statement into a no-op.
         let log_level: u8 = if bpf_log { 0xff } else { 0 };
@@ -175,17 +271,36 @@ impl Datapath {
             None
         };
 
+        // The layout version goes in before anything is pinned, so no pin
+        // set of this layout is ever without it.
+        {
+            let meta = ebpf.map_mut(maps::META).context("map META missing from the eBPF object")?;
+            let mut meta: Array<&mut MapData, u32> = Array::try_from(meta).context("map META")?;
+            meta.set(META_LAYOUT_VERSION, LAYOUT_VERSION, 0).context("writing the layout version to META")?;
+            let fingerprint = programs_fingerprint();
+            meta.set(META_PROGRAMS_LOW, fingerprint as u32, 0).context("writing the programs' fingerprint to META")?;
+            meta.set(META_PROGRAMS_HIGH, (fingerprint >> 32) as u32, 0).context("writing the programs' fingerprint to META")?;
+        }
         let maps_dir = maps_dir(bpffs);
         std::fs::create_dir_all(&maps_dir).with_context(|| format!("creating {}", maps_dir.display()))?;
-        let mut pinned = Vec::new();
         for name in maps::ALL {
             let map = ebpf.map(name).with_context(|| format!("map {name} missing from the eBPF object"))?;
             let path = maps_dir.join(name);
             map.pin(&path).with_context(|| format!("pinning map {name} at {}", path.display()))?;
-            pinned.push(name);
         }
-        let mut datapath =
-            Self::from_maps(|name| ebpf.take_map(name).with_context(|| format!("map {name} missing")), false, logger)?;
+        let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("map {name} missing from the eBPF object"));
+        let events = RingBuf::try_from(take(maps::EVENTS)?).context("map EVENTS")?;
+        let maps = PinnedMaps::from_maps(take)?;
+        let mut datapath = Self {
+            maps,
+            events: Some(events),
+            adopted: false,
+            getpeername: false,
+            netns_scope,
+            host_netns,
+            logger,
+            _lock: lock,
+        };
         // Selections go in before the programs attach: the first connect
         // already finds its service.
         datapath.reconcile(initial)?;
@@ -194,42 +309,25 @@ impl Datapath {
         Ok(datapath)
     }
 
-    fn from_maps(
-        mut map: impl FnMut(&str) -> anyhow::Result<Map>,
-        adopted: bool,
-        logger: Option<KernelLogger>,
-    ) -> anyhow::Result<Self> {
-        Ok(Self {
-            services: HashMap::try_from(map(maps::SERVICES)?)?,
-            failed_at: HashMap::try_from(map(maps::FAILED_AT)?)?,
-            sockets: HashMap::try_from(map(maps::SOCKETS)?)?,
-            connections: PerCpuHashMap::try_from(map(maps::CONNECTIONS)?)?,
-            counters: PerCpuArray::try_from(map(maps::COUNTERS)?)?,
-            events: Some(RingBuf::try_from(map(maps::EVENTS)?)?),
-            adopted,
-            getpeername: false,
-            logger,
-        })
-    }
-
     /// Makes the `SERVICES` map equal `desired`, writing only what changed.
     /// Returns how many entries were written or removed.
     pub fn reconcile(&mut self, desired: &[VipEntry]) -> anyhow::Result<usize> {
         let wanted: std::collections::HashMap<Endpoint, ServiceValue> =
-            desired.iter().map(|entry| (Endpoint::from(entry.vip), entry.to_value())).collect();
-        let existing: Vec<Endpoint> = self.services.keys().collect::<Result<_, _>>().context("listing SERVICES")?;
+            desired.iter().map(|entry| (Endpoint::from(entry.vip), entry.to_value(self.host_netns))).collect();
+        let services = &mut self.maps.services;
+        let existing: Vec<Endpoint> = services.keys().collect::<Result<_, _>>().context("listing SERVICES")?;
         let mut changes = 0;
         for vip in existing {
             if !wanted.contains_key(&vip) {
-                self.services.remove(&vip).with_context(|| format!("removing VIP {}", SocketAddr::from(vip)))?;
+                services.remove(&vip).with_context(|| format!("removing VIP {}", SocketAddr::from(vip)))?;
                 changes += 1;
             }
         }
         for (vip, value) in wanted {
-            if self.services.get(&vip, 0).ok() != Some(value) {
+            if services.get(&vip, 0).ok() != Some(value) {
                 // One update replaces the whole value: the kernel never sees
                 // a half-written selection.
-                self.services.insert(vip, value, 0).with_context(|| format!("writing VIP {}", SocketAddr::from(vip)))?;
+                services.insert(vip, value, 0).with_context(|| format!("writing VIP {}", SocketAddr::from(vip)))?;
                 changes += 1;
             }
         }
@@ -238,11 +336,94 @@ impl Datapath {
 
     /// Writes one VIP's entry (one whole-value update) unless it is unchanged.
     pub fn write(&mut self, entry: &VipEntry) -> anyhow::Result<()> {
-        let (vip, value) = (Endpoint::from(entry.vip), entry.to_value());
-        if self.services.get(&vip, 0).ok() != Some(value) {
-            self.services.insert(vip, value, 0).with_context(|| format!("writing VIP {}", entry.vip))?;
+        let (vip, value) = (Endpoint::from(entry.vip), entry.to_value(self.host_netns));
+        let services = &mut self.maps.services;
+        if services.get(&vip, 0).ok() != Some(value) {
+            services.insert(vip, value, 0).with_context(|| format!("writing VIP {}", entry.vip))?;
         }
         Ok(())
+    }
+
+    /// The selection currently in the kernel for `vip`.
+    pub fn selection(&self, vip: SocketAddr) -> Vec<SocketAddr> {
+        self.maps.selection(vip)
+    }
+
+    /// The spread width the kernel holds for `vip` (1 when unknown).
+    pub fn spread(&self, vip: SocketAddr) -> usize {
+        self.maps.spread(vip)
+    }
+
+    /// Live connections through `vip` to `server`.
+    pub fn connections(&self, vip: SocketAddr, server: SocketAddr) -> i64 {
+        self.maps.connections(vip, server)
+    }
+
+    /// Whether a connect to `server` failed less than `hold_down` ago.
+    pub fn recently_failed(&self, server: SocketAddr, hold_down: Duration) -> bool {
+        self.maps.recently_failed(server, hold_down)
+    }
+
+    /// The kernel's decision counters, summed over CPUs, by reason name.
+    pub fn counters(&self) -> Vec<(&'static str, u64)> {
+        self.maps.counters()
+    }
+
+    /// The live TCP sockets that connected through a VIP (the ones
+    /// `sock_destroy` can close).
+    pub fn vip_sockets(&self) -> impl Iterator<Item = VipSocket> + '_ {
+        self.maps.vip_sockets()
+    }
+
+    /// How many sockets the kernel tracks: (TCP, connected UDP). One map
+    /// read per entry: for status, not for a hot loop.
+    pub fn tracked_sockets(&self) -> (usize, usize) {
+        self.maps.tracked_sockets()
+    }
+
+    /// Removes what the kernel keeps about servers and pairs that are gone:
+    /// the `FAILED_AT` mark of every server in no service of `live`, and
+    /// the `CONNECTIONS` count of every (VIP, server) pair not in `live`
+    /// once it has no live connection. `live` lists every service's VIP
+    /// with all its servers (configured, runtime and default).
+    pub fn forget(&mut self, live: &[(SocketAddr, Vec<SocketAddr>)]) -> anyhow::Result<Forgotten> {
+        self.maps.forget(live)
+    }
+
+    /// The kernel log reader (only with `--bpf-log`); can be taken once.
+    pub fn take_logger(&mut self) -> Option<KernelLogger> {
+        self.logger.take()
+    }
+
+    /// The ring buffer of connection events; can be taken once.
+    pub fn take_events(&mut self) -> Option<RingBuf<MapData>> {
+        self.events.take()
+    }
+}
+
+impl PinnedMaps {
+    /// Opens the maps pinned under `bpffs` without taking its lock, to look
+    /// at them (or, in tests, to call [`forget`](Self::forget) as a daemon
+    /// would). Fails if they are not of this lb's layout.
+    pub fn open(bpffs: &Path) -> anyhow::Result<Self> {
+        check_layout(bpffs, read_layout_version(bpffs)?)?;
+        Self::from_maps(|name| open_pinned_map(bpffs, name))
+    }
+
+    fn from_maps(mut map: impl FnMut(&str) -> anyhow::Result<Map>) -> anyhow::Result<Self> {
+        macro_rules! typed {
+            ($kind:ident, $name:expr) => {
+                $kind::try_from(map($name)?).with_context(|| format!("map {} has an unexpected type or size", $name))?
+            };
+        }
+        Ok(Self {
+            services: typed!(HashMap, maps::SERVICES),
+            failed_at: typed!(HashMap, maps::FAILED_AT),
+            sockets: typed!(HashMap, maps::SOCKETS),
+            sockets_udp: typed!(HashMap, maps::SOCKETS_UDP),
+            connections: typed!(PerCpuHashMap, maps::CONNECTIONS),
+            counters: typed!(PerCpuArray, maps::COUNTERS),
+        })
     }
 
     /// The selection currently in the kernel for `vip`.
@@ -253,12 +434,12 @@ impl Datapath {
         }
     }
 
-    /// Live connections through `vip` to `server`.
     /// The spread width the kernel holds for `vip` (1 when unknown).
     pub fn spread(&self, vip: SocketAddr) -> usize {
         self.services.get(&Endpoint::from(vip), 0).map_or(1, |value| value.spread.max(1) as usize)
     }
 
+    /// Live connections through `vip` to `server`.
     pub fn connections(&self, vip: SocketAddr, server: SocketAddr) -> i64 {
         let key = ConnKey { vip: vip.into(), server: server.into() };
         self.connections.get(&key, 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0)
@@ -272,6 +453,20 @@ impl Datapath {
         }
     }
 
+    /// Every server with a failure mark in `FAILED_AT`.
+    pub fn failure_marks(&self) -> Vec<SocketAddr> {
+        self.failed_at.keys().filter_map(Result::ok).map(SocketAddr::from).collect()
+    }
+
+    /// Every (VIP, server) pair in `CONNECTIONS`, with its count.
+    pub fn connection_counts(&self) -> Vec<(SocketAddr, SocketAddr, i64)> {
+        self.connections
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(key, per_cpu)| (SocketAddr::from(key.vip), SocketAddr::from(key.server), per_cpu.iter().sum()))
+            .collect()
+    }
+
     /// The kernel's decision counters, summed over CPUs, by reason name.
     pub fn counters(&self) -> Vec<(&'static str, u64)> {
         Reason::ALL
@@ -283,7 +478,7 @@ impl Datapath {
             .collect()
     }
 
-    /// The live sockets that connected through a VIP.
+    /// The live TCP sockets that connected through a VIP.
     pub fn vip_sockets(&self) -> impl Iterator<Item = VipSocket> + '_ {
         self.sockets.iter().filter_map(Result::ok).map(|(cookie, e)| VipSocket {
             cookie,
@@ -292,15 +487,362 @@ impl Datapath {
         })
     }
 
-    /// The kernel log reader (only with `--bpf-log`); can be taken once.
-    pub fn take_logger(&mut self) -> Option<KernelLogger> {
-        self.logger.take()
+    /// How many sockets the kernel tracks: (TCP, connected UDP).
+    pub fn tracked_sockets(&self) -> (usize, usize) {
+        (self.sockets.keys().filter(Result::is_ok).count(), self.sockets_udp.keys().filter(Result::is_ok).count())
     }
 
-    /// The ring buffer of connection events; can be taken once.
-    pub fn take_events(&mut self) -> Option<RingBuf<MapData>> {
-        self.events.take()
+    /// See [`Datapath::forget`].
+    pub fn forget(&mut self, live: &[(SocketAddr, Vec<SocketAddr>)]) -> anyhow::Result<Forgotten> {
+        // Read first, remove after: removing while walking a hash map makes
+        // the walk start over.
+        let marks: Vec<Endpoint> = self.failed_at.keys().collect::<Result<_, _>>().context("listing FAILED_AT")?;
+        let counts: Vec<(ConnKey, i64)> = self
+            .connections
+            .iter()
+            .map(|entry| entry.map(|(key, per_cpu)| (key, per_cpu.iter().sum())))
+            .collect::<Result<_, _>>()
+            .context("reading CONNECTIONS")?;
+        let (marks, counts) = to_forget(live, &marks, &counts);
+        let mut forgotten = Forgotten::default();
+        for server in marks {
+            let what = || format!("removing the failure mark of {}", SocketAddr::from(server));
+            forgotten.failure_marks += usize::from(removed(self.failed_at.remove(&server)).with_context(what)?);
+        }
+        for key in counts {
+            // A connect chosen before the pair left the selection may
+            // establish between the read above and this removal; its close
+            // then counts -1 on a fresh entry, which a later `forget`
+            // removes once it nets to zero again. A race, not a leak.
+            let what = || format!("removing the count of {} via {}", SocketAddr::from(key.server), SocketAddr::from(key.vip));
+            forgotten.connection_counts += usize::from(removed(self.connections.remove(&key)).with_context(what)?);
+        }
+        Ok(forgotten)
     }
+}
+
+/// What [`PinnedMaps::forget`] removes, from plain data: the failure marks
+/// (`marks`, from `FAILED_AT`) of servers in no service of `live`, and the
+/// counts (`counts`, from `CONNECTIONS`, summed over CPUs) of (VIP, server)
+/// pairs not in `live` that have no live connection. A pair that still
+/// counts connections keeps its entry until they close: the kernel uncounts
+/// them there.
+fn to_forget(live: &[(SocketAddr, Vec<SocketAddr>)], marks: &[Endpoint], counts: &[(ConnKey, i64)]) -> (Vec<Endpoint>, Vec<ConnKey>) {
+    let servers: HashSet<Endpoint> = live.iter().flat_map(|(_, servers)| servers.iter().map(|s| Endpoint::from(*s))).collect();
+    let pairs: HashSet<ConnKey> = live
+        .iter()
+        .flat_map(|(vip, servers)| servers.iter().map(|s| ConnKey { vip: Endpoint::from(*vip), server: Endpoint::from(*s) }))
+        .collect();
+    let marks = marks.iter().copied().filter(|server| !servers.contains(server)).collect();
+    let counts = counts.iter().filter(|(key, live)| *live == 0 && !pairs.contains(key)).map(|(key, _)| *key).collect();
+    (marks, counts)
+}
+
+/// Whether a map removal removed something: a key that is already gone
+/// (the kernel removed it meanwhile) is not an error.
+fn removed(result: Result<(), MapError>) -> Result<bool, MapError> {
+    match result {
+        Ok(()) => Ok(true),
+        Err(MapError::KeyNotFound) => Ok(false),
+        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+fn open_pinned_map(bpffs: &Path, name: &str) -> anyhow::Result<Map> {
+    let path = maps_dir(bpffs).join(name);
+    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
+    Map::from_map_data(data).with_context(|| format!("pinned map {} has an unexpected type", path.display()))
+}
+
+/// The pinned `META` map, if there is one.
+fn pinned_meta(bpffs: &Path) -> anyhow::Result<Option<Array<MapData, u32>>> {
+    let path = maps_dir(bpffs).join(maps::META);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let meta = Array::try_from(open_pinned_map(bpffs, maps::META)?)
+        .with_context(|| format!("pinned map {} is not an array of u32", path.display()))?;
+    Ok(Some(meta))
+}
+
+/// The layout version pinned under `bpffs`: `None` if there is no `META`
+/// map (pins of an lb from before layouts were versioned, or none at all).
+pub fn read_layout_version(bpffs: &Path) -> anyhow::Result<Option<u32>> {
+    let Some(meta) = pinned_meta(bpffs)? else { return Ok(None) };
+    let version = meta.get(&META_LAYOUT_VERSION, 0).with_context(|| format!("reading the layout version under {}", bpffs.display()))?;
+    Ok(Some(version))
+}
+
+/// The fingerprint of the programs attached under `bpffs` (see
+/// [`programs_fingerprint`]), if there is a `META` map.
+pub fn read_program_fingerprint(bpffs: &Path) -> anyhow::Result<Option<u64>> {
+    let Some(meta) = pinned_meta(bpffs)? else { return Ok(None) };
+    let read = |i| meta.get(&i, 0).with_context(|| format!("reading the programs' fingerprint under {}", bpffs.display()));
+    Ok(Some(u64::from(read(META_PROGRAMS_LOW)?) | (u64::from(read(META_PROGRAMS_HIGH)?) << 32)))
+}
+
+/// Records `fingerprint` as that of the programs attached under `bpffs`.
+/// The daemon writes its own after replacing them; a test writes another
+/// to make the next daemon replace them, as an upgrade would.
+pub fn write_program_fingerprint(bpffs: &Path, fingerprint: u64) -> anyhow::Result<()> {
+    let mut meta = pinned_meta(bpffs)?.with_context(|| format!("no META map pinned under {}", bpffs.display()))?;
+    let what = || format!("writing the programs' fingerprint under {}", bpffs.display());
+    meta.set(META_PROGRAMS_LOW, fingerprint as u32, 0).with_context(what)?;
+    meta.set(META_PROGRAMS_HIGH, (fingerprint >> 32) as u32, 0).with_context(what)?;
+    Ok(())
+}
+
+/// A fingerprint of this lb's programs: FNV-1a (64 bits) of the embedded
+/// eBPF object. Stable across runs and builds of the same object; two
+/// objects that differ get different fingerprints (barring a collision,
+/// which would only skip one replacement).
+pub fn programs_fingerprint() -> u64 {
+    static FINGERPRINT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *FINGERPRINT.get_or_init(|| {
+        EBPF_OBJECT.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3))
+    })
+}
+
+/// Loads this lb's programs on the maps pinned under `bpffs` (reused, not
+/// created) and points every pinned link at them, one `BPF_LINK_UPDATE`
+/// each: the cgroup's program is swapped in place, so each connect runs
+/// either the old program or the new one. All programs are loaded before
+/// the first link moves, so a kernel that refuses one leaves all the old
+/// ones in place. Only the programs whose links are pinned are replaced
+/// (the optional getpeername hooks may be absent).
+fn replace_programs(bpffs: &Path, bpf_log: bool) -> anyhow::Result<Option<KernelLogger>> {
+    if EBPF_OBJECT.is_empty() {
+        bail!("this lb was built with AYA_BUILD_SKIP=1 and carries no eBPF programs");
+    }
+    let log_level: u8 = if bpf_log { 0xff } else { 0 };
+    let pins: Vec<(&str, PathBuf)> = maps::ALL.iter().map(|m| (*m, maps_dir(bpffs).join(m))).collect();
+    let mut loader = EbpfLoader::new();
+    loader.override_global("AYA_LOG_LEVEL", &log_level, false);
+    for (name, path) in &pins {
+        // Reuse the pinned map (of the same layout: checked before).
+        loader.map_pin_path(name, path.as_path());
+    }
+    let mut ebpf = loader.load(EBPF_OBJECT).context("loading the eBPF object on the pinned maps")?;
+    let logger = if bpf_log { Some(aya_log::EbpfLogger::init(&mut ebpf).context("setting up --bpf-log")?) } else { None };
+    let links = links_dir(bpffs);
+    let pinned: Vec<(&str, PathBuf)> = programs::ALL.iter().map(|p| (*p, links.join(p))).filter(|(_, link)| link.exists()).collect();
+    for (name, _) in &pinned {
+        load_program(&mut ebpf, name)?;
+    }
+    for (name, link) in &pinned {
+        let program = ebpf.program(name).with_context(|| format!("program {name} missing from the eBPF object"))?;
+        let program = program.fd().with_context(|| format!("program {name}"))?;
+        let link_fd = bpf_obj_get(link).with_context(|| format!("opening pinned link {}", link.display()))?;
+        bpf_link_update(link_fd.as_fd(), program.as_fd()).with_context(|| format!("updating link {} to the new {name}", link.display()))?;
+    }
+    Ok(logger)
+}
+
+/// Loads (verifies) program `name` of `ebpf`, of the type its name says.
+fn load_program(ebpf: &mut Ebpf, name: &str) -> anyhow::Result<()> {
+    let program = ebpf.program_mut(name).with_context(|| format!("program {name} missing from the eBPF object"))?;
+    let loaded = if name == programs::SOCK_OPS {
+        <&mut SockOps>::try_from(program)?.load()
+    } else if name == programs::SOCK_RELEASE {
+        <&mut CgroupSock>::try_from(program)?.load()
+    } else {
+        <&mut CgroupSockAddr>::try_from(program)?.load()
+    };
+    loaded.with_context(|| format!("loading {name}"))
+}
+
+/// The ids of the programs the links pinned under `bpffs` run, by program
+/// name (only pinned links are listed).
+pub fn pinned_program_ids(bpffs: &Path) -> anyhow::Result<Vec<(&'static str, u32)>> {
+    let mut ids = Vec::new();
+    for name in programs::ALL {
+        let link = links_dir(bpffs).join(name);
+        if !link.exists() {
+            continue;
+        }
+        let fd = bpf_obj_get(&link).with_context(|| format!("opening pinned link {}", link.display()))?;
+        // struct bpf_link_info starts with: __u32 type, id, prog_id.
+        let mut info = [0u32; 16];
+        let mut attr = BpfAttr::default();
+        attr.set_u32(0, fd.as_raw_fd() as u32);
+        attr.set_u32(4, std::mem::size_of_val(&info) as u32);
+        attr.set_u64(8, info.as_mut_ptr() as u64);
+        bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr).with_context(|| format!("reading the info of link {}", link.display()))?;
+        ids.push((name, info[2]));
+    }
+    Ok(ids)
+}
+
+// The bpf(2) commands aya 0.14 does not expose for pinned links.
+const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+const BPF_LINK_UPDATE: libc::c_long = 29;
+
+/// A `union bpf_attr`, zeroed, written by byte offset (the layouts are the
+/// kernel's UAPI, `include/uapi/linux/bpf.h`). The kernel reads as much of
+/// it as it knows and requires the rest to be zero.
+#[repr(C, align(8))]
+struct BpfAttr([u8; 128]);
+
+impl Default for BpfAttr {
+    fn default() -> Self {
+        Self([0; 128])
+    }
+}
+
+impl BpfAttr {
+    fn set_u32(&mut self, offset: usize, value: u32) {
+        self.0[offset..offset + 4].copy_from_slice(&value.to_ne_bytes());
+    }
+    fn set_u64(&mut self, offset: usize, value: u64) {
+        self.0[offset..offset + 8].copy_from_slice(&value.to_ne_bytes());
+    }
+}
+
+fn bpf(cmd: libc::c_long, attr: &mut BpfAttr) -> io::Result<libc::c_long> {
+    // SAFETY: `attr` is a zero-initialized union bpf_attr of the size we pass,
+    // whose pointer fields point at memory that outlives the call.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.0.as_mut_ptr(), std::mem::size_of::<BpfAttr>()) };
+    if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(rc) }
+}
+
+/// `BPF_OBJ_GET`: a new file descriptor for the object pinned at `path`.
+fn bpf_obj_get(path: &Path) -> io::Result<OwnedFd> {
+    let path = CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let mut attr = BpfAttr::default();
+    // pathname (__aligned_u64), bpf_fd, file_flags.
+    attr.set_u64(0, path.as_ptr() as u64);
+    let fd = bpf(BPF_OBJ_GET, &mut attr)?;
+    // SAFETY: the kernel returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// `BPF_LINK_UPDATE`: `link` runs `program` from now on (atomically).
+fn bpf_link_update(link: BorrowedFd<'_>, program: BorrowedFd<'_>) -> io::Result<()> {
+    let mut attr = BpfAttr::default();
+    // link_update: link_fd, new_prog_fd, flags (0: whatever runs now), old_prog_fd.
+    attr.set_u32(0, link.as_raw_fd() as u32);
+    attr.set_u32(4, program.as_raw_fd() as u32);
+    bpf(BPF_LINK_UPDATE, &mut attr).map(drop)
+}
+
+/// Refuses pins of another layout than this lb's, saying what to run.
+fn check_layout(bpffs: &Path, found: Option<u32>) -> anyhow::Result<()> {
+    if found == Some(LAYOUT_VERSION) {
+        return Ok(());
+    }
+    let found = match found {
+        Some(version) => format!("map layout version {version}"),
+        None => "no map layout version (they were made by an lb from before layouts were versioned)".to_owned(),
+    };
+    bail!(
+        "refusing to adopt the datapath pinned under {}: its maps have {found}, and this lb uses version \
+         {LAYOUT_VERSION}. Run `lb detach --config <this config>` to remove it, then start lb again \
+         (until then connects to VIPs are not rewritten; established connections are not touched)",
+        bpffs.display()
+    )
+}
+
+/// The exclusive `flock` on a pin directory: one daemon per set of pins.
+struct PinLock {
+    _dir: File,
+}
+
+impl PinLock {
+    /// Locks `bpffs` (a directory that exists) without waiting; if another
+    /// process holds it, fails naming that process.
+    fn acquire(bpffs: &Path) -> anyhow::Result<Self> {
+        let dir = File::open(bpffs).with_context(|| format!("opening {} to lock it", bpffs.display()))?;
+        // SAFETY: flock on a file descriptor we own.
+        if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(Self { _dir: dir });
+        }
+        let error = io::Error::last_os_error();
+        if error.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(error).with_context(|| format!("locking {}", bpffs.display()));
+        }
+        let holder = dir
+            .metadata()
+            .ok()
+            .and_then(|meta| lock_holder(&std::fs::read_to_string("/proc/locks").ok()?, meta.dev(), meta.ino()))
+            .map_or_else(|| "another process (see /proc/locks)".to_owned(), describe_process);
+        bail!(
+            "another lb daemon already runs on the pins under {}: {holder} holds its lock. Two daemons on one set \
+             of pins would overwrite each other's selections. Stop that daemon first, or give this one its own \
+             `[daemon] bpffs` directory (and `cgroup`)",
+            bpffs.display()
+        )
+    }
+}
+
+/// The pid holding a `flock` on the file (`dev`, `ino`), from the text of
+/// `/proc/locks` (`1: FLOCK  ADVISORY  WRITE 1234 00:2d:5678 0 EOF`; the
+/// device as hex major:minor).
+fn lock_holder(locks: &str, dev: u64, ino: u64) -> Option<i32> {
+    let want = format!("{:02x}:{:02x}:{ino}", libc::major(dev), libc::minor(dev));
+    locks.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        // Waiters are listed as `1: -> FLOCK ...`; skip them.
+        if fields.get(1) != Some(&"FLOCK") || fields.get(5) != Some(&want.as_str()) {
+            return None;
+        }
+        fields.get(4)?.parse().ok()
+    })
+}
+
+/// "pid N (`its command line`)".
+fn describe_process(pid: i32) -> String {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let words: Vec<String> = cmdline.split(|b| *b == 0).filter(|w| !w.is_empty()).map(|w| String::from_utf8_lossy(w).into_owned()).collect();
+    if words.is_empty() { format!("pid {pid}") } else { format!("pid {pid} (`{}`)", words.join(" ")) }
+}
+
+/// What `Scope::Host` writes into a service value: this process's network
+/// namespace cookie (`SO_NETNS_COOKIE`, Linux 5.14+); on an older kernel,
+/// [`NETNS_INITIAL`] if this process is in the initial network namespace
+/// (the kernel program then asks for that cookie itself); otherwise `None`.
+fn host_netns_cookie() -> Option<u64> {
+    match own_netns_cookie() {
+        Ok(cookie) => Some(cookie),
+        Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => in_initial_netns().then_some(NETNS_INITIAL),
+        Err(e) => {
+            warn!("reading this network namespace's cookie (SO_NETNS_COOKIE): {e}");
+            in_initial_netns().then_some(NETNS_INITIAL)
+        }
+    }
+}
+
+fn own_netns_cookie() -> io::Result<u64> {
+    // Any socket answers for its network namespace; a Unix one touches no
+    // network stack (and no cgroup socket hook).
+    // SAFETY: plain socket call.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: we own the new descriptor.
+    let socket = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: a valid socket and an out-buffer of the size we pass.
+    let rc = unsafe {
+        libc::getsockopt(socket.as_raw_fd(), libc::SOL_SOCKET, libc::SO_NETNS_COOKIE, (&raw mut cookie).cast(), &mut len)
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cookie)
+}
+
+/// Whether this process is in the initial network namespace: the same as
+/// pid 1's, where pid 1 is the real init (this process is in the initial
+/// pid namespace, whose inode number is fixed: `PROC_PID_INIT_INO`).
+fn in_initial_netns() -> bool {
+    const PROC_PID_INIT_INO: u64 = 0xEFFF_FFFC;
+    let ns = |path: &str| std::fs::metadata(path).map(|m| (m.dev(), m.ino())).ok();
+    let initial_pid_ns = ns("/proc/self/ns/pid").is_some_and(|(_, ino)| ino == PROC_PID_INIT_INO);
+    initial_pid_ns && ns("/proc/self/ns/net").is_some() && ns("/proc/self/ns/net") == ns("/proc/1/ns/net")
 }
 
 /// Loads and attaches every program and pins its link. Returns whether the
@@ -323,7 +865,9 @@ fn load_and_attach(ebpf: &mut Ebpf, bpffs: &Path, cgroup: &Path) -> anyhow::Resu
                 }
                 getpeername = false;
             }
-            Err(e) => return Err(e.context("this kernel lacks a feature lb needs (cgroup connect hooks and sock_ops, Linux 5.10+)")),
+            Err(e) => {
+                return Err(e.context("this kernel lacks a feature lb needs (cgroup connect hooks, sock_ops and sock_release, Linux 5.10+)"));
+            }
         }
     }
     if !getpeername {
@@ -345,6 +889,11 @@ fn attach_one(ebpf: &mut Ebpf, name: &str, cgroup_dir: &File, cgroup: &Path, lin
         program.load().with_context(|| format!("loading {name}"))?;
         let id = program.attach(cgroup_dir, mode).with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
         program.take_link(id)?.try_into()?
+    } else if name == programs::SOCK_RELEASE {
+        let program: &mut CgroupSock = program.try_into()?;
+        program.load().with_context(|| format!("loading {name}"))?;
+        let id = program.attach(cgroup_dir, mode).with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+        program.take_link(id)?.try_into()?
     } else {
         let program: &mut CgroupSockAddr = program.try_into()?;
         program.load().with_context(|| format!("loading {name}"))?;
@@ -357,9 +906,21 @@ fn attach_one(ebpf: &mut Ebpf, name: &str, cgroup_dir: &File, cgroup: &Path, lin
     Ok(())
 }
 
-/// Removes every pinned link and map under `bpffs`: the programs detach and
-/// the maps are freed once no process holds them. Returns what was removed.
+/// Removes every pinned link and map under `bpffs`, and the directories:
+/// the programs detach and the maps are freed once no process holds them.
+/// Returns what was removed.
 pub fn detach(bpffs: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let removed = remove_pins(bpffs)?;
+    match std::fs::remove_dir(bpffs) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => warn!(dir = %bpffs.display(), "could not remove: {e}"),
+    }
+    Ok(removed)
+}
+
+/// As [`detach`], but keeps `bpffs` itself (a daemon holds it locked).
+fn remove_pins(bpffs: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
     for name in programs::ALL {
         let path = links_dir(bpffs).join(name);
@@ -378,7 +939,7 @@ pub fn detach(bpffs: &Path) -> anyhow::Result<Vec<PathBuf>> {
             Err(e) => return Err(e).with_context(|| format!("removing {}", path.display())),
         }
     }
-    for dir in [links_dir(bpffs), maps_dir(bpffs), bpffs.to_path_buf()] {
+    for dir in [links_dir(bpffs), maps_dir(bpffs)] {
         match std::fs::remove_dir(&dir) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -473,11 +1034,70 @@ mod tests {
             hold_down: Duration::from_millis(1500),
             scope: Scope::Host,
         };
-        let value = entry.to_value();
+        let value = entry.to_value(42);
+        assert_eq!(value.netns_cookie, 42, "host scope: the daemon's namespace");
+        assert_eq!(VipEntry { scope: Scope::All, ..entry.clone() }.to_value(42).netns_cookie, NETNS_ANY);
         assert_eq!(value.count, 2);
         assert_eq!(value.spread, 2);
         assert_eq!(value.hold_down_ns, 1_500_000_000);
         assert_eq!(SocketAddr::from(value.servers[1]), "127.0.0.3:81".parse().unwrap());
         assert_eq!(value.servers[2], Endpoint::default());
+    }
+
+    #[test]
+    fn forget_takes_only_what_no_service_has() {
+        let a = |s: &str| -> SocketAddr { s.parse().unwrap() };
+        let (vip1, vip2) = (a("127.0.0.1:80"), a("127.0.0.1:81"));
+        let (s1, s2, s3) = (a("10.0.0.1:80"), a("10.0.0.2:80"), a("10.0.0.3:80"));
+        let pair = |vip, server| ConnKey { vip: Endpoint::from(vip), server: Endpoint::from(server) };
+        let live = [(vip1, vec![s1]), (vip2, vec![s2])];
+        let marks = [s1, s2, s3].map(Endpoint::from);
+        let counts = [
+            (pair(vip1, s1), 0), // configured: stays
+            (pair(vip1, s2), 0), // s2 is only vip2's now: goes, though s2's mark stays
+            (pair(vip1, s3), 2), // removed, but two connections still open: stays
+            (pair(vip2, s3), 0), // removed and idle: goes
+        ];
+        let (marks, counts) = to_forget(&live, &marks, &counts);
+        assert_eq!(marks, vec![Endpoint::from(s3)]);
+        assert_eq!(counts, vec![pair(vip1, s2), pair(vip2, s3)]);
+        assert_eq!(to_forget(&live, &[], &[]), (vec![], vec![]));
+    }
+
+    #[test]
+    fn only_pins_of_this_layout_are_adopted() {
+        let bpffs = Path::new("/sys/fs/bpf/lb");
+        assert!(check_layout(bpffs, Some(LAYOUT_VERSION)).is_ok());
+        for found in [None, Some(1), Some(LAYOUT_VERSION + 1)] {
+            let error = format!("{:#}", check_layout(bpffs, found).unwrap_err());
+            assert!(error.contains("/sys/fs/bpf/lb") && error.contains("`lb detach"), "{error}");
+        }
+        let old = format!("{:#}", check_layout(bpffs, None).unwrap_err());
+        assert!(old.contains("before layouts were versioned"), "{old}");
+    }
+
+    #[test]
+    fn finds_who_holds_a_lock_in_proc_locks() {
+        let dev = libc::makedev(0, 0x2d);
+        let locks = "1: POSIX  ADVISORY  WRITE 77 00:2d:1234 0 EOF\n\
+                     2: FLOCK  ADVISORY  WRITE 4242 00:2d:1234 0 EOF\n\
+                     2: -> FLOCK  ADVISORY  WRITE 99 00:2d:1234 0 EOF\n\
+                     3: FLOCK  ADVISORY  WRITE 5 00:2e:1234 0 EOF\n";
+        assert_eq!(lock_holder(locks, dev, 1234), Some(4242));
+        assert_eq!(lock_holder(locks, dev, 999), None);
+    }
+
+    #[test]
+    fn a_second_lock_on_a_directory_fails_naming_the_holder() {
+        let dir = std::env::temp_dir().join(format!("lb-pinlock-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let first = PinLock::acquire(&dir).unwrap();
+        // flock locks belong to the open file: a second open conflicts even
+        // in the same process, as a second daemon's would.
+        let error = format!("{:#}", PinLock::acquire(&dir).err().expect("the second lock must fail"));
+        assert!(error.contains(&format!("pid {}", std::process::id())), "{error}");
+        drop(first);
+        assert!(PinLock::acquire(&dir).is_ok(), "the lock goes with its holder");
+        std::fs::remove_dir(&dir).unwrap();
     }
 }

@@ -36,6 +36,7 @@ use std::{
 };
 
 pub mod load;
+pub mod hardening;
 
 /// Whether privileged tests can run here. Without root they are skipped with
 /// a printed reason, except under `CI=true`, where that is a failure.
