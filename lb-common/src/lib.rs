@@ -38,7 +38,8 @@ pub const EVENTS_BYTES: u32 = 256 * 1024;
 /// 1 (implicit: no `META` map): up to the hardening of issue 10.
 /// 2: `META`; `SOCKETS` a plain hash map of TCP sockets, `SOCKETS_UDP`;
 /// `Service::netns_cookie`; the `lb_sock_release` program.
-pub const LAYOUT_VERSION: u32 = 2;
+/// 3: `Service::daemon_states`.
+pub const LAYOUT_VERSION: u32 = 3;
 
 /// Index of the layout version in `META`.
 pub const META_LAYOUT_VERSION: u32 = 0;
@@ -148,11 +149,23 @@ pub struct Service {
     /// the cookie of the one network namespace (the daemon's) whose
     /// sockets are rewritten; others are left alone.
     pub netns_cookie: u64,
+    /// The daemon's state of each server in `servers`, in its own encoding:
+    /// written and read only by the daemon (the kernel never looks), so
+    /// that a restarted daemon starts from what the previous one knew, e.g.
+    /// which servers had failed, even after their failure marks expired.
+    pub daemon_states: [u8; MAX_SERVERS],
 }
 
 impl Default for Service {
     fn default() -> Self {
-        Self { servers: [Endpoint::default(); MAX_SERVERS], count: 0, spread: 1, hold_down_ns: 0, netns_cookie: NETNS_ANY }
+        Self {
+            servers: [Endpoint::default(); MAX_SERVERS],
+            count: 0,
+            spread: 1,
+            hold_down_ns: 0,
+            netns_cookie: NETNS_ANY,
+            daemon_states: [0; MAX_SERVERS],
+        }
     }
 }
 
@@ -408,7 +421,7 @@ const _: () = {
 
 // The kernel and the daemon must agree on these byte for byte.
 const _: () = assert!(core::mem::size_of::<Endpoint>() == 20);
-const _: () = assert!(core::mem::size_of::<Service>() == 20 * MAX_SERVERS + 24);
+const _: () = assert!(core::mem::size_of::<Service>() == 20 * MAX_SERVERS + 24 + MAX_SERVERS);
 const _: () = assert!(core::mem::size_of::<SockEntry>() == 48);
 const _: () = assert!(core::mem::size_of::<ConnKey>() == 40);
 const _: () = assert!(core::mem::size_of::<Event>() == 64);

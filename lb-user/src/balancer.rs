@@ -112,6 +112,35 @@ impl State {
         }
     }
 
+    /// The encoding kept in the kernel (`Service::daemon_states`); 0 is
+    /// "unknown".
+    pub const fn code(self) -> u8 {
+        match self {
+            Self::Invalid => 0,
+            Self::Failed => 1,
+            Self::Standby => 2,
+            Self::Unchecked => 3,
+            Self::Recovering => 4,
+            Self::Healthy => 5,
+            Self::Preferred => 6,
+            Self::Active => 7,
+        }
+    }
+
+    /// The state a [`Self::code`] names, if any.
+    pub const fn from_code(code: u8) -> Option<Self> {
+        Some(match code {
+            1 => Self::Failed,
+            2 => Self::Standby,
+            3 => Self::Unchecked,
+            4 => Self::Recovering,
+            5 => Self::Healthy,
+            6 => Self::Preferred,
+            7 => Self::Active,
+            _ => return None,
+        })
+    }
+
     const fn is_healthy_class(self) -> bool {
         matches!(self, Self::Active | Self::Preferred | Self::Healthy)
     }
@@ -521,33 +550,58 @@ impl Balancer {
     }
 
     /// Adopting a running datapath: the kernel already holds `selection`
-    /// for this service (the previous daemon's, with the failures it had
-    /// learned). It stays, unwritten, until every listed server has a first
-    /// result of this daemon's own (or something must be closed, or
+    /// for this service, with the previous daemon's `states` of its
+    /// servers ([`State::code`]) and the failures it learned itself.
+    ///
+    /// Servers the previous daemon had failed start failed. The selection
+    /// stays, unwritten, until every listed server has a first result of
+    /// this daemon's own (or something must be closed, or
     /// [`FIRST_ELECTION_WAIT`] passes), instead of being overwritten at
     /// once by a fresh, all-unchecked order that would put a server that
-    /// is down back in front. The kernel's first server wins the first
-    /// election among equals. Servers in `failed_recently` (the kernel's
-    /// failure marks) are suspect and checked at once; with
-    /// `check = "none"`, which has no check to ask, they start failed.
-    pub fn adopt(&mut self, selection: Selection, failed_recently: &[SocketAddr], now: Instant) -> Vec<Effect> {
-        self.adopted_first = selection.servers.first().copied();
-        self.written = Some(selection);
-        self.hold_writes_until = Some(now + FIRST_ELECTION_WAIT);
+    /// is down back in front. The previous active server (else the
+    /// kernel's first) wins the first election among equals. Servers in
+    /// `failed_recently` (the kernel's failure marks) are suspect and
+    /// checked at once; with `check = "none"`, which has no check to ask,
+    /// they start failed.
+    pub fn adopt(&mut self, selection: Selection, states: &[u8], failed_recently: &[SocketAddr], now: Instant) -> Vec<Effect> {
+        let previous = |addr: SocketAddr| {
+            let slot = selection.servers.iter().position(|s| *s == addr)?;
+            states.get(slot).copied().and_then(State::from_code)
+        };
+        let active = selection.servers.iter().copied().find(|s| previous(*s) == Some(State::Active));
+        self.adopted_first = active.or_else(|| selection.servers.first().copied());
         let mut step = Step::begin(self);
         for i in 0..self.servers.len() {
             let server = &mut self.servers[i];
-            if !failed_recently.contains(&server.addr) || server.state == State::Standby {
+            if server.state == State::Standby {
                 continue;
             }
-            if self.checks.passive_only {
-                self.fail(i, "the kernel marked it failed before this daemon started", now, &mut step);
-            } else {
-                server.suspect = true;
-                step.effects.push(Effect::CheckNow { server: server.addr });
+            if previous(server.addr) == Some(State::Failed) {
+                self.fail(i, "it had failed before this daemon started (kept in the kernel)", now, &mut step);
+            } else if failed_recently.contains(&server.addr) {
+                if self.checks.passive_only {
+                    self.fail(i, "the kernel marked it failed before this daemon started", now, &mut step);
+                } else {
+                    server.suspect = true;
+                    step.effects.push(Effect::CheckNow { server: server.addr });
+                }
             }
         }
+        self.written = Some(selection);
+        self.hold_writes_until = Some(now + FIRST_ELECTION_WAIT);
         self.settle(step, now)
+    }
+
+    /// The states of `servers` ([`State::code`]; 0 for one not here), to
+    /// keep in the kernel beside the selection.
+    pub fn state_codes(&self, servers: &[SocketAddr]) -> Vec<u8> {
+        servers.iter().map(|addr| self.server(*addr).map_or(0, |s| s.state.code())).collect()
+    }
+
+    /// The selection the kernel holds as far as this balancer knows (the
+    /// last one written), unless an adopted selection is still held.
+    pub fn written(&self) -> Option<&Selection> {
+        if self.hold_writes_until.is_some() { None } else { self.written.as_ref() }
     }
 
     /// The selection for the kernel, as it follows from the states now.

@@ -144,6 +144,16 @@ pub struct DatapathStatus {
     /// Optional kernel features and whether this kernel has them.
     #[serde(default)]
     pub features: Features,
+    /// Sockets the kernel tracks as connected through a VIP, by table.
+    #[serde(default)]
+    pub tracked_sockets: TrackedSockets,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrackedSockets {
+    pub tcp: usize,
+    /// Connected UDP sockets (tracked apart: they never take TCP's slots).
+    pub udp: usize,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -152,6 +162,10 @@ pub struct Features {
     pub getpeername: bool,
     /// Netlink SOCK_DESTROY (CONFIG_INET_DIAG_DESTROY): closing connections.
     pub sock_destroy: bool,
+    /// `scope = "host"` can tell network namespaces apart (Linux 5.14+, or
+    /// the daemon in the initial namespace); without it, host acts as all.
+    #[serde(default)]
+    pub netns_scope: bool,
 }
 
 /// Sends one request to the daemon behind `socket` and returns its answer.

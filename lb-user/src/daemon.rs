@@ -27,9 +27,9 @@ use tokio::{
 use tracing::{debug, error, info, warn};
 
 use crate::{
-    balancer::{Balancer, Checks, CloseReason, Connection, Effect, Health, Readiness, State},
+    balancer::{Balancer, Checks, CloseReason, Connection, Effect, Health, Readiness, Selection, State},
     config::{self, CheckKind, Config},
-    control::{self, ConfigStatus, DatapathStatus, DiscoveryStatus, Features, ReloadStatus, Request, Response, Status},
+    control::{self, ConfigStatus, DatapathStatus, DiscoveryStatus, Features, ReloadStatus, Request, Response, Status, TrackedSockets},
     datapath::{self, Datapath, VipEntry},
     discovery,
     health::{Checker, Tls},
@@ -105,8 +105,14 @@ impl Service {
         (Self { config, tls, balancer, checks: HashMap::new(), discovery: None }, effects)
     }
 
+    /// The kernel's value for this service: its selection now.
     fn entry(&self) -> VipEntry {
-        VipEntry { vip: self.config.vip, selection: self.balancer.selection(), hold_down: self.config.hold_down, scope: self.config.scope }
+        self.entry_for(self.balancer.selection())
+    }
+
+    fn entry_for(&self, selection: Selection) -> VipEntry {
+        let states = self.balancer.state_codes(&selection.servers);
+        VipEntry { vip: self.config.vip, selection, hold_down: self.config.hold_down, scope: self.config.scope, states }
     }
 
     fn stop_checks(&mut self) {
@@ -228,7 +234,16 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     let initial: Vec<VipEntry> = services.iter().map(Service::entry).collect();
 
     let bpffs = config.daemon.bpffs.clone();
-    let mut datapath = Datapath::open(&bpffs, &cgroup, &initial, options.bpf_log)?;
+    let mut datapath = match Datapath::open(&bpffs, &cgroup, &initial, options.bpf_log) {
+        Ok(datapath) => datapath,
+        Err(e) => {
+            // E.g. another daemon holds these pins: leave no socket file
+            // behind that looks like ours.
+            drop(listener);
+            let _ = std::fs::remove_file(&socket_path);
+            return Err(e);
+        }
+    };
     let (tx, mut rx) = mpsc::channel(4096);
     if let Some(events) = datapath.take_events() {
         tokio::spawn(forward_events(events, tx.clone()));
@@ -371,7 +386,9 @@ impl Daemon {
                 info!(service = %service.config.name, selection = ?kernel, recently_failed = ?failed, "adopted the kernel's selection");
                 entry.selection.servers = kernel;
                 entry.selection.spread = self.datapath.spread(entry.vip);
-                let effects = service.balancer.adopt(entry.selection.clone(), &failed, Instant::now());
+                let states = self.datapath.daemon_states(entry.vip);
+                let effects = service.balancer.adopt(entry.selection.clone(), &states, &failed, Instant::now());
+                entry.states = states;
                 entries.push(entry);
                 self.apply(i, effects);
             } else {
@@ -431,7 +448,7 @@ impl Daemon {
                     if let Some(discovery) = &service.discovery {
                         discovery.usable.send_replace(selection.servers.clone());
                     }
-                    let entry = VipEntry { vip: service.config.vip, selection, hold_down: service.config.hold_down, scope: service.config.scope };
+                    let entry = service.entry_for(selection);
                     match self.datapath.write(&entry) {
                         Ok(()) => {
                             info!(service = %name, selection = ?entry.selection.servers, spread = entry.selection.spread, "selection written");
@@ -445,6 +462,17 @@ impl Daemon {
                     Some(check) => check.now.notify_one(),
                     None => warn!(service = %name, %server, "no check task to confirm a kernel report with"),
                 },
+            }
+        }
+        // States changed without a new selection: keep the kernel's copy of
+        // them current too (one whole-value update, only if it differs), so
+        // that a restarted daemon starts from them.
+        if changed_servers {
+            let service = &self.services[i];
+            if let Some(written) = service.balancer.written()
+                && let Err(e) = self.datapath.write(&service.entry_for(written.clone()))
+            {
+                error!(service = %service.config.name, "writing the server states failed: {e:#}");
             }
         }
         // After the new selection is written, so that a client reconnecting
@@ -529,10 +557,14 @@ impl Daemon {
             warn!(service = %name, truncated, "the source lists more endpoints than a service holds; the best 16 are used");
         }
         let effects = self.services[i].balancer.set_endpoints(list, default, Instant::now());
+        let removed = effects.iter().any(|e| matches!(e, Effect::StateChanged { to: State::Invalid, .. }));
         if !effects.is_empty() {
             info!(service = %name, servers = ?servers, "applying the discovered list");
         }
         self.apply(i, effects);
+        if removed {
+            self.forget_stale();
+        }
         let config = &self.services[i].config;
         let drained = list.iter().filter(|(_, r)| *r != Readiness::Ready).map(|(addr, _)| *addr).collect();
         let now_unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
@@ -547,6 +579,18 @@ impl Daemon {
             }
         }
         Ok(())
+    }
+
+    /// Removes from the kernel what it keeps about servers no longer in
+    /// any service (failure marks, zero connection counts), so that maps
+    /// do not fill up with the dead. After every change of server lists.
+    fn forget_stale(&mut self) {
+        let live: Vec<(SocketAddr, Vec<SocketAddr>)> =
+            self.services.iter().map(|s| (s.config.vip, s.balancer.servers().iter().map(|server| server.addr).collect())).collect();
+        match self.datapath.forget(&live) {
+            Ok(forgotten) => debug!(?forgotten, "forgot what the kernel kept about removed servers"),
+            Err(e) => warn!("cleaning the kernel's maps of removed servers failed: {e:#}"),
+        }
     }
 
     fn on_tick(&mut self, now: Instant) {
@@ -746,6 +790,7 @@ impl Daemon {
                 discovered_at: None,
             },
         );
+        self.forget_stale();
         self.saved.save(&self.config.daemon.state_dir).context("saving the server list to the state directory")?;
         info!(service = name, ?servers, ?default, "server list set");
         Ok(())
@@ -776,7 +821,11 @@ impl Daemon {
                 bpffs: self.config.daemon.bpffs.display().to_string(),
                 adopted: self.datapath.adopted,
                 counters: self.datapath.counters().into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
-                features: Features { getpeername: self.datapath.getpeername, sock_destroy: self.sock_destroy },
+                features: Features { getpeername: self.datapath.getpeername, sock_destroy: self.sock_destroy, netns_scope: self.datapath.netns_scope },
+                tracked_sockets: {
+                    let (tcp, udp) = self.datapath.tracked_sockets();
+                    TrackedSockets { tcp, udp }
+                },
             },
         }
     }
@@ -889,6 +938,7 @@ impl Daemon {
         if let Err(e) = self.datapath.reconcile(&entries) {
             error!("reload: writing the datapath failed: {e:#}");
         }
+        self.forget_stale();
         // A removed VIP no longer rewrites; its connections are closed
         // (unless another service has taken the VIP over).
         for service in &self.services {

@@ -112,6 +112,9 @@ pub struct VipEntry {
     pub hold_down: Duration,
     /// Whose connects are rewritten: this network namespace's, or all.
     pub scope: Scope,
+    /// The daemon's state of each server of the selection
+    /// (`Service::daemon_states`), kept in the kernel for a restarted daemon.
+    pub states: Vec<u8>,
 }
 
 /// A live socket that connected through a VIP (from the kernel's table).
@@ -134,6 +137,9 @@ impl VipEntry {
         value.count = servers.len().min(MAX_SERVERS) as u32;
         value.spread = self.selection.spread.clamp(1, MAX_SERVERS) as u32;
         value.hold_down_ns = u64::try_from(self.hold_down.as_nanos()).unwrap_or(u64::MAX);
+        for (slot, state) in value.daemon_states.iter_mut().zip(&self.states) {
+            *slot = *state;
+        }
         value.netns_cookie = match self.scope {
             Scope::Host => host_netns,
             Scope::All => NETNS_ANY,
@@ -352,6 +358,15 @@ impl Datapath {
     /// The spread width the kernel holds for `vip` (1 when unknown).
     pub fn spread(&self, vip: SocketAddr) -> usize {
         self.maps.spread(vip)
+    }
+
+    /// The daemon's states the kernel holds for the selection of `vip`
+    /// (`Service::daemon_states`, one per selected server).
+    pub fn daemon_states(&self, vip: SocketAddr) -> Vec<u8> {
+        match self.maps.services.get(&Endpoint::from(vip), 0) {
+            Ok(value) => value.daemon_states.iter().take(value.count as usize).copied().collect(),
+            Err(_) => Vec::new(),
+        }
     }
 
     /// Live connections through `vip` to `server`.
@@ -1033,6 +1048,7 @@ mod tests {
             selection: Selection { servers: vec!["127.0.0.2:80".parse().unwrap(), "127.0.0.3:81".parse().unwrap()], spread: 2 },
             hold_down: Duration::from_millis(1500),
             scope: Scope::Host,
+            states: vec![7, 1],
         };
         let value = entry.to_value(42);
         assert_eq!(value.netns_cookie, 42, "host scope: the daemon's namespace");
@@ -1042,6 +1058,7 @@ mod tests {
         assert_eq!(value.hold_down_ns, 1_500_000_000);
         assert_eq!(SocketAddr::from(value.servers[1]), "127.0.0.3:81".parse().unwrap());
         assert_eq!(value.servers[2], Endpoint::default());
+        assert_eq!(value.daemon_states[..3], [7, 1, 0]);
     }
 
     #[test]

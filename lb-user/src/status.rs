@@ -124,7 +124,12 @@ pub fn table(status: &Status) -> String {
         datapath.bpffs,
         if datapath.adopted { "  (adopted from a previous run)" } else { "" }
     );
-    for (name, present) in [("getpeername hooks", datapath.features.getpeername), ("closing connections (SOCK_DESTROY)", datapath.features.sock_destroy)] {
+    let _ = writeln!(out, "tracked sockets: {} tcp, {} udp", datapath.tracked_sockets.tcp, datapath.tracked_sockets.udp);
+    for (name, present) in [
+        ("getpeername hooks", datapath.features.getpeername),
+        ("closing connections (SOCK_DESTROY)", datapath.features.sock_destroy),
+        ("network namespace scope (scope = \"host\" acts as \"all\")", datapath.features.netns_scope),
+    ] {
         if !present {
             let _ = writeln!(out, "degraded: this kernel lacks {name}");
         }

@@ -431,6 +431,43 @@ fn restart_restores_the_runtime_server_list() {
     assert_eq!(landed(&inside.connect(vip)), "s2");
 }
 
+/// Hardening #4: a daemon restarted during an outage starts from what the
+/// kernel learned. Server 1 accepts nothing and was failed by the kernel's
+/// report more than a hold-down ago, so no kernel mark protects it any
+/// more; with `check = "none"` there is no check to ask after the restart
+/// either: only what the kernel holds about the previous daemon's view
+/// keeps connects off server 1.
+#[test]
+fn restart_during_an_outage_sends_no_connect_to_the_dead_server() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("adopt");
+    let hung = full_listener(addr(34, 1, 0));
+    let hung_addr = hung.addr;
+    let good = Backend::start("good", addr(34, 2, 0));
+    let vip = addr(34, 100, 6444);
+    let config = ServiceBuilder::new("api", vip).servers(&[hung_addr, good.addr]).hold_down(HOLD_DOWN).check(Check::None).toml();
+    let mut daemon = Daemon::start("adopt", &cgroup, &config);
+    let mut inside = client(&cgroup);
+    // The first connect meets the full queue; its SYN timeout is the report.
+    assert!(matches!(inside.connect(vip), Connect::Err(_)));
+    wait_state(&daemon, hung_addr, "failed");
+    assert_eq!(landed(&inside.connect(vip)), "good");
+    std::thread::sleep(HOLD_DOWN * 2);
+    assert_eq!(server_field(&daemon, hung_addr, "recently_failed"), false, "the kernel's mark must have expired");
+    daemon.kill();
+    daemon.restart();
+    for n in 0..20 {
+        let answer = inside.connect(vip);
+        assert!(matches!(&answer, Connect::Ok { greeting, .. } if greeting == "good"), "connect {n} after the restart: {answer:?}\n{}", daemon.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(server_field(&daemon, hung_addr, "state"), "failed", "{}", daemon.log());
+    assert_eq!(daemon.status()["services"][0]["selected"][0], good.addr.to_string());
+    drop(hung);
+}
+
 /// A server that accepts nothing (its accept queue is full, so SYNs are
 /// dropped): sock_ops sees the SYN go unanswered for a retransmission
 /// timeout and marks it at once, well before the application gives up.

@@ -257,10 +257,9 @@ fn forget_removes_what_the_kernel_keeps_about_removed_servers() {
 }
 
 /// Issue 10, item 7, end to end: the daemon forgets a server removed with
-/// `lb servers`. Needs the daemon to call `Datapath::forget` after every
-/// change of its server lists (lead's wiring).
+/// `lb servers` (the daemon calls `Datapath::forget` after every change of
+/// its server lists: `lb servers`, reloads, discovered lists).
 #[test]
-#[ignore = "needs the daemon to call Datapath::forget after `lb servers` and reloads"]
 fn removing_a_server_forgets_its_failure_mark() {
     if !privileged() {
         return;

@@ -311,7 +311,7 @@ fn behaviour_4_one_ambiguous_report_never_resets_a_healthy_server() {
 fn adopting_keeps_the_kernels_selection_until_every_server_has_a_result() {
     let mut sim = Sim::new(Policy::Spread, CHECKS, &[a(1), a(2), a(3), a(4)], None);
     let kernel = Selection { servers: vec![a(1), a(2), a(4), a(3)], spread: 3 };
-    assert_eq!(sim.lb.adopt(kernel.clone(), &[], sim.now), []);
+    assert_eq!(sim.lb.adopt(kernel.clone(), &[], &[], sim.now), []);
     sim.advance(Duration::from_secs(1));
     assert_eq!(writes(&sim.effects), 0, "the first tick keeps the kernel's selection");
     sim.pass(a(1));
@@ -327,14 +327,14 @@ fn adopting_keeps_the_kernels_selection_until_every_server_has_a_result() {
 fn adopting_failover_keeps_the_kernels_active_server() {
     let mut sim = Sim::failover(&[a(1), a(2)]);
     let kernel = Selection { servers: vec![a(2), a(1)], spread: 1 };
-    assert_eq!(sim.lb.adopt(kernel, &[a(1)], sim.now), [Effect::CheckNow { server: a(1) }]);
+    assert_eq!(sim.lb.adopt(kernel, &[], &[a(1)], sim.now), [Effect::CheckNow { server: a(1) }]);
     assert_eq!(writes(sim.pass(a(1))), 0, "server 2 has no result yet");
     let effects = sim.pass(a(2)).to_vec();
     assert_eq!(sim.state(a(2)), State::Active, "the kernel's first server wins among equals: {effects:?}");
     assert_eq!(writes(&effects), 0);
     // Nor is the hold forever.
     let mut sim = Sim::failover(&[a(1), a(2)]);
-    sim.lb.adopt(Selection { servers: vec![a(2), a(1)], spread: 1 }, &[], sim.now);
+    sim.lb.adopt(Selection { servers: vec![a(2), a(1)], spread: 1 }, &[], &[], sim.now);
     sim.pass(a(1));
     sim.advance(FIRST_ELECTION_WAIT);
     assert_eq!(writes(&sim.effects), 1, "{:?}", sim.effects);
@@ -344,9 +344,29 @@ fn adopting_failover_keeps_the_kernels_active_server() {
 fn adopting_with_passive_checks_fails_what_the_kernel_marked() {
     let checks = Checks { rise: 1, fall: 3, passive_only: true };
     let mut sim = Sim::new(Policy::Failover, checks, &[a(1), a(2)], None);
-    let effects = sim.lb.adopt(Selection { servers: vec![a(2), a(1)], spread: 1 }, &[a(1)], sim.now);
+    let effects = sim.lb.adopt(Selection { servers: vec![a(2), a(1)], spread: 1 }, &[], &[a(1)], sim.now);
     assert_eq!(sim.state(a(1)), State::Failed, "{effects:?}");
     assert_eq!(sim.lb.selection().servers, [a(2), a(1)]);
+}
+
+/// The previous daemon's states, kept in the kernel beside the selection,
+/// bring back a server's failure after its kernel mark expired, and its
+/// active server.
+#[test]
+fn adopting_restores_the_previous_daemons_failed_and_active_servers() {
+    let checks = Checks { rise: 1, fall: 1, passive_only: true };
+    let mut sim = Sim::new(Policy::Failover, checks, &[a(1), a(2), a(3)], None);
+    let kernel = Selection { servers: vec![a(3), a(2), a(1)], spread: 1 };
+    let states = [State::Active.code(), State::Healthy.code(), State::Failed.code()];
+    let effects = sim.lb.adopt(kernel.clone(), &states, &[], sim.now);
+    assert_eq!(sim.state(a(1)), State::Failed, "{effects:?}");
+    assert_eq!(sim.state(a(3)), State::Active, "{effects:?}");
+    assert_eq!(writes(&effects), 0, "{effects:?}");
+    assert_eq!(sim.lb.selection(), kernel);
+    assert_eq!(sim.lb.state_codes(&[a(1), a(9)]), [State::Failed.code(), 0]);
+    for state in [State::Failed, State::Standby, State::Unchecked, State::Recovering, State::Healthy, State::Preferred, State::Active] {
+        assert_eq!(State::from_code(state.code()), Some(state));
+    }
 }
 
 #[test]
