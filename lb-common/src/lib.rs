@@ -211,7 +211,8 @@ pub struct ConnKey {
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum EventKind {
-    /// A connect through a VIP established.
+    /// A connect through a VIP established to a server that had a failure
+    /// mark (the first success after failures; others are only counted).
     Established = 1,
     /// A connect through a VIP closed before establishing (refused, reset,
     /// timed out, abandoned).

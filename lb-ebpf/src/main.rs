@@ -470,14 +470,18 @@ fn on_established(ctx: &SockOpsContext) {
     // socket lock, so nothing else writes it concurrently.
     let entry = unsafe { &mut *entry };
     entry.flags |= SOCK_ESTABLISHED;
-    // The server answers again: lift its hold-down. Ignoring the error is
-    // right: most servers have no failure mark.
-    let _ = FAILED_AT.remove(&entry.server);
+    // The server answers again: lift its hold-down. Only a server that had
+    // a failure mark is news to the daemon (it recovers); every other
+    // establishment is counted in CONNECTIONS and not reported, so a VIP
+    // whose servers are fine costs the daemon nothing per connection.
+    let recovered = FAILED_AT.remove(&entry.server).is_ok();
     if !add_connection(&ConnKey { vip: entry.vip, server: entry.server }, 1) {
         entry.flags |= SOCK_UNCOUNTED;
     }
     count(Reason::SockopsEstablished);
-    emit(cookie, entry, EventKind::Established);
+    if recovered {
+        emit(cookie, entry, EventKind::Established);
+    }
 }
 
 /// The SYN (or a later segment) was not answered in time. Before the

@@ -493,10 +493,13 @@ impl Balancer {
         let Some(i) = self.index(addr) else { return Vec::new() };
         let mut step = Step::begin(self);
         match event {
+            // The kernel reports only the first establishment after failures
+            // (see `EventKind::Established`): with no check, that is the
+            // server passing, whatever `rise` (the config allows only 1).
             Connection::Established if self.checks.passive_only => {
                 let server = &mut self.servers[i];
                 server.failures = 0;
-                server.passes = server.passes.saturating_add(1);
+                server.passes = server.passes.saturating_add(1).max(self.checks.rise);
                 self.on_pass(i, "a connection through the VIP established", now, &mut step.effects);
             }
             Connection::Established => {

@@ -652,6 +652,9 @@ fn parse_health(raw: RawHealth, line: Option<usize>, at: &str, problems: &mut Ve
             None => {}
         }
     }
+    if health.check == CheckKind::None && health.rise > 1 {
+        problem("rise", "only applies to active checks: with check = \"none\" a failed server is usable again at its first established connection".to_owned());
+    }
     if let Some(text) = raw.status {
         let range = text.split_once('-').unwrap_or((text.as_str(), text.as_str()));
         match (range.0.trim().parse::<u16>(), range.1.trim().parse::<u16>()) {
@@ -814,6 +817,8 @@ mod tests {
         }
         let msg = problems(&format!("{GOOD}[service.health]\ncheck = \"tcp\"\nca_file = \"/x\"\n"));
         assert!(msg.contains("health.ca_file: only applies to check = \"https\""), "{msg}");
+        let msg = problems(&format!("{GOOD}[service.health]\ncheck = \"none\"\nrise = 2\n"));
+        assert!(msg.contains("health.rise: only applies to active checks"), "{msg}");
     }
 
     #[test]

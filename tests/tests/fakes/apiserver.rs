@@ -136,9 +136,19 @@ impl FakeApiServer {
     /// Adds a listener (another apiserver on the same store) at `addr`
     /// (port 0: any); returns its address.
     pub async fn listen(&self, addr: SocketAddr) -> SocketAddr {
-        let listener = TcpListener::bind(addr)
-            .await
-            .unwrap_or_else(|e| panic!("fake apiserver: bind {addr}: {e}"));
+        // A listener just stopped at the same address is closed by its
+        // aborted task a moment later: retry briefly on "in use".
+        let mut tries = 0;
+        let listener = loop {
+            match TcpListener::bind(addr).await {
+                Ok(listener) => break listener,
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 50 => {
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+                Err(e) => panic!("fake apiserver: bind {addr}: {e}"),
+            }
+        };
         let addr = listener.local_addr().unwrap();
         let connections = Arc::new(Mutex::new(JoinSet::new()));
         let accept = tokio::spawn(accept_loop(
