@@ -116,7 +116,11 @@ pub fn choose_from_mask(service: &Service, usable_mask: u32, random: u32) -> Cho
     }
     let after_group = usable_mask & !group_mask;
     if after_group != 0 {
-        return Choice::Server { index: nth_set_bit(after_group, 0), skipped_failed: true, all_failed: false };
+        return Choice::Server {
+            index: nth_set_bit(after_group, 0),
+            skipped_failed: true,
+            all_failed: false,
+        };
     }
     Choice::Server { index: 0, skipped_failed: true, all_failed: true }
 }
@@ -189,15 +193,30 @@ mod tests {
 
     #[test]
     fn failover_takes_the_first_usable() {
-        assert_eq!(pick(3, 1, &[], 99), Choice::Server { index: 0, skipped_failed: false, all_failed: false });
-        assert_eq!(pick(3, 1, &[0], 99), Choice::Server { index: 1, skipped_failed: true, all_failed: false });
-        assert_eq!(pick(3, 0, &[0, 1], 99), Choice::Server { index: 2, skipped_failed: true, all_failed: false });
+        assert_eq!(
+            pick(3, 1, &[], 99),
+            Choice::Server { index: 0, skipped_failed: false, all_failed: false }
+        );
+        assert_eq!(
+            pick(3, 1, &[0], 99),
+            Choice::Server { index: 1, skipped_failed: true, all_failed: false }
+        );
+        assert_eq!(
+            pick(3, 0, &[0, 1], 99),
+            Choice::Server { index: 2, skipped_failed: true, all_failed: false }
+        );
     }
 
     #[test]
     fn all_failed_uses_the_first() {
-        assert_eq!(pick(3, 1, &[0, 1, 2], 5), Choice::Server { index: 0, skipped_failed: true, all_failed: true });
-        assert_eq!(pick(3, 3, &[0, 1, 2], 5), Choice::Server { index: 0, skipped_failed: true, all_failed: true });
+        assert_eq!(
+            pick(3, 1, &[0, 1, 2], 5),
+            Choice::Server { index: 0, skipped_failed: true, all_failed: true }
+        );
+        assert_eq!(
+            pick(3, 3, &[0, 1, 2], 5),
+            Choice::Server { index: 0, skipped_failed: true, all_failed: true }
+        );
     }
 
     #[test]
@@ -206,9 +225,15 @@ mod tests {
         assert_eq!(pick(4, 3, &[1], 0).index(), Some(0));
         assert_eq!(pick(4, 3, &[1], 1).index(), Some(2));
         assert_eq!(pick(4, 3, &[1], 2).index(), Some(0));
-        assert_eq!(pick(4, 3, &[1], 0), Choice::Server { index: 0, skipped_failed: true, all_failed: false });
+        assert_eq!(
+            pick(4, 3, &[1], 0),
+            Choice::Server { index: 0, skipped_failed: true, all_failed: false }
+        );
         // Whole group failed: the first usable after it.
-        assert_eq!(pick(4, 2, &[0, 1], 1), Choice::Server { index: 2, skipped_failed: true, all_failed: false });
+        assert_eq!(
+            pick(4, 2, &[0, 1], 1),
+            Choice::Server { index: 2, skipped_failed: true, all_failed: false }
+        );
     }
 
     #[test]
@@ -240,7 +265,11 @@ mod tests {
     /// The kernel's choice as it was written before this module (two passes
     /// over the servers, counting as it goes), kept as the reference that
     /// `choose_server` must agree with, counts included.
-    fn previous_kernel_choice(service: &Service, usable: impl Fn(&Endpoint) -> bool, random: u32) -> Choice {
+    fn previous_kernel_choice(
+        service: &Service,
+        usable: impl Fn(&Endpoint) -> bool,
+        random: u32,
+    ) -> Choice {
         let len = (service.count as usize).min(MAX_SERVERS);
         if len == 0 {
             return Choice::NoServer;

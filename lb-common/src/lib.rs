@@ -72,7 +72,8 @@ pub mod maps {
     /// The layout version (`LAYOUT_VERSION`), an array of u32.
     pub const META: &str = "META";
     /// Every map the daemon pins, in one list so attach, adopt and detach agree.
-    pub const ALL: [&str; 8] = [SERVICES, FAILED_AT, SOCKETS, CONNECTIONS, EVENTS, COUNTERS, SOCKETS_UDP, META];
+    pub const ALL: [&str; 8] =
+        [SERVICES, FAILED_AT, SOCKETS, CONNECTIONS, EVENTS, COUNTERS, SOCKETS_UDP, META];
 }
 
 /// Names of the programs in the object file; also their link pin names.
@@ -86,7 +87,8 @@ pub mod programs {
     /// socket tables, and a connect its application gave up on is no
     /// server failure.
     pub const SOCK_RELEASE: &str = "lb_sock_release";
-    pub const ALL: [&str; 6] = [CONNECT4, CONNECT6, GETPEERNAME4, GETPEERNAME6, SOCK_OPS, SOCK_RELEASE];
+    pub const ALL: [&str; 6] =
+        [CONNECT4, CONNECT6, GETPEERNAME4, GETPEERNAME6, SOCK_OPS, SOCK_RELEASE];
     /// Without these there is no load balancing: a kernel lacking them is
     /// an error.
     pub const REQUIRED: [&str; 4] = [CONNECT4, CONNECT6, SOCK_OPS, SOCK_RELEASE];
@@ -421,12 +423,12 @@ const _: () = {
 };
 
 // The kernel and the daemon must agree on these byte for byte.
-const _: () = assert!(core::mem::size_of::<Endpoint>() == 20);
-const _: () = assert!(core::mem::size_of::<Service>() == 20 * MAX_SERVERS + 24 + MAX_SERVERS);
-const _: () = assert!(core::mem::size_of::<SockEntry>() == 48);
-const _: () = assert!(core::mem::size_of::<ConnKey>() == 40);
-const _: () = assert!(core::mem::size_of::<Event>() == 64);
-const _: () = assert!(core::mem::align_of::<Service>() == 8);
+const _: () = assert!(size_of::<Endpoint>() == 20);
+const _: () = assert!(size_of::<Service>() == 20 * MAX_SERVERS + 24 + MAX_SERVERS);
+const _: () = assert!(size_of::<SockEntry>() == 48);
+const _: () = assert!(size_of::<ConnKey>() == 40);
+const _: () = assert!(size_of::<Event>() == 64);
+const _: () = assert!(align_of::<Service>() == 8);
 
 #[cfg(test)]
 mod tests {
@@ -474,13 +476,20 @@ mod tests {
             assert_eq!(reason.index() as usize, i);
             assert_eq!(Reason::try_from(i as u32), Ok(reason));
         }
-        assert_eq!(Reason::try_from(Reason::COUNT as u32), Err(UnknownReason(Reason::COUNT as u32)));
+        assert_eq!(
+            Reason::try_from(Reason::COUNT as u32),
+            Err(UnknownReason(Reason::COUNT as u32))
+        );
         assert_eq!(Reason::try_from(u32::MAX), Err(UnknownReason(u32::MAX)));
     }
 
     #[test]
     fn event_kinds_keep_their_wire_values() {
-        for (kind, value) in [(EventKind::Established, 1), (EventKind::ConnectFailed, 2), (EventKind::ConnectTimeout, 3)] {
+        for (kind, value) in [
+            (EventKind::Established, 1),
+            (EventKind::ConnectFailed, 2),
+            (EventKind::ConnectTimeout, 3),
+        ] {
             assert_eq!(u32::from(kind), value);
             assert_eq!(EventKind::try_from(value), Ok(kind));
             assert_eq!(Event { kind: value, ..Event::default() }.kind(), Ok(kind));

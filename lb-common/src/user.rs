@@ -22,7 +22,11 @@ impl From<SocketAddr> for Endpoint {
         };
         let o = v6.octets();
         let word = |i: usize| u32::from_ne_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]);
-        Self { addr: [word(0), word(4), word(8), word(12)], port: addr.port().to_be(), _pad: [0; 2] }
+        Self {
+            addr: [word(0), word(4), word(8), word(12)],
+            port: addr.port().to_be(),
+            _pad: [0; 2],
+        }
     }
 }
 

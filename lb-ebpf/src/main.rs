@@ -40,9 +40,9 @@ use aya_ebpf::{
 use aya_log_ebpf::debug;
 use lb_common::{
     ConnKey, EVENTS_BYTES, Endpoint, Event, EventKind, MAX_FAILED_SERVERS, MAX_SERVER_PAIRS,
-    MAX_SERVERS, MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS, META_SLOTS,
-    NETNS_ANY, NETNS_INITIAL, Reason, SOCK_ESTABLISHED, SOCK_FAILURE_REPORTED, SOCK_UNCOUNTED,
-    Service, SockEntry,
+    MAX_SERVERS, MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS, META_SLOTS, NETNS_ANY,
+    NETNS_INITIAL, Reason, SOCK_ESTABLISHED, SOCK_FAILURE_REPORTED, SOCK_UNCOUNTED, Service,
+    SockEntry,
     choose::{Choice, choose_from_mask, usable_mask},
 };
 
@@ -73,7 +73,8 @@ static SOCKETS_UDP: HashMap<u64, SockEntry> = HashMap::with_max_entries(MAX_TRAC
 
 /// (VIP, server) → live established connections, per CPU (sum them).
 #[map]
-static CONNECTIONS: PerCpuHashMap<ConnKey, i64> = PerCpuHashMap::with_max_entries(MAX_SERVER_PAIRS, 0);
+static CONNECTIONS: PerCpuHashMap<ConnKey, i64> =
+    PerCpuHashMap::with_max_entries(MAX_SERVER_PAIRS, 0);
 
 /// `Event`s for the daemon: a connect established, failed or timed out.
 #[map]
@@ -223,7 +224,11 @@ fn unknown_to_verifier(value: u32) -> Option<u32> {
 /// says: `Ok(None)` leaves it alone, `Ok(Some(server))` rewrites it to
 /// `server` (tracked in `SOCKETS`), `Err(Refuse)` refuses it.
 #[inline(always)]
-fn try_connect(ctx: &SockAddrContext, dst: &Endpoint, ipv4_socket: bool) -> Result<Option<Endpoint>, Refuse> {
+fn try_connect(
+    ctx: &SockAddrContext,
+    dst: &Endpoint,
+    ipv4_socket: bool,
+) -> Result<Option<Endpoint>, Refuse> {
     // SAFETY: the value is only read; the daemon replaces values whole.
     let Some(service) = (unsafe { SERVICES.get(dst) }) else {
         count(Reason::ConnectNotVip);
@@ -328,7 +333,11 @@ fn in_scope(ctx: &SockAddrContext, netns_cookie: u64) -> bool {
     // namespace's cookie (Linux 5.7+, as the helper itself).
     let (mine, host) = unsafe {
         let mine = bpf_get_netns_cookie(ctx.as_ptr());
-        let host = if netns_cookie == NETNS_INITIAL { bpf_get_netns_cookie(core::ptr::null_mut()) } else { netns_cookie };
+        let host = if netns_cookie == NETNS_INITIAL {
+            bpf_get_netns_cookie(core::ptr::null_mut())
+        } else {
+            netns_cookie
+        };
         (mine, host)
     };
     mine == host
@@ -342,7 +351,11 @@ fn in_scope(ctx: &SockAddrContext, netns_cookie: u64) -> bool {
 /// carries, and only stops inlining the lookup at that site.
 #[inline(always)]
 fn sockets_of(protocol: u32) -> (&'static HashMap<u64, SockEntry>, Reason) {
-    if protocol == IPPROTO_UDP { (&SOCKETS_UDP, Reason::ConnectUntrackedUdp) } else { (&SOCKETS, Reason::ConnectUntracked) }
+    if protocol == IPPROTO_UDP {
+        (&SOCKETS_UDP, Reason::ConnectUntrackedUdp)
+    } else {
+        (&SOCKETS, Reason::ConnectUntracked)
+    }
 }
 
 /// The VIP a socket dialled, if it connected through one and its peer is
@@ -397,7 +410,11 @@ fn try_release(ctx: &SockContext) -> Reason {
         // SAFETY: the helper only reads the socket behind the context.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
         // Most UDP sockets never connected to a VIP: the miss is normal.
-        return if SOCKETS_UDP.remove(&cookie).is_ok() { Reason::ReleaseUdp } else { Reason::ReleaseUntouched };
+        return if SOCKETS_UDP.remove(&cookie).is_ok() {
+            Reason::ReleaseUdp
+        } else {
+            Reason::ReleaseUntouched
+        };
     }
     // Only a socket that never established can need anything here; one
     // that did (any other state) stays tracked until sock_ops sees it
@@ -568,7 +585,14 @@ fn emit(cookie: u64, entry: &SockEntry, kind: EventKind) {
     };
     // SAFETY: plain helper call without arguments.
     let time_ns = unsafe { bpf_ktime_get_ns() };
-    slot.write(Event { cookie, time_ns, vip: entry.vip, server: entry.server, kind: kind as u32, _pad: 0 });
+    slot.write(Event {
+        cookie,
+        time_ns,
+        vip: entry.vip,
+        server: entry.server,
+        kind: kind as u32,
+        _pad: 0,
+    });
     slot.submit(0);
 }
 

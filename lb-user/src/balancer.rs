@@ -284,7 +284,6 @@ impl Server {
         }
     }
 
-
     /// How good a choice this server is, before its exact state: the
     /// healthy class first, then recovering, then unchecked, each ready
     /// before drained (serving); last resorts (standby, failed,
@@ -327,7 +326,13 @@ pub struct Balancer {
 impl Balancer {
     /// A service with `servers` (and `default`), all unchecked. The effects
     /// include the first selection.
-    pub fn new(policy: Policy, checks: Checks, servers: &[SocketAddr], default: Option<SocketAddr>, now: Instant) -> (Self, Vec<Effect>) {
+    pub fn new(
+        policy: Policy,
+        checks: Checks,
+        servers: &[SocketAddr],
+        default: Option<SocketAddr>,
+        now: Instant,
+    ) -> (Self, Vec<Effect>) {
         let mut balancer = Self {
             policy,
             checks,
@@ -376,7 +381,12 @@ impl Balancer {
 
     /// Replaces the server list and the default. An unchanged set is a
     /// no-op; servers that stay keep their state and readiness.
-    pub fn set_servers(&mut self, list: &[SocketAddr], default: Option<SocketAddr>, now: Instant) -> Vec<Effect> {
+    pub fn set_servers(
+        &mut self,
+        list: &[SocketAddr],
+        default: Option<SocketAddr>,
+        now: Instant,
+    ) -> Vec<Effect> {
         let mut step = Step::begin(self);
         self.replace_servers(list, default, now, &mut step);
         self.settle(step, now)
@@ -385,7 +395,12 @@ impl Balancer {
     /// A discovered list: the servers with the readiness their source
     /// declares for each (per endpoint address), in one step, so that the
     /// kernel sees one new selection.
-    pub fn set_endpoints(&mut self, list: &[(SocketAddr, Readiness)], default: Option<SocketAddr>, now: Instant) -> Vec<Effect> {
+    pub fn set_endpoints(
+        &mut self,
+        list: &[(SocketAddr, Readiness)],
+        default: Option<SocketAddr>,
+        now: Instant,
+    ) -> Vec<Effect> {
         let mut step = Step::begin(self);
         let addrs: Vec<SocketAddr> = list.iter().map(|(addr, _)| *addr).collect();
         self.replace_servers(&addrs, default, now, &mut step);
@@ -397,7 +412,13 @@ impl Balancer {
         self.settle(step, now)
     }
 
-    fn replace_servers(&mut self, list: &[SocketAddr], default: Option<SocketAddr>, now: Instant, step: &mut Step) {
+    fn replace_servers(
+        &mut self,
+        list: &[SocketAddr],
+        default: Option<SocketAddr>,
+        now: Instant,
+        step: &mut Step,
+    ) {
         let mut unique: Vec<SocketAddr> = Vec::with_capacity(list.len());
         for addr in list {
             if !unique.contains(addr) {
@@ -414,7 +435,12 @@ impl Balancer {
             if listed {
                 if !server.in_list {
                     // The standby default joins the list: checked like any server.
-                    step.effects.push(Effect::StateChanged { server: server.addr, from: server.state, to: first, why: "added to the server list" });
+                    step.effects.push(Effect::StateChanged {
+                        server: server.addr,
+                        from: server.state,
+                        to: first,
+                        why: "added to the server list",
+                    });
                     server.state = first;
                     server.since = now;
                     server.in_list = true;
@@ -423,7 +449,12 @@ impl Balancer {
                 kept.push(server);
             } else if is_default {
                 if server.in_list {
-                    step.effects.push(Effect::StateChanged { server: server.addr, from: server.state, to: State::Standby, why: "removed from the list; kept as the default" });
+                    step.effects.push(Effect::StateChanged {
+                        server: server.addr,
+                        from: server.state,
+                        to: State::Standby,
+                        why: "removed from the list; kept as the default",
+                    });
                     server.state = State::Standby;
                     server.since = now;
                     server.in_list = false;
@@ -432,8 +463,16 @@ impl Balancer {
                 server.is_default = true;
                 kept.push(server);
             } else {
-                step.effects.push(Effect::StateChanged { server: server.addr, from: server.state, to: State::Invalid, why: "removed" });
-                step.effects.push(Effect::CloseConnections { server: server.addr, reason: CloseReason::Removed });
+                step.effects.push(Effect::StateChanged {
+                    server: server.addr,
+                    from: server.state,
+                    to: State::Invalid,
+                    why: "removed",
+                });
+                step.effects.push(Effect::CloseConnections {
+                    server: server.addr,
+                    reason: CloseReason::Removed,
+                });
             }
         }
         self.servers = kept;
@@ -441,17 +480,28 @@ impl Balancer {
             if self.server(*addr).is_none() {
                 let mut server = Server::new(*addr, first, true, now);
                 server.is_default = Some(*addr) == default;
-                step.effects.push(Effect::StateChanged { server: *addr, from: State::Invalid, to: first, why: "added" });
+                step.effects.push(Effect::StateChanged {
+                    server: *addr,
+                    from: State::Invalid,
+                    to: first,
+                    why: "added",
+                });
                 self.servers.push(server);
             }
         }
         if let Some(addr) = default
-            && self.server(addr).is_none() {
-                let mut server = Server::new(addr, State::Standby, false, now);
-                server.is_default = true;
-                step.effects.push(Effect::StateChanged { server: addr, from: State::Invalid, to: State::Standby, why: "set as the default" });
-                self.servers.push(server);
-            }
+            && self.server(addr).is_none()
+        {
+            let mut server = Server::new(addr, State::Standby, false, now);
+            server.is_default = true;
+            step.effects.push(Effect::StateChanged {
+                server: addr,
+                from: State::Invalid,
+                to: State::Standby,
+                why: "set as the default",
+            });
+            self.servers.push(server);
+        }
         // Configured order: the list first, the standby default last.
         self.servers.sort_by_key(|s| (!s.in_list, unique.iter().position(|a| *a == s.addr)));
     }
@@ -479,7 +529,12 @@ impl Balancer {
                 server.failures = server.failures.saturating_add(1);
                 let confirmed = std::mem::take(&mut server.suspect);
                 if confirmed {
-                    self.fail(i, "a check confirmed the kernel's report of a failed connect", now, &mut step);
+                    self.fail(
+                        i,
+                        "a check confirmed the kernel's report of a failed connect",
+                        now,
+                        &mut step,
+                    );
                 } else if server.failures >= self.checks.fall {
                     self.fail(i, "failed health checks", now, &mut step);
                 }
@@ -489,7 +544,12 @@ impl Balancer {
     }
 
     /// A connection report from the kernel for `addr`.
-    pub fn on_connection(&mut self, addr: SocketAddr, event: Connection, now: Instant) -> Vec<Effect> {
+    pub fn on_connection(
+        &mut self,
+        addr: SocketAddr,
+        event: Connection,
+        now: Instant,
+    ) -> Vec<Effect> {
         let Some(i) = self.index(addr) else { return Vec::new() };
         let mut step = Step::begin(self);
         match event {
@@ -504,7 +564,13 @@ impl Balancer {
             }
             Connection::Established => {
                 if self.servers[i].state == State::Failed {
-                    self.transition(i, State::Recovering, "a connection through the VIP established", now, &mut step.effects);
+                    self.transition(
+                        i,
+                        State::Recovering,
+                        "a connection through the VIP established",
+                        now,
+                        &mut step.effects,
+                    );
                 }
             }
             Connection::ConnectFailed | Connection::ConnectTimedOut => {
@@ -533,7 +599,12 @@ impl Balancer {
     }
 
     /// The readiness `addr` declares (only that endpoint, never its host).
-    pub fn set_readiness(&mut self, addr: SocketAddr, readiness: Readiness, now: Instant) -> Vec<Effect> {
+    pub fn set_readiness(
+        &mut self,
+        addr: SocketAddr,
+        readiness: Readiness,
+        now: Instant,
+    ) -> Vec<Effect> {
         let Some(i) = self.index(addr) else { return Vec::new() };
         let step = Step::begin(self);
         self.servers[i].readiness = readiness;
@@ -545,7 +616,9 @@ impl Balancer {
         let mut step = Step::begin(self);
         for i in 0..self.servers.len() {
             let server = &self.servers[i];
-            if server.state == State::Preferred && now.saturating_duration_since(server.since) >= PREFERRED_FOR {
+            if server.state == State::Preferred
+                && now.saturating_duration_since(server.since) >= PREFERRED_FOR
+            {
                 self.transition(i, State::Healthy, "preferred long enough", now, &mut step.effects);
             }
         }
@@ -566,12 +639,19 @@ impl Balancer {
     /// `failed_recently` (the kernel's failure marks) are suspect and
     /// checked at once; with `check = "none"`, which has no check to ask,
     /// they start failed.
-    pub fn adopt(&mut self, selection: Selection, states: &[u8], failed_recently: &[SocketAddr], now: Instant) -> Vec<Effect> {
+    pub fn adopt(
+        &mut self,
+        selection: Selection,
+        states: &[u8],
+        failed_recently: &[SocketAddr],
+        now: Instant,
+    ) -> Vec<Effect> {
         let previous = |addr: SocketAddr| {
             let slot = selection.servers.iter().position(|s| *s == addr)?;
             states.get(slot).copied().and_then(State::from_code)
         };
-        let active = selection.servers.iter().copied().find(|s| previous(*s) == Some(State::Active));
+        let active =
+            selection.servers.iter().copied().find(|s| previous(*s) == Some(State::Active));
         self.adopted_first = active.or_else(|| selection.servers.first().copied());
         let mut step = Step::begin(self);
         for i in 0..self.servers.len() {
@@ -580,10 +660,20 @@ impl Balancer {
                 continue;
             }
             if previous(server.addr) == Some(State::Failed) {
-                self.fail(i, "it had failed before this daemon started (kept in the kernel)", now, &mut step);
+                self.fail(
+                    i,
+                    "it had failed before this daemon started (kept in the kernel)",
+                    now,
+                    &mut step,
+                );
             } else if failed_recently.contains(&server.addr) {
                 if self.checks.passive_only {
-                    self.fail(i, "the kernel marked it failed before this daemon started", now, &mut step);
+                    self.fail(
+                        i,
+                        "the kernel marked it failed before this daemon started",
+                        now,
+                        &mut step,
+                    );
                 } else {
                     server.suspect = true;
                     step.effects.push(Effect::CheckNow { server: server.addr });
@@ -612,7 +702,9 @@ impl Balancer {
         let mut order: Vec<(usize, &Server)> = self.servers.iter().enumerate().collect();
         order.sort_by_key(|(i, s)| (std::cmp::Reverse((s.tier(), s.state)), *i));
         let spread = match (self.policy, order.first()) {
-            (Policy::Spread, Some((_, best))) => order.iter().take_while(|(_, s)| s.tier() == best.tier()).count(),
+            (Policy::Spread, Some((_, best))) => {
+                order.iter().take_while(|(_, s)| s.tier() == best.tier()).count()
+            }
             _ => 1,
         };
         Selection { servers: order.into_iter().map(|(_, s)| s.addr).collect(), spread }
@@ -646,7 +738,14 @@ impl Balancer {
         (self.adopted_first == Some(server.addr), server.is_default, std::cmp::Reverse(i))
     }
 
-    fn transition(&mut self, i: usize, to: State, why: &'static str, now: Instant, effects: &mut Vec<Effect>) {
+    fn transition(
+        &mut self,
+        i: usize,
+        to: State,
+        why: &'static str,
+        now: Instant,
+        effects: &mut Vec<Effect>,
+    ) {
         let server = &mut self.servers[i];
         if server.state != to {
             effects.push(Effect::StateChanged { server: server.addr, from: server.state, to, why });
@@ -658,7 +757,11 @@ impl Balancer {
     fn on_pass(&mut self, i: usize, why: &'static str, now: Instant, effects: &mut Vec<Effect>) {
         let server = &self.servers[i];
         if matches!(server.state, State::Unchecked | State::Failed | State::Recovering) {
-            let to = if server.passes >= self.checks.rise { State::Preferred } else { State::Recovering };
+            let to = if server.passes >= self.checks.rise {
+                State::Preferred
+            } else {
+                State::Recovering
+            };
             self.transition(i, to, why, now, effects);
         }
     }
@@ -682,7 +785,9 @@ impl Balancer {
         self.servers.iter().any(|s| {
             s.addr != addr
                 && (s.in_healthy_class()
-                    || (s.state == State::Standby && s.readiness == Readiness::Ready && (s.healthy == Some(true) || self.checks.passive_only)))
+                    || (s.state == State::Standby
+                        && s.readiness == Readiness::Ready
+                        && (s.healthy == Some(true) || self.checks.passive_only)))
         })
     }
 
@@ -691,11 +796,20 @@ impl Balancer {
         // An active server that is no longer ready steps down gracefully:
         // no new connections, existing ones stay.
         for i in 0..self.servers.len() {
-            if self.servers[i].state == State::Active && self.servers[i].readiness != Readiness::Ready {
-                self.transition(i, State::Healthy, "no longer declared ready", now, &mut step.effects);
+            if self.servers[i].state == State::Active
+                && self.servers[i].readiness != Readiness::Ready
+            {
+                self.transition(
+                    i,
+                    State::Healthy,
+                    "no longer declared ready",
+                    now,
+                    &mut step.effects,
+                );
             }
         }
-        if self.policy == Policy::Failover && !self.servers.iter().any(|s| s.state == State::Active) {
+        if self.policy == Policy::Failover && !self.servers.iter().any(|s| s.state == State::Active)
+        {
             let best = self
                 .servers
                 .iter()
@@ -712,21 +826,23 @@ impl Balancer {
         }
 
         for addr in step.demoted {
-            if self.server(addr).is_some_and(|s| !s.in_healthy_class()) && self.has_alternative_to(addr) {
-                step.effects.push(Effect::CloseConnections { server: addr, reason: CloseReason::Failed });
+            if self.server(addr).is_some_and(|s| !s.in_healthy_class())
+                && self.has_alternative_to(addr)
+            {
+                step.effects
+                    .push(Effect::CloseConnections { server: addr, reason: CloseReason::Failed });
             }
         }
         let healthy_now = self.servers.iter().any(Server::in_healthy_class);
-        if healthy_now
-            && !step.healthy_before {
-                for s in &self.servers {
-                    if matches!(s.state, State::Standby | State::Failed | State::Recovering)
+        if healthy_now && !step.healthy_before {
+            for s in &self.servers {
+                if matches!(s.state, State::Standby | State::Failed | State::Recovering)
                         && !step.effects.iter().any(|e| matches!(e, Effect::CloseConnections { server, .. } if *server == s.addr))
                     {
                         step.effects.push(Effect::CloseConnections { server: s.addr, reason: CloseReason::FailBack });
                     }
-                }
             }
+        }
 
         if let Some(until) = self.hold_writes_until {
             let informed = self.servers.iter().all(|s| !s.in_list || s.state != State::Unchecked);
@@ -763,7 +879,11 @@ struct Step {
 
 impl Step {
     fn begin(balancer: &Balancer) -> Self {
-        Self { healthy_before: balancer.servers.iter().any(Server::in_healthy_class), demoted: Vec::new(), effects: Vec::new() }
+        Self {
+            healthy_before: balancer.servers.iter().any(Server::in_healthy_class),
+            demoted: Vec::new(),
+            effects: Vec::new(),
+        }
     }
 }
 

@@ -57,25 +57,37 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
             }
         }
         Command::Servers { service, servers, default, config } => {
-            expect_ok(&config, &Request::SetServers { service: service.clone(), servers, default }).await?;
+            expect_ok(&config, &Request::SetServers { service: service.clone(), servers, default })
+                .await?;
             println!("server list of {service} set");
         }
         Command::Drain { service, server, undo, config } => {
             expect_ok(&config, &Request::Drain { service: service.clone(), server, undo }).await?;
-            println!("{server} of {service} {}", if undo { "no longer drained" } else { "drained" });
+            println!(
+                "{server} of {service} {}",
+                if undo { "no longer drained" } else { "drained" }
+            );
         }
         Command::Detach { config } => {
             let paths = ClientPaths::load(&config)?;
             // Stop a running daemon first so it does not keep working on a
             // datapath that is going away.
-            if matches!(control::call(&paths.control_socket, &Request::Shutdown).await, Ok(Response::Ok)) {
+            if matches!(
+                control::call(&paths.control_socket, &Request::Shutdown).await,
+                Ok(Response::Ok)
+            ) {
                 println!("stopped the running daemon");
             }
-            let removed = datapath::detach(&paths.bpffs).with_context(|| format!("detaching {}", paths.bpffs.display()))?;
+            let removed = datapath::detach(&paths.bpffs)
+                .with_context(|| format!("detaching {}", paths.bpffs.display()))?;
             if removed.is_empty() {
                 println!("nothing attached under {}", paths.bpffs.display());
             } else {
-                println!("detached: removed {} pins under {}", removed.len(), paths.bpffs.display());
+                println!(
+                    "detached: removed {} pins under {}",
+                    removed.len(),
+                    paths.bpffs.display()
+                );
             }
         }
     }

@@ -111,7 +111,13 @@ pub enum Discovery {
     Kubernetes { namespace: String, service: String, port: PortRef, debounce: Duration },
     /// The A (IPv4 VIP) or AAAA (IPv6 VIP) records of `name`, re-resolved
     /// at their TTL clamped to `refresh_min..=refresh_max`.
-    Dns { name: String, port: u16, debounce: Duration, refresh_min: Duration, refresh_max: Duration },
+    Dns {
+        name: String,
+        port: u16,
+        debounce: Duration,
+        refresh_min: Duration,
+        refresh_max: Duration,
+    },
 }
 
 /// A Service port, by name (`"https"`) or number.
@@ -218,7 +224,10 @@ impl fmt::Display for ConfigError {
 
 impl ConfigError {
     fn unreadable(path: &Path, error: &std::io::Error) -> Self {
-        Self { file: path.to_owned(), problems: vec![Problem::new(None, "", format!("cannot read the config file: {error}"))] }
+        Self {
+            file: path.to_owned(),
+            problems: vec![Problem::new(None, "", format!("cannot read the config file: {error}"))],
+        }
     }
 }
 
@@ -244,7 +253,11 @@ pub enum ServerProblem {
     Unspecified(SocketAddr),
     #[error("{0} is listed twice")]
     Duplicate(SocketAddr),
-    #[error("{addr} is {} but the VIP {vip} is {}; a socket dialling the VIP cannot reach it", family(addr), family(vip))]
+    #[error(
+        "{addr} is {} but the VIP {vip} is {}; a socket dialling the VIP cannot reach it",
+        family(addr),
+        family(vip)
+    )]
     Family { addr: SocketAddr, vip: SocketAddr },
     #[error("{addr} is the VIP of {owner}; using it as a server would loop")]
     IsVip { addr: SocketAddr, owner: String },
@@ -262,7 +275,11 @@ pub fn check_servers(
 ) -> Vec<(Slot, ServerProblem)> {
     let mut problems = Vec::new();
     let mut seen = HashSet::new();
-    let slots = servers.iter().enumerate().map(|(i, a)| (Slot::Server(i), *a)).chain(default.map(|d| (Slot::Default, d)));
+    let slots = servers
+        .iter()
+        .enumerate()
+        .map(|(i, a)| (Slot::Server(i), *a))
+        .chain(default.map(|d| (Slot::Default, d)));
     for (slot, addr) in slots {
         if addr.port() == 0 {
             problems.push((slot, ServerProblem::PortZero(addr)));
@@ -406,8 +423,15 @@ impl ClientPaths {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::unreadable(path, &e))?;
         let table: toml::Table = text.parse().unwrap_or_default();
         let daemon = table.get("daemon").and_then(|d| d.as_table());
-        let get = |key: &str, default: &str| PathBuf::from(daemon.and_then(|d| d.get(key)).and_then(|v| v.as_str()).unwrap_or(default));
-        Ok(Self { control_socket: get("control_socket", DEFAULT_CONTROL_SOCKET), bpffs: get("bpffs", DEFAULT_BPFFS) })
+        let get = |key: &str, default: &str| {
+            PathBuf::from(
+                daemon.and_then(|d| d.get(key)).and_then(|v| v.as_str()).unwrap_or(default),
+            )
+        };
+        Ok(Self {
+            control_socket: get("control_socket", DEFAULT_CONTROL_SOCKET),
+            bpffs: get("bpffs", DEFAULT_BPFFS),
+        })
     }
 }
 
@@ -431,7 +455,10 @@ impl Config {
 
     /// Parses and validates `text`; `path` only names the file in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        let line_of = |span: std::ops::Range<usize>| text.as_bytes()[..span.start.min(text.len())].iter().filter(|b| **b == b'\n').count() + 1;
+        let line_of = |span: std::ops::Range<usize>| {
+            text.as_bytes()[..span.start.min(text.len())].iter().filter(|b| **b == b'\n').count()
+                + 1
+        };
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError {
             file: path.to_owned(),
             problems: vec![Problem::new(e.span().map(&line_of), "", e.message().trim_end())],
@@ -440,9 +467,16 @@ impl Config {
         let daemon = Daemon {
             cgroup: raw.daemon.cgroup,
             bpffs: raw.daemon.bpffs.unwrap_or_else(|| DEFAULT_BPFFS.into()),
-            control_socket: raw.daemon.control_socket.unwrap_or_else(|| DEFAULT_CONTROL_SOCKET.into()),
+            control_socket: raw
+                .daemon
+                .control_socket
+                .unwrap_or_else(|| DEFAULT_CONTROL_SOCKET.into()),
             state_dir: raw.daemon.state_dir.unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
-            metrics: raw.daemon.metrics.as_deref().and_then(|m| parse_endpoint(m, None, "daemon.metrics", &mut problems)),
+            metrics: raw
+                .daemon
+                .metrics
+                .as_deref()
+                .and_then(|m| parse_endpoint(m, None, "daemon.metrics", &mut problems)),
             kubeconfig: raw.daemon.kubeconfig,
         };
         for (key, value) in [
@@ -452,12 +486,23 @@ impl Config {
             ("kubeconfig", daemon.kubeconfig.as_ref()),
         ] {
             if value.is_some_and(|p| !p.is_absolute()) {
-                problems.push(Problem::new(None, format!("daemon.{key}"), "must be an absolute path"));
+                problems.push(Problem::new(
+                    None,
+                    format!("daemon.{key}"),
+                    "must be an absolute path",
+                ));
             }
         }
 
         if raw.service.len() > MAX_SERVICES as usize {
-            problems.push(Problem::new(None, "service", format!("{} services configured, at most {MAX_SERVICES} are supported", raw.service.len())));
+            problems.push(Problem::new(
+                None,
+                "service",
+                format!(
+                    "{} services configured, at most {MAX_SERVICES} are supported",
+                    raw.service.len()
+                ),
+            ));
         }
         let mut parsed = Vec::with_capacity(raw.service.len());
         let mut names = HashMap::new();
@@ -471,35 +516,62 @@ impl Config {
                 problems.push(Problem::new(at(raw.name.span()), sub("name"), "must not be empty"));
             }
             if let Some(first) = names.insert(name.clone(), i) {
-                problems.push(Problem::new(at(raw.name.span()), sub("name"), format!("duplicate of service[{first}]")));
+                problems.push(Problem::new(
+                    at(raw.name.span()),
+                    sub("name"),
+                    format!("duplicate of service[{first}]"),
+                ));
             }
-            let vip = parse_endpoint(raw.vip.get_ref(), at(raw.vip.span()), &sub("vip"), &mut problems);
+            let vip =
+                parse_endpoint(raw.vip.get_ref(), at(raw.vip.span()), &sub("vip"), &mut problems);
             if let Some(vip) = vip
                 && let Some(first) = vips.insert(vip, i)
             {
-                problems.push(Problem::new(at(raw.vip.span()), sub("vip"), format!("{vip} is already the VIP of service[{first}]")));
+                problems.push(Problem::new(
+                    at(raw.vip.span()),
+                    sub("vip"),
+                    format!("{vip} is already the VIP of service[{first}]"),
+                ));
             }
             let mut servers = Vec::new();
             let mut server_lines = Vec::new();
-            for (j, s) in raw.servers.iter().flat_map(|list| list.get_ref()).enumerate() {
-                if let Some(addr) = parse_addr(s.get_ref(), at(s.span()), &sub(&format!("servers[{j}]")), &mut problems) {
+            for (j, s) in raw.servers.iter().flat_map(Spanned::get_ref).enumerate() {
+                if let Some(addr) = parse_addr(
+                    s.get_ref(),
+                    at(s.span()),
+                    &sub(&format!("servers[{j}]")),
+                    &mut problems,
+                ) {
                     servers.push(addr);
                     server_lines.push(line_of(s.span()));
                 }
             }
-            let default = raw.default.as_ref().and_then(|d| parse_addr(d.get_ref(), at(d.span()), &sub("default"), &mut problems));
+            let default = raw.default.as_ref().and_then(|d| {
+                parse_addr(d.get_ref(), at(d.span()), &sub("default"), &mut problems)
+            });
             let policy = match raw.policy.as_ref().map(|p| (p.get_ref().as_str(), p.span())) {
                 None | Some(("failover", _)) => Policy::Failover,
                 Some(("spread", _)) => Policy::Spread,
                 Some((other, span)) => {
-                    problems.push(Problem::new(at(span), sub("policy"), format!("{other:?} is not a policy; use \"failover\" or \"spread\"")));
+                    problems.push(Problem::new(
+                        at(span),
+                        sub("policy"),
+                        format!("{other:?} is not a policy; use \"failover\" or \"spread\""),
+                    ));
                     Policy::Failover
                 }
             };
             let hold_down = raw
                 .hold_down
                 .as_ref()
-                .and_then(|text| parse_duration(text.get_ref(), at(text.span()), &sub("hold_down"), &mut problems))
+                .and_then(|text| {
+                    parse_duration(
+                        text.get_ref(),
+                        at(text.span()),
+                        &sub("hold_down"),
+                        &mut problems,
+                    )
+                })
                 .unwrap_or(DEFAULT_HOLD_DOWN);
             let health = match raw.health {
                 Some(health) => {
@@ -519,16 +591,34 @@ impl Config {
                 None if vip.is_some_and(|v| v.ip().is_loopback()) => Scope::Host,
                 None => Scope::All,
                 Some((other, span)) => {
-                    problems.push(Problem::new(at(span), sub("scope"), format!("{other:?} is not a scope; use \"host\" or \"all\"")));
+                    problems.push(Problem::new(
+                        at(span),
+                        sub("scope"),
+                        format!("{other:?} is not a scope; use \"host\" or \"all\""),
+                    ));
                     Scope::Host
                 }
             };
             if servers.is_empty() && default.is_none() && discovery.is_none() {
-                problems.push(Problem::new(at(raw.name.span()), sub("servers"), "a service needs servers, a default, or a [service.discovery] source"));
+                problems.push(Problem::new(
+                    at(raw.name.span()),
+                    sub("servers"),
+                    "a service needs servers, a default, or a [service.discovery] source",
+                ));
             }
             if let Some(vip) = vip {
                 parsed.push(Parsed {
-                    service: Service { name, vip, servers, default, policy, hold_down, health, discovery, scope },
+                    service: Service {
+                        name,
+                        vip,
+                        servers,
+                        default,
+                        policy,
+                        hold_down,
+                        health,
+                        discovery,
+                        scope,
+                    },
                     server_lines,
                     default_line: raw.default.as_ref().map(|d| line_of(d.span())),
                     list_line: line_of(raw.servers.as_ref().map_or(raw.name.span(), Spanned::span)),
@@ -544,7 +634,9 @@ impl Config {
             for (slot, problem) in check_servers(s.vip, &s.servers, s.default, owner) {
                 let (line, key) = match slot {
                     Slot::Server(j) => (p.server_lines[j], format!("{}: servers[{j}]", p.key)),
-                    Slot::Default => (p.default_line.unwrap_or(p.list_line), format!("{}: default", p.key)),
+                    Slot::Default => {
+                        (p.default_line.unwrap_or(p.list_line), format!("{}: default", p.key))
+                    }
                     Slot::Set => (p.list_line, format!("{}: servers", p.key)),
                 };
                 problems.push(Problem::new(Some(line), key, problem));
@@ -558,7 +650,12 @@ impl Config {
     }
 }
 
-fn parse_duration(text: &str, line: Option<usize>, key: &str, problems: &mut Vec<Problem>) -> Option<Duration> {
+fn parse_duration(
+    text: &str,
+    line: Option<usize>,
+    key: &str,
+    problems: &mut Vec<Problem>,
+) -> Option<Duration> {
     let what = match humantime::parse_duration(text) {
         Ok(d) if d.is_zero() => "must be more than zero".to_owned(),
         Ok(d) if d.as_nanos() > u128::from(u64::MAX) => format!("{text:?} is too long"),
@@ -569,13 +666,22 @@ fn parse_duration(text: &str, line: Option<usize>, key: &str, problems: &mut Vec
     None
 }
 
-fn parse_discovery(raw: RawDiscovery, line: Option<usize>, at: &str, problems: &mut Vec<Problem>) -> Option<Discovery> {
+fn parse_discovery(
+    raw: RawDiscovery,
+    line: Option<usize>,
+    at: &str,
+    problems: &mut Vec<Problem>,
+) -> Option<Discovery> {
     let mut duration = |key: &str, text: Option<String>, default: Duration| {
-        text.and_then(|t| parse_duration(&t, line, &format!("{at}{key}"), problems)).unwrap_or(default)
+        text.and_then(|t| parse_duration(&t, line, &format!("{at}{key}"), problems))
+            .unwrap_or(default)
     };
     let debounce = duration("debounce", raw.debounce, DEFAULT_DEBOUNCE);
     let refresh = (raw.refresh_min.is_some() || raw.refresh_max.is_some()).then(|| {
-        (duration("refresh_min", raw.refresh_min, DEFAULT_DNS_REFRESH_MIN), duration("refresh_max", raw.refresh_max, DEFAULT_DNS_REFRESH_MAX))
+        (
+            duration("refresh_min", raw.refresh_min, DEFAULT_DNS_REFRESH_MIN),
+            duration("refresh_max", raw.refresh_max, DEFAULT_DNS_REFRESH_MAX),
+        )
     });
     let mut problem = |key: &str, what: &str| {
         problems.push(Problem::new(line, format!("{at}{key}"), what));
@@ -584,7 +690,10 @@ fn parse_discovery(raw: RawDiscovery, line: Option<usize>, at: &str, problems: &
     let port = |value: i64| u16::try_from(value).ok().filter(|p| *p != 0);
     match (raw.kubernetes, raw.dns) {
         (Some(_), Some(_)) => problem("kubernetes", "give one source: kubernetes or dns, not both"),
-        (None, None) => problem("kubernetes", "give a source: kubernetes = { namespace, service, port } or dns = { name, port }"),
+        (None, None) => problem(
+            "kubernetes",
+            "give a source: kubernetes = { namespace, service, port } or dns = { name, port }",
+        ),
         (Some(k), None) => {
             if refresh.is_some() {
                 return problem("refresh_min", "only applies to dns discovery");
@@ -596,35 +705,59 @@ fn parse_discovery(raw: RawDiscovery, line: Option<usize>, at: &str, problems: &
                 RawPort::Name(name) if !name.is_empty() => PortRef::Name(name),
                 RawPort::Number(n) => match port(n) {
                     Some(p) => PortRef::Number(p),
-                    None => return problem("kubernetes.port", &format!("{n} is not a port (1-65535)")),
+                    None => {
+                        return problem("kubernetes.port", &format!("{n} is not a port (1-65535)"));
+                    }
                 },
-                RawPort::Name(_) => return problem("kubernetes.port", "must be a port name or number"),
+                RawPort::Name(_) => {
+                    return problem("kubernetes.port", "must be a port name or number");
+                }
             };
-            Some(Discovery::Kubernetes { namespace: k.namespace, service: k.service, port, debounce })
+            Some(Discovery::Kubernetes {
+                namespace: k.namespace,
+                service: k.service,
+                port,
+                debounce,
+            })
         }
         (None, Some(d)) => {
-            let (refresh_min, refresh_max) = refresh.unwrap_or((DEFAULT_DNS_REFRESH_MIN, DEFAULT_DNS_REFRESH_MAX));
+            let (refresh_min, refresh_max) =
+                refresh.unwrap_or((DEFAULT_DNS_REFRESH_MIN, DEFAULT_DNS_REFRESH_MAX));
             if refresh_min > refresh_max {
-                return problem("refresh_min", &format!("{refresh_min:?} is longer than refresh_max {refresh_max:?}"));
+                return problem(
+                    "refresh_min",
+                    &format!("{refresh_min:?} is longer than refresh_max {refresh_max:?}"),
+                );
             }
             if d.name.is_empty() || d.name.parse::<std::net::IpAddr>().is_ok() {
                 return problem("dns.name", &format!("{:?} is not a DNS name", d.name));
             }
-            let Some(port) = port(d.port) else { return problem("dns.port", &format!("{} is not a port (1-65535)", d.port)) };
+            let Some(port) = port(d.port) else {
+                return problem("dns.port", &format!("{} is not a port (1-65535)", d.port));
+            };
             Some(Discovery::Dns { name: d.name, port, debounce, refresh_min, refresh_max })
         }
     }
 }
 
-fn parse_health(raw: RawHealth, line: Option<usize>, at: &str, problems: &mut Vec<Problem>) -> HealthConfig {
-    let mut problem = |key: &str, what: String| problems.push(Problem::new(line, format!("{at}{key}"), what));
+fn parse_health(
+    raw: RawHealth,
+    line: Option<usize>,
+    at: &str,
+    problems: &mut Vec<Problem>,
+) -> HealthConfig {
+    let mut problem =
+        |key: &str, what: String| problems.push(Problem::new(line, format!("{at}{key}"), what));
     let check = match raw.check.as_deref() {
         None | Some("tcp") => CheckKind::Tcp,
         Some("http") => CheckKind::Http,
         Some("https") => CheckKind::Https,
         Some("none") => CheckKind::None,
         Some(other) => {
-            problem("check", format!("{other:?} is not a check; use \"tcp\", \"http\", \"https\" or \"none\""));
+            problem(
+                "check",
+                format!("{other:?} is not a check; use \"tcp\", \"http\", \"https\" or \"none\""),
+            );
             CheckKind::Tcp
         }
     };
@@ -635,16 +768,27 @@ fn parse_health(raw: RawHealth, line: Option<usize>, at: &str, problems: &mut Ve
         }
         health.path = path;
     }
-    for (key, text, slot) in [("interval", raw.interval, &mut health.interval), ("timeout", raw.timeout, &mut health.timeout)] {
-        if let Some(d) = text.as_deref().and_then(|t| parse_duration(t, line, &format!("{at}{key}"), problems)) {
+    for (key, text, slot) in [
+        ("interval", raw.interval, &mut health.interval),
+        ("timeout", raw.timeout, &mut health.timeout),
+    ] {
+        if let Some(d) =
+            text.as_deref().and_then(|t| parse_duration(t, line, &format!("{at}{key}"), problems))
+        {
             *slot = d;
         }
     }
-    let mut problem = |key: &str, what: String| problems.push(Problem::new(line, format!("{at}{key}"), what));
+    let mut problem =
+        |key: &str, what: String| problems.push(Problem::new(line, format!("{at}{key}"), what));
     if health.timeout > health.interval {
-        problem("timeout", format!("{:?} is longer than the interval {:?}", health.timeout, health.interval));
+        problem(
+            "timeout",
+            format!("{:?} is longer than the interval {:?}", health.timeout, health.interval),
+        );
     }
-    for (key, value, slot) in [("rise", raw.rise, &mut health.rise), ("fall", raw.fall, &mut health.fall)] {
+    for (key, value, slot) in
+        [("rise", raw.rise, &mut health.rise), ("fall", raw.fall, &mut health.fall)]
+    {
         match value {
             Some(0) => problem(key, "must be at least 1".to_owned()),
             Some(n) if n > 100 => problem(key, format!("{n} is more than 100")),
@@ -658,7 +802,9 @@ fn parse_health(raw: RawHealth, line: Option<usize>, at: &str, problems: &mut Ve
     if let Some(text) = raw.status {
         let range = text.split_once('-').unwrap_or((text.as_str(), text.as_str()));
         match (range.0.trim().parse::<u16>(), range.1.trim().parse::<u16>()) {
-            (Ok(lo), Ok(hi)) if (100..=599).contains(&lo) && (lo..=599).contains(&hi) => health.status = (lo, hi),
+            (Ok(lo), Ok(hi)) if (100..=599).contains(&lo) && (lo..=599).contains(&hi) => {
+                health.status = (lo, hi)
+            }
             _ => problem("status", format!("{text:?} is not a status range like \"200-399\"")),
         }
     }
@@ -693,15 +839,31 @@ const fn family(addr: &SocketAddr) -> &'static str {
 
 /// An address as written (`127.0.0.1:6443`, `[::1]:6443`); whether it can
 /// be used is for the caller to check.
-fn parse_addr(text: &str, line: Option<usize>, key: &str, problems: &mut Vec<Problem>) -> Option<SocketAddr> {
+fn parse_addr(
+    text: &str,
+    line: Option<usize>,
+    key: &str,
+    problems: &mut Vec<Problem>,
+) -> Option<SocketAddr> {
     text.parse::<SocketAddr>()
-        .inspect_err(|_| problems.push(Problem::new(line, key, format!("{text:?} is not an address like \"127.0.0.1:6443\" or \"[::1]:6443\""))))
+        .inspect_err(|_| {
+            problems.push(Problem::new(
+                line,
+                key,
+                format!("{text:?} is not an address like \"127.0.0.1:6443\" or \"[::1]:6443\""),
+            ))
+        })
         .ok()
 }
 
 /// An address to listen on or to dial (a VIP, the metrics address): not
 /// port 0, not the unspecified address.
-fn parse_endpoint(text: &str, line: Option<usize>, key: &str, problems: &mut Vec<Problem>) -> Option<SocketAddr> {
+fn parse_endpoint(
+    text: &str,
+    line: Option<usize>,
+    key: &str,
+    problems: &mut Vec<Problem>,
+) -> Option<SocketAddr> {
     let addr = parse_addr(text, line, key, problems)?;
     let what = if addr.port() == 0 {
         ServerProblem::PortZero(addr)
@@ -759,24 +921,37 @@ mod tests {
     #[test]
     fn bad_address_names_the_key() {
         let msg = problems(&GOOD.replace("127.0.0.2:16443", "127.0.0.2"));
-        assert!(msg.contains("test.toml:8: service[0] (\"api\"): servers[1]: \"127.0.0.2\" is not an address"), "{msg}");
+        assert!(
+            msg.contains(
+                "test.toml:8: service[0] (\"api\"): servers[1]: \"127.0.0.2\" is not an address"
+            ),
+            "{msg}"
+        );
     }
 
     #[test]
     fn port_zero_is_rejected() {
         let msg = problems(&GOOD.replace("127.0.0.1:6444", "127.0.0.1:0"));
-        assert!(msg.contains("test.toml:7: service[0] (\"api\"): vip: 127.0.0.1:0 has port 0"), "{msg}");
+        assert!(
+            msg.contains("test.toml:7: service[0] (\"api\"): vip: 127.0.0.1:0 has port 0"),
+            "{msg}"
+        );
     }
 
     #[test]
     fn mixed_families_are_rejected_with_a_reason() {
         let msg = problems(&GOOD.replace("127.0.0.2:16443", "[::1]:16443"));
-        assert!(msg.contains("servers[1]: [::1]:16443 is IPv6 but the VIP 127.0.0.1:6444 is IPv4"), "{msg}");
+        assert!(
+            msg.contains("servers[1]: [::1]:16443 is IPv6 but the VIP 127.0.0.1:6444 is IPv4"),
+            "{msg}"
+        );
     }
 
     #[test]
     fn duplicate_names_and_vips_are_rejected() {
-        let twice = format!("{GOOD}\n[[service]]\nname = \"api\"\nvip = \"127.0.0.1:6444\"\nservers = [\"127.0.0.9:1\"]\n");
+        let twice = format!(
+            "{GOOD}\n[[service]]\nname = \"api\"\nvip = \"127.0.0.1:6444\"\nservers = [\"127.0.0.9:1\"]\n"
+        );
         let msg = problems(&twice);
         assert!(msg.contains("name: duplicate of service[0]"), "{msg}");
         assert!(msg.contains("vip: 127.0.0.1:6444 is already the VIP of service[0]"), "{msg}");
@@ -790,14 +965,18 @@ mod tests {
 
     #[test]
     fn bad_duration_and_policy_are_named() {
-        let msg = problems(&GOOD.replace("500ms", "soon").replace("hold_down", "policy = \"random\"\nhold_down"));
+        let msg = problems(
+            &GOOD.replace("500ms", "soon").replace("hold_down", "policy = \"random\"\nhold_down"),
+        );
         assert!(msg.contains("hold_down: \"soon\" is not a duration"), "{msg}");
         assert!(msg.contains("policy: \"random\" is not a policy"), "{msg}");
     }
 
     #[test]
     fn health_section_parses_with_defaults() {
-        let text = format!("{GOOD}[service.health]\ncheck = \"https\"\npath = \"/readyz\"\ninterval = \"5s\"\nfall = 3\nca_file = \"/etc/lb/ca.pem\"\n");
+        let text = format!(
+            "{GOOD}[service.health]\ncheck = \"https\"\npath = \"/readyz\"\ninterval = \"5s\"\nfall = 3\nca_file = \"/etc/lb/ca.pem\"\n"
+        );
         let health = &parse(&text).unwrap().services[0].health;
         assert_eq!(health.check, CheckKind::Https);
         assert_eq!(health.path, "/readyz");
@@ -810,9 +989,16 @@ mod tests {
 
     #[test]
     fn bad_health_settings_are_named() {
-        let text = format!("{GOOD}[service.health]\ncheck = \"icmp\"\nrise = 0\nstatus = \"2xx\"\ninterval = \"1s\"\ntimeout = \"2s\"\n");
+        let text = format!(
+            "{GOOD}[service.health]\ncheck = \"icmp\"\nrise = 0\nstatus = \"2xx\"\ninterval = \"1s\"\ntimeout = \"2s\"\n"
+        );
         let msg = problems(&text);
-        for expected in ["health.check: \"icmp\" is not a check", "health.rise: must be at least 1", "health.status: \"2xx\"", "health.timeout: 2s is longer"] {
+        for expected in [
+            "health.check: \"icmp\" is not a check",
+            "health.rise: must be at least 1",
+            "health.status: \"2xx\"",
+            "health.timeout: 2s is longer",
+        ] {
             assert!(msg.contains(expected), "{expected:?} missing from:\n{msg}");
         }
         let msg = problems(&format!("{GOOD}[service.health]\ncheck = \"tcp\"\nca_file = \"/x\"\n"));
@@ -826,23 +1012,42 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("lb-client-paths-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("config.toml");
-        std::fs::write(&path, "[daemon]\ncontrol_socket = \"/tmp/x.sock\"\n[[service]]\npolcy = 1\n").unwrap();
+        std::fs::write(
+            &path,
+            "[daemon]\ncontrol_socket = \"/tmp/x.sock\"\n[[service]]\npolcy = 1\n",
+        )
+        .unwrap();
         let paths = ClientPaths::load(&path).unwrap();
-        assert_eq!(paths, ClientPaths { control_socket: "/tmp/x.sock".into(), bpffs: DEFAULT_BPFFS.into() });
+        assert_eq!(
+            paths,
+            ClientPaths { control_socket: "/tmp/x.sock".into(), bpffs: DEFAULT_BPFFS.into() }
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn too_many_servers_is_rejected() {
         let servers: Vec<String> = (1..=17).map(|i| format!("\"127.0.1.{i}:80\"")).collect();
-        let text = format!("[[service]]\nname = \"big\"\nvip = \"127.0.0.1:80\"\nservers = [{}]\n", servers.join(","));
-        assert!(problems(&text).contains("test.toml:4: service[0] (\"big\"): servers: 17 servers (with the default)"));
+        let text = format!(
+            "[[service]]\nname = \"big\"\nvip = \"127.0.0.1:80\"\nservers = [{}]\n",
+            servers.join(",")
+        );
+        assert!(
+            problems(&text).contains(
+                "test.toml:4: service[0] (\"big\"): servers: 17 servers (with the default)"
+            )
+        );
     }
 
     #[test]
     fn a_server_twice_is_named_where_it_repeats() {
         let msg = problems(&GOOD.replace("127.0.0.2:16443", "127.0.0.1:16443"));
-        assert!(msg.contains("test.toml:8: service[0] (\"api\"): servers[1]: 127.0.0.1:16443 is listed twice"), "{msg}");
+        assert!(
+            msg.contains(
+                "test.toml:8: service[0] (\"api\"): servers[1]: 127.0.0.1:16443 is listed twice"
+            ),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -850,24 +1055,50 @@ mod tests {
         let vip: SocketAddr = "127.0.0.1:6444".parse().unwrap();
         let a = |s: &str| s.parse::<SocketAddr>().unwrap();
         let none = |_| None;
-        assert_eq!(validate_servers(vip, &[a("127.0.0.1:1"), a("127.0.0.2:1")], Some(a("127.0.0.1:1")), none), Ok(()), "the default may be listed");
-        let err = validate_servers(vip, &[a("127.0.0.1:0"), a("[::1]:1"), a("127.0.0.3:1"), a("127.0.0.3:1")], None, none).unwrap_err();
+        assert_eq!(
+            validate_servers(
+                vip,
+                &[a("127.0.0.1:1"), a("127.0.0.2:1")],
+                Some(a("127.0.0.1:1")),
+                none
+            ),
+            Ok(()),
+            "the default may be listed"
+        );
+        let err = validate_servers(
+            vip,
+            &[a("127.0.0.1:0"), a("[::1]:1"), a("127.0.0.3:1"), a("127.0.0.3:1")],
+            None,
+            none,
+        )
+        .unwrap_err();
         assert_eq!(
             err,
             "servers[0]: 127.0.0.1:0 has port 0; servers[1]: [::1]:1 is IPv6 but the VIP 127.0.0.1:6444 is IPv4; a socket dialling the VIP cannot reach it; servers[3]: 127.0.0.3:1 is listed twice"
         );
-        let err = validate_servers(vip, &[a("127.0.0.9:80")], None, |addr| (addr == a("127.0.0.9:80")).then(|| "service \"db\"".to_owned())).unwrap_err();
-        assert_eq!(err, "servers[0]: 127.0.0.9:80 is the VIP of service \"db\"; using it as a server would loop");
-        let many: Vec<SocketAddr> = (1..=17).map(|i| SocketAddr::from(([127, 0, 1, i], 80))).collect();
+        let err = validate_servers(vip, &[a("127.0.0.9:80")], None, |addr| {
+            (addr == a("127.0.0.9:80")).then(|| "service \"db\"".to_owned())
+        })
+        .unwrap_err();
+        assert_eq!(
+            err,
+            "servers[0]: 127.0.0.9:80 is the VIP of service \"db\"; using it as a server would loop"
+        );
+        let many: Vec<SocketAddr> =
+            (1..=17).map(|i| SocketAddr::from(([127, 0, 1, i], 80))).collect();
         assert!(validate_servers(vip, &many, None, none).unwrap_err().contains("17 servers"));
     }
 
     #[test]
     fn scope_defaults_to_host_for_loopback_vips_only() {
         assert_eq!(parse(GOOD).unwrap().services[0].scope, Scope::Host);
-        let cluster = GOOD.replace("127.0.0.1:6444", "[fd00::1]:6444").replace("127.0.0.", "[fd00::").replace(":16443", "]:16443");
+        let cluster = GOOD
+            .replace("127.0.0.1:6444", "[fd00::1]:6444")
+            .replace("127.0.0.", "[fd00::")
+            .replace(":16443", "]:16443");
         assert_eq!(parse(&cluster).unwrap().services[0].scope, Scope::All, "{cluster}");
-        let with = |scope: &str| GOOD.replace("hold_down", &format!("scope = \"{scope}\"\nhold_down"));
+        let with =
+            |scope: &str| GOOD.replace("hold_down", &format!("scope = \"{scope}\"\nhold_down"));
         assert_eq!(parse(&with("all")).unwrap().services[0].scope, Scope::All);
         assert!(problems(&with("pods")).contains("scope: \"pods\" is not a scope"));
     }
@@ -886,7 +1117,9 @@ mod tests {
                 debounce: DEFAULT_DEBOUNCE
             })
         );
-        let dns = format!("{GOOD}[service.discovery]\ndns = {{ name = \"api.example.internal\", port = 2379 }}\ndebounce = \"3s\"\nrefresh_max = \"1m\"\n");
+        let dns = format!(
+            "{GOOD}[service.discovery]\ndns = {{ name = \"api.example.internal\", port = 2379 }}\ndebounce = \"3s\"\nrefresh_max = \"1m\"\n"
+        );
         assert_eq!(
             parse(&dns).unwrap().services[0].discovery,
             Some(Discovery::Dns {
@@ -904,19 +1137,42 @@ mod tests {
         let base = format!("{GOOD}[service.discovery]\n");
         for (body, expected) in [
             ("", "test.toml:11: service[0] (\"api\"): discovery.kubernetes: give a source"),
-            ("dns = { name = \"x\", port = 1 }\nkubernetes = { namespace = \"a\", service = \"b\", port = 1 }\n", "not both"),
-            ("kubernetes = { namespace = \"a\", service = \"b\", port = 0 }\n", "discovery.kubernetes.port: 0 is not a port"),
-            ("dns = { name = \"10.0.0.1\", port = 53 }\n", "discovery.dns.name: \"10.0.0.1\" is not a DNS name"),
+            (
+                "dns = { name = \"x\", port = 1 }\nkubernetes = { namespace = \"a\", service = \"b\", port = 1 }\n",
+                "not both",
+            ),
+            (
+                "kubernetes = { namespace = \"a\", service = \"b\", port = 0 }\n",
+                "discovery.kubernetes.port: 0 is not a port",
+            ),
+            (
+                "dns = { name = \"10.0.0.1\", port = 53 }\n",
+                "discovery.dns.name: \"10.0.0.1\" is not a DNS name",
+            ),
             ("dns = { name = \"x\", port = 70000 }\n", "discovery.dns.port: 70000 is not a port"),
-            ("dns = { name = \"x\", port = 1 }\nrefresh_min = \"10m\"\nrefresh_max = \"1m\"\n", "discovery.refresh_min: 600s is longer than refresh_max 60s"),
-            ("kubernetes = { namespace = \"a\", service = \"b\", port = \"https\" }\nrefresh_min = \"1s\"\n", "only applies to dns"),
-            ("dns = { name = \"x\", port = 1 }\ndebounce = \"never\"\n", "discovery.debounce: \"never\" is not a duration"),
+            (
+                "dns = { name = \"x\", port = 1 }\nrefresh_min = \"10m\"\nrefresh_max = \"1m\"\n",
+                "discovery.refresh_min: 600s is longer than refresh_max 60s",
+            ),
+            (
+                "kubernetes = { namespace = \"a\", service = \"b\", port = \"https\" }\nrefresh_min = \"1s\"\n",
+                "only applies to dns",
+            ),
+            (
+                "dns = { name = \"x\", port = 1 }\ndebounce = \"never\"\n",
+                "discovery.debounce: \"never\" is not a duration",
+            ),
         ] {
             let msg = problems(&format!("{base}{body}"));
             assert!(msg.contains(expected), "{expected:?} missing from:\n{msg}");
         }
         let msg = problems("[[service]]\nname = \"x\"\nvip = \"127.0.0.1:1\"\n");
-        assert!(msg.contains("servers: a service needs servers, a default, or a [service.discovery] source"), "{msg}");
+        assert!(
+            msg.contains(
+                "servers: a service needs servers, a default, or a [service.discovery] source"
+            ),
+            "{msg}"
+        );
     }
 
     #[test]

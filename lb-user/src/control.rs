@@ -36,12 +36,23 @@ pub enum Request {
     Status,
     /// Reset the connections made through a VIP to `server` (of one service
     /// when `service` is set; of every service otherwise).
-    CloseConnections { server: SocketAddr, service: Option<String> },
+    CloseConnections {
+        server: SocketAddr,
+        service: Option<String>,
+    },
     /// Replace a service's server list (and default). Unchanged sets are a no-op.
-    SetServers { service: String, servers: Vec<SocketAddr>, default: Option<SocketAddr> },
+    SetServers {
+        service: String,
+        servers: Vec<SocketAddr>,
+        default: Option<SocketAddr>,
+    },
     /// Drain a server (no new connections unless nothing else is usable;
     /// existing ones stay), or undo that.
-    Drain { service: String, server: SocketAddr, undo: bool },
+    Drain {
+        service: String,
+        server: SocketAddr,
+        undo: bool,
+    },
     /// Re-read the config file (as SIGHUP does) and say how it went.
     Reload,
     /// Exit, leaving the datapath pinned and working.
@@ -173,7 +184,12 @@ pub async fn call(socket: &Path, request: &Request) -> anyhow::Result<Response> 
     let stream = tokio::time::timeout(Duration::from_secs(5), UnixStream::connect(socket))
         .await
         .with_context(|| format!("timed out connecting to {}", socket.display()))?
-        .with_context(|| format!("cannot reach the lb daemon at {} (is `lb run` running with this config?)", socket.display()))?;
+        .with_context(|| {
+            format!(
+                "cannot reach the lb daemon at {} (is `lb run` running with this config?)",
+                socket.display()
+            )
+        })?;
     let (read, mut write) = stream.into_split();
     let mut line = serde_json::to_string(request)?;
     line.push('\n');
@@ -186,7 +202,8 @@ pub async fn call(socket: &Path, request: &Request) -> anyhow::Result<Response> 
     if answer.is_empty() {
         bail!("the daemon closed the control connection without answering");
     }
-    serde_json::from_str(&answer).with_context(|| format!("unexpected answer from the daemon: {answer}"))
+    serde_json::from_str(&answer)
+        .with_context(|| format!("unexpected answer from the daemon: {answer}"))
 }
 
 /// A request on its way to the daemon, with where to send the answer.
@@ -205,13 +222,18 @@ pub async fn bind(path: &Path) -> anyhow::Result<UnixListener> {
             if UnixStream::connect(path).await.is_ok() {
                 bail!("another lb daemon is already listening on {}", path.display());
             }
-            std::fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))?;
+            std::fs::remove_file(path)
+                .with_context(|| format!("removing stale socket {}", path.display()))?;
         }
-        Ok(_) => bail!("{} exists and is not a socket; refusing to replace it (check daemon.control_socket)", path.display()),
+        Ok(_) => bail!(
+            "{} exists and is not a socket; refusing to replace it (check daemon.control_socket)",
+            path.display()
+        ),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(e).with_context(|| format!("inspecting {}", path.display())),
     }
-    let listener = UnixListener::bind(path).with_context(|| format!("binding control socket {}", path.display()))?;
+    let listener = UnixListener::bind(path)
+        .with_context(|| format!("binding control socket {}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("making {} private (mode 0600)", path.display()))?;
     Ok(listener)
@@ -259,7 +281,8 @@ async fn serve_client(stream: UnixStream, calls: &mpsc::Sender<Call>) -> anyhow:
             return Ok(());
         }
         if line.len() > MAX_REQUEST_BYTES {
-            let refusal = Response::Error { error: format!("request longer than {MAX_REQUEST_BYTES} bytes") };
+            let refusal =
+                Response::Error { error: format!("request longer than {MAX_REQUEST_BYTES} bytes") };
             write_line(&mut write, &refusal).await?;
             bail!("request line over {MAX_REQUEST_BYTES} bytes");
         }
@@ -269,13 +292,18 @@ async fn serve_client(stream: UnixStream, calls: &mpsc::Sender<Call>) -> anyhow:
                 calls.send((request, reply_tx)).await.context("daemon is shutting down")?;
                 reply_rx.await.context("daemon is shutting down")?
             }
-            Err(e) => Response::Error { error: format!("bad request {:?}: {e}", String::from_utf8_lossy(&line).trim_end()) },
+            Err(e) => Response::Error {
+                error: format!("bad request {:?}: {e}", String::from_utf8_lossy(&line).trim_end()),
+            },
         };
         write_line(&mut write, &response).await?;
     }
 }
 
-async fn write_line(write: &mut (impl tokio::io::AsyncWrite + Unpin), response: &Response) -> anyhow::Result<()> {
+async fn write_line(
+    write: &mut (impl tokio::io::AsyncWrite + Unpin),
+    response: &Response,
+) -> anyhow::Result<()> {
     let mut out = serde_json::to_string(response)?;
     out.push('\n');
     write.write_all(out.as_bytes()).await?;
@@ -287,7 +315,9 @@ mod tests {
     use super::*;
 
     fn socket_path(name: &str) -> std::path::PathBuf {
-        std::env::temp_dir().join(format!("lb-control-{name}-{}", std::process::id())).join("lb.sock")
+        std::env::temp_dir()
+            .join(format!("lb-control-{name}-{}", std::process::id()))
+            .join("lb.sock")
     }
 
     /// A server whose "daemon" answers every request with `Ok`.

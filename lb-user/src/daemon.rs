@@ -27,9 +27,14 @@ use tokio::{
 use tracing::{debug, error, info, warn};
 
 use crate::{
-    balancer::{Balancer, Checks, CloseReason, Connection, Effect, Health, Readiness, Selection, State},
+    balancer::{
+        Balancer, Checks, CloseReason, Connection, Effect, Health, Readiness, Selection, State,
+    },
     config::{self, CheckKind, Config},
-    control::{self, ConfigStatus, DatapathStatus, DiscoveryStatus, Features, ReloadStatus, Request, Response, Status, TrackedSockets},
+    control::{
+        self, ConfigStatus, DatapathStatus, DiscoveryStatus, Features, ReloadStatus, Request,
+        Response, Status, TrackedSockets,
+    },
     datapath::{self, Datapath, VipEntry},
     discovery,
     health::{Checker, Tls},
@@ -45,9 +50,17 @@ use crate::{
 /// `control::Call`s.)
 enum Message {
     Kernel(Event),
-    Health { service: String, server: SocketAddr, result: Health, took: Duration },
+    Health {
+        service: String,
+        server: SocketAddr,
+        result: Health,
+        took: Duration,
+    },
     /// A batch of VIP connections was closed in the background.
-    Closed { why: Closing, result: Result<Closed, String> },
+    Closed {
+        why: Closing,
+        result: Result<Closed, String>,
+    },
 }
 
 /// How many VIP connections were closed, per (VIP, server).
@@ -100,8 +113,15 @@ struct Service {
 }
 
 impl Service {
-    fn new(config: config::Service, tls: Tls, servers: &[SocketAddr], default: Option<SocketAddr>, now: Instant) -> (Self, Vec<Effect>) {
-        let (balancer, effects) = Balancer::new(config.policy, checks_of(&config), servers, default, now);
+    fn new(
+        config: config::Service,
+        tls: Tls,
+        servers: &[SocketAddr],
+        default: Option<SocketAddr>,
+        now: Instant,
+    ) -> (Self, Vec<Effect>) {
+        let (balancer, effects) =
+            Balancer::new(config.policy, checks_of(&config), servers, default, now);
         (Self { config, tls, balancer, checks: HashMap::new(), discovery: None }, effects)
     }
 
@@ -112,7 +132,13 @@ impl Service {
 
     fn entry_for(&self, selection: Selection) -> VipEntry {
         let states = self.balancer.state_codes(&selection.servers);
-        VipEntry { vip: self.config.vip, selection, hold_down: self.config.hold_down, scope: self.config.scope, states }
+        VipEntry {
+            vip: self.config.vip,
+            selection,
+            hold_down: self.config.hold_down,
+            scope: self.config.scope,
+            states,
+        }
     }
 
     fn stop_checks(&mut self) {
@@ -172,12 +198,21 @@ fn load_tls(config: &Config) -> anyhow::Result<HashMap<String, Tls>> {
     config
         .services
         .iter()
-        .map(|s| Ok((s.name.clone(), Tls::load(&s.health).with_context(|| format!("service {:?}", s.name))?)))
+        .map(|s| {
+            Ok((
+                s.name.clone(),
+                Tls::load(&s.health).with_context(|| format!("service {:?}", s.name))?,
+            ))
+        })
         .collect()
 }
 
 fn checks_of(service: &config::Service) -> Checks {
-    Checks { rise: service.health.rise, fall: service.health.fall, passive_only: service.health.check == CheckKind::None }
+    Checks {
+        rise: service.health.rise,
+        fall: service.health.fall,
+        passive_only: service.health.check == CheckKind::None,
+    }
 }
 
 impl KernelView for Datapath {
@@ -212,11 +247,15 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     let saved = SavedState::load(&config.daemon.state_dir);
     let now = Instant::now();
     let mut services = Vec::new();
-    let vips: HashMap<SocketAddr, &str> = config.services.iter().map(|s| (s.vip, s.name.as_str())).collect();
+    let vips: HashMap<SocketAddr, &str> =
+        config.services.iter().map(|s| (s.vip, s.name.as_str())).collect();
     let mut discovered_at = HashMap::new();
     for service in &config.services {
         let restored = saved_list(&saved, &vips, service);
-        let (list, default) = restored.map_or_else(|| (service.servers.clone(), service.default), |s| (s.servers.clone(), s.default));
+        let (list, default) = restored.map_or_else(
+            || (service.servers.clone(), service.default),
+            |s| (s.servers.clone(), s.default),
+        );
         let tls = tls.remove(&service.name).unwrap_or_default();
         let (mut new, _) = Service::new(service.clone(), tls, &list, default, now);
         if let Some(restored) = restored {
@@ -261,11 +300,27 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
 
     let sock_destroy = sock_destroy::supported();
     if !sock_destroy {
-        warn!("this kernel cannot destroy sockets (CONFIG_INET_DIAG_DESTROY, or the tcp_diag module): connections that must move are left to end on their own");
+        warn!(
+            "this kernel cannot destroy sockets (CONFIG_INET_DIAG_DESTROY, or the tcp_diag module): connections that must move are left to end on their own"
+        );
     }
     let metrics = Metrics::new();
-    let mut daemon =
-        Daemon { config, config_path: options.config_path, cgroup, datapath, services, saved, tx, metrics, last_reload: None, sock_destroy, started_ns, discovered, by_name: HashMap::new(), by_vip: HashMap::new() };
+    let mut daemon = Daemon {
+        config,
+        config_path: options.config_path,
+        cgroup,
+        datapath,
+        services,
+        saved,
+        tx,
+        metrics,
+        last_reload: None,
+        sock_destroy,
+        started_ns,
+        discovered,
+        by_name: HashMap::new(),
+        by_vip: HashMap::new(),
+    };
     daemon.reindex();
     for i in 0..daemon.services.len() {
         daemon.service_appeared(i);
@@ -276,7 +331,9 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     for i in 0..daemon.services.len() {
         daemon.start_discovery(i);
         let service = &mut daemon.services[i];
-        if let (Some(discovery), Some(&at)) = (&mut service.discovery, discovered_at.get(&service.config.name)) {
+        if let (Some(discovery), Some(&at)) =
+            (&mut service.discovery, discovered_at.get(&service.config.name))
+        {
             discovery.status.last_success = Some(at);
         }
     }
@@ -350,9 +407,15 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
 /// against the same configured list and still passes the checks every
 /// server list must pass. A saved list that fails them is reported loudly
 /// and the config's list is used.
-fn saved_list<'a>(saved: &'a SavedState, vips: &HashMap<SocketAddr, &str>, service: &config::Service) -> Option<&'a SavedList> {
+fn saved_list<'a>(
+    saved: &'a SavedState,
+    vips: &HashMap<SocketAddr, &str>,
+    service: &config::Service,
+) -> Option<&'a SavedList> {
     let list = saved.list_for(&service.name, &service.servers, service.default)?;
-    match config::validate_servers(service.vip, &list.servers, list.default, |addr| vips.get(&addr).map(|name| format!("service {name:?}"))) {
+    match config::validate_servers(service.vip, &list.servers, list.default, |addr| {
+        vips.get(&addr).map(|name| format!("service {name:?}"))
+    }) {
         Ok(()) => {
             info!(service = %service.name, servers = ?list.servers, "using the server list set at runtime or discovered (state file)");
             Some(list)
@@ -363,7 +426,6 @@ fn saved_list<'a>(saved: &'a SavedState, vips: &HashMap<SocketAddr, &str>, servi
         }
     }
 }
-
 
 impl Daemon {
     /// Starts from what the kernel of an adopted datapath holds: a service
@@ -381,13 +443,21 @@ impl Daemon {
             let same: HashSet<SocketAddr> = kernel.iter().copied().collect();
             let ours: HashSet<SocketAddr> = entry.selection.servers.iter().copied().collect();
             if !kernel.is_empty() && same == ours {
-                let failed: Vec<SocketAddr> =
-                    kernel.iter().copied().filter(|s| self.datapath.recently_failed(*s, service.config.hold_down)).collect();
+                let failed: Vec<SocketAddr> = kernel
+                    .iter()
+                    .copied()
+                    .filter(|s| self.datapath.recently_failed(*s, service.config.hold_down))
+                    .collect();
                 info!(service = %service.config.name, selection = ?kernel, recently_failed = ?failed, "adopted the kernel's selection");
                 entry.selection.servers = kernel;
                 entry.selection.spread = self.datapath.spread(entry.vip);
                 let states = self.datapath.daemon_states(entry.vip);
-                let effects = service.balancer.adopt(entry.selection.clone(), &states, &failed, Instant::now());
+                let effects = service.balancer.adopt(
+                    entry.selection.clone(),
+                    &states,
+                    &failed,
+                    Instant::now(),
+                );
                 entry.states = states;
                 entries.push(entry);
                 self.apply(i, effects);
@@ -406,7 +476,8 @@ impl Daemon {
 
     /// Rebuilds `by_name` and `by_vip` after `services` changed shape.
     fn reindex(&mut self) {
-        self.by_name = self.services.iter().enumerate().map(|(i, s)| (s.config.name.clone(), i)).collect();
+        self.by_name =
+            self.services.iter().enumerate().map(|(i, s)| (s.config.name.clone(), i)).collect();
         self.by_vip = self.services.iter().enumerate().map(|(i, s)| (s.config.vip, i)).collect();
     }
 
@@ -452,7 +523,10 @@ impl Daemon {
                     match self.datapath.write(&entry) {
                         Ok(()) => {
                             info!(service = %name, selection = ?entry.selection.servers, spread = entry.selection.spread, "selection written");
-                            self.metrics.selection_changes.get_or_create(&ServiceLabels { service: name.clone() }).inc();
+                            self.metrics
+                                .selection_changes
+                                .get_or_create(&ServiceLabels { service: name.clone() })
+                                .inc();
                         }
                         Err(e) => error!(service = %name, "writing the selection failed: {e:#}"),
                     }
@@ -460,7 +534,9 @@ impl Daemon {
                 Effect::CloseConnections { server, reason } => closes.push((server, reason)),
                 Effect::CheckNow { server } => match service.checks.get(&server) {
                     Some(check) => check.now.notify_one(),
-                    None => warn!(service = %name, %server, "no check task to confirm a kernel report with"),
+                    None => {
+                        warn!(service = %name, %server, "no check task to confirm a kernel report with")
+                    }
                 },
             }
         }
@@ -497,9 +573,17 @@ impl Daemon {
             config::Discovery::Dns { .. } => discovery::Source::Dns,
         };
         let (usable, usable_rx) = watch::channel(service.balancer.selection().servers);
-        let task = discovery::spawn(service.config.name.clone(), service.config.vip, source, kubeconfig, usable_rx, self.discovered.clone());
+        let task = discovery::spawn(
+            service.config.name.clone(),
+            service.config.vip,
+            source,
+            kubeconfig,
+            usable_rx,
+            self.discovered.clone(),
+        );
         info!(service = %service.config.name, source = name.name(), "following the discovery source");
-        let status = DiscoveryStatus { source: name.name().to_owned(), ..DiscoveryStatus::default() };
+        let status =
+            DiscoveryStatus { source: name.name().to_owned(), ..DiscoveryStatus::default() };
         service.discovery = Some(Discovery { task, usable, status });
     }
 
@@ -511,14 +595,17 @@ impl Daemon {
         let Ok(i) = self.index(&update.service) else { return };
         let source = update.source.name();
         let name = update.service.clone();
-        let now_unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let now_unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
         let result = match update.result {
             Ok(endpoints) if endpoints.is_empty() => {
                 warn!(service = %name, source, "the discovery source lists no endpoints; keeping the last list");
                 Err(("empty", "the source listed no endpoints; keeping the last list".to_owned()))
             }
             Ok(endpoints) => {
-                let list: Vec<(SocketAddr, Readiness)> = endpoints.iter().map(|e| (e.addr, e.readiness)).collect();
+                let list: Vec<(SocketAddr, Readiness)> =
+                    endpoints.iter().map(|e| (e.addr, e.readiness)).collect();
                 self.apply_discovered(i, &list, update.truncated).map_err(|e| ("error", e))
             }
             Err(error) => {
@@ -530,7 +617,11 @@ impl Daemon {
             Ok(()) => "applied",
             Err((outcome, _)) => outcome,
         };
-        let labels = DiscoveryLabels { service: name.clone(), source: source.to_owned(), result: outcome.to_owned() };
+        let labels = DiscoveryLabels {
+            service: name.clone(),
+            source: source.to_owned(),
+            result: outcome.to_owned(),
+        };
         self.metrics.discovery_updates.get_or_create(&labels).inc();
         let Some(discovery) = &mut self.services[i].discovery else { return };
         match result {
@@ -539,7 +630,10 @@ impl Daemon {
                 discovery.status.last_error = None;
                 discovery.status.truncated = update.truncated;
                 let at = i64::try_from(now_unix).unwrap_or(i64::MAX);
-                self.metrics.discovery_last_success.get_or_create(&ServiceLabels { service: name }).set(at);
+                self.metrics
+                    .discovery_last_success
+                    .get_or_create(&ServiceLabels { service: name })
+                    .set(at);
             }
             Err((_, error)) => discovery.status.last_error = Some(error),
         }
@@ -547,7 +641,12 @@ impl Daemon {
 
     /// Applies a discovered, non-empty list to service `i` and keeps it in
     /// the state file.
-    fn apply_discovered(&mut self, i: usize, list: &[(SocketAddr, Readiness)], truncated: usize) -> Result<(), String> {
+    fn apply_discovered(
+        &mut self,
+        i: usize,
+        list: &[(SocketAddr, Readiness)],
+        truncated: usize,
+    ) -> Result<(), String> {
         let config = &self.services[i].config;
         let (name, vip, default) = (config.name.clone(), config.vip, config.default);
         let servers: Vec<SocketAddr> = list.iter().map(|(addr, _)| *addr).collect();
@@ -557,7 +656,8 @@ impl Daemon {
             warn!(service = %name, truncated, "the source lists more endpoints than a service holds; the best 16 are used");
         }
         let effects = self.services[i].balancer.set_endpoints(list, default, Instant::now());
-        let removed = effects.iter().any(|e| matches!(e, Effect::StateChanged { to: State::Invalid, .. }));
+        let removed =
+            effects.iter().any(|e| matches!(e, Effect::StateChanged { to: State::Invalid, .. }));
         if !effects.is_empty() {
             info!(service = %name, servers = ?servers, "applying the discovered list");
         }
@@ -566,12 +666,23 @@ impl Daemon {
             self.forget_stale();
         }
         let config = &self.services[i].config;
-        let drained = list.iter().filter(|(_, r)| *r != Readiness::Ready).map(|(addr, _)| *addr).collect();
-        let now_unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let saved =
-            SavedList { servers, default, configured: config.servers.clone(), configured_default: config.default, drained, discovered_at: Some(now_unix) };
+        let drained =
+            list.iter().filter(|(_, r)| *r != Readiness::Ready).map(|(addr, _)| *addr).collect();
+        let now_unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let saved = SavedList {
+            servers,
+            default,
+            configured: config.servers.clone(),
+            configured_default: config.default,
+            drained,
+            discovered_at: Some(now_unix),
+        };
         // Written when the list changes, not at every confirmation.
-        let unchanged = self.saved.services.get(&name).is_some_and(|old| SavedList { discovered_at: old.discovered_at, ..saved.clone() } == *old);
+        let unchanged = self.saved.services.get(&name).is_some_and(|old| {
+            SavedList { discovered_at: old.discovered_at, ..saved.clone() } == *old
+        });
         if !unchanged {
             self.saved.services.insert(name, saved);
             if let Err(e) = self.saved.save(&self.config.daemon.state_dir) {
@@ -585,10 +696,17 @@ impl Daemon {
     /// any service (failure marks, zero connection counts), so that maps
     /// do not fill up with the dead. After every change of server lists.
     fn forget_stale(&mut self) {
-        let live: Vec<(SocketAddr, Vec<SocketAddr>)> =
-            self.services.iter().map(|s| (s.config.vip, s.balancer.servers().iter().map(|server| server.addr).collect())).collect();
+        let live: Vec<(SocketAddr, Vec<SocketAddr>)> = self
+            .services
+            .iter()
+            .map(|s| {
+                (s.config.vip, s.balancer.servers().iter().map(|server| server.addr).collect())
+            })
+            .collect();
         match self.datapath.forget(&live) {
-            Ok(forgotten) => debug!(?forgotten, "forgot what the kernel kept about removed servers"),
+            Ok(forgotten) => {
+                debug!(?forgotten, "forgot what the kernel kept about removed servers")
+            }
             Err(e) => warn!("cleaning the kernel's maps of removed servers failed: {e:#}"),
         }
     }
@@ -604,7 +722,8 @@ impl Daemon {
     fn sync_checks(&mut self, i: usize) {
         let tx = self.tx.clone();
         let service = &mut self.services[i];
-        let wanted: HashSet<SocketAddr> = service.balancer.servers().iter().map(|s| s.addr).collect();
+        let wanted: HashSet<SocketAddr> =
+            service.balancer.servers().iter().map(|s| s.addr).collect();
         service.checks.retain(|addr, check| {
             let keep = wanted.contains(addr);
             if !keep {
@@ -622,7 +741,14 @@ impl Daemon {
                 continue;
             }
             let now = Arc::new(Notify::new());
-            let task = tokio::spawn(check_loop(config.name.clone(), addr, config.health.clone(), service.tls.clone(), Arc::clone(&now), tx.clone()));
+            let task = tokio::spawn(check_loop(
+                config.name.clone(),
+                addr,
+                config.health.clone(),
+                service.tls.clone(),
+                Arc::clone(&now),
+                tx.clone(),
+            ));
             service.checks.insert(addr, CheckTask { task, now });
         }
     }
@@ -639,8 +765,12 @@ impl Daemon {
             let error = "this kernel cannot destroy sockets (it lacks CONFIG_INET_DIAG_DESTROY, or the tcp_diag module is not loaded)";
             return self.on_closed(why, Err(error.to_owned()));
         }
-        let sockets: HashMap<u64, (SocketAddr, SocketAddr)> =
-            self.datapath.vip_sockets().filter(|s| wanted(s.vip, s.server)).map(|s| (s.cookie, (s.vip, s.server))).collect();
+        let sockets: HashMap<u64, (SocketAddr, SocketAddr)> = self
+            .datapath
+            .vip_sockets()
+            .filter(|s| wanted(s.vip, s.server))
+            .map(|s| (s.cookie, (s.vip, s.server)))
+            .collect();
         let tx = self.tx.clone();
         tokio::task::spawn_blocking(move || {
             let cookies = sockets.keys().copied().collect();
@@ -659,9 +789,13 @@ impl Daemon {
 
     /// A background closing is done: log it, count it, answer who asked.
     fn on_closed(&self, why: Closing, result: Result<Closed, String>) {
-        let service_of = |vip: SocketAddr| self.by_vip.get(&vip).map(|&i| self.services[i].config.name.clone());
+        let service_of =
+            |vip: SocketAddr| self.by_vip.get(&vip).map(|&i| self.services[i].config.name.clone());
         let count = |service: String, server: SocketAddr, reason: &str, n: u64| {
-            self.metrics.connections_closed.get_or_create(&metrics::closed_labels(&service, server, reason)).inc_by(n);
+            self.metrics
+                .connections_closed
+                .get_or_create(&metrics::closed_labels(&service, server, reason))
+                .inc_by(n);
         };
         match (why, result) {
             (Closing::Balancer { service, vip, servers }, Ok(closed)) => {
@@ -671,7 +805,9 @@ impl Daemon {
                     count(service.clone(), server, reason.name(), n);
                 }
             }
-            (Closing::Balancer { service, .. }, Err(e)) => error!(service = %service, "closing connections failed: {e}"),
+            (Closing::Balancer { service, .. }, Err(e)) => {
+                error!(service = %service, "closing connections failed: {e}")
+            }
             (Closing::Manual { server, reply }, result) => {
                 let response = match result {
                     Ok(closed) => {
@@ -684,12 +820,19 @@ impl Daemon {
                         info!(%server, closed = total, "closed VIP connections on request");
                         Response::Closed { closed: total }
                     }
-                    Err(e) => Response::Error { error: format!("closing connections to {server}: {e}") },
+                    Err(e) => {
+                        Response::Error { error: format!("closing connections to {server}: {e}") }
+                    }
                 };
                 let _ = reply.send(response);
             }
-            (Closing::RemovedVips, Ok(closed)) => info!(closed = closed.values().sum::<u64>(), "closed the connections of removed VIPs"),
-            (Closing::RemovedVips, Err(e)) => error!("closing the connections of removed VIPs failed: {e}"),
+            (Closing::RemovedVips, Ok(closed)) => info!(
+                closed = closed.values().sum::<u64>(),
+                "closed the connections of removed VIPs"
+            ),
+            (Closing::RemovedVips, Err(e)) => {
+                error!("closing the connections of removed VIPs failed: {e}")
+            }
         }
     }
 
@@ -702,7 +845,10 @@ impl Daemon {
         }
         let (service, vip) = (self.services[i].config.name.clone(), self.services[i].config.vip);
         let servers: HashSet<SocketAddr> = closes.iter().map(|(s, _)| *s).collect();
-        self.close_in_background(|v, server| v == vip && servers.contains(&server), Closing::Balancer { service, vip, servers: closes });
+        self.close_in_background(
+            |v, server| v == vip && servers.contains(&server),
+            Closing::Balancer { service, vip, servers: closes },
+        );
     }
 
     fn on_health(&mut self, service: &str, server: SocketAddr, result: Health, took: Duration) {
@@ -712,7 +858,10 @@ impl Daemon {
         self.apply(i, effects);
         if let Some(s) = self.services[i].balancer.server(server) {
             self.metrics.set_healthy(service, server, s.healthy);
-            self.metrics.health_check_duration.get_or_create(&server_labels(service, server)).observe(took.as_secs_f64());
+            self.metrics
+                .health_check_duration
+                .get_or_create(&server_labels(service, server))
+                .observe(took.as_secs_f64());
         }
     }
 
@@ -721,7 +870,10 @@ impl Daemon {
         for service in &self.services {
             for server in service.balancer.servers() {
                 let count = self.datapath.connections(service.config.vip, server.addr);
-                self.metrics.server_connections.get_or_create(&server_labels(&service.config.name, server.addr)).set(count);
+                self.metrics
+                    .server_connections
+                    .get_or_create(&server_labels(&service.config.name, server.addr))
+                    .set(count);
             }
         }
         let counters = self.datapath.counters();
@@ -752,7 +904,10 @@ impl Daemon {
         };
         let Some(&i) = self.by_vip.get(&vip) else { return };
         if connection != Connection::Established {
-            self.metrics.connect_failures.get_or_create(&server_labels(&self.services[i].config.name, server)).inc();
+            self.metrics
+                .connect_failures
+                .get_or_create(&server_labels(&self.services[i].config.name, server))
+                .inc();
         }
         let effects = self.services[i].balancer.on_connection(server, connection, Instant::now());
         self.apply(i, effects);
@@ -762,9 +917,15 @@ impl Daemon {
     fn handle(&mut self, request: Request) -> Response {
         let result = match request {
             Request::Status => return Response::Status(self.status()),
-            Request::CloseConnections { .. } => Err(anyhow::anyhow!("close-connections is answered when the closing is done")),
-            Request::SetServers { service, servers, default } => self.set_servers(&service, &servers, default).map(|()| Response::Ok),
-            Request::Drain { service, server, undo } => self.drain(&service, server, undo).map(|()| Response::Ok),
+            Request::CloseConnections { .. } => {
+                Err(anyhow::anyhow!("close-connections is answered when the closing is done"))
+            }
+            Request::SetServers { service, servers, default } => {
+                self.set_servers(&service, &servers, default).map(|()| Response::Ok)
+            }
+            Request::Drain { service, server, undo } => {
+                self.drain(&service, server, undo).map(|()| Response::Ok)
+            }
             Request::Reload => self.reload().map(|()| Response::Ok),
             Request::Shutdown => Err(anyhow::anyhow!("shutdown is handled by the owner loop")),
         };
@@ -772,10 +933,16 @@ impl Daemon {
     }
 
     /// `lb servers`: checked with the same rules as the config file.
-    fn set_servers(&mut self, name: &str, servers: &[SocketAddr], default: Option<SocketAddr>) -> anyhow::Result<()> {
+    fn set_servers(
+        &mut self,
+        name: &str,
+        servers: &[SocketAddr],
+        default: Option<SocketAddr>,
+    ) -> anyhow::Result<()> {
         let i = self.index(name)?;
         let vip = self.services[i].config.vip;
-        config::validate_servers(vip, servers, default, |addr| self.vip_owner(addr)).map_err(anyhow::Error::msg)?;
+        config::validate_servers(vip, servers, default, |addr| self.vip_owner(addr))
+            .map_err(anyhow::Error::msg)?;
         let effects = self.services[i].balancer.set_servers(servers, default, Instant::now());
         self.apply(i, effects);
         let config = &self.services[i].config;
@@ -791,7 +958,9 @@ impl Daemon {
             },
         );
         self.forget_stale();
-        self.saved.save(&self.config.daemon.state_dir).context("saving the server list to the state directory")?;
+        self.saved
+            .save(&self.config.daemon.state_dir)
+            .context("saving the server list to the state directory")?;
         info!(service = name, ?servers, ?default, "server list set");
         Ok(())
     }
@@ -813,15 +982,34 @@ impl Daemon {
             services: self
                 .services
                 .iter()
-                .map(|s| status::service(&s.config, &s.balancer, s.discovery.as_ref().map(|d| &d.status), &self.datapath))
+                .map(|s| {
+                    status::service(
+                        &s.config,
+                        &s.balancer,
+                        s.discovery.as_ref().map(|d| &d.status),
+                        &self.datapath,
+                    )
+                })
                 .collect(),
-            config: ConfigStatus { path: self.config_path.display().to_string(), last_reload: self.last_reload.clone() },
+            config: ConfigStatus {
+                path: self.config_path.display().to_string(),
+                last_reload: self.last_reload.clone(),
+            },
             datapath: DatapathStatus {
                 cgroup: self.cgroup.display().to_string(),
                 bpffs: self.config.daemon.bpffs.display().to_string(),
                 adopted: self.datapath.adopted,
-                counters: self.datapath.counters().into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
-                features: Features { getpeername: self.datapath.getpeername, sock_destroy: self.sock_destroy, netns_scope: self.datapath.netns_scope },
+                counters: self
+                    .datapath
+                    .counters()
+                    .into_iter()
+                    .map(|(k, v)| (k.to_owned(), v))
+                    .collect(),
+                features: Features {
+                    getpeername: self.datapath.getpeername,
+                    sock_destroy: self.sock_destroy,
+                    netns_scope: self.datapath.netns_scope,
+                },
                 tracked_sockets: {
                     let (tcp, udp) = self.datapath.tracked_sockets();
                     TrackedSockets { tcp, udp }
@@ -834,25 +1022,45 @@ impl Daemon {
     /// (of `service`, or of any service) to `server`, and answers with how
     /// many once done. Direct connections to it are left alone. Counted
     /// with reason `manual`.
-    fn close_connections(&self, server: SocketAddr, service: Option<&str>, reply: oneshot::Sender<Response>) {
-        let vip = match service.map(|name| self.index(name).map(|i| self.services[i].config.vip)).transpose() {
+    fn close_connections(
+        &self,
+        server: SocketAddr,
+        service: Option<&str>,
+        reply: oneshot::Sender<Response>,
+    ) {
+        let vip = match service
+            .map(|name| self.index(name).map(|i| self.services[i].config.vip))
+            .transpose()
+        {
             Ok(vip) => vip,
             Err(e) => return drop(reply.send(Response::Error { error: format!("{e:#}") })),
         };
-        self.close_in_background(|v, s| s == server && vip.is_none_or(|vip| vip == v), Closing::Manual { server, reply });
+        self.close_in_background(
+            |v, s| s == server && vip.is_none_or(|vip| vip == v),
+            Closing::Manual { server, reply },
+        );
     }
 
     /// SIGHUP or `lb reload`: apply a new config if it is valid; keep the
     /// old one if not. Records the outcome for `lb status` and metrics.
     fn reload(&mut self) -> anyhow::Result<()> {
         let result = self.try_reload();
-        let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
         let outcome = if result.is_ok() { "success" } else { "failure" };
-        self.metrics.config_reloads.get_or_create(&ResultLabels { result: outcome.to_owned() }).inc();
+        self.metrics
+            .config_reloads
+            .get_or_create(&ResultLabels { result: outcome.to_owned() })
+            .inc();
         if let Err(e) = &result {
             error!("reload failed; still serving the previous config:\n{e:#}");
         }
-        self.last_reload = Some(ReloadStatus { ok: result.is_ok(), error: result.as_ref().err().map(|e| format!("{e:#}")), at });
+        self.last_reload = Some(ReloadStatus {
+            ok: result.is_ok(),
+            error: result.as_ref().err().map(|e| format!("{e:#}")),
+            at,
+        });
         result
     }
 
@@ -867,15 +1075,21 @@ impl Daemon {
             warn!("[daemon] settings changed; they take effect at the next start");
         }
         let now = Instant::now();
-        let running: Vec<config::Service> = self.services.iter().map(|s| s.config.clone()).collect();
+        let running: Vec<config::Service> =
+            self.services.iter().map(|s| s.config.clone()).collect();
         let mut removed_vips = HashSet::new();
         let changes = reload::plan(&running, &config.services);
         // Removals first, in one pass (they come first in the plan).
-        let removed: HashSet<&str> =
-            changes.iter().filter_map(|c| if let Change::Remove { name } = c { Some(name.as_str()) } else { None }).collect();
+        let removed: HashSet<&str> = changes
+            .iter()
+            .filter_map(
+                |c| if let Change::Remove { name } = c { Some(name.as_str()) } else { None },
+            )
+            .collect();
         if !removed.is_empty() {
-            let (gone, kept): (Vec<Service>, Vec<Service>) =
-                std::mem::take(&mut self.services).into_iter().partition(|s| removed.contains(s.config.name.as_str()));
+            let (gone, kept): (Vec<Service>, Vec<Service>) = std::mem::take(&mut self.services)
+                .into_iter()
+                .partition(|s| removed.contains(s.config.name.as_str()));
             self.services = kept;
             self.reindex();
             for service in gone {
@@ -910,12 +1124,20 @@ impl Daemon {
                     let mut effects = Vec::new();
                     if what.policy_or_health {
                         service.tls = tls.remove(&wanted.name).unwrap_or_default();
-                        effects.extend(service.balancer.set_policy(wanted.policy, checks_of(&wanted), now));
+                        effects.extend(service.balancer.set_policy(
+                            wanted.policy,
+                            checks_of(&wanted),
+                            now,
+                        ));
                         // Restarted by `sync_checks` below, with the new settings.
                         service.stop_checks();
                     }
                     if what.servers {
-                        effects.extend(service.balancer.set_servers(&wanted.servers, wanted.default, now));
+                        effects.extend(service.balancer.set_servers(
+                            &wanted.servers,
+                            wanted.default,
+                            now,
+                        ));
                         self.saved.services.remove(&wanted.name);
                     }
                     if what.kernel
@@ -931,7 +1153,8 @@ impl Daemon {
             }
         }
         // The config's order, as `lb status` shows it.
-        let order: HashMap<&str, usize> = config.services.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+        let order: HashMap<&str, usize> =
+            config.services.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
         self.services.sort_by_key(|s| order.get(s.config.name.as_str()).copied());
         self.reindex();
         let entries: Vec<VipEntry> = self.services.iter().map(Service::entry).collect();
@@ -959,14 +1182,22 @@ impl Daemon {
 /// Checks `server` every interval, and at once when `now` is notified.
 /// The checker is built here, on a blocking thread, not by the owner loop:
 /// an https client may load the system's CA store, which takes a while.
-async fn check_loop(service: String, server: SocketAddr, health: config::HealthConfig, tls: Tls, now: Arc<Notify>, tx: mpsc::Sender<Message>) {
+async fn check_loop(
+    service: String,
+    server: SocketAddr,
+    health: config::HealthConfig,
+    tls: Tls,
+    now: Arc<Notify>,
+    tx: mpsc::Sender<Message>,
+) {
     let interval = health.interval;
-    let checker = match tokio::task::spawn_blocking(move || Checker::new(&health, &tls, server)).await {
-        Ok(Ok(Some(checker))) => checker,
-        Ok(Ok(None)) => return,
-        Ok(Err(e)) => return error!(service, %server, "cannot check this server: {e:#}"),
-        Err(e) => return error!(service, %server, "building the checker failed: {e}"),
-    };
+    let checker =
+        match tokio::task::spawn_blocking(move || Checker::new(&health, &tls, server)).await {
+            Ok(Ok(Some(checker))) => checker,
+            Ok(Ok(None)) => return,
+            Ok(Err(e)) => return error!(service, %server, "cannot check this server: {e:#}"),
+            Err(e) => return error!(service, %server, "building the checker failed: {e}"),
+        };
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -977,7 +1208,11 @@ async fn check_loop(service: String, server: SocketAddr, health: config::HealthC
         let started = Instant::now();
         let result = checker.check(server).await;
         let took = started.elapsed();
-        if tx.send(Message::Health { service: service.clone(), server, result, took }).await.is_err() {
+        if tx
+            .send(Message::Health { service: service.clone(), server, result, took })
+            .await
+            .is_err()
+        {
             return;
         }
     }

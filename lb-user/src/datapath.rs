@@ -45,8 +45,9 @@ use aya::{
     },
 };
 use lb_common::{
-    ConnKey, Endpoint, LAYOUT_VERSION, MAX_SERVERS, META_LAYOUT_VERSION, META_PROGRAMS_HIGH, META_PROGRAMS_LOW,
-    NETNS_ANY, NETNS_INITIAL, Reason, Service as ServiceValue, SockEntry, maps, programs,
+    ConnKey, Endpoint, LAYOUT_VERSION, MAX_SERVERS, META_LAYOUT_VERSION, META_PROGRAMS_HIGH,
+    META_PROGRAMS_LOW, NETNS_ANY, NETNS_INITIAL, Reason, Service as ServiceValue, SockEntry, maps,
+    programs,
 };
 use tracing::{info, warn};
 
@@ -207,17 +208,24 @@ impl Datapath {
                     match replace_programs(bpffs, bpf_log) {
                         Ok(logger) => {
                             datapath.logger = logger;
-                            info!("the pinned programs differed from this lb's: replaced them (one atomic link update each)");
-                            if let Err(e) = write_program_fingerprint(bpffs, programs_fingerprint()) {
+                            info!(
+                                "the pinned programs differed from this lb's: replaced them (one atomic link update each)"
+                            );
+                            if let Err(e) = write_program_fingerprint(bpffs, programs_fingerprint())
+                            {
                                 // The next start replaces them again: harmless.
                                 warn!("recording the new programs' fingerprint: {e:#}");
                             }
                         }
                         // Same layout: the old programs keep serving correctly.
-                        Err(e) => warn!("keeping the pinned programs, which differ from this lb's: replacing them failed: {e:#}"),
+                        Err(e) => warn!(
+                            "keeping the pinned programs, which differ from this lb's: replacing them failed: {e:#}"
+                        ),
                     }
                 } else if bpf_log {
-                    warn!("--bpf-log has no effect on an adopted datapath; run `lb detach` and start again to enable it");
+                    warn!(
+                        "--bpf-log has no effect on an adopted datapath; run `lb detach` and start again to enable it"
+                    );
                 }
                 // The daemon writes an adopted datapath's selections itself,
                 // starting from what the kernel holds (see `daemon::adopt`).
@@ -229,15 +237,22 @@ impl Datapath {
             // Keep the directory itself: it is what we hold locked.
             remove_pins(bpffs)?;
         }
-        Self::attach(bpffs, cgroup, initial, bpf_log, lock, host_netns, netns_scope).inspect_err(|_| {
-            // Leave nothing half-attached behind.
-            if let Err(e) = detach(bpffs) {
-                warn!("cleaning up after a failed attach: {e:#}");
-            }
-        })
+        Self::attach(bpffs, cgroup, initial, bpf_log, lock, host_netns, netns_scope).inspect_err(
+            |_| {
+                // Leave nothing half-attached behind.
+                if let Err(e) = detach(bpffs) {
+                    warn!("cleaning up after a failed attach: {e:#}");
+                }
+            },
+        )
     }
 
-    fn adopt(bpffs: &Path, lock: PinLock, host_netns: u64, netns_scope: bool) -> anyhow::Result<Self> {
+    fn adopt(
+        bpffs: &Path,
+        lock: PinLock,
+        host_netns: u64,
+        netns_scope: bool,
+    ) -> anyhow::Result<Self> {
         info!(bpffs = %bpffs.display(), "adopting the pinned datapath; programs stay attached");
         let map = |name: &str| open_pinned_map(bpffs, name);
         let events = RingBuf::try_from(map(maps::EVENTS)?).context("pinned map EVENTS")?;
@@ -265,7 +280,9 @@ impl Datapath {
         // aya-log's level: 0 turns every kernel log statement into a no-op.
         let log_level: u8 = if bpf_log { 0xff } else { 0 };
         if EBPF_OBJECT.is_empty() {
-            bail!("this lb was built with AYA_BUILD_SKIP=1 and carries no eBPF programs; rebuild without it");
+            bail!(
+                "this lb was built with AYA_BUILD_SKIP=1 and carries no eBPF programs; rebuild without it"
+            );
         }
         let mut ebpf = EbpfLoader::new()
             .override_global("AYA_LOG_LEVEL", &log_level, false)
@@ -282,19 +299,27 @@ impl Datapath {
         {
             let meta = ebpf.map_mut(maps::META).context("map META missing from the eBPF object")?;
             let mut meta: Array<&mut MapData, u32> = Array::try_from(meta).context("map META")?;
-            meta.set(META_LAYOUT_VERSION, LAYOUT_VERSION, 0).context("writing the layout version to META")?;
+            meta.set(META_LAYOUT_VERSION, LAYOUT_VERSION, 0)
+                .context("writing the layout version to META")?;
             let fingerprint = programs_fingerprint();
-            meta.set(META_PROGRAMS_LOW, fingerprint as u32, 0).context("writing the programs' fingerprint to META")?;
-            meta.set(META_PROGRAMS_HIGH, (fingerprint >> 32) as u32, 0).context("writing the programs' fingerprint to META")?;
+            meta.set(META_PROGRAMS_LOW, fingerprint as u32, 0)
+                .context("writing the programs' fingerprint to META")?;
+            meta.set(META_PROGRAMS_HIGH, (fingerprint >> 32) as u32, 0)
+                .context("writing the programs' fingerprint to META")?;
         }
         let maps_dir = maps_dir(bpffs);
-        std::fs::create_dir_all(&maps_dir).with_context(|| format!("creating {}", maps_dir.display()))?;
+        std::fs::create_dir_all(&maps_dir)
+            .with_context(|| format!("creating {}", maps_dir.display()))?;
         for name in maps::ALL {
-            let map = ebpf.map(name).with_context(|| format!("map {name} missing from the eBPF object"))?;
+            let map = ebpf
+                .map(name)
+                .with_context(|| format!("map {name} missing from the eBPF object"))?;
             let path = maps_dir.join(name);
             map.pin(&path).with_context(|| format!("pinning map {name} at {}", path.display()))?;
         }
-        let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("map {name} missing from the eBPF object"));
+        let mut take = |name: &str| {
+            ebpf.take_map(name).with_context(|| format!("map {name} missing from the eBPF object"))
+        };
         let events = RingBuf::try_from(take(maps::EVENTS)?).context("map EVENTS")?;
         let maps = PinnedMaps::from_maps(take)?;
         let mut datapath = Self {
@@ -318,14 +343,19 @@ impl Datapath {
     /// Makes the `SERVICES` map equal `desired`, writing only what changed.
     /// Returns how many entries were written or removed.
     pub fn reconcile(&mut self, desired: &[VipEntry]) -> anyhow::Result<usize> {
-        let wanted: std::collections::HashMap<Endpoint, ServiceValue> =
-            desired.iter().map(|entry| (Endpoint::from(entry.vip), entry.to_value(self.host_netns))).collect();
+        let wanted: std::collections::HashMap<Endpoint, ServiceValue> = desired
+            .iter()
+            .map(|entry| (Endpoint::from(entry.vip), entry.to_value(self.host_netns)))
+            .collect();
         let services = &mut self.maps.services;
-        let existing: Vec<Endpoint> = services.keys().collect::<Result<_, _>>().context("listing SERVICES")?;
+        let existing: Vec<Endpoint> =
+            services.keys().collect::<Result<_, _>>().context("listing SERVICES")?;
         let mut changes = 0;
         for vip in existing {
             if !wanted.contains_key(&vip) {
-                services.remove(&vip).with_context(|| format!("removing VIP {}", SocketAddr::from(vip)))?;
+                services
+                    .remove(&vip)
+                    .with_context(|| format!("removing VIP {}", SocketAddr::from(vip)))?;
                 changes += 1;
             }
         }
@@ -333,7 +363,9 @@ impl Datapath {
             if services.get(&vip, 0).ok() != Some(value) {
                 // One update replaces the whole value: the kernel never sees
                 // a half-written selection.
-                services.insert(vip, value, 0).with_context(|| format!("writing VIP {}", SocketAddr::from(vip)))?;
+                services
+                    .insert(vip, value, 0)
+                    .with_context(|| format!("writing VIP {}", SocketAddr::from(vip)))?;
                 changes += 1;
             }
         }
@@ -428,7 +460,8 @@ impl PinnedMaps {
     fn from_maps(mut map: impl FnMut(&str) -> anyhow::Result<Map>) -> anyhow::Result<Self> {
         macro_rules! typed {
             ($kind:ident, $name:expr) => {
-                $kind::try_from(map($name)?).with_context(|| format!("map {} has an unexpected type or size", $name))?
+                $kind::try_from(map($name)?)
+                    .with_context(|| format!("map {} has an unexpected type or size", $name))?
             };
         }
         Ok(Self {
@@ -444,7 +477,12 @@ impl PinnedMaps {
     /// The selection currently in the kernel for `vip`.
     pub fn selection(&self, vip: SocketAddr) -> Vec<SocketAddr> {
         match self.services.get(&Endpoint::from(vip), 0) {
-            Ok(value) => value.servers.iter().take(value.count as usize).map(|e| SocketAddr::from(*e)).collect(),
+            Ok(value) => value
+                .servers
+                .iter()
+                .take(value.count as usize)
+                .map(|e| SocketAddr::from(*e))
+                .collect(),
             Err(_) => Vec::new(),
         }
     }
@@ -478,7 +516,9 @@ impl PinnedMaps {
         self.connections
             .iter()
             .filter_map(Result::ok)
-            .map(|(key, per_cpu)| (SocketAddr::from(key.vip), SocketAddr::from(key.server), per_cpu.iter().sum()))
+            .map(|(key, per_cpu)| {
+                (SocketAddr::from(key.vip), SocketAddr::from(key.server), per_cpu.iter().sum())
+            })
             .collect()
     }
 
@@ -487,7 +527,8 @@ impl PinnedMaps {
         Reason::ALL
             .into_iter()
             .map(|reason| {
-                let total = self.counters.get(&reason.index(), 0).map(|v| v.iter().sum()).unwrap_or(0);
+                let total =
+                    self.counters.get(&reason.index(), 0).map(|v| v.iter().sum()).unwrap_or(0);
                 (reason.name(), total)
             })
             .collect()
@@ -504,14 +545,18 @@ impl PinnedMaps {
 
     /// How many sockets the kernel tracks: (TCP, connected UDP).
     pub fn tracked_sockets(&self) -> (usize, usize) {
-        (self.sockets.keys().filter(Result::is_ok).count(), self.sockets_udp.keys().filter(Result::is_ok).count())
+        (
+            self.sockets.keys().filter(Result::is_ok).count(),
+            self.sockets_udp.keys().filter(Result::is_ok).count(),
+        )
     }
 
     /// See [`Datapath::forget`].
     pub fn forget(&mut self, live: &[(SocketAddr, Vec<SocketAddr>)]) -> anyhow::Result<Forgotten> {
         // Read first, remove after: removing while walking a hash map makes
         // the walk start over.
-        let marks: Vec<Endpoint> = self.failed_at.keys().collect::<Result<_, _>>().context("listing FAILED_AT")?;
+        let marks: Vec<Endpoint> =
+            self.failed_at.keys().collect::<Result<_, _>>().context("listing FAILED_AT")?;
         let counts: Vec<(ConnKey, i64)> = self
             .connections
             .iter()
@@ -522,15 +567,23 @@ impl PinnedMaps {
         let mut forgotten = Forgotten::default();
         for server in marks {
             let what = || format!("removing the failure mark of {}", SocketAddr::from(server));
-            forgotten.failure_marks += usize::from(removed(self.failed_at.remove(&server)).with_context(what)?);
+            forgotten.failure_marks +=
+                usize::from(removed(self.failed_at.remove(&server)).with_context(what)?);
         }
         for key in counts {
             // A connect chosen before the pair left the selection may
             // establish between the read above and this removal; its close
             // then counts -1 on a fresh entry, which a later `forget`
             // removes once it nets to zero again. A race, not a leak.
-            let what = || format!("removing the count of {} via {}", SocketAddr::from(key.server), SocketAddr::from(key.vip));
-            forgotten.connection_counts += usize::from(removed(self.connections.remove(&key)).with_context(what)?);
+            let what = || {
+                format!(
+                    "removing the count of {} via {}",
+                    SocketAddr::from(key.server),
+                    SocketAddr::from(key.vip)
+                )
+            };
+            forgotten.connection_counts +=
+                usize::from(removed(self.connections.remove(&key)).with_context(what)?);
         }
         Ok(forgotten)
     }
@@ -542,14 +595,27 @@ impl PinnedMaps {
 /// pairs not in `live` that have no live connection. A pair that still
 /// counts connections keeps its entry until they close: the kernel uncounts
 /// them there.
-fn to_forget(live: &[(SocketAddr, Vec<SocketAddr>)], marks: &[Endpoint], counts: &[(ConnKey, i64)]) -> (Vec<Endpoint>, Vec<ConnKey>) {
-    let servers: HashSet<Endpoint> = live.iter().flat_map(|(_, servers)| servers.iter().map(|s| Endpoint::from(*s))).collect();
+fn to_forget(
+    live: &[(SocketAddr, Vec<SocketAddr>)],
+    marks: &[Endpoint],
+    counts: &[(ConnKey, i64)],
+) -> (Vec<Endpoint>, Vec<ConnKey>) {
+    let servers: HashSet<Endpoint> =
+        live.iter().flat_map(|(_, servers)| servers.iter().map(|s| Endpoint::from(*s))).collect();
     let pairs: HashSet<ConnKey> = live
         .iter()
-        .flat_map(|(vip, servers)| servers.iter().map(|s| ConnKey { vip: Endpoint::from(*vip), server: Endpoint::from(*s) }))
+        .flat_map(|(vip, servers)| {
+            servers
+                .iter()
+                .map(|s| ConnKey { vip: Endpoint::from(*vip), server: Endpoint::from(*s) })
+        })
         .collect();
     let marks = marks.iter().copied().filter(|server| !servers.contains(server)).collect();
-    let counts = counts.iter().filter(|(key, live)| *live == 0 && !pairs.contains(key)).map(|(key, _)| *key).collect();
+    let counts = counts
+        .iter()
+        .filter(|(key, live)| *live == 0 && !pairs.contains(key))
+        .map(|(key, _)| *key)
+        .collect();
     (marks, counts)
 }
 
@@ -559,15 +625,19 @@ fn removed(result: Result<(), MapError>) -> Result<bool, MapError> {
     match result {
         Ok(()) => Ok(true),
         Err(MapError::KeyNotFound) => Ok(false),
-        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+            Ok(false)
+        }
         Err(e) => Err(e),
     }
 }
 
 fn open_pinned_map(bpffs: &Path, name: &str) -> anyhow::Result<Map> {
     let path = maps_dir(bpffs).join(name);
-    let data = MapData::from_pin(&path).with_context(|| format!("opening pinned map {}", path.display()))?;
-    Map::from_map_data(data).with_context(|| format!("pinned map {} has an unexpected type", path.display()))
+    let data = MapData::from_pin(&path)
+        .with_context(|| format!("opening pinned map {}", path.display()))?;
+    Map::from_map_data(data)
+        .with_context(|| format!("pinned map {} has an unexpected type", path.display()))
 }
 
 /// The pinned `META` map, if there is one.
@@ -585,7 +655,9 @@ fn pinned_meta(bpffs: &Path) -> anyhow::Result<Option<Array<MapData, u32>>> {
 /// map (pins of an lb from before layouts were versioned, or none at all).
 pub fn read_layout_version(bpffs: &Path) -> anyhow::Result<Option<u32>> {
     let Some(meta) = pinned_meta(bpffs)? else { return Ok(None) };
-    let version = meta.get(&META_LAYOUT_VERSION, 0).with_context(|| format!("reading the layout version under {}", bpffs.display()))?;
+    let version = meta
+        .get(&META_LAYOUT_VERSION, 0)
+        .with_context(|| format!("reading the layout version under {}", bpffs.display()))?;
     Ok(Some(version))
 }
 
@@ -593,7 +665,10 @@ pub fn read_layout_version(bpffs: &Path) -> anyhow::Result<Option<u32>> {
 /// [`programs_fingerprint`]), if there is a `META` map.
 pub fn read_program_fingerprint(bpffs: &Path) -> anyhow::Result<Option<u64>> {
     let Some(meta) = pinned_meta(bpffs)? else { return Ok(None) };
-    let read = |i| meta.get(&i, 0).with_context(|| format!("reading the programs' fingerprint under {}", bpffs.display()));
+    let read = |i| {
+        meta.get(&i, 0)
+            .with_context(|| format!("reading the programs' fingerprint under {}", bpffs.display()))
+    };
     Ok(Some(u64::from(read(META_PROGRAMS_LOW)?) | (u64::from(read(META_PROGRAMS_HIGH)?) << 32)))
 }
 
@@ -601,7 +676,8 @@ pub fn read_program_fingerprint(bpffs: &Path) -> anyhow::Result<Option<u64>> {
 /// The daemon writes its own after replacing them; a test writes another
 /// to make the next daemon replace them, as an upgrade would.
 pub fn write_program_fingerprint(bpffs: &Path, fingerprint: u64) -> anyhow::Result<()> {
-    let mut meta = pinned_meta(bpffs)?.with_context(|| format!("no META map pinned under {}", bpffs.display()))?;
+    let mut meta = pinned_meta(bpffs)?
+        .with_context(|| format!("no META map pinned under {}", bpffs.display()))?;
     let what = || format!("writing the programs' fingerprint under {}", bpffs.display());
     meta.set(META_PROGRAMS_LOW, fingerprint as u32, 0).with_context(what)?;
     meta.set(META_PROGRAMS_HIGH, (fingerprint >> 32) as u32, 0).with_context(what)?;
@@ -615,7 +691,9 @@ pub fn write_program_fingerprint(bpffs: &Path, fingerprint: u64) -> anyhow::Resu
 pub fn programs_fingerprint() -> u64 {
     static FINGERPRINT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *FINGERPRINT.get_or_init(|| {
-        EBPF_OBJECT.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3))
+        EBPF_OBJECT.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+            (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3)
+        })
     })
 }
 
@@ -631,32 +709,48 @@ fn replace_programs(bpffs: &Path, bpf_log: bool) -> anyhow::Result<Option<Kernel
         bail!("this lb was built with AYA_BUILD_SKIP=1 and carries no eBPF programs");
     }
     let log_level: u8 = if bpf_log { 0xff } else { 0 };
-    let pins: Vec<(&str, PathBuf)> = maps::ALL.iter().map(|m| (*m, maps_dir(bpffs).join(m))).collect();
+    let pins: Vec<(&str, PathBuf)> =
+        maps::ALL.iter().map(|m| (*m, maps_dir(bpffs).join(m))).collect();
     let mut loader = EbpfLoader::new();
     loader.override_global("AYA_LOG_LEVEL", &log_level, false);
     for (name, path) in &pins {
         // Reuse the pinned map (of the same layout: checked before).
         loader.map_pin_path(name, path.as_path());
     }
-    let mut ebpf = loader.load(EBPF_OBJECT).context("loading the eBPF object on the pinned maps")?;
-    let logger = if bpf_log { Some(aya_log::EbpfLogger::init(&mut ebpf).context("setting up --bpf-log")?) } else { None };
+    let mut ebpf =
+        loader.load(EBPF_OBJECT).context("loading the eBPF object on the pinned maps")?;
+    let logger = if bpf_log {
+        Some(aya_log::EbpfLogger::init(&mut ebpf).context("setting up --bpf-log")?)
+    } else {
+        None
+    };
     let links = links_dir(bpffs);
-    let pinned: Vec<(&str, PathBuf)> = programs::ALL.iter().map(|p| (*p, links.join(p))).filter(|(_, link)| link.exists()).collect();
+    let pinned: Vec<(&str, PathBuf)> = programs::ALL
+        .iter()
+        .map(|p| (*p, links.join(p)))
+        .filter(|(_, link)| link.exists())
+        .collect();
     for (name, _) in &pinned {
         load_program(&mut ebpf, name)?;
     }
     for (name, link) in &pinned {
-        let program = ebpf.program(name).with_context(|| format!("program {name} missing from the eBPF object"))?;
+        let program = ebpf
+            .program(name)
+            .with_context(|| format!("program {name} missing from the eBPF object"))?;
         let program = program.fd().with_context(|| format!("program {name}"))?;
-        let link_fd = bpf_obj_get(link).with_context(|| format!("opening pinned link {}", link.display()))?;
-        bpf_link_update(link_fd.as_fd(), program.as_fd()).with_context(|| format!("updating link {} to the new {name}", link.display()))?;
+        let link_fd =
+            bpf_obj_get(link).with_context(|| format!("opening pinned link {}", link.display()))?;
+        bpf_link_update(link_fd.as_fd(), program.as_fd())
+            .with_context(|| format!("updating link {} to the new {name}", link.display()))?;
     }
     Ok(logger)
 }
 
 /// Loads (verifies) program `name` of `ebpf`, of the type its name says.
 fn load_program(ebpf: &mut Ebpf, name: &str) -> anyhow::Result<()> {
-    let program = ebpf.program_mut(name).with_context(|| format!("program {name} missing from the eBPF object"))?;
+    let program = ebpf
+        .program_mut(name)
+        .with_context(|| format!("program {name} missing from the eBPF object"))?;
     let loaded = if name == programs::SOCK_OPS {
         <&mut SockOps>::try_from(program)?.load()
     } else if name == programs::SOCK_RELEASE {
@@ -676,14 +770,16 @@ pub fn pinned_program_ids(bpffs: &Path) -> anyhow::Result<Vec<(&'static str, u32
         if !link.exists() {
             continue;
         }
-        let fd = bpf_obj_get(&link).with_context(|| format!("opening pinned link {}", link.display()))?;
+        let fd = bpf_obj_get(&link)
+            .with_context(|| format!("opening pinned link {}", link.display()))?;
         // struct bpf_link_info starts with: __u32 type, id, prog_id.
         let mut info = [0u32; 16];
         let mut attr = BpfAttr::default();
         attr.set_u32(0, fd.as_raw_fd() as u32);
-        attr.set_u32(4, std::mem::size_of_val(&info) as u32);
+        attr.set_u32(4, size_of_val(&info) as u32);
         attr.set_u64(8, info.as_mut_ptr() as u64);
-        bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr).with_context(|| format!("reading the info of link {}", link.display()))?;
+        bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)
+            .with_context(|| format!("reading the info of link {}", link.display()))?;
         ids.push((name, info[2]));
     }
     Ok(ids)
@@ -718,13 +814,15 @@ impl BpfAttr {
 fn bpf(cmd: libc::c_long, attr: &mut BpfAttr) -> io::Result<libc::c_long> {
     // SAFETY: `attr` is a zero-initialized union bpf_attr of the size we pass,
     // whose pointer fields point at memory that outlives the call.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.0.as_mut_ptr(), std::mem::size_of::<BpfAttr>()) };
+    let rc =
+        unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.0.as_mut_ptr(), size_of::<BpfAttr>()) };
     if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(rc) }
 }
 
 /// `BPF_OBJ_GET`: a new file descriptor for the object pinned at `path`.
 fn bpf_obj_get(path: &Path) -> io::Result<OwnedFd> {
-    let path = CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let path = CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     let mut attr = BpfAttr::default();
     // pathname (__aligned_u64), bpf_fd, file_flags.
     attr.set_u64(0, path.as_ptr() as u64);
@@ -749,7 +847,10 @@ fn check_layout(bpffs: &Path, found: Option<u32>) -> anyhow::Result<()> {
     }
     let found = match found {
         Some(version) => format!("map layout version {version}"),
-        None => "no map layout version (they were made by an lb from before layouts were versioned)".to_owned(),
+        None => {
+            "no map layout version (they were made by an lb from before layouts were versioned)"
+                .to_owned()
+        }
     };
     bail!(
         "refusing to adopt the datapath pinned under {}: its maps have {found}, and this lb uses version \
@@ -768,7 +869,8 @@ impl PinLock {
     /// Locks `bpffs` (a directory that exists) without waiting; if another
     /// process holds it, fails naming that process.
     fn acquire(bpffs: &Path) -> anyhow::Result<Self> {
-        let dir = File::open(bpffs).with_context(|| format!("opening {} to lock it", bpffs.display()))?;
+        let dir =
+            File::open(bpffs).with_context(|| format!("opening {} to lock it", bpffs.display()))?;
         // SAFETY: flock on a file descriptor we own.
         if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
             return Ok(Self { _dir: dir });
@@ -780,7 +882,9 @@ impl PinLock {
         let holder = dir
             .metadata()
             .ok()
-            .and_then(|meta| lock_holder(&std::fs::read_to_string("/proc/locks").ok()?, meta.dev(), meta.ino()))
+            .and_then(|meta| {
+                lock_holder(&std::fs::read_to_string("/proc/locks").ok()?, meta.dev(), meta.ino())
+            })
             .map_or_else(|| "another process (see /proc/locks)".to_owned(), describe_process);
         bail!(
             "another lb daemon already runs on the pins under {}: {holder} holds its lock. Two daemons on one set \
@@ -809,8 +913,16 @@ fn lock_holder(locks: &str, dev: u64, ino: u64) -> Option<i32> {
 /// "pid N (`its command line`)".
 fn describe_process(pid: i32) -> String {
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-    let words: Vec<String> = cmdline.split(|b| *b == 0).filter(|w| !w.is_empty()).map(|w| String::from_utf8_lossy(w).into_owned()).collect();
-    if words.is_empty() { format!("pid {pid}") } else { format!("pid {pid} (`{}`)", words.join(" ")) }
+    let words: Vec<String> = cmdline
+        .split(|b| *b == 0)
+        .filter(|w| !w.is_empty())
+        .map(|w| String::from_utf8_lossy(w).into_owned())
+        .collect();
+    if words.is_empty() {
+        format!("pid {pid}")
+    } else {
+        format!("pid {pid} (`{}`)", words.join(" "))
+    }
 }
 
 /// What `Scope::Host` writes into a service value: this process's network
@@ -820,7 +932,9 @@ fn describe_process(pid: i32) -> String {
 fn host_netns_cookie() -> Option<u64> {
     match own_netns_cookie() {
         Ok(cookie) => Some(cookie),
-        Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => in_initial_netns().then_some(NETNS_INITIAL),
+        Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => {
+            in_initial_netns().then_some(NETNS_INITIAL)
+        }
         Err(e) => {
             warn!("reading this network namespace's cookie (SO_NETNS_COOKIE): {e}");
             in_initial_netns().then_some(NETNS_INITIAL)
@@ -837,12 +951,18 @@ fn own_netns_cookie() -> io::Result<u64> {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: we own the new descriptor.
-    let socket = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let socket = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
     let mut cookie: u64 = 0;
-    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    let mut len = size_of::<u64>() as libc::socklen_t;
     // SAFETY: a valid socket and an out-buffer of the size we pass.
     let rc = unsafe {
-        libc::getsockopt(socket.as_raw_fd(), libc::SOL_SOCKET, libc::SO_NETNS_COOKIE, (&raw mut cookie).cast(), &mut len)
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_NETNS_COOKIE,
+            (&raw mut cookie).cast(),
+            &mut len,
+        )
     };
     if rc != 0 {
         return Err(io::Error::last_os_error());
@@ -857,14 +977,17 @@ fn in_initial_netns() -> bool {
     const PROC_PID_INIT_INO: u64 = 0xEFFF_FFFC;
     let ns = |path: &str| std::fs::metadata(path).map(|m| (m.dev(), m.ino())).ok();
     let initial_pid_ns = ns("/proc/self/ns/pid").is_some_and(|(_, ino)| ino == PROC_PID_INIT_INO);
-    initial_pid_ns && ns("/proc/self/ns/net").is_some() && ns("/proc/self/ns/net") == ns("/proc/1/ns/net")
+    initial_pid_ns
+        && ns("/proc/self/ns/net").is_some()
+        && ns("/proc/self/ns/net") == ns("/proc/1/ns/net")
 }
 
 /// Loads and attaches every program and pins its link. Returns whether the
 /// optional getpeername hooks are attached; a missing required program is
 /// an error.
 fn load_and_attach(ebpf: &mut Ebpf, bpffs: &Path, cgroup: &Path) -> anyhow::Result<bool> {
-    let cgroup_dir = File::open(cgroup).with_context(|| format!("opening cgroup {}", cgroup.display()))?;
+    let cgroup_dir =
+        File::open(cgroup).with_context(|| format!("opening cgroup {}", cgroup.display()))?;
     let links = links_dir(bpffs);
     std::fs::create_dir_all(&links).with_context(|| format!("creating {}", links.display()))?;
     let mut getpeername = true;
@@ -888,31 +1011,45 @@ fn load_and_attach(ebpf: &mut Ebpf, bpffs: &Path, cgroup: &Path) -> anyhow::Resu
     if !getpeername {
         // All or nothing: a lone getpeername4 would make IPv4 and IPv6 differ.
         for name in programs::OPTIONAL {
-            let _ = PinnedLink::from_pin(links.join(name)).map(|l| l.unpin());
+            let _ = PinnedLink::from_pin(links.join(name)).map(PinnedLink::unpin);
         }
     }
     Ok(getpeername)
 }
 
-fn attach_one(ebpf: &mut Ebpf, name: &str, cgroup_dir: &File, cgroup: &Path, links: &Path) -> anyhow::Result<()> {
-    let program = ebpf.program_mut(name).with_context(|| format!("program {name} missing from the eBPF object"))?;
+fn attach_one(
+    ebpf: &mut Ebpf,
+    name: &str,
+    cgroup_dir: &File,
+    cgroup: &Path,
+    links: &Path,
+) -> anyhow::Result<()> {
+    let program = ebpf
+        .program_mut(name)
+        .with_context(|| format!("program {name} missing from the eBPF object"))?;
     // A bpf_link attachment always coexists with other programs on the
     // cgroup (systemd, a CNI); the kernel refuses attach flags on links.
     let mode = CgroupAttachMode::Single;
     let link: FdLink = if name == programs::SOCK_OPS {
         let program: &mut SockOps = program.try_into()?;
         program.load().with_context(|| format!("loading {name}"))?;
-        let id = program.attach(cgroup_dir, mode).with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+        let id = program
+            .attach(cgroup_dir, mode)
+            .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
         program.take_link(id)?.try_into()?
     } else if name == programs::SOCK_RELEASE {
         let program: &mut CgroupSock = program.try_into()?;
         program.load().with_context(|| format!("loading {name}"))?;
-        let id = program.attach(cgroup_dir, mode).with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+        let id = program
+            .attach(cgroup_dir, mode)
+            .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
         program.take_link(id)?.try_into()?
     } else {
         let program: &mut CgroupSockAddr = program.try_into()?;
         program.load().with_context(|| format!("loading {name}"))?;
-        let id = program.attach(cgroup_dir, mode).with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+        let id = program
+            .attach(cgroup_dir, mode)
+            .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
         program.take_link(id)?.try_into()?
     };
     let path = links.join(name);
@@ -942,7 +1079,8 @@ fn remove_pins(bpffs: &Path) -> anyhow::Result<Vec<PathBuf>> {
         if !path.exists() {
             continue;
         }
-        let link = PinnedLink::from_pin(&path).with_context(|| format!("opening pinned link {}", path.display()))?;
+        let link = PinnedLink::from_pin(&path)
+            .with_context(|| format!("opening pinned link {}", path.display()))?;
         // Unpinning drops the last reference (we hold no other): detached.
         drop(link.unpin().with_context(|| format!("unpinning {}", path.display()))?);
         removed.push(path);
@@ -985,7 +1123,9 @@ fn ensure_bpffs(bpffs: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(default_mount)?;
     let target = CString::new(default_mount.as_os_str().as_bytes())?;
     // SAFETY: all pointers are valid NUL-terminated strings; data is null.
-    let rc = unsafe { libc::mount(c"bpf".as_ptr(), target.as_ptr(), c"bpf".as_ptr(), 0, std::ptr::null()) };
+    let rc = unsafe {
+        libc::mount(c"bpf".as_ptr(), target.as_ptr(), c"bpf".as_ptr(), 0, std::ptr::null())
+    };
     if rc != 0 {
         return Err(io::Error::last_os_error()).context("mounting bpffs at /sys/fs/bpf");
     }
@@ -1000,14 +1140,16 @@ fn fs_type(path: &Path) -> anyhow::Result<i64> {
     let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: valid path and out-pointer.
     if unsafe { libc::statfs(c_path.as_ptr(), &mut stat) } != 0 {
-        return Err(io::Error::last_os_error()).with_context(|| format!("statfs {}", path.display()));
+        return Err(io::Error::last_os_error())
+            .with_context(|| format!("statfs {}", path.display()));
     }
     Ok(stat.f_type as i64)
 }
 
 /// The root of the cgroup v2 hierarchy, from `/proc/self/mountinfo`.
 pub fn cgroup2_root() -> anyhow::Result<PathBuf> {
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").context("reading /proc/self/mountinfo")?;
+    let mountinfo =
+        std::fs::read_to_string("/proc/self/mountinfo").context("reading /proc/self/mountinfo")?;
     cgroup2_root_in(&mountinfo).context("no cgroup2 filesystem is mounted; mount one (`mount -t cgroup2 none /sys/fs/cgroup`) or set daemon.cgroup")
 }
 
@@ -1045,14 +1187,20 @@ mod tests {
     fn selection_value_is_whole_and_ordered() {
         let entry = VipEntry {
             vip: "127.0.0.1:80".parse().unwrap(),
-            selection: Selection { servers: vec!["127.0.0.2:80".parse().unwrap(), "127.0.0.3:81".parse().unwrap()], spread: 2 },
+            selection: Selection {
+                servers: vec!["127.0.0.2:80".parse().unwrap(), "127.0.0.3:81".parse().unwrap()],
+                spread: 2,
+            },
             hold_down: Duration::from_millis(1500),
             scope: Scope::Host,
             states: vec![7, 1],
         };
         let value = entry.to_value(42);
         assert_eq!(value.netns_cookie, 42, "host scope: the daemon's namespace");
-        assert_eq!(VipEntry { scope: Scope::All, ..entry.clone() }.to_value(42).netns_cookie, NETNS_ANY);
+        assert_eq!(
+            VipEntry { scope: Scope::All, ..entry.clone() }.to_value(42).netns_cookie,
+            NETNS_ANY
+        );
         assert_eq!(value.count, 2);
         assert_eq!(value.spread, 2);
         assert_eq!(value.hold_down_ns, 1_500_000_000);
@@ -1066,7 +1214,8 @@ mod tests {
         let a = |s: &str| -> SocketAddr { s.parse().unwrap() };
         let (vip1, vip2) = (a("127.0.0.1:80"), a("127.0.0.1:81"));
         let (s1, s2, s3) = (a("10.0.0.1:80"), a("10.0.0.2:80"), a("10.0.0.3:80"));
-        let pair = |vip, server| ConnKey { vip: Endpoint::from(vip), server: Endpoint::from(server) };
+        let pair =
+            |vip, server| ConnKey { vip: Endpoint::from(vip), server: Endpoint::from(server) };
         let live = [(vip1, vec![s1]), (vip2, vec![s2])];
         let marks = [s1, s2, s3].map(Endpoint::from);
         let counts = [
@@ -1111,7 +1260,8 @@ mod tests {
         let first = PinLock::acquire(&dir).unwrap();
         // flock locks belong to the open file: a second open conflicts even
         // in the same process, as a second daemon's would.
-        let error = format!("{:#}", PinLock::acquire(&dir).err().expect("the second lock must fail"));
+        let error =
+            format!("{:#}", PinLock::acquire(&dir).err().expect("the second lock must fail"));
         assert!(error.contains(&format!("pid {}", std::process::id())), "{error}");
         drop(first);
         assert!(PinLock::acquire(&dir).is_ok(), "the lock goes with its holder");

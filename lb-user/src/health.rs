@@ -44,12 +44,15 @@ impl Tls {
         if config.check != CheckKind::Https {
             return Ok(Self::default());
         }
-        let read = |key: &str, path: &Path| std::fs::read(path).with_context(|| format!("health.{key}: reading {}", path.display()));
+        let read = |key: &str, path: &Path| {
+            std::fs::read(path).with_context(|| format!("health.{key}: reading {}", path.display()))
+        };
         let roots = match &config.ca_file {
-            Some(path) => Some(
-                reqwest::Certificate::from_pem_bundle(&read("ca_file", path)?)
-                    .with_context(|| format!("health.ca_file: {} is not a PEM bundle", path.display()))?,
-            ),
+            Some(path) => {
+                Some(reqwest::Certificate::from_pem_bundle(&read("ca_file", path)?).with_context(
+                    || format!("health.ca_file: {} is not a PEM bundle", path.display()),
+                )?)
+            }
             None => None,
         };
         let identity = match (&config.cert_file, &config.key_file) {
@@ -57,7 +60,11 @@ impl Tls {
                 let mut pem = read("cert_file", cert)?;
                 pem.extend(read("key_file", key)?);
                 Some(reqwest::Identity::from_pem(&pem).with_context(|| {
-                    format!("health.cert_file/key_file: {} and {} are not a PEM certificate and key", cert.display(), key.display())
+                    format!(
+                        "health.cert_file/key_file: {} and {} are not a PEM certificate and key",
+                        cert.display(),
+                        key.display()
+                    )
                 })?)
             }
             _ => None,
@@ -69,7 +76,11 @@ impl Tls {
 impl Checker {
     /// The checker of `server`, or `None` for `check = "none"` (the kernel's
     /// connection reports are then the only signal).
-    pub fn new(config: &HealthConfig, tls: &Tls, server: SocketAddr) -> anyhow::Result<Option<Self>> {
+    pub fn new(
+        config: &HealthConfig,
+        tls: &Tls,
+        server: SocketAddr,
+    ) -> anyhow::Result<Option<Self>> {
         let probe = match config.check {
             CheckKind::None => return Ok(None),
             CheckKind::Tcp => Probe::Tcp,
@@ -80,7 +91,11 @@ impl Checker {
                     SocketAddr::V6(a) => format!("[{}]", a.ip()),
                 });
                 let url = format!("{scheme}://{host}:{}{}", server.port(), config.path);
-                Probe::Http { client: http_client(config, tls, server)?, url, status: config.status }
+                Probe::Http {
+                    client: http_client(config, tls, server)?,
+                    url,
+                    status: config.status,
+                }
             }
         };
         Ok(Some(Self { probe, timeout: config.timeout }))
@@ -125,7 +140,11 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
-fn http_client(config: &HealthConfig, tls: &Tls, server: SocketAddr) -> anyhow::Result<reqwest::Client> {
+fn http_client(
+    config: &HealthConfig,
+    tls: &Tls,
+    server: SocketAddr,
+) -> anyhow::Result<reqwest::Client> {
     let mut builder = reqwest::Client::builder()
         .timeout(config.timeout)
         .connect_timeout(config.timeout)
@@ -172,7 +191,10 @@ mod tests {
                 let mut stream = stream.unwrap();
                 let mut buf = [0u8; 1024];
                 let _ = stream.read(&mut buf);
-                let _ = write!(stream, "HTTP/1.1 {status} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                );
             }
         });
         addr
@@ -183,7 +205,9 @@ mod tests {
     }
 
     fn checker(config: &HealthConfig, server: SocketAddr) -> Checker {
-        Checker::new(config, &Tls::load(config).unwrap(), server).unwrap().expect("a check is configured")
+        Checker::new(config, &Tls::load(config).unwrap(), server)
+            .unwrap()
+            .expect("a check is configured")
     }
 
     #[tokio::test]
@@ -192,7 +216,10 @@ mod tests {
         assert_eq!(checker(&config(CheckKind::Http), ok).check(ok).await, Health::Pass);
         let broken = http_server(500);
         let result = checker(&config(CheckKind::Http), broken).check(broken).await;
-        assert!(matches!(&result, Health::Fail(e) if e.contains("HTTP 500") && e.contains("/readyz")), "{result:?}");
+        assert!(
+            matches!(&result, Health::Fail(e) if e.contains("HTTP 500") && e.contains("/readyz")),
+            "{result:?}"
+        );
     }
 
     #[tokio::test]
@@ -204,7 +231,10 @@ mod tests {
         let result = checker(&config(CheckKind::Tcp), addr).check(addr).await;
         assert!(matches!(&result, Health::Fail(e) if e.contains("refused")), "{result:?}");
         let none = config(CheckKind::None);
-        assert!(Checker::new(&none, &Tls::load(&none).unwrap(), addr).unwrap().is_none(), "check = none has no checker");
+        assert!(
+            Checker::new(&none, &Tls::load(&none).unwrap(), addr).unwrap().is_none(),
+            "check = none has no checker"
+        );
     }
 
     #[tokio::test]
@@ -219,8 +249,14 @@ mod tests {
 
     #[test]
     fn missing_ca_file_is_named() {
-        let cfg = HealthConfig { ca_file: Some("/nonexistent/ca.pem".into()), ..config(CheckKind::Https) };
+        let cfg = HealthConfig {
+            ca_file: Some("/nonexistent/ca.pem".into()),
+            ..config(CheckKind::Https)
+        };
         let err = Tls::load(&cfg).err().unwrap();
-        assert!(format!("{err:#}").contains("health.ca_file: reading /nonexistent/ca.pem"), "{err:#}");
+        assert!(
+            format!("{err:#}").contains("health.ca_file: reading /nonexistent/ca.pem"),
+            "{err:#}"
+        );
     }
 }

@@ -76,7 +76,15 @@ pub struct DiscoveryLabels {
 /// labels them; every server has each series from the start, at zero.
 const CLOSE_REASONS: [&str; 4] = ["failed", "fail_back", "removed", "manual"];
 
-const STATES: [State; 7] = [State::Active, State::Preferred, State::Healthy, State::Recovering, State::Unchecked, State::Standby, State::Failed];
+const STATES: [State; 7] = [
+    State::Active,
+    State::Preferred,
+    State::Healthy,
+    State::Recovering,
+    State::Unchecked,
+    State::Standby,
+    State::Failed,
+];
 
 type HistogramFamily = Family<ServerLabels, Histogram, fn() -> Histogram>;
 
@@ -107,32 +115,72 @@ pub fn server_labels(service: &str, server: SocketAddr) -> ServerLabels {
 }
 
 pub fn closed_labels(service: &str, server: SocketAddr, reason: &str) -> ClosedLabels {
-    ClosedLabels { service: service.to_owned(), server: server.to_string(), reason: reason.to_owned() }
+    ClosedLabels {
+        service: service.to_owned(),
+        server: server.to_string(),
+        reason: reason.to_owned(),
+    }
 }
 
 impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::default();
         let server_connections = Family::default();
-        registry.register("lb_server_connections", "Live connections through the VIP to the server", server_connections.clone());
+        registry.register(
+            "lb_server_connections",
+            "Live connections through the VIP to the server",
+            server_connections.clone(),
+        );
         let server_state = Family::default();
-        registry.register("lb_server_state", "1 for the server's current state, 0 for the others", server_state.clone());
+        registry.register(
+            "lb_server_state",
+            "1 for the server's current state, 0 for the others",
+            server_state.clone(),
+        );
         let server_healthy = Family::default();
-        registry.register("lb_server_healthy", "1 if the server's last health check passed, 0 if it failed", server_healthy.clone());
+        registry.register(
+            "lb_server_healthy",
+            "1 if the server's last health check passed, 0 if it failed",
+            server_healthy.clone(),
+        );
         let connect_failures = Family::default();
-        registry.register("lb_connect_failures", "Connects through the VIP that failed before establishing", connect_failures.clone());
+        registry.register(
+            "lb_connect_failures",
+            "Connects through the VIP that failed before establishing",
+            connect_failures.clone(),
+        );
         let connections_closed = Family::default();
-        registry.register("lb_connections_closed", "VIP connections the daemon closed, by reason", connections_closed.clone());
+        registry.register(
+            "lb_connections_closed",
+            "VIP connections the daemon closed, by reason",
+            connections_closed.clone(),
+        );
         let selection_changes = Family::default();
-        registry.register("lb_selection_changes", "Selections written to the kernel", selection_changes.clone());
+        registry.register(
+            "lb_selection_changes",
+            "Selections written to the kernel",
+            selection_changes.clone(),
+        );
         let health_check_duration: HistogramFamily = Family::new_with_constructor(health_histogram);
-        registry.register("lb_health_check_duration_seconds", "How long health checks took", health_check_duration.clone());
+        registry.register(
+            "lb_health_check_duration_seconds",
+            "How long health checks took",
+            health_check_duration.clone(),
+        );
         let datapath_decisions = Family::default();
-        registry.register("lb_datapath_decisions", "Decisions of the kernel programs, by reason", datapath_decisions.clone());
+        registry.register(
+            "lb_datapath_decisions",
+            "Decisions of the kernel programs, by reason",
+            datapath_decisions.clone(),
+        );
         let config_reloads = Family::default();
         registry.register("lb_config_reloads", "Config reloads, by result", config_reloads.clone());
         let discovery_updates = Family::default();
-        registry.register("lb_discovery_updates", "Lists from discovery sources, by result", discovery_updates.clone());
+        registry.register(
+            "lb_discovery_updates",
+            "Lists from discovery sources, by result",
+            discovery_updates.clone(),
+        );
         let discovery_last_success = Family::default();
         registry.register(
             "lb_discovery_last_success_timestamp_seconds",
@@ -158,7 +206,11 @@ impl Metrics {
 
     pub fn set_state(&self, service: &str, server: SocketAddr, state: State) {
         for s in STATES {
-            let labels = StateLabels { service: service.to_owned(), server: server.to_string(), state: s.name().to_owned() };
+            let labels = StateLabels {
+                service: service.to_owned(),
+                server: server.to_string(),
+                state: s.name().to_owned(),
+            };
             self.server_state.get_or_create(&labels).set(i64::from(s == state));
         }
     }
@@ -194,7 +246,11 @@ impl Metrics {
         self.connect_failures.remove(&labels);
         self.health_check_duration.remove(&labels);
         for s in STATES {
-            self.server_state.remove(&StateLabels { service: service.to_owned(), server: server.to_string(), state: s.name().to_owned() });
+            self.server_state.remove(&StateLabels {
+                service: service.to_owned(),
+                server: server.to_string(),
+                state: s.name().to_owned(),
+            });
         }
         for reason in CLOSE_REASONS {
             self.connections_closed.remove(&closed_labels(service, server, reason));
@@ -205,7 +261,9 @@ impl Metrics {
     pub fn record_decisions(&mut self, counters: &[(&'static str, u64)]) {
         for (reason, total) in counters {
             let last = self.last_decisions.insert(reason, *total).unwrap_or(0);
-            let counter = self.datapath_decisions.get_or_create(&ReasonLabels { reason: (*reason).to_owned() });
+            let counter = self
+                .datapath_decisions
+                .get_or_create(&ReasonLabels { reason: (*reason).to_owned() });
             counter.inc_by(total.saturating_sub(last));
         }
     }
@@ -241,14 +299,24 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Self { connections: 16, header_timeout: Duration::from_secs(5), lifetime: Duration::from_secs(60) }
+        Self {
+            connections: 16,
+            header_timeout: Duration::from_secs(5),
+            lifetime: Duration::from_secs(60),
+        }
     }
 }
 
 /// Serves `GET /metrics` on `addr`; each scrape goes to the owner task.
 /// Returns the address bound (useful with port 0).
-pub async fn serve(addr: SocketAddr, limits: Limits, scrapes: mpsc::Sender<ScrapeRequest>) -> anyhow::Result<SocketAddr> {
-    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the metrics address {addr}"))?;
+pub async fn serve(
+    addr: SocketAddr,
+    limits: Limits,
+    scrapes: mpsc::Sender<ScrapeRequest>,
+) -> anyhow::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the metrics address {addr}"))?;
     let bound = listener.local_addr().context("reading the metrics address")?;
     if !addr.ip().is_loopback() {
         warn!(%addr, "metrics are served beyond loopback; anyone who can reach {addr} can read them");
@@ -306,7 +374,9 @@ async fn answer(path: &str, scrapes: &mpsc::Sender<ScrapeRequest>) -> Response<F
         return response(503, "the daemon is shutting down\n".to_owned(), "text/plain");
     }
     match rx.await {
-        Ok(text) => response(200, text, "application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        Ok(text) => {
+            response(200, text, "application/openmetrics-text; version=1.0.0; charset=utf-8")
+        }
         Err(_) => response(503, "the daemon is shutting down\n".to_owned(), "text/plain"),
     }
 }
@@ -361,7 +431,11 @@ mod tests {
     #[tokio::test]
     async fn idle_connections_cannot_hold_the_endpoint() {
         use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-        let limits = Limits { connections: 4, header_timeout: Duration::from_millis(300), lifetime: Duration::from_secs(5) };
+        let limits = Limits {
+            connections: 4,
+            header_timeout: Duration::from_millis(300),
+            lifetime: Duration::from_secs(5),
+        };
         let (tx, mut rx) = mpsc::channel::<ScrapeRequest>(4);
         tokio::spawn(async move {
             while let Some(reply) = rx.recv().await {
@@ -378,12 +452,21 @@ mod tests {
         for (i, stream) in idle.iter_mut().enumerate() {
             let mut buf = [0u8; 1];
             let read = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await;
-            assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "idle connection {i} was not closed: {read:?}");
+            assert!(
+                matches!(read, Ok(Ok(0) | Err(_))),
+                "idle connection {i} was not closed: {read:?}"
+            );
         }
         let mut scrape = tokio::net::TcpStream::connect(addr).await.unwrap();
-        scrape.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+        scrape
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
         let mut answer = String::new();
-        tokio::time::timeout(Duration::from_secs(5), scrape.read_to_string(&mut answer)).await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(5), scrape.read_to_string(&mut answer))
+            .await
+            .unwrap()
+            .unwrap();
         assert!(answer.starts_with("HTTP/1.1 200") && answer.contains("lb_up 1"), "{answer}");
     }
 }

@@ -47,11 +47,22 @@ pub fn plan(old: &[Service], new: &[Service]) -> Vec<Change> {
         .map(|s| Change::Remove { name: s.name.clone() })
         .collect();
     for wanted in new {
-        let Some(previous) = before.get(wanted.name.as_str()).filter(|p| p.vip == wanted.vip) else {
+        let Some(previous) = before.get(wanted.name.as_str()).filter(|p| p.vip == wanted.vip)
+        else {
             changes.push(Change::Add(wanted.clone()));
             continue;
         };
-        let Service { name: _, vip: _, servers, default, policy, hold_down, health, discovery, scope } = previous;
+        let Service {
+            name: _,
+            vip: _,
+            servers,
+            default,
+            policy,
+            hold_down,
+            health,
+            discovery,
+            scope,
+        } = previous;
         let what = Update {
             policy_or_health: *policy != wanted.policy || *health != wanted.health,
             servers: *servers != wanted.servers || *default != wanted.default,
@@ -96,14 +107,20 @@ mod tests {
     fn added_and_removed_services() {
         let old = vec![service("a", 1), service("b", 2)];
         let new = vec![service("b", 2), service("c", 3)];
-        assert_eq!(plan(&old, &new), vec![Change::Remove { name: "a".into() }, Change::Add(service("c", 3))]);
+        assert_eq!(
+            plan(&old, &new),
+            vec![Change::Remove { name: "a".into() }, Change::Add(service("c", 3))]
+        );
     }
 
     #[test]
     fn a_new_vip_is_a_new_service() {
         let old = vec![service("a", 1)];
         let new = vec![service("a", 9)];
-        assert_eq!(plan(&old, &new), vec![Change::Remove { name: "a".into() }, Change::Add(service("a", 9))]);
+        assert_eq!(
+            plan(&old, &new),
+            vec![Change::Remove { name: "a".into() }, Change::Add(service("a", 9))]
+        );
     }
 
     #[test]
@@ -123,8 +140,14 @@ mod tests {
         assert_eq!(update(|s| s.default = Some(SocketAddr::from(([127, 0, 0, 3], 80)))), servers);
         assert_eq!(update(|s| s.policy = Policy::Spread), policy);
         assert_eq!(update(|s| s.health.check = CheckKind::None), policy);
-        assert_eq!(update(|s| s.hold_down = Duration::from_secs(1)), Update { kernel: true, ..Update::default() });
-        assert_eq!(update(|s| s.scope = crate::config::Scope::All), Update { kernel: true, ..Update::default() });
+        assert_eq!(
+            update(|s| s.hold_down = Duration::from_secs(1)),
+            Update { kernel: true, ..Update::default() }
+        );
+        assert_eq!(
+            update(|s| s.scope = crate::config::Scope::All),
+            Update { kernel: true, ..Update::default() }
+        );
         let dns = |s: &mut Service| {
             s.discovery = Some(crate::config::Discovery::Dns {
                 name: "api.example.internal".into(),
@@ -148,6 +171,13 @@ mod tests {
     fn a_vip_moving_between_services_is_removed_before_it_is_added() {
         let old = vec![service("a", 1), service("b", 2)];
         let new = vec![service("b", 1)];
-        assert_eq!(plan(&old, &new), vec![Change::Remove { name: "a".into() }, Change::Remove { name: "b".into() }, Change::Add(service("b", 1))]);
+        assert_eq!(
+            plan(&old, &new),
+            vec![
+                Change::Remove { name: "a".into() },
+                Change::Remove { name: "b".into() },
+                Change::Add(service("b", 1))
+            ]
+        );
     }
 }

@@ -82,7 +82,11 @@ fn request(family: u8, socket_id: SocketId) -> SockDiagMessage {
     })
 }
 
-fn send<T: netlink_packet_core::NetlinkSerializable>(socket: &Socket, flags: u16, payload: T) -> io::Result<()> {
+fn send<T: netlink_packet_core::NetlinkSerializable>(
+    socket: &Socket,
+    flags: u16,
+    payload: T,
+) -> io::Result<()> {
     let mut header = NetlinkHeader::default();
     header.flags = flags;
     let mut message = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(payload));
@@ -102,8 +106,10 @@ fn dump(socket: &Socket, family: u8) -> io::Result<Vec<(u8, SocketId)>> {
         let (buf, _) = socket.recv_from_full()?;
         let mut offset = 0;
         while offset < buf.len() {
-            let message = NetlinkMessage::<SockDiagMessage>::deserialize(&buf[offset..])
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("sock_diag dump: {e}")))?;
+            let message =
+                NetlinkMessage::<SockDiagMessage>::deserialize(&buf[offset..]).map_err(|e| {
+                    io::Error::new(io::ErrorKind::InvalidData, format!("sock_diag dump: {e}"))
+                })?;
             let len = message.header.length as usize;
             match message.payload {
                 NetlinkPayload::Done(_) => return Ok(found),
@@ -124,8 +130,9 @@ fn dump(socket: &Socket, family: u8) -> io::Result<Vec<(u8, SocketId)>> {
 fn destroy_one(socket: &Socket, family: u8, id: SocketId) -> io::Result<()> {
     send(socket, NLM_F_REQUEST | NLM_F_ACK, SockDiagDestroy::new(request(family, id)))?;
     let (buf, _) = socket.recv_from_full()?;
-    let message = NetlinkMessage::<SockDiagMessage>::deserialize(&buf)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("sock_diag destroy: {e}")))?;
+    let message = NetlinkMessage::<SockDiagMessage>::deserialize(&buf).map_err(|e| {
+        io::Error::new(io::ErrorKind::InvalidData, format!("sock_diag destroy: {e}"))
+    })?;
     match message.payload {
         NetlinkPayload::Error(e) if e.code.is_some() => Err(e.to_io()),
         _ => Ok(()),

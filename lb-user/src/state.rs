@@ -70,13 +70,19 @@ impl SavedState {
     /// written and fsynced, renamed over the old one, then the directory
     /// fsynced so that the rename itself is durable.
     pub fn save(&self, dir: &Path) -> anyhow::Result<()> {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating state directory {}", dir.display()))?;
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("creating state directory {}", dir.display()))?;
         let path = dir.join(FILE);
         let tmp = dir.join(format!(".{FILE}.{}.tmp", std::process::id()));
         // A leftover from a crashed write of this same process id.
         let _ = std::fs::remove_file(&tmp);
         let write = || -> std::io::Result<()> {
-            let mut file = OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(&tmp)?;
+            let mut file = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&tmp)?;
             file.write_all(&serde_json::to_vec_pretty(self)?)?;
             file.sync_all()
         };
@@ -85,15 +91,23 @@ impl SavedState {
             return Err(e).with_context(|| format!("writing {}", tmp.display()));
         }
         std::fs::rename(&tmp, &path).with_context(|| format!("replacing {}", path.display()))?;
-        File::open(dir).and_then(|d| d.sync_all()).with_context(|| format!("syncing state directory {}", dir.display()))?;
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .with_context(|| format!("syncing state directory {}", dir.display()))?;
         Ok(())
     }
 
     /// The runtime list for a service whose config says `configured` /
     /// `configured_default`, if one was saved against that same config.
-    pub fn list_for(&self, service: &str, configured: &[SocketAddr], configured_default: Option<SocketAddr>) -> Option<&SavedList> {
+    pub fn list_for(
+        &self,
+        service: &str,
+        configured: &[SocketAddr],
+        configured_default: Option<SocketAddr>,
+    ) -> Option<&SavedList> {
         let saved = self.services.get(service)?;
-        (saved.configured == configured && saved.configured_default == configured_default).then_some(saved)
+        (saved.configured == configured && saved.configured_default == configured_default)
+            .then_some(saved)
     }
 }
 
@@ -126,7 +140,11 @@ mod tests {
         assert_eq!(loaded.list_for("other", &[a(1)], None), None);
         std::fs::write(dir.join(FILE), "{not json").unwrap();
         assert_eq!(SavedState::load(&dir), SavedState::default());
-        assert_eq!(std::fs::read_to_string(dir.join(FILE)).unwrap(), "{not json", "a corrupt file is left for the operator");
+        assert_eq!(
+            std::fs::read_to_string(dir.join(FILE)).unwrap(),
+            "{not json",
+            "a corrupt file is left for the operator"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -143,13 +161,23 @@ mod tests {
         let mut state = SavedState::default();
         state.services.insert(
             "api".into(),
-            SavedList { servers: vec![a(3)], default: None, configured: vec![a(1)], configured_default: None, drained: vec![], discovered_at: None },
+            SavedList {
+                servers: vec![a(3)],
+                default: None,
+                configured: vec![a(1)],
+                configured_default: None,
+                drained: vec![],
+                discovered_at: None,
+            },
         );
         state.save(&dir).unwrap();
         state.services.clear();
         state.save(&dir).unwrap();
         assert_eq!(SavedState::load(&dir), state);
-        let names: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        let names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
         assert_eq!(names, [FILE]);
         std::fs::remove_dir_all(&dir).unwrap();
     }

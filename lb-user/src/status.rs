@@ -20,7 +20,12 @@ pub trait KernelView {
 }
 
 /// One service as `lb status` shows it.
-pub fn service(config: &config::Service, balancer: &Balancer, discovery: Option<&DiscoveryStatus>, kernel: &impl KernelView) -> ServiceStatus {
+pub fn service(
+    config: &config::Service,
+    balancer: &Balancer,
+    discovery: Option<&DiscoveryStatus>,
+    kernel: &impl KernelView,
+) -> ServiceStatus {
     let vip = config.vip;
     ServiceStatus {
         name: config.name.clone(),
@@ -62,11 +67,26 @@ pub fn table(status: &Status) -> String {
     }
     for s in &status.services {
         let selected: Vec<String> = s.selected.iter().map(ToString::to_string).collect();
-        let _ = writeln!(out, "{}  vip {}  policy {}  scope {}  selected [{}]", s.name, s.vip, s.policy, s.scope, selected.join(", "));
+        let _ = writeln!(
+            out,
+            "{}  vip {}  policy {}  scope {}  selected [{}]",
+            s.name,
+            s.vip,
+            s.policy,
+            s.scope,
+            selected.join(", ")
+        );
         if let Some(d) = &s.discovery {
             let synced = d.last_success.map_or_else(
                 || "not synced yet".to_owned(),
-                |at| format!("last sync {}", humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_secs(at))),
+                |at| {
+                    format!(
+                        "last sync {}",
+                        humantime::format_rfc3339_seconds(
+                            std::time::UNIX_EPOCH + Duration::from_secs(at)
+                        )
+                    )
+                },
             );
             let _ = write!(out, "  discovery {}: {synced}", d.source);
             if d.truncated > 0 {
@@ -77,7 +97,11 @@ pub fn table(status: &Status) -> String {
             }
             out.push('\n');
         }
-        let _ = writeln!(out, "  {:<42} {:<10} {:<8} {:>11}  NOTES", "SERVER", "STATE", "HEALTHY", "CONNECTIONS");
+        let _ = writeln!(
+            out,
+            "  {:<42} {:<10} {:<8} {:>11}  NOTES",
+            "SERVER", "STATE", "HEALTHY", "CONNECTIONS"
+        );
         for server in &s.servers {
             let mut notes = Vec::new();
             if server.default {
@@ -112,7 +136,10 @@ pub fn table(status: &Status) -> String {
         match &reload.error {
             None => out.push_str("config: last reload ok\n"),
             Some(error) => {
-                let _ = writeln!(out, "config: LAST RELOAD FAILED; still serving the previous config:\n{error}");
+                let _ = writeln!(
+                    out,
+                    "config: LAST RELOAD FAILED; still serving the previous config:\n{error}"
+                );
             }
         }
     }
@@ -124,11 +151,18 @@ pub fn table(status: &Status) -> String {
         datapath.bpffs,
         if datapath.adopted { "  (adopted from a previous run)" } else { "" }
     );
-    let _ = writeln!(out, "tracked sockets: {} tcp, {} udp", datapath.tracked_sockets.tcp, datapath.tracked_sockets.udp);
+    let _ = writeln!(
+        out,
+        "tracked sockets: {} tcp, {} udp",
+        datapath.tracked_sockets.tcp, datapath.tracked_sockets.udp
+    );
     for (name, present) in [
         ("getpeername hooks", datapath.features.getpeername),
         ("closing connections (SOCK_DESTROY)", datapath.features.sock_destroy),
-        ("network namespace scope (scope = \"host\" acts as \"all\")", datapath.features.netns_scope),
+        (
+            "network namespace scope (scope = \"host\" acts as \"all\")",
+            datapath.features.netns_scope,
+        ),
     ] {
         if !present {
             let _ = writeln!(out, "degraded: this kernel lacks {name}");
@@ -179,7 +213,7 @@ mod tests {
             hold_down: Duration::from_secs(5),
             health: HealthConfig::default(),
             discovery: None,
-            scope: crate::config::Scope::Host,
+            scope: config::Scope::Host,
         };
         let now = Instant::now();
         let checks = Checks { rise: 1, fall: 1, passive_only: false };
@@ -188,17 +222,34 @@ mod tests {
         balancer.on_health(a(2), Health::Pass, now);
         let kernel = FakeKernel { connections: HashMap::from([(a(2), 7)]), failed: vec![a(1)] };
 
-        let discovery = DiscoveryStatus { source: "dns".into(), last_success: Some(1_700_000_000), last_error: Some("SERVFAIL".into()), truncated: 0 };
+        let discovery = DiscoveryStatus {
+            source: "dns".into(),
+            last_success: Some(1_700_000_000),
+            last_error: Some("SERVFAIL".into()),
+            truncated: 0,
+        };
         let status = service(&config, &balancer, Some(&discovery), &kernel);
         assert_eq!(status.selected, vec![a(2), a(1)]);
         let (one, two) = (&status.servers[0], &status.servers[1]);
-        assert_eq!((one.state.as_str(), one.healthy, one.recently_failed, one.connections), ("failed", Some(false), true, 0));
+        assert_eq!(
+            (one.state.as_str(), one.healthy, one.recently_failed, one.connections),
+            ("failed", Some(false), true, 0)
+        );
         assert_eq!(one.last_check.as_deref(), Some("tcp connect: refused"));
-        assert_eq!((two.state.as_str(), two.healthy, two.connections, two.readiness.as_str()), ("active", Some(true), 7, "ready"));
+        assert_eq!(
+            (two.state.as_str(), two.healthy, two.connections, two.readiness.as_str()),
+            ("active", Some(true), 7, "ready")
+        );
 
         let text = table(&Status { services: vec![status], ..Status::default() });
         assert!(text.contains("api  vip 127.0.0.100:6444  policy failover  scope host  selected [127.0.0.2:80, 127.0.0.1:80]"), "{text}");
-        assert!(text.contains("  discovery dns: last sync 2023-11-14T22:13:20Z; LAST SYNC: SERVFAIL"), "{text}");
-        assert!(text.contains("connect failed recently; last check: tcp connect: refused"), "{text}");
+        assert!(
+            text.contains("  discovery dns: last sync 2023-11-14T22:13:20Z; LAST SYNC: SERVFAIL"),
+            "{text}"
+        );
+        assert!(
+            text.contains("connect failed recently; last check: tcp connect: refused"),
+            "{text}"
+        );
     }
 }

@@ -53,7 +53,8 @@ impl HardeningClient {
         let mut cmd = Command::new(client_bin(bin));
         cmd.stdin(Stdio::piped()).stdout(Stdio::piped());
         start_in_cgroup(&mut cmd, &cgroup.path);
-        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("starting {}: {e}", client_bin(bin).display()));
+        let mut child =
+            cmd.spawn().unwrap_or_else(|e| panic!("starting {}: {e}", client_bin(bin).display()));
         let stdin = child.stdin.take().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());
         Self { child, stdin, stdout }
@@ -84,7 +85,11 @@ impl HardeningClient {
     #[track_caller]
     pub fn peer(&mut self, id: u32) -> SocketAddr {
         let answer = self.ask(&format!("peer {id}"));
-        answer.strip_prefix("peer ").unwrap_or_else(|| panic!("peer {id}: {answer}")).parse().unwrap()
+        answer
+            .strip_prefix("peer ")
+            .unwrap_or_else(|| panic!("peer {id}: {answer}"))
+            .parse()
+            .unwrap()
     }
 
     pub fn alive(&mut self, id: u32) -> bool {
@@ -107,7 +112,10 @@ impl HardeningClient {
     pub fn churn(&mut self, protocol: &str, addr: SocketAddr, n: usize) -> (usize, usize) {
         let answer = self.ask(&format!("churn-{protocol} {addr} {n}"));
         let field = |name: &str| -> usize {
-            answer.split_whitespace().find_map(|w| w.strip_prefix(name)?.parse().ok()).unwrap_or_else(|| panic!("churn: {answer}"))
+            answer
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix(name)?.parse().ok())
+                .unwrap_or_else(|| panic!("churn: {answer}"))
         };
         (field("ok="), field("failed="))
     }
@@ -128,7 +136,13 @@ impl Drop for HardeningClient {
     fn drop(&mut self) {
         let _ = self.child.kill();
         if let Err(e) = self.child.wait() {
-            crate::leaked("HardeningClient", &[format!("lb-hardening-client (pid {}) could not be reaped: {e}", self.child.id())]);
+            crate::leaked(
+                "HardeningClient",
+                &[format!(
+                    "lb-hardening-client (pid {}) could not be reaped: {e}",
+                    self.child.id()
+                )],
+            );
         }
     }
 }
@@ -138,11 +152,17 @@ impl Drop for HardeningClient {
 /// and `server` (`pod-server`), it connects to `vip`. Returns its answer
 /// line (`ok PEER GREETING` or `err ...`). The namespace goes with the
 /// process, which has exited when this returns.
-pub fn connect_from_own_netns(bin: &str, cgroup: &TestCgroup, vip: SocketAddr, server: SocketAddr) -> String {
+pub fn connect_from_own_netns(
+    bin: &str,
+    cgroup: &TestCgroup,
+    vip: SocketAddr,
+    server: SocketAddr,
+) -> String {
     let mut cmd = Command::new(client_bin(bin));
     cmd.args(["netns", &vip.to_string(), &server.to_string()]).stdin(Stdio::null());
     start_in_cgroup(&mut cmd, &cgroup.path);
-    let out = cmd.output().unwrap_or_else(|e| panic!("running {} netns: {e}", client_bin(bin).display()));
+    let out =
+        cmd.output().unwrap_or_else(|e| panic!("running {} netns: {e}", client_bin(bin).display()));
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
@@ -175,9 +195,14 @@ impl SlowToOne {
         let black_hole = reuseport_listener(addr, 0);
         steer(&serving, slow_client);
         serving.set_nonblocking(true).unwrap();
-        let (accepted, stop, conns) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(HashMap::new())));
+        let (accepted, stop, conns) = (
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(Mutex::new(HashMap::new())),
+        );
         let serve_thread = {
-            let (name, accepted, stop, conns) = (name.to_owned(), accepted.clone(), stop.clone(), conns.clone());
+            let (name, accepted, stop, conns) =
+                (name.to_owned(), accepted.clone(), stop.clone(), conns.clone());
             thread::spawn(move || {
                 static NEXT: AtomicUsize = AtomicUsize::new(0);
                 while !stop.load(Ordering::Relaxed) {
@@ -190,7 +215,9 @@ impl SlowToOne {
                         let _ = stream.set_nonblocking(false);
                         let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
                         let mut first = String::new();
-                        if BufReader::new(&stream).read_line(&mut first).is_err() || first.is_empty() {
+                        if BufReader::new(&stream).read_line(&mut first).is_err()
+                            || first.is_empty()
+                        {
                             return; // a TCP health check
                         }
                         let _ = writeln!(&stream, "{name}");
@@ -201,7 +228,9 @@ impl SlowToOne {
                         }
                         let _ = stream.set_read_timeout(None);
                         let mut sink = [0u8; 64];
-                        while matches!(std::io::Read::read(&mut &stream, &mut sink), Ok(n) if n > 0) {}
+                        while matches!(std::io::Read::read(&mut &stream, &mut sink), Ok(n) if n > 0)
+                        {
+                        }
                         conns.lock().unwrap().remove(&id);
                     });
                 }
@@ -228,7 +257,8 @@ impl SlowToOne {
     /// if none ever does, since the test would then prove nothing.
     fn fill_black_hole(&mut self) {
         for _ in 0..16 {
-            let fd = nonblocking_connect(SocketAddr::new(IpAddr::V4(self.slow_client), 0), self.addr);
+            let fd =
+                nonblocking_connect(SocketAddr::new(IpAddr::V4(self.slow_client), 0), self.addr);
             thread::sleep(Duration::from_millis(200));
             if tcp_state(&fd) == Some(TCP_SYN_SENT) {
                 // Dropped: the queue is full. This one can go.
@@ -236,7 +266,10 @@ impl SlowToOne {
             }
             self.filler.push(fd);
         }
-        panic!("{}: SYNs from {} to {} were still answered after 16 connects", self.name, self.slow_client, self.addr);
+        panic!(
+            "{}: SYNs from {} to {} were still answered after 16 connects",
+            self.name, self.slow_client, self.addr
+        );
     }
 
     /// Client connections the serving listener answered.
@@ -295,7 +328,8 @@ fn sockaddr_in(addr: SocketAddr) -> libc::sockaddr_in {
 
 fn tcp_socket(flags: libc::c_int) -> OwnedFd {
     // SAFETY: plain socket call.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | flags, 0) };
+    let fd =
+        unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | flags, 0) };
     assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
     // SAFETY: we own the new descriptor.
     unsafe { OwnedFd::from_raw_fd(fd) }
@@ -308,10 +342,23 @@ fn reuseport_listener(addr: SocketAddr, backlog: libc::c_int) -> TcpListener {
     // SAFETY: a valid socket, option value and address of the sizes we pass.
     unsafe {
         check(
-            libc::setsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_REUSEPORT, (&raw const one).cast(), size_of::<libc::c_int>() as u32),
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_REUSEPORT,
+                (&raw const one).cast(),
+                size_of::<libc::c_int>() as u32,
+            ),
             "SO_REUSEPORT",
         );
-        check(libc::bind(fd.as_raw_fd(), (&raw const sin).cast(), size_of::<libc::sockaddr_in>() as u32), &format!("bind {addr}"));
+        check(
+            libc::bind(
+                fd.as_raw_fd(),
+                (&raw const sin).cast(),
+                size_of::<libc::sockaddr_in>() as u32,
+            ),
+            &format!("bind {addr}"),
+        );
         check(libc::listen(fd.as_raw_fd(), backlog), "listen");
     }
     TcpListener::from(fd)
@@ -321,7 +368,8 @@ fn reuseport_listener(addr: SocketAddr, backlog: libc::c_int) -> TcpListener {
 /// source address, at network-header offset 12) goes to the group's second
 /// socket, any other to its first.
 fn steer(listener: &TcpListener, slow_client: Ipv4Addr) {
-    let code = |code: u32, jt: u8, jf: u8, k: u32| libc::sock_filter { code: code as u16, jt, jf, k };
+    let code =
+        |code: u32, jt: u8, jf: u8, k: u32| libc::sock_filter { code: code as u16, jt, jf, k };
     let program = [
         code(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, 0, 0, SKF_NET_OFF + 12),
         code(libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K, 0, 1, u32::from(slow_client)),
@@ -349,10 +397,24 @@ fn nonblocking_connect(from: SocketAddr, to: SocketAddr) -> OwnedFd {
     let (local, remote) = (sockaddr_in(from), sockaddr_in(to));
     // SAFETY: a valid socket and addresses of the sizes we pass.
     unsafe {
-        check(libc::bind(fd.as_raw_fd(), (&raw const local).cast(), size_of::<libc::sockaddr_in>() as u32), &format!("bind {from}"));
-        let rc = libc::connect(fd.as_raw_fd(), (&raw const remote).cast(), size_of::<libc::sockaddr_in>() as u32);
+        check(
+            libc::bind(
+                fd.as_raw_fd(),
+                (&raw const local).cast(),
+                size_of::<libc::sockaddr_in>() as u32,
+            ),
+            &format!("bind {from}"),
+        );
+        let rc = libc::connect(
+            fd.as_raw_fd(),
+            (&raw const remote).cast(),
+            size_of::<libc::sockaddr_in>() as u32,
+        );
         let error = std::io::Error::last_os_error();
-        assert!(rc == 0 || error.raw_os_error() == Some(libc::EINPROGRESS), "connect {to}: {error}");
+        assert!(
+            rc == 0 || error.raw_os_error() == Some(libc::EINPROGRESS),
+            "connect {to}: {error}"
+        );
     }
     fd
 }
@@ -362,13 +424,25 @@ fn tcp_state(fd: &OwnedFd) -> Option<u8> {
     let mut info = [0u8; 256];
     let mut len = info.len() as libc::socklen_t;
     // SAFETY: a valid socket and an out-buffer of the size we pass.
-    let rc = unsafe { libc::getsockopt(fd.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_INFO, info.as_mut_ptr().cast(), &mut len) };
+    let rc = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            info.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
     (rc == 0).then_some(info[0])
 }
 
 /// Runs `lb run --config CONFIG` to its end (at most `timeout`): its exit
 /// status (None if it had to be killed) and everything it printed.
-pub fn run_to_exit(lb: &std::path::Path, config: &std::path::Path, timeout: Duration) -> (Option<std::process::ExitStatus>, String) {
+pub fn run_to_exit(
+    lb: &std::path::Path,
+    config: &std::path::Path,
+    timeout: Duration,
+) -> (Option<std::process::ExitStatus>, String) {
     let log = config.with_extension("run.log");
     let out = std::fs::File::create(&log).unwrap();
     let mut child = Command::new(lb)

@@ -35,8 +35,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-pub mod load;
 pub mod hardening;
+pub mod load;
 
 /// Whether privileged tests can run here. Without root they are skipped with
 /// a printed reason, except under `CI=true`, where that is a failure.
@@ -48,7 +48,9 @@ pub fn privileged() -> bool {
     if std::env::var("CI").is_ok_and(|v| v == "true") {
         panic!("privileged integration tests need root, and CI=true forbids skipping them");
     }
-    eprintln!("SKIPPED: this test needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN); run `cargo xtask test` as root");
+    eprintln!(
+        "SKIPPED: this test needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN); run `cargo xtask test` as root"
+    );
     false
 }
 
@@ -77,7 +79,11 @@ pub fn lb_bin() -> PathBuf {
     }
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let path = workspace.join("target/debug/lb");
-    assert!(path.exists(), "{} not found: build it (`cargo build -p lb-user`) or set LB_BIN", path.display());
+    assert!(
+        path.exists(),
+        "{} not found: build it (`cargo build -p lb-user`) or set LB_BIN",
+        path.display()
+    );
     path
 }
 
@@ -92,7 +98,9 @@ pub fn cgroup2_root() -> std::io::Result<PathBuf> {
             let mount_point = before.split_whitespace().nth(4)?;
             (after.split_whitespace().next()? == "cgroup2").then(|| PathBuf::from(mount_point))
         })
-        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "no cgroup2 file system is mounted"))
+        .ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no cgroup2 file system is mounted")
+        })
 }
 
 /// Makes `cmd` start inside the cgroup directory `cgroup`: the child moves
@@ -100,7 +108,8 @@ pub fn cgroup2_root() -> std::io::Result<PathBuf> {
 /// program runs outside it. Also used by `cargo xtask demo`.
 pub fn start_in_cgroup(cmd: &mut Command, cgroup: &Path) {
     // A path from the file system has no NUL byte.
-    let procs = CString::new(cgroup.join("cgroup.procs").into_os_string().into_vec()).expect("a path without NUL bytes");
+    let procs = CString::new(cgroup.join("cgroup.procs").into_os_string().into_vec())
+        .expect("a path without NUL bytes");
     // SAFETY: between fork and exec only async-signal-safe calls (open,
     // write, close) on memory prepared before the fork.
     unsafe {
@@ -125,13 +134,15 @@ pub struct TestCgroup {
 
 impl TestCgroup {
     pub fn new(name: &str) -> Self {
-        let root = cgroup2_root().unwrap_or_else(|e| panic!("privileged tests need cgroup v2: {e}"));
+        let root =
+            cgroup2_root().unwrap_or_else(|e| panic!("privileged tests need cgroup v2: {e}"));
         let path = root.join(format!("lb-test-{}-{name}", std::process::id()));
         if path.exists() {
             kill_members(&path);
             let _ = std::fs::remove_dir(&path);
         }
-        std::fs::create_dir(&path).unwrap_or_else(|e| panic!("creating cgroup {}: {e}", path.display()));
+        std::fs::create_dir(&path)
+            .unwrap_or_else(|e| panic!("creating cgroup {}: {e}", path.display()));
         Self { path }
     }
 }
@@ -195,22 +206,39 @@ pub struct Backend {
 impl Backend {
     /// Listens on `addr` (port 0: any free port).
     pub fn start(name: &str, addr: SocketAddr) -> Self {
-        let listener = TcpListener::bind(addr).unwrap_or_else(|e| panic!("backend {name}: bind {addr}: {e}"));
+        let listener =
+            TcpListener::bind(addr).unwrap_or_else(|e| panic!("backend {name}: bind {addr}: {e}"));
         let addr = listener.local_addr().unwrap();
         listener.set_nonblocking(true).unwrap();
-        let udp = UdpSocket::bind(addr).unwrap_or_else(|e| panic!("backend {name}: bind udp {addr}: {e}"));
+        let udp = UdpSocket::bind(addr)
+            .unwrap_or_else(|e| panic!("backend {name}: bind udp {addr}: {e}"));
         udp.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
-        let (accepted, stop, conns) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(HashMap::new())));
+        let (accepted, stop, conns) = (
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(Mutex::new(HashMap::new())),
+        );
         let health_status = Arc::new(AtomicUsize::new(200));
         let last_accept = Arc::new(Mutex::new(None));
         let tcp_thread = {
-            let (name, accepted, stop, conns, health_status) = (name.to_owned(), accepted.clone(), stop.clone(), conns.clone(), health_status.clone());
+            let (name, accepted, stop, conns, health_status) = (
+                name.to_owned(),
+                accepted.clone(),
+                stop.clone(),
+                conns.clone(),
+                health_status.clone(),
+            );
             let last_accept = last_accept.clone();
             thread::spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
                     match listener.accept() {
                         Ok((stream, _)) => {
-                            let (name, accepted, conns, health_status) = (name.clone(), accepted.clone(), conns.clone(), health_status.clone());
+                            let (name, accepted, conns, health_status) = (
+                                name.clone(),
+                                accepted.clone(),
+                                conns.clone(),
+                                health_status.clone(),
+                            );
                             let last_accept = last_accept.clone();
                             thread::spawn(move || {
                                 serve(stream, &name, &conns, &health_status, || {
@@ -235,7 +263,16 @@ impl Backend {
                 }
             })
         };
-        Self { name: name.to_owned(), addr, accepted, last_accept, health_status, stop, threads: vec![tcp_thread, udp_thread], conns }
+        Self {
+            name: name.to_owned(),
+            addr,
+            accepted,
+            last_accept,
+            health_status,
+            stop,
+            threads: vec![tcp_thread, udp_thread],
+            conns,
+        }
     }
 
     /// Client connections this backend answered so far (not health checks).
@@ -273,7 +310,13 @@ impl Backend {
 /// One accepted connection: a health check gets an HTTP answer and is
 /// closed; a client gets the backend's name (then `on_client` runs) and is
 /// held until it closes, or until `stop` shuts it down.
-fn serve(mut stream: TcpStream, name: &str, conns: &Mutex<HashMap<u64, TcpStream>>, health_status: &AtomicUsize, on_client: impl FnOnce()) {
+fn serve(
+    mut stream: TcpStream,
+    name: &str,
+    conns: &Mutex<HashMap<u64, TcpStream>>,
+    health_status: &AtomicUsize,
+    on_client: impl FnOnce(),
+) {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
@@ -283,7 +326,10 @@ fn serve(mut stream: TcpStream, name: &str, conns: &Mutex<HashMap<u64, TcpStream
     }
     if first.starts_with("GET ") {
         let status = health_status.load(Ordering::Relaxed);
-        let _ = write!(stream, "HTTP/1.1 {status} Status\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        let _ = write!(
+            stream,
+            "HTTP/1.1 {status} Status\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
         return;
     }
     let _ = writeln!(stream, "{name}");
@@ -308,7 +354,11 @@ impl Drop for Backend {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Connect {
     /// Connection id, the peer the application saw, the server's greeting.
-    Ok { id: u32, peer: SocketAddr, greeting: String },
+    Ok {
+        id: u32,
+        peer: SocketAddr,
+        greeting: String,
+    },
     Err(String),
 }
 
@@ -343,7 +393,8 @@ impl Client {
     /// in a test, overridden by `$LB_TEST_CLIENT`) inside `cgroup`, or in
     /// the test's own cgroup if `None`.
     pub fn start(bin: &str, cgroup: Option<&TestCgroup>) -> Self {
-        let bin = std::env::var_os("LB_TEST_CLIENT").map_or_else(|| PathBuf::from(bin), PathBuf::from);
+        let bin =
+            std::env::var_os("LB_TEST_CLIENT").map_or_else(|| PathBuf::from(bin), PathBuf::from);
         let mut cmd = Command::new(&bin);
         cmd.stdin(Stdio::piped()).stdout(Stdio::piped());
         if let Some(cgroup) = cgroup {
@@ -392,7 +443,13 @@ impl Client {
     /// `threads` threads connecting in a loop until `stop_file` exists (at
     /// most `limit`), then once more each; returns the client's `storm ...`
     /// summary line.
-    pub fn storm(&mut self, addr: SocketAddr, threads: usize, limit: Duration, stop_file: &Path) -> String {
+    pub fn storm(
+        &mut self,
+        addr: SocketAddr,
+        threads: usize,
+        limit: Duration,
+        stop_file: &Path,
+    ) -> String {
         self.ask(&format!("storm {addr} {threads} {} {}", limit.as_millis(), stop_file.display()))
     }
 
@@ -406,7 +463,10 @@ impl Drop for Client {
     fn drop(&mut self) {
         let _ = self.child.kill();
         if let Err(e) = self.child.wait() {
-            leaked("Client", &[format!("lb-test-client (pid {}) could not be reaped: {e}", self.child.id())]);
+            leaked(
+                "Client",
+                &[format!("lb-test-client (pid {}) could not be reaped: {e}", self.child.id())],
+            );
         }
     }
 }
@@ -436,13 +496,24 @@ impl Daemon {
     }
 
     /// As `start`, with extra lines for the `[daemon]` section.
-    pub fn start_with(name: &str, cgroup: &TestCgroup, daemon_settings: &str, services_toml: &str) -> Self {
+    pub fn start_with(
+        name: &str,
+        cgroup: &TestCgroup,
+        daemon_settings: &str,
+        services_toml: &str,
+    ) -> Self {
         Self::start_with_env(name, cgroup, daemon_settings, &[], services_toml)
     }
 
     /// As `start_with`, with extra environment variables for `lb run`
     /// (e.g. `LB_DNS_SERVER`), kept for every restart.
-    pub fn start_with_env(name: &str, cgroup: &TestCgroup, daemon_settings: &str, env: &[(&str, &str)], services_toml: &str) -> Self {
+    pub fn start_with_env(
+        name: &str,
+        cgroup: &TestCgroup,
+        daemon_settings: &str,
+        env: &[(&str, &str)],
+        services_toml: &str,
+    ) -> Self {
         // First: if this panics, nothing else has been made yet.
         let _bpffs_mount = BpffsMount::acquire();
         let tag = format!("lb-test-{}-{name}", std::process::id());
@@ -452,7 +523,15 @@ impl Daemon {
         let bpffs = Path::new(BPFFS_ROOT).join(&tag);
         let config = dir.join("config.toml");
         let env = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
-        let mut daemon = Self { dir, config, bpffs, daemon_settings: daemon_settings.to_owned(), env, child: None, _bpffs_mount };
+        let mut daemon = Self {
+            dir,
+            config,
+            bpffs,
+            daemon_settings: daemon_settings.to_owned(),
+            env,
+            child: None,
+            _bpffs_mount,
+        };
         daemon.write_config(cgroup, services_toml);
         daemon.restart();
         daemon
@@ -483,7 +562,11 @@ impl Daemon {
     /// As `restart`, with extra arguments for `lb run`.
     pub fn restart_with(&mut self, args: &[&str]) {
         assert!(self.child.is_none(), "daemon already running");
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("lb.log")).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("lb.log"))
+            .unwrap();
         let child = Command::new(lb_bin())
             .args(["run", "--config"])
             .arg(&self.config)
@@ -505,7 +588,11 @@ impl Daemon {
             if self.try_lb(&["status", "--json"]).is_ok() {
                 return;
             }
-            assert!(Instant::now() < deadline, "lb run did not answer within 60 s:\n{}", self.log());
+            assert!(
+                Instant::now() < deadline,
+                "lb run did not answer within 60 s:\n{}",
+                self.log()
+            );
             thread::sleep(Duration::from_millis(50));
         }
     }
@@ -520,7 +607,9 @@ impl Daemon {
 
     /// Waits up to `timeout` for the daemon to exit; whether it did.
     pub fn wait_exit(&mut self, timeout: Duration) -> bool {
-        let exited = wait_until(timeout, || self.child.as_mut().is_none_or(|c| c.try_wait().ok().flatten().is_some()));
+        let exited = wait_until(timeout, || {
+            self.child.as_mut().is_none_or(|c| c.try_wait().ok().flatten().is_some())
+        });
         if exited {
             self.child = None;
         }
@@ -536,7 +625,8 @@ impl Daemon {
 
     /// Runs an `lb` client subcommand with this daemon's config.
     pub fn try_lb(&self, args: &[&str]) -> Result<String, String> {
-        let out = Command::new(lb_bin()).args(args).arg("--config").arg(&self.config).output().unwrap();
+        let out =
+            Command::new(lb_bin()).args(args).arg("--config").arg(&self.config).output().unwrap();
         if out.status.success() {
             Ok(String::from_utf8_lossy(&out.stdout).into_owned())
         } else {
@@ -546,7 +636,8 @@ impl Daemon {
 
     #[track_caller]
     pub fn lb(&self, args: &[&str]) -> String {
-        self.try_lb(args).unwrap_or_else(|e| panic!("lb {args:?} failed: {e}\ndaemon log:\n{}", self.log()))
+        self.try_lb(args)
+            .unwrap_or_else(|e| panic!("lb {args:?} failed: {e}\ndaemon log:\n{}", self.log()))
     }
 
     /// `lb status --json`.
@@ -575,8 +666,18 @@ impl Daemon {
     /// Live connections through `vip` to `server`, from `lb status --json`.
     pub fn connections(&self, service: &str, server: SocketAddr) -> i64 {
         let status = self.status();
-        let service = status["services"].as_array().unwrap().iter().find(|s| s["name"] == service).expect("service in status");
-        let server = service["servers"].as_array().unwrap().iter().find(|s| s["address"] == server.to_string()).expect("server in status");
+        let service = status["services"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["name"] == service)
+            .expect("service in status");
+        let server = service["servers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["address"] == server.to_string())
+            .expect("server in status");
         server["connections"].as_i64().unwrap()
     }
 }
@@ -600,7 +701,10 @@ impl Drop for Daemon {
                 // SAFETY: sending a signal has no memory-safety preconditions.
                 unsafe { libc::kill(*pid, libc::SIGKILL) };
             }
-            problems.push(format!("lb processes still running with {} (killed): {stray:?}", self.config.display()));
+            problems.push(format!(
+                "lb processes still running with {} (killed): {stray:?}",
+                self.config.display()
+            ));
             // A daemon that outlived the first detach may have pinned again.
             thread::sleep(Duration::from_millis(100));
             detach = self.try_lb(&["detach"]);
@@ -615,7 +719,10 @@ impl Drop for Daemon {
                 Ok(out) => out.trim().to_owned(),
                 Err(e) => format!("failed: {}", e.trim()),
             };
-            problems.push(format!("pins left under {} after `lb detach` ({detach}): {pins:?}; {removed}", self.bpffs.display()));
+            problems.push(format!(
+                "pins left under {} after `lb detach` ({detach}): {pins:?}; {removed}",
+                self.bpffs.display()
+            ));
         }
         if let Err(e) = std::fs::remove_dir_all(&self.dir)
             && e.kind() != std::io::ErrorKind::NotFound
@@ -635,13 +742,17 @@ fn processes_with_arg(arg: &Path) -> Vec<(i32, String)> {
         .filter(|pid| *pid != me)
         .filter_map(|pid| {
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-            cmdline.split(|b| *b == 0).any(|a| a == arg.as_os_str().as_bytes()).then(|| (pid, comm(pid)))
+            cmdline
+                .split(|b| *b == 0)
+                .any(|a| a == arg.as_os_str().as_bytes())
+                .then(|| (pid, comm(pid)))
         })
         .collect()
 }
 
 fn comm(pid: i32) -> String {
-    std::fs::read_to_string(format!("/proc/{pid}/comm")).map_or_else(|_| "?".to_owned(), |c| c.trim().to_owned())
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map_or_else(|_| "?".to_owned(), |c| c.trim().to_owned())
 }
 
 /// Every file below `dir` (pins, on bpffs), relative to it.
@@ -689,7 +800,8 @@ struct BpffsUsers {
 static BPFFS_USERS: Mutex<BpffsUsers> = Mutex::new(BpffsUsers { users: 0, mounted_here: None });
 
 fn entries(dir: &Path) -> Vec<PathBuf> {
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir).into_iter().flatten().flatten().map(|e| e.path()).collect();
+    let mut entries: Vec<PathBuf> =
+        std::fs::read_dir(dir).into_iter().flatten().flatten().map(|e| e.path()).collect();
     entries.sort();
     entries
 }
@@ -701,9 +813,18 @@ impl BpffsMount {
         if state.users == 0 && !is_bpffs(root) {
             let target = CString::new(BPFFS_ROOT).unwrap();
             // SAFETY: valid NUL-terminated strings; no data.
-            let rc = unsafe { libc::mount(c"bpf".as_ptr(), target.as_ptr(), c"bpf".as_ptr(), 0, std::ptr::null()) };
-            assert_eq!(rc, 0, "mounting bpffs at {BPFFS_ROOT}: {}", std::io::Error::last_os_error());
-            eprintln!("(mounted bpffs at {BPFFS_ROOT}; unmounted again after the last daemon of this test process)");
+            let rc = unsafe {
+                libc::mount(c"bpf".as_ptr(), target.as_ptr(), c"bpf".as_ptr(), 0, std::ptr::null())
+            };
+            assert_eq!(
+                rc,
+                0,
+                "mounting bpffs at {BPFFS_ROOT}: {}",
+                std::io::Error::last_os_error()
+            );
+            eprintln!(
+                "(mounted bpffs at {BPFFS_ROOT}; unmounted again after the last daemon of this test process)"
+            );
             state.mounted_here = Some(entries(root));
         }
         state.users += 1;
@@ -728,18 +849,27 @@ impl Drop for BpffsMount {
         let mut problems = Vec::new();
         for dir in &mine {
             let pins = files_under(dir);
-            let removed = std::fs::remove_dir_all(dir).map_or_else(|e| format!("removing it failed: {e}"), |()| "removed it".to_owned());
-            problems.push(format!("{} left on bpffs after every daemon was gone: {pins:?}; {removed}", dir.display()));
+            let removed = std::fs::remove_dir_all(dir)
+                .map_or_else(|e| format!("removing it failed: {e}"), |()| "removed it".to_owned());
+            problems.push(format!(
+                "{} left on bpffs after every daemon was gone: {pins:?}; {removed}",
+                dir.display()
+            ));
         }
         if theirs.is_empty() {
             let target = CString::new(BPFFS_ROOT).unwrap();
             // SAFETY: a valid NUL-terminated path. No MNT_DETACH: if it is
             // busy, that is reported, not hidden.
             if unsafe { libc::umount2(target.as_ptr(), 0) } != 0 {
-                problems.push(format!("unmounting the bpffs this test process mounted at {BPFFS_ROOT}: {}", std::io::Error::last_os_error()));
+                problems.push(format!(
+                    "unmounting the bpffs this test process mounted at {BPFFS_ROOT}: {}",
+                    std::io::Error::last_os_error()
+                ));
             }
         } else {
-            eprintln!("note: leaving the bpffs this test process mounted at {BPFFS_ROOT} in place: it now holds {theirs:?}, not created here");
+            eprintln!(
+                "note: leaving the bpffs this test process mounted at {BPFFS_ROOT} in place: it now holds {theirs:?}, not created here"
+            );
         }
         leaked("bpffs mount", &problems);
     }
@@ -893,17 +1023,35 @@ impl ServiceBuilder {
 
     /// The `[[service]]` table, with its `[service.health]`.
     pub fn toml(&self) -> String {
-        let Self { name, vip, servers, default, policy, hold_down, check, timeout, rise, fall, raw } = self;
+        let Self {
+            name,
+            vip,
+            servers,
+            default,
+            policy,
+            hold_down,
+            check,
+            timeout,
+            rise,
+            fall,
+            raw,
+        } = self;
         let servers: Vec<String> = servers.iter().map(|s| format!("\"{s}\"")).collect();
-        let mut t = format!("[[service]]\nname = \"{name}\"\nvip = \"{vip}\"\nservers = [{}]\n", servers.join(", "));
+        let mut t = format!(
+            "[[service]]\nname = \"{name}\"\nvip = \"{vip}\"\nservers = [{}]\n",
+            servers.join(", ")
+        );
         if let Some(default) = default {
             t += &format!("default = \"{default}\"\n");
         }
         if let Some(policy) = policy {
-            t += &format!("policy = \"{}\"\n", match policy {
-                Policy::Failover => "failover",
-                Policy::Spread => "spread",
-            });
+            t += &format!(
+                "policy = \"{}\"\n",
+                match policy {
+                    Policy::Failover => "failover",
+                    Policy::Spread => "spread",
+                }
+            );
         }
         if let Some(hold_down) = hold_down {
             t += &format!("hold_down = \"{}\"\n", toml_duration(*hold_down));
@@ -915,7 +1063,10 @@ impl ServiceBuilder {
         t += "[service.health]\n";
         let interval = match check {
             Check::None => {
-                assert!(timeout.is_none(), "service {name}: a timeout needs a check that probes, not Check::None");
+                assert!(
+                    timeout.is_none(),
+                    "service {name}: a timeout needs a check that probes, not Check::None"
+                );
                 t += "check = \"none\"\n";
                 None
             }
@@ -929,8 +1080,13 @@ impl ServiceBuilder {
             }
         };
         if let Some(interval) = interval {
-            let timeout = timeout.unwrap_or_else(|| (interval * 3 / 4).max(Duration::from_millis(50)));
-            t += &format!("interval = \"{}\"\ntimeout = \"{}\"\n", toml_duration(interval), toml_duration(timeout));
+            let timeout =
+                timeout.unwrap_or_else(|| (interval * 3 / 4).max(Duration::from_millis(50)));
+            t += &format!(
+                "interval = \"{}\"\ntimeout = \"{}\"\n",
+                toml_duration(interval),
+                toml_duration(timeout)
+            );
         }
         if let Some(rise) = rise {
             t += &format!("rise = {rise}\n");
@@ -951,7 +1107,11 @@ impl fmt::Display for ServiceBuilder {
 /// `"5s"` or `"150ms"`: whole milliseconds only.
 fn toml_duration(d: Duration) -> String {
     assert_eq!(d.subsec_nanos() % 1_000_000, 0, "{d:?}: test configs use whole milliseconds");
-    if d.subsec_millis() == 0 { format!("{}s", d.as_secs()) } else { format!("{}ms", d.as_millis()) }
+    if d.subsec_millis() == 0 {
+        format!("{}s", d.as_secs())
+    } else {
+        format!("{}ms", d.as_millis())
+    }
 }
 
 /// Polls `check` every 20 ms until it holds or `timeout` passes.
@@ -1000,7 +1160,12 @@ pub fn in_new_netns<T: Send + 'static>(body: impl FnOnce() -> T + Send + 'static
     let (ns_tx, ns_rx) = std::sync::mpsc::channel();
     let result = thread::spawn(move || {
         // SAFETY: unshare(CLONE_NEWNET) affects only this thread.
-        assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0, "unshare(CLONE_NEWNET): {}", std::io::Error::last_os_error());
+        assert_eq!(
+            unsafe { libc::unshare(libc::CLONE_NEWNET) },
+            0,
+            "unshare(CLONE_NEWNET): {}",
+            std::io::Error::last_os_error()
+        );
         let ns = File::open("/proc/thread-self/ns/net").expect("opening /proc/thread-self/ns/net");
         let _ = ns_tx.send(NetnsGuard { ns });
         set_loopback_up();
@@ -1049,18 +1214,38 @@ impl Drop for NetnsGuard {
             }
         }
         described.dedup();
-        leaked("in_new_netns", &[format!("the test's network namespace net:[{}] still has tasks in it: {}", id.1, described.join(", "))]);
+        leaked(
+            "in_new_netns",
+            &[format!(
+                "the test's network namespace net:[{}] still has tasks in it: {}",
+                id.1,
+                described.join(", ")
+            )],
+        );
     }
 }
 
 /// Every task (pid, tid, name) whose network namespace is the nsfs inode `id`.
 fn tasks_in_netns(id: (u64, u64)) -> Vec<(i32, i32, String)> {
     let mut tasks = Vec::new();
-    for pid in std::fs::read_dir("/proc").into_iter().flatten().flatten().filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok()) {
-        for tid in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten().filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok()) {
+    for pid in std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+    {
+        for tid in std::fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        {
             // metadata() follows the `net:[inode]` link to the namespace's nsfs inode.
-            if std::fs::metadata(format!("/proc/{pid}/task/{tid}/ns/net")).is_ok_and(|m| (m.dev(), m.ino()) == id) {
-                let name = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).unwrap_or_default();
+            if std::fs::metadata(format!("/proc/{pid}/task/{tid}/ns/net"))
+                .is_ok_and(|m| (m.dev(), m.ino()) == id)
+            {
+                let name = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+                    .unwrap_or_default();
                 tasks.push((pid, tid, name.trim().to_owned()));
             }
         }
@@ -1079,7 +1264,12 @@ fn set_loopback_up() {
         }
         assert_eq!(libc::ioctl(fd, libc::SIOCGIFFLAGS, &mut ifr), 0);
         ifr.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
-        assert_eq!(libc::ioctl(fd, libc::SIOCSIFFLAGS, &mut ifr), 0, "bringing lo up: {}", std::io::Error::last_os_error());
+        assert_eq!(
+            libc::ioctl(fd, libc::SIOCSIFFLAGS, &mut ifr),
+            0,
+            "bringing lo up: {}",
+            std::io::Error::last_os_error()
+        );
         libc::close(fd);
     }
 }

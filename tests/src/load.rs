@@ -46,7 +46,13 @@ pub fn raise_nofile(want: u64) -> u64 {
     let most = libc::rlimit { rlim_cur: limit.rlim_max, rlim_max: limit.rlim_max };
     // SAFETY: as above.
     let rc = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &most) };
-    assert_eq!(rc, 0, "raising RLIMIT_NOFILE to its hard limit {}: {}", limit.rlim_max, std::io::Error::last_os_error());
+    assert_eq!(
+        rc,
+        0,
+        "raising RLIMIT_NOFILE to its hard limit {}: {}",
+        limit.rlim_max,
+        std::io::Error::last_os_error()
+    );
     limit.rlim_max
 }
 
@@ -63,7 +69,8 @@ impl LoadClient {
     /// Starts the client binary `bin` (`env!("CARGO_BIN_EXE_lb-test-client")`,
     /// overridden by `$LB_TEST_CLIENT`) inside `cgroup`.
     pub fn start(bin: &str, cgroup: &TestCgroup) -> Self {
-        let bin = std::env::var_os("LB_TEST_CLIENT").map_or_else(|| PathBuf::from(bin), PathBuf::from);
+        let bin =
+            std::env::var_os("LB_TEST_CLIENT").map_or_else(|| PathBuf::from(bin), PathBuf::from);
         let mut cmd = Command::new(&bin);
         cmd.stdin(Stdio::piped()).stdout(Stdio::piped());
         start_in_cgroup(&mut cmd, &cgroup.path);
@@ -92,12 +99,30 @@ impl LoadClient {
     /// the greeting and close, in a loop, until `stop_file` exists (at most
     /// `limit`), then once more each. Returns every attempt, read back from
     /// `out`.
-    pub fn chaos(&mut self, vips: &[SocketAddr], threads: usize, limit: Duration, stop_file: &Path, out: &Path) -> Vec<Attempt> {
+    pub fn chaos(
+        &mut self,
+        vips: &[SocketAddr],
+        threads: usize,
+        limit: Duration,
+        stop_file: &Path,
+        out: &Path,
+    ) -> Vec<Attempt> {
         let vips: Vec<String> = vips.iter().map(ToString::to_string).collect();
-        let answer = self.ask(&format!("chaos {} {threads} {} {} {}", vips.join(","), limit.as_millis(), stop_file.display(), out.display()));
+        let answer = self.ask(&format!(
+            "chaos {} {threads} {} {} {}",
+            vips.join(","),
+            limit.as_millis(),
+            stop_file.display(),
+            out.display()
+        ));
         assert!(answer.starts_with("chaos attempts="), "{answer}");
         let attempts = read_attempts(out);
-        assert_eq!(answer, format!("chaos attempts={}", attempts.len()), "the record in {} is incomplete", out.display());
+        assert_eq!(
+            answer,
+            format!("chaos attempts={}", attempts.len()),
+            "the record in {} is incomplete",
+            out.display()
+        );
         attempts
     }
 
@@ -106,7 +131,12 @@ impl LoadClient {
     pub fn hold(&mut self, vip: SocketAddr, count: usize, threads: usize) -> Held {
         let answer = self.ask(&format!("hold {vip} {count} {threads}"));
         let fields = fields(&answer, "held");
-        Held { ok: number(&fields, "ok"), failed: number(&fields, "failed"), names: counts(&fields, "names"), errors: counts(&fields, "errors") }
+        Held {
+            ok: number(&fields, "ok"),
+            failed: number(&fields, "failed"),
+            names: counts(&fields, "names"),
+            errors: counts(&fields, "errors"),
+        }
     }
 
     /// The held connections: (alive, dead by kind).
@@ -128,7 +158,10 @@ impl Drop for LoadClient {
     fn drop(&mut self) {
         let _ = self.child.kill();
         if let Err(e) = self.child.wait() {
-            leaked("LoadClient", &[format!("lb-test-client (pid {}) could not be reaped: {e}", self.child.id())]);
+            leaked(
+                "LoadClient",
+                &[format!("lb-test-client (pid {}) could not be reaped: {e}", self.child.id())],
+            );
         }
     }
 }
@@ -149,13 +182,22 @@ fn fields(answer: &str, word: &str) -> HashMap<String, String> {
 }
 
 fn number(fields: &HashMap<String, String>, key: &str) -> usize {
-    fields.get(key).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no number {key} in {fields:?}"))
+    fields
+        .get(key)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no number {key} in {fields:?}"))
 }
 
 fn counts(fields: &HashMap<String, String>, key: &str) -> HashMap<String, usize> {
     fields
         .get(key)
-        .map(|v| v.split(',').filter(|e| !e.is_empty()).filter_map(|e| e.rsplit_once(':')).map(|(k, c)| (k.to_owned(), c.parse().unwrap_or(0))).collect())
+        .map(|v| {
+            v.split(',')
+                .filter(|e| !e.is_empty())
+                .filter_map(|e| e.rsplit_once(':'))
+                .map(|(k, c)| (k.to_owned(), c.parse().unwrap_or(0)))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -192,11 +234,13 @@ pub enum Outcome {
 
 /// Reads the record the `chaos` client wrote.
 pub fn read_attempts(path: &Path) -> Vec<Attempt> {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let text =
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     text.lines()
         .map(|line| {
             let mut w = line.splitn(5, ' ');
-            let mut next = || w.next().unwrap_or_else(|| panic!("short line {line:?} in {}", path.display()));
+            let mut next =
+                || w.next().unwrap_or_else(|| panic!("short line {line:?} in {}", path.display()));
             let (vip, start, end, last, outcome) = (next(), next(), next(), next(), next());
             let outcome = match outcome {
                 "!refused" => Outcome::Refused,
@@ -205,7 +249,13 @@ pub fn read_attempts(path: &Path) -> Vec<Attempt> {
                 o if o.starts_with('!') => Outcome::Other(o[1..].to_owned()),
                 name => Outcome::Server(name.to_owned()),
             };
-            Attempt { vip: vip.parse().unwrap(), start: start.parse().unwrap(), end: end.parse().unwrap(), last: last == "1", outcome }
+            Attempt {
+                vip: vip.parse().unwrap(),
+                start: start.parse().unwrap(),
+                end: end.parse().unwrap(),
+                last: last == "1",
+                outcome,
+            }
         })
         .collect()
 }
@@ -247,25 +297,42 @@ pub struct HoldBackend {
 impl HoldBackend {
     /// Listens on `addr` (port 0: any free port).
     pub fn start(name: &str, addr: SocketAddr) -> Self {
-        let runtime =
-            tokio::runtime::Builder::new_multi_thread().worker_threads(1).thread_name(format!("hold-{name}")).enable_all().build().expect("a tokio runtime");
-        let listener = std::net::TcpListener::bind(addr).unwrap_or_else(|e| panic!("backend {name}: bind {addr}: {e}"));
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name(format!("hold-{name}"))
+            .enable_all()
+            .build()
+            .expect("a tokio runtime");
+        let listener = std::net::TcpListener::bind(addr)
+            .unwrap_or_else(|e| panic!("backend {name}: bind {addr}: {e}"));
         let addr = listener.local_addr().unwrap();
         // A deep accept queue: thousands of clients connect at once.
         // SAFETY: listen on a valid bound socket; only the backlog changes.
         unsafe { libc::listen(std::os::fd::AsRawFd::as_raw_fd(&listener), 4096) };
         listener.set_nonblocking(true).unwrap();
-        let (stats, health, pending) = (Arc::new(HoldStats::default()), Arc::new(AtomicU16::new(200)), Arc::new(AtomicUsize::new(0)));
+        let (stats, health, pending) = (
+            Arc::new(HoldStats::default()),
+            Arc::new(AtomicU16::new(200)),
+            Arc::new(AtomicUsize::new(0)),
+        );
         let (kill, mut killed) = tokio::sync::oneshot::channel::<()>();
         let (closed_tx, listener_closed) = std::sync::mpsc::channel();
         {
-            let (name, stats, health, pending) = (name.to_owned(), stats.clone(), health.clone(), pending.clone());
+            let (name, stats, health, pending) =
+                (name.to_owned(), stats.clone(), health.clone(), pending.clone());
             runtime.spawn(async move {
                 let serve = |stream: tokio::net::TcpStream| {
                     pending.fetch_add(1, Ordering::Relaxed);
-                    tokio::spawn(hold_connection(stream, name.clone(), stats.clone(), health.clone(), pending.clone()));
+                    tokio::spawn(hold_connection(
+                        stream,
+                        name.clone(),
+                        stats.clone(),
+                        health.clone(),
+                        pending.clone(),
+                    ));
                 };
-                let listener = tokio::net::TcpListener::from_std(listener).expect("registering the listener");
+                let listener =
+                    tokio::net::TcpListener::from_std(listener).expect("registering the listener");
                 loop {
                     tokio::select! {
                         accepted = listener.accept() => match accepted {
@@ -289,7 +356,16 @@ impl HoldBackend {
                 let _ = closed_tx.send(());
             });
         }
-        Self { name: name.to_owned(), addr, stats, health, pending, kill: Some(kill), listener_closed, runtime: Some(runtime) }
+        Self {
+            name: name.to_owned(),
+            addr,
+            stats,
+            health,
+            pending,
+            kill: Some(kill),
+            listener_closed,
+            runtime: Some(runtime),
+        }
     }
 
     /// Kills the server: closes the listener (connects are refused from
@@ -338,7 +414,13 @@ impl Drop for Pending {
     }
 }
 
-async fn hold_connection(stream: tokio::net::TcpStream, name: String, stats: Arc<HoldStats>, health: Arc<AtomicU16>, pending: Arc<AtomicUsize>) {
+async fn hold_connection(
+    stream: tokio::net::TcpStream,
+    name: String,
+    stats: Arc<HoldStats>,
+    health: Arc<AtomicU16>,
+    pending: Arc<AtomicUsize>,
+) {
     let pending = Pending(pending);
     let mut stream = tokio::io::BufReader::new(stream);
     let mut first = String::new();
@@ -348,7 +430,8 @@ async fn hold_connection(stream: tokio::net::TcpStream, name: String, stats: Arc
     }
     if first.starts_with("GET ") {
         let status = health.load(Ordering::Relaxed);
-        let answer = format!("HTTP/1.1 {status} Status\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        let answer =
+            format!("HTTP/1.1 {status} Status\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
         let _ = stream.get_mut().write_all(answer.as_bytes()).await;
         return;
     }
@@ -484,7 +567,8 @@ fn is_open(stream: &TcpStream) -> bool {
     let mut buf = [0u8; 1];
     let result = stream.peek(&mut buf);
     let _ = stream.set_nonblocking(false);
-    matches!(result, Err(ref e) if e.kind() == std::io::ErrorKind::WouldBlock) || matches!(result, Ok(n) if n > 0)
+    matches!(result, Err(ref e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        || matches!(result, Ok(n) if n > 0)
 }
 
 /// The pid of the running `lb run` of `daemon` (the one process whose
@@ -492,7 +576,12 @@ fn is_open(stream: &TcpStream) -> bool {
 pub fn daemon_pid(daemon: &Daemon) -> Option<i32> {
     let config = daemon.config.as_os_str().as_bytes().to_vec();
     let mut found = Vec::new();
-    for pid in std::fs::read_dir("/proc").into_iter().flatten().flatten().filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok()) {
+    for pid in std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+    {
         let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
             continue;
         };
@@ -520,8 +609,16 @@ impl ProcSample {
     pub fn of(pid: i32) -> Option<Self> {
         let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count();
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-        let field = |name: &str| -> Option<u64> { status.lines().find_map(|l| l.strip_prefix(name)?.split_whitespace().next()?.parse().ok()) };
-        Some(Self { fds, rss_kib: field("VmRSS:")?, threads: usize::try_from(field("Threads:")?).ok()? })
+        let field = |name: &str| -> Option<u64> {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name)?.split_whitespace().next()?.parse().ok())
+        };
+        Some(Self {
+            fds,
+            rss_kib: field("VmRSS:")?,
+            threads: usize::try_from(field("Threads:")?).ok()?,
+        })
     }
 }
 
@@ -545,15 +642,20 @@ pub fn files_under(dir: &Path) -> Vec<PathBuf> {
 
 /// `GET /metrics` from the daemon's metrics endpoint: the body, or why not.
 pub fn scrape(metrics: SocketAddr) -> Result<String, String> {
-    let mut stream = TcpStream::connect_timeout(&metrics, Duration::from_secs(2)).map_err(|e| format!("connect: {e}"))?;
+    let mut stream = TcpStream::connect_timeout(&metrics, Duration::from_secs(2))
+        .map_err(|e| format!("connect: {e}"))?;
     stream.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
-    write!(stream, "GET /metrics HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n").map_err(|e| format!("send: {e}"))?;
+    write!(stream, "GET /metrics HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n")
+        .map_err(|e| format!("send: {e}"))?;
     let mut response = String::new();
     stream.read_to_string(&mut response).map_err(|e| format!("read: {e}"))?;
     if !response.starts_with("HTTP/1.1 200") {
         return Err(format!("answer: {:?}", response.lines().next().unwrap_or("")));
     }
-    response.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).ok_or_else(|| "no body".to_owned())
+    response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .ok_or_else(|| "no body".to_owned())
 }
 
 /// The value of the sample `series` (`name{labels}`) in a scrape.
@@ -565,12 +667,19 @@ pub fn sample(text: &str, series: &str) -> Option<f64> {
 /// is returned, not a panic, so a test can say how long it waited.
 pub fn timed_status(daemon: &Daemon) -> (Duration, Result<serde_json::Value, String>) {
     let started = Instant::now();
-    let result = daemon.try_lb(&["status", "--json"]).and_then(|out| serde_json::from_str(&out).map_err(|e| format!("{e}: {out}")));
+    let result = daemon
+        .try_lb(&["status", "--json"])
+        .and_then(|out| serde_json::from_str(&out).map_err(|e| format!("{e}: {out}")));
     (started.elapsed(), result)
 }
 
 /// A server's field in a status: `status.services[name=service].servers[address=server][field]`.
-pub fn server_field(status: &serde_json::Value, service: &str, server: SocketAddr, field: &str) -> serde_json::Value {
+pub fn server_field(
+    status: &serde_json::Value,
+    service: &str,
+    server: SocketAddr,
+    field: &str,
+) -> serde_json::Value {
     status["services"]
         .as_array()
         .and_then(|services| services.iter().find(|s| s["name"] == service))

@@ -7,7 +7,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use lb_tests::{Backend, Check, Client, Connect, Daemon, ServiceBuilder, TestCgroup, addr, monotonic_ns, privileged, wait_until};
+use lb_tests::{
+    Backend, Check, Client, Connect, Daemon, ServiceBuilder, TestCgroup, addr, monotonic_ns,
+    privileged, wait_until,
+};
 
 fn client(cgroup: &TestCgroup) -> Client {
     Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(cgroup))
@@ -46,9 +49,22 @@ fn wait_state(daemon: &Daemon, server: SocketAddr, state: &str) {
 /// (active, the other). Which one wins depends on whose first check
 /// answers first.
 #[track_caller]
-fn wait_active_pair<'a>(daemon: &Daemon, x: &'a Backend, y: &'a Backend) -> (&'a Backend, &'a Backend) {
-    let checked = |b: &Backend| matches!(server_field(daemon, b.addr, "state").as_str(), Some("active" | "preferred" | "healthy"));
-    assert!(wait_until(Duration::from_secs(10), || checked(x) && checked(y)), "servers were not checked:\n{}", daemon.log());
+fn wait_active_pair<'a>(
+    daemon: &Daemon,
+    x: &'a Backend,
+    y: &'a Backend,
+) -> (&'a Backend, &'a Backend) {
+    let checked = |b: &Backend| {
+        matches!(
+            server_field(daemon, b.addr, "state").as_str(),
+            Some("active" | "preferred" | "healthy")
+        )
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), || checked(x) && checked(y)),
+        "servers were not checked:\n{}",
+        daemon.log()
+    );
     if server_field(daemon, x.addr, "state") == "active" { (x, y) } else { (y, x) }
 }
 
@@ -89,7 +105,12 @@ fn k3s_rework_sequence() {
     let s2 = Backend::start("s2", addr(20, 3, 0));
     let s3 = Backend::start("s3", addr(20, 4, 0));
     let vip = addr(20, 100, 6444);
-    let config = ServiceBuilder::new("api", vip).servers(&[]).default(default.addr).hold_down(HOLD_DOWN).check(readyz(200)).toml();
+    let config = ServiceBuilder::new("api", vip)
+        .servers(&[])
+        .default(default.addr)
+        .hold_down(HOLD_DOWN)
+        .check(readyz(200))
+        .toml();
     let daemon = Daemon::start("k3sseq", &cgroup, &config);
     if !daemon.has_feature("sock_destroy") {
         return;
@@ -118,7 +139,14 @@ fn k3s_rework_sequence() {
     wait_dead(&mut inside, on_default.id(), "the default's connection after the new server passed");
 
     // The default is added as a real server: traffic stays on s2.
-    daemon.lb(&["servers", "api", &s2.addr.to_string(), &default.addr.to_string(), "--default", &default.addr.to_string()]);
+    daemon.lb(&[
+        "servers",
+        "api",
+        &s2.addr.to_string(),
+        &default.addr.to_string(),
+        "--default",
+        &default.addr.to_string(),
+    ]);
     wait_state(&daemon, default.addr, "preferred");
     assert_eq!(landed(&inside.connect(vip)), "s2");
     assert!(inside.alive(on_s2.id()));
@@ -126,13 +154,23 @@ fn k3s_rework_sequence() {
     // The default is removed from the list: it stays as the last resort.
     daemon.lb(&["servers", "api", &s2.addr.to_string(), "--default", &default.addr.to_string()]);
     wait_state(&daemon, default.addr, "standby");
-    assert_eq!(daemon.status()["services"][0]["selected"], serde_json::json!([s2.addr.to_string(), default.addr.to_string()]));
+    assert_eq!(
+        daemon.status()["services"][0]["selected"],
+        serde_json::json!([s2.addr.to_string(), default.addr.to_string()])
+    );
 
     // Set-default to another server.
     daemon.lb(&["servers", "api", &s2.addr.to_string(), "--default", &s3.addr.to_string()]);
     wait_state(&daemon, s3.addr, "standby");
-    assert_eq!(server_field(&daemon, default.addr, "state"), serde_json::Value::Null, "the old default is gone");
-    assert_eq!(daemon.status()["services"][0]["selected"], serde_json::json!([s2.addr.to_string(), s3.addr.to_string()]));
+    assert_eq!(
+        server_field(&daemon, default.addr, "state"),
+        serde_json::Value::Null,
+        "the old default is gone"
+    );
+    assert_eq!(
+        daemon.status()["services"][0]["selected"],
+        serde_json::json!([s2.addr.to_string(), s3.addr.to_string()])
+    );
     assert!(inside.alive(on_s2.id()), "the active server's connections were never touched");
 }
 
@@ -148,7 +186,11 @@ fn k3s_10240_all_checks_failing_still_connects() {
     s1.set_health(500);
     s2.set_health(503);
     let vip = addr(21, 100, 6444);
-    let config = ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).check(readyz(200)).toml();
+    let config = ServiceBuilder::new("api", vip)
+        .servers(&[s1.addr, s2.addr])
+        .hold_down(HOLD_DOWN)
+        .check(readyz(200))
+        .toml();
     let daemon = Daemon::start("k10240", &cgroup, &config);
     wait_state(&daemon, s1.addr, "failed");
     wait_state(&daemon, s2.addr, "failed");
@@ -171,14 +213,22 @@ fn k3s_9882_removed_server_loses_everything() {
     let s1 = Backend::start("s1", addr(22, 1, 0));
     let s2 = Backend::start("s2", addr(22, 2, 0));
     let vip = addr(22, 100, 6444);
-    let config = ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).check(readyz(200)).toml();
+    let config = ServiceBuilder::new("api", vip)
+        .servers(&[s1.addr, s2.addr])
+        .hold_down(HOLD_DOWN)
+        .check(readyz(200))
+        .toml();
     let daemon = Daemon::start("k9882", &cgroup, &config);
     if !daemon.has_feature("sock_destroy") {
         return;
     }
     let (s1, s2) = wait_active_pair(&daemon, &s1, &s2);
     let mut inside = client(&cgroup);
-    let ids: Vec<u32> = (0..3).map(|_| inside.connect(vip)).inspect(|a| assert_eq!(landed(a), s1.name)).map(|a| a.id()).collect();
+    let ids: Vec<u32> = (0..3)
+        .map(|_| inside.connect(vip))
+        .inspect(|a| assert_eq!(landed(a), s1.name))
+        .map(|a| a.id())
+        .collect();
 
     let removed_at = Instant::now();
     daemon.lb(&["servers", "api", &s2.addr.to_string()]);
@@ -205,7 +255,11 @@ fn k3s_9910_readyz_failure_moves_traffic_and_connections() {
     let s1 = Backend::start("s1", addr(23, 1, 0));
     let s2 = Backend::start("s2", addr(23, 2, 0));
     let vip = addr(23, 100, 6444);
-    let config = ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).check(readyz(200)).toml();
+    let config = ServiceBuilder::new("api", vip)
+        .servers(&[s1.addr, s2.addr])
+        .hold_down(HOLD_DOWN)
+        .check(readyz(200))
+        .toml();
     let daemon = Daemon::start("k9910", &cgroup, &config);
     if !daemon.has_feature("sock_destroy") {
         return;
@@ -218,7 +272,10 @@ fn k3s_9910_readyz_failure_moves_traffic_and_connections() {
     let failed_at = Instant::now();
     s1.set_health(500);
     wait_dead(&mut inside, on_s1.id(), "the unready server's connection");
-    eprintln!("from /readyz turning 500 to its connections closed: {:?} (health interval 200 ms)", failed_at.elapsed());
+    eprintln!(
+        "from /readyz turning 500 to its connections closed: {:?} (health interval 200 ms)",
+        failed_at.elapsed()
+    );
     assert_eq!(landed(&inside.connect(vip)), s2.name);
     wait_state(&daemon, s2.addr, "active");
     // It still accepts TCP: only the readiness check tells.
@@ -236,10 +293,15 @@ fn passive_detection_moves_traffic_without_waiting_for_a_check() {
     let s1 = Backend::start("s1", addr(24, 1, 0));
     let s2 = Backend::start("s2", addr(24, 2, 0));
     let vip = addr(24, 100, 6444);
-    let config = ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).check(readyz(60_000)).toml();
+    let config = ServiceBuilder::new("api", vip)
+        .servers(&[s1.addr, s2.addr])
+        .hold_down(HOLD_DOWN)
+        .check(readyz(60_000))
+        .toml();
     let daemon = Daemon::start("passive", &cgroup, &config);
     let (active, other) = wait_active_pair(&daemon, &s1, &s2);
-    let (active_name, other_name, other_addr) = (active.name.clone(), other.name.clone(), other.addr);
+    let (active_name, other_name, other_addr) =
+        (active.name.clone(), other.name.clone(), other.addr);
     let (s1, _s2) = if active.name == "s1" { (s1, s2) } else { (s2, s1) };
     let mut inside = client(&cgroup);
     assert_eq!(landed(&inside.connect(vip)), active_name);
@@ -257,12 +319,18 @@ fn passive_detection_moves_traffic_without_waiting_for_a_check() {
         assert!(attempts < 3, "no successful connect after the active server died");
     };
     let elapsed = killed_at.elapsed();
-    eprintln!("from killing the active server to the first successful connect through the VIP: {elapsed:?} ({attempts} attempts)");
+    eprintln!(
+        "from killing the active server to the first successful connect through the VIP: {elapsed:?} ({attempts} attempts)"
+    );
     assert_eq!(first_ok, other_name);
     wait_state(&daemon, s1_addr, "failed");
     wait_state(&daemon, other_addr, "active");
     // The check that confirmed it ran at once, asked for by the kernel's report.
-    assert!(daemon.log().contains("a check confirmed the kernel's report of a failed connect"), "{}", daemon.log());
+    assert!(
+        daemon.log().contains("a check confirmed the kernel's report of a failed connect"),
+        "{}",
+        daemon.log()
+    );
 }
 
 /// k3s 11311: after an outage of every real server, the recovery of one
@@ -277,7 +345,12 @@ fn k3s_11311_fail_back_off_the_default() {
     let s1 = Backend::start("s1", addr(25, 2, 0));
     let s2 = Backend::start("s2", addr(25, 3, 0));
     let vip = addr(25, 100, 6444);
-    let config = ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).default(default.addr).hold_down(HOLD_DOWN).check(readyz(200)).toml();
+    let config = ServiceBuilder::new("api", vip)
+        .servers(&[s1.addr, s2.addr])
+        .default(default.addr)
+        .hold_down(HOLD_DOWN)
+        .check(readyz(200))
+        .toml();
     let daemon = Daemon::start("k11311", &cgroup, &config);
     if !daemon.has_feature("sock_destroy") {
         return;
@@ -310,7 +383,11 @@ fn k3s_11349_recovers_round_after_round() {
     let mut s2 = Some(Backend::start("s2", addr(26, 2, 0)));
     let (a1, a2) = (s1.as_ref().unwrap().addr, s2.as_ref().unwrap().addr);
     let vip = addr(26, 100, 6444);
-    let config = ServiceBuilder::new("api", vip).servers(&[a1, a2]).hold_down(HOLD_DOWN).check(readyz(200)).toml();
+    let config = ServiceBuilder::new("api", vip)
+        .servers(&[a1, a2])
+        .hold_down(HOLD_DOWN)
+        .check(readyz(200))
+        .toml();
     let daemon = Daemon::start("k11349", &cgroup, &config);
     let mut inside = client(&cgroup);
     for round in 0..3 {
@@ -333,7 +410,10 @@ fn k3s_11349_recovers_round_after_round() {
     wait_state(&daemon, a2, "failed");
     let _s2 = Backend::start("s2", a2);
     let _s1 = Backend::start("s1", a1);
-    assert!(wait_until(Duration::from_secs(10), || matches!(inside.connect(vip), Connect::Ok { .. })), "no recovery after a total outage");
+    assert!(
+        wait_until(Duration::from_secs(10), || matches!(inside.connect(vip), Connect::Ok { .. })),
+        "no recovery after a total outage"
+    );
 }
 
 /// k3s 10317 / 10506: 200 concurrent clients connect in a loop while the
@@ -346,17 +426,24 @@ fn k3s_10317_no_races_under_concurrent_connects_and_list_changes() {
         return;
     }
     let cgroup = TestCgroup::new("k10317");
-    let backends: Vec<Backend> = (1..=4).map(|i| Backend::start(&format!("s{i}"), addr(27, i, 0))).collect();
+    let backends: Vec<Backend> =
+        (1..=4).map(|i| Backend::start(&format!("s{i}"), addr(27, i, 0))).collect();
     let vip = addr(27, 100, 6444);
     let all: Vec<SocketAddr> = backends.iter().map(|b| b.addr).collect();
-    let config = ServiceBuilder::new("api", vip).servers(&all[..2]).hold_down(HOLD_DOWN).check(readyz(100)).toml();
+    let config = ServiceBuilder::new("api", vip)
+        .servers(&all[..2])
+        .hold_down(HOLD_DOWN)
+        .check(readyz(100))
+        .toml();
     let mut daemon = Daemon::start("k10317", &cgroup, &config);
     let mut storm_client = client(&cgroup);
 
     let stop_file = daemon.dir.join("stop-storm");
     let storm = {
         let stop_file = stop_file.clone();
-        std::thread::spawn(move || storm_client.storm(vip, 200, Duration::from_secs(60), &stop_file))
+        std::thread::spawn(move || {
+            storm_client.storm(vip, 200, Duration::from_secs(60), &stop_file)
+        })
     };
     // While it runs: replace the list, flap checks. Remember when each
     // server last left the list (CLOCK_MONOTONIC, after the change was
@@ -390,15 +477,25 @@ fn k3s_10317_no_races_under_concurrent_connects_and_list_changes() {
     std::fs::write(&stop_file, "").unwrap();
     let summary = storm.join().expect("the storm client panicked");
     eprintln!("{summary}");
-    assert!(summary.contains("last_ok=200"), "every client must end with a working connection: {summary}");
+    assert!(
+        summary.contains("last_ok=200"),
+        "every client must end with a working connection: {summary}"
+    );
     // A connect that *started* after a server left the list never lands there.
     let latest = summary.split("latest=").nth(1).unwrap_or("");
     for entry in latest.split(',').filter(|e| !e.is_empty()) {
         let (name, started) = entry.split_once(':').unwrap();
         let started: u64 = started.parse().unwrap();
-        let i = backends.iter().position(|b| b.name == name).unwrap_or_else(|| panic!("a connection reached {name:?}, not a backend"));
+        let i = backends
+            .iter()
+            .position(|b| b.name == name)
+            .unwrap_or_else(|| panic!("a connection reached {name:?}, not a backend"));
         if let Some(removed) = removed_at[i] {
-            assert!(started < removed, "{name}: a connect started {} ms after it left the list landed there", (started - removed) / 1_000_000);
+            assert!(
+                started < removed,
+                "{name}: a connect started {} ms after it left the list landed there",
+                (started - removed) / 1_000_000
+            );
         }
     }
     // The daemon is still alive and answering.
@@ -417,7 +514,11 @@ fn restart_restores_the_runtime_server_list() {
     let s1 = Backend::start("s1", addr(28, 1, 0));
     let s2 = Backend::start("s2", addr(28, 2, 0));
     let vip = addr(28, 100, 6444);
-    let config = ServiceBuilder::new("api", vip).servers(&[s1.addr]).hold_down(HOLD_DOWN).check(readyz(200)).toml();
+    let config = ServiceBuilder::new("api", vip)
+        .servers(&[s1.addr])
+        .hold_down(HOLD_DOWN)
+        .check(readyz(200))
+        .toml();
     let mut daemon = Daemon::start("statefile", &cgroup, &config);
     daemon.lb(&["servers", "api", &s2.addr.to_string()]);
     wait_state(&daemon, s2.addr, "active");
@@ -447,7 +548,11 @@ fn restart_during_an_outage_sends_no_connect_to_the_dead_server() {
     let hung_addr = hung.addr;
     let good = Backend::start("good", addr(34, 2, 0));
     let vip = addr(34, 100, 6444);
-    let config = ServiceBuilder::new("api", vip).servers(&[hung_addr, good.addr]).hold_down(HOLD_DOWN).check(Check::None).toml();
+    let config = ServiceBuilder::new("api", vip)
+        .servers(&[hung_addr, good.addr])
+        .hold_down(HOLD_DOWN)
+        .check(Check::None)
+        .toml();
     let mut daemon = Daemon::start("adopt", &cgroup, &config);
     let mut inside = client(&cgroup);
     // The first connect meets the full queue; its SYN timeout is the report.
@@ -455,12 +560,20 @@ fn restart_during_an_outage_sends_no_connect_to_the_dead_server() {
     wait_state(&daemon, hung_addr, "failed");
     assert_eq!(landed(&inside.connect(vip)), "good");
     std::thread::sleep(HOLD_DOWN * 2);
-    assert_eq!(server_field(&daemon, hung_addr, "recently_failed"), false, "the kernel's mark must have expired");
+    assert_eq!(
+        server_field(&daemon, hung_addr, "recently_failed"),
+        false,
+        "the kernel's mark must have expired"
+    );
     daemon.kill();
     daemon.restart();
     for n in 0..20 {
         let answer = inside.connect(vip);
-        assert!(matches!(&answer, Connect::Ok { greeting, .. } if greeting == "good"), "connect {n} after the restart: {answer:?}\n{}", daemon.log());
+        assert!(
+            matches!(&answer, Connect::Ok { greeting, .. } if greeting == "good"),
+            "connect {n} after the restart: {answer:?}\n{}",
+            daemon.log()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_eq!(server_field(&daemon, hung_addr, "state"), "failed", "{}", daemon.log());
@@ -481,14 +594,23 @@ fn passive_detection_of_a_server_that_accepts_nothing() {
     let hung = full_listener(addr(29, 1, 0));
     let hung_addr = hung.addr;
     let vip = addr(29, 100, 6444);
-    let config = ServiceBuilder::new("api", vip).servers(&[hung_addr, good.addr]).hold_down(Duration::from_secs(60)).check(Check::None).toml();
+    let config = ServiceBuilder::new("api", vip)
+        .servers(&[hung_addr, good.addr])
+        .hold_down(Duration::from_secs(60))
+        .check(Check::None)
+        .toml();
     let daemon = Daemon::start("hung", &cgroup, &config);
     let mut inside = client(&cgroup);
     // This connect meets the full queue: its SYN is dropped, retransmitted
     // after ~1 s (the report), and the client gives up after 5 s.
     let first = inside.connect(vip);
     assert!(matches!(&first, Connect::Err(_)), "{first:?}");
-    assert!(wait_until(Duration::from_secs(10), || server_field(&daemon, hung_addr, "state") == "failed"), "{}", daemon.log());
+    assert!(
+        wait_until(Duration::from_secs(10), || server_field(&daemon, hung_addr, "state")
+            == "failed"),
+        "{}",
+        daemon.log()
+    );
     assert!(daemon.log().contains("connects through the VIP timed out"), "{}", daemon.log());
     assert_eq!(landed(&inside.connect(vip)), "good");
     drop(hung);
@@ -509,7 +631,10 @@ fn full_listener(at: SocketAddr) -> FullListener {
     assert_eq!(unsafe { libc::listen(std::os::fd::AsRawFd::as_raw_fd(&listener), 0) }, 0);
     let addr = listener.local_addr().unwrap();
     // Fill the queue directly (not through a VIP).
-    let queued: Vec<std::net::TcpStream> =
-        (0..2).filter_map(|_| std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300)).ok()).collect();
+    let queued: Vec<std::net::TcpStream> = (0..2)
+        .filter_map(|_| {
+            std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300)).ok()
+        })
+        .collect();
     FullListener { addr, _listener: listener, _queued: queued }
 }

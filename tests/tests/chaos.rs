@@ -23,7 +23,10 @@ use std::{
 
 use lb_tests::{
     Check, Daemon, Policy, ServiceBuilder, TestCgroup, addr,
-    load::{Attempt, HoldBackend, LoadClient, Outcome, ProcSample, daemon_pid, files_under, log_len, log_since, panics},
+    load::{
+        Attempt, HoldBackend, LoadClient, Outcome, ProcSample, daemon_pid, files_under, log_len,
+        log_since, panics,
+    },
     monotonic_ns, privileged, wait_until,
 };
 
@@ -116,13 +119,21 @@ const FALL: u32 = 3;
 /// service appears.
 fn config(variant: usize, addrs: &[SocketAddr], vips: &[SocketAddr; 3]) -> String {
     let pick = |list: &[usize]| list.iter().map(|i| addrs[*i]).collect::<Vec<_>>();
-    let spread = ServiceBuilder::new("spread", vips[0]).servers(&pick(&SPREAD)).policy(Policy::Spread).fall(FALL);
-    let failover = ServiceBuilder::new("failover", vips[1]).hold_down(Duration::from_secs(5)).fall(FALL);
+    let spread = ServiceBuilder::new("spread", vips[0])
+        .servers(&pick(&SPREAD))
+        .policy(Policy::Spread)
+        .fall(FALL);
+    let failover =
+        ServiceBuilder::new("failover", vips[1]).hold_down(Duration::from_secs(5)).fall(FALL);
     if variant == 0 {
-        spread.hold_down(Duration::from_secs(5)).check(http(300)).toml() + &failover.servers(&pick(&FAILOVER)).check(http(300)).toml()
+        spread.hold_down(Duration::from_secs(5)).check(http(300)).toml()
+            + &failover.servers(&pick(&FAILOVER)).check(http(300)).toml()
     } else {
         spread.hold_down(Duration::from_secs(4)).check(http(400)).toml()
-            + &failover.servers(&pick(&FAILOVER[..3])).check(Check::Tcp { interval: Duration::from_millis(300) }).toml()
+            + &failover
+                .servers(&pick(&FAILOVER[..3]))
+                .check(Check::Tcp { interval: Duration::from_millis(300) })
+                .toml()
             + &ServiceBuilder::new("extra", vips[2]).servers(&[addrs[0]]).toml()
     }
 }
@@ -198,13 +209,21 @@ impl Servers {
     fn act(&mut self, action: ServerAction, log: &mut Log, daemon_down: bool) {
         match action {
             ServerAction::Kill(i) => {
-                let backend = self.backends[i].take().unwrap_or_else(|| panic!("{} is already down", NAMES[i]));
+                let backend = self.backends[i]
+                    .take()
+                    .unwrap_or_else(|| panic!("{} is already down", NAMES[i]));
                 let began = monotonic_ns();
                 let (_, closed) = backend.kill();
                 log.kills.push(Kill { server: i, began, closed, restored: u64::MAX, daemon_down });
-                log.events.push((began, format!("kill {}{}", NAMES[i], if daemon_down { " (daemon dead)" } else { "" })));
+                log.events.push((
+                    began,
+                    format!("kill {}{}", NAMES[i], if daemon_down { " (daemon dead)" } else { "" }),
+                ));
                 let up = |list: &[usize]| list.iter().any(|j| self.backends[*j].is_some());
-                assert!(up(&SPREAD) && up(&FAILOVER[..3]), "the plan must never kill every server of a VIP");
+                assert!(
+                    up(&SPREAD) && up(&FAILOVER[..3]),
+                    "the plan must never kill every server of a VIP"
+                );
             }
             ServerAction::Restore(i) => {
                 assert!(self.backends[i].is_none(), "{} is not down", NAMES[i]);
@@ -239,11 +258,11 @@ fn chaos_restarts_reloads_and_server_kills_under_200_connecting_threads() {
     assert!(
         wait_until(Duration::from_secs(10), || {
             let status = daemon.status();
-            status["services"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .all(|s| s["servers"].as_array().unwrap().iter().all(|s| matches!(s["state"].as_str(), Some("active" | "preferred" | "healthy"))))
+            status["services"].as_array().unwrap().iter().all(|s| {
+                s["servers"].as_array().unwrap().iter().all(|s| {
+                    matches!(s["state"].as_str(), Some("active" | "preferred" | "healthy"))
+                })
+            })
         }),
         "servers were not all checked:\n{}",
         daemon.log()
@@ -255,7 +274,15 @@ fn chaos_restarts_reloads_and_server_kills_under_200_connecting_threads() {
     let client_pid = client.pid();
     let chaos = {
         let (record, stop_file) = (record.clone(), stop_file.clone());
-        std::thread::spawn(move || client.chaos(&vips[..2], THREADS, CHAOS_FOR + Duration::from_secs(20), &stop_file, &record))
+        std::thread::spawn(move || {
+            client.chaos(
+                &vips[..2],
+                THREADS,
+                CHAOS_FOR + Duration::from_secs(20),
+                &stop_file,
+                &record,
+            )
+        })
     };
 
     let mut log = Log::default();
@@ -315,7 +342,8 @@ fn chaos_restarts_reloads_and_server_kills_under_200_connecting_threads() {
                     let from = log_len(&daemon);
                     daemon.signal(libc::SIGHUP);
                     assert!(
-                        wait_until(Duration::from_secs(10), || log_since(&daemon, from).contains("config reloaded")),
+                        wait_until(Duration::from_secs(10), || log_since(&daemon, from)
+                            .contains("config reloaded")),
                         "SIGHUP did not reload:\n{}",
                         log_since(&daemon, from)
                     );
@@ -368,25 +396,48 @@ fn chaos_restarts_reloads_and_server_kills_under_200_connecting_threads() {
     assert!(errors.is_empty(), "the daemons logged errors: {errors:#?}");
     let starts: Vec<&str> = text.lines().filter(|l| l.contains("lb is running")).collect();
     assert_eq!(starts.len(), log.restarts.len() + 1, "{starts:#?}");
-    assert!(starts[1..].iter().all(|l| l.contains("adopted=true")), "every restarted daemon must adopt the pins: {starts:#?}");
+    assert!(
+        starts[1..].iter().all(|l| l.contains("adopted=true")),
+        "every restarted daemon must adopt the pins: {starts:#?}"
+    );
     assert!(!text.contains("reload failed"), "a reload failed:\n{text}");
     assert!(text.matches("config reloaded").count() >= log.reloads);
     // The daemons failed only servers that were down (see `unexplained_failures`).
     let unexplained = unexplained_failures(&text, &log, &addrs);
-    assert!(unexplained.is_empty(), "the daemons failed servers more often than their outages explain: {unexplained:#?}");
+    assert!(
+        unexplained.is_empty(),
+        "the daemons failed servers more often than their outages explain: {unexplained:#?}"
+    );
 
     // No leak across restarts: the daemons of the chaos, each at the same
     // age, hold about the same descriptors and memory.
     let (first, last) = (log.samples[0], *log.samples.last().unwrap());
     let most_fds = log.samples.iter().map(|s| s.fds).max().unwrap();
-    assert!(last.fds <= first.fds + 16 && most_fds <= first.fds + 32, "daemon fds grew across restarts: {:?}", log.samples);
-    assert!(last.rss_kib <= first.rss_kib * 3 / 2 + 8 * 1024, "daemon memory grew across restarts: {:?}", log.samples);
-    assert!(final_sample.fds <= first.fds + 32, "the last daemon holds more fds than the first: {final_sample:?} vs {first:?}");
+    assert!(
+        last.fds <= first.fds + 16 && most_fds <= first.fds + 32,
+        "daemon fds grew across restarts: {:?}",
+        log.samples
+    );
+    assert!(
+        last.rss_kib <= first.rss_kib * 3 / 2 + 8 * 1024,
+        "daemon memory grew across restarts: {:?}",
+        log.samples
+    );
+    assert!(
+        final_sample.fds <= first.fds + 32,
+        "the last daemon holds more fds than the first: {final_sample:?} vs {first:?}"
+    );
 
     // The client is gone and the test cgroup is empty; the guard's detach
     // then removes every pin (it fails the test if one is left).
     std::fs::remove_file(&record).ok();
-    assert!(wait_until(Duration::from_secs(5), || !std::path::Path::new(&format!("/proc/{client_pid}")).exists()), "the client outlived its guard");
+    assert!(
+        wait_until(Duration::from_secs(5), || !std::path::Path::new(&format!(
+            "/proc/{client_pid}"
+        ))
+        .exists()),
+        "the client outlived its guard"
+    );
     let procs = std::fs::read_to_string(cgroup.path.join("cgroup.procs")).unwrap();
     assert!(procs.trim().is_empty(), "processes left in the test cgroup: {procs}");
     let bpffs: PathBuf = daemon.bpffs.clone();
@@ -396,10 +447,18 @@ fn chaos_restarts_reloads_and_server_kills_under_200_connecting_threads() {
 
     // Last, so that everything above is checked on every run: the
     // connects, judged (see `judge`).
-    assert!(report.violations.is_empty(), "{} connects broke the rules:\n{}", report.violations.len(), report.violations.join("\n"));
+    assert!(
+        report.violations.is_empty(),
+        "{} connects broke the rules:\n{}",
+        report.violations.len(),
+        report.violations.join("\n")
+    );
     let finals: Vec<&Attempt> = attempts.iter().filter(|a| a.last).collect();
     assert_eq!(finals.len(), THREADS);
-    assert!(finals.iter().all(|a| matches!(a.outcome, Outcome::Server(_))), "every thread must end with a working connection");
+    assert!(
+        finals.iter().all(|a| matches!(a.outcome, Outcome::Server(_))),
+        "every thread must end with a working connection"
+    );
     // Kills moved traffic on both VIPs; the datapath served while the
     // daemon was dead (fail-static).
     for (vip, landed) in report.landed.iter().enumerate() {
@@ -470,20 +529,37 @@ fn judge(attempts: &[Attempt], log: &Log) -> Report {
         match &a.outcome {
             Outcome::Server(name) => {
                 let Some(i) = NAMES.iter().position(|n| n == name) else {
-                    violations.push(format!("a connect through VIP {} reached {name:?}, not a server", a.vip));
+                    violations.push(format!(
+                        "a connect through VIP {} reached {name:?}, not a server",
+                        a.vip
+                    ));
                     continue;
                 };
                 *landed[a.vip].entry(name.clone()).or_default() += 1;
-                if log.restarts.iter().any(|(killed, restarted)| a.start >= *killed && a.end <= *restarted) {
+                if log
+                    .restarts
+                    .iter()
+                    .any(|(killed, restarted)| a.start >= *killed && a.end <= *restarted)
+                {
                     while_dead += 1;
                 }
                 if !list_of(a.vip).contains(&i) {
-                    violations.push(format!("a connect through VIP {} reached {name}, which is not in its list", a.vip));
+                    violations.push(format!(
+                        "a connect through VIP {} reached {name}, which is not in its list",
+                        a.vip
+                    ));
                 }
-                if a.vip == 1 && i == S2 && log.s2_out.iter().any(|(from, to)| a.start >= *from && a.end <= *to) {
+                if a.vip == 1
+                    && i == S2
+                    && log.s2_out.iter().any(|(from, to)| a.start >= *from && a.end <= *to)
+                {
                     violations.push(format!("a connect through the failover VIP reached s2 while s2 was out of its list ({})", context(log, a)));
                 }
-                if let Some(k) = log.kills.iter().find(|k| k.server == i && a.start >= k.closed && a.end <= k.restored) {
+                if let Some(k) = log
+                    .kills
+                    .iter()
+                    .find(|k| k.server == i && a.start >= k.closed && a.end <= k.restored)
+                {
                     violations.push(format!(
                         "a connect reached {name} while it was down: began {:.1} ms after its listener closed ({})",
                         ms(a.start, k.closed),
@@ -491,11 +567,20 @@ fn judge(attempts: &[Attempt], log: &Log) -> Report {
                     ));
                 }
             }
-            Outcome::Other(what) => violations.push(format!("a connect through VIP {} failed: {what} ({})", a.vip, context(log, a))),
+            Outcome::Other(what) => violations.push(format!(
+                "a connect through VIP {} failed: {what} ({})",
+                a.vip,
+                context(log, a)
+            )),
             Outcome::Refused | Outcome::Reset | Outcome::Aborted => {
                 let candidates = candidates(a);
                 let Some(&latest) = candidates.iter().max_by_key(|k| log.kills[**k].began) else {
-                    violations.push(format!("a connect through VIP {} failed ({:?}) and no kill explains it ({})", a.vip, a.outcome, context(log, a)));
+                    violations.push(format!(
+                        "a connect through VIP {} failed ({:?}) and no kill explains it ({})",
+                        a.vip,
+                        a.outcome,
+                        context(log, a)
+                    ));
                     continue;
                 };
                 assigned[latest].push(a);
@@ -506,14 +591,19 @@ fn judge(attempts: &[Attempt], log: &Log) -> Report {
         }
     }
     // When each kill's first refusal returned: the kernel skips the server from then on.
-    let first_refusal_end: Vec<Option<u64>> =
-        assigned.iter().map(|failed| failed.iter().filter(|a| a.outcome == Outcome::Refused).map(|a| a.end).min()).collect();
+    let first_refusal_end: Vec<Option<u64>> = assigned
+        .iter()
+        .map(|failed| failed.iter().filter(|a| a.outcome == Outcome::Refused).map(|a| a.end).min())
+        .collect();
     for (a, candidates) in &refused {
         if !candidates.iter().any(|k| first_refusal_end[*k].is_some_and(|first| a.start <= first)) {
             let down: Vec<String> = candidates
                 .iter()
                 .map(|k| {
-                    let since = first_refusal_end[*k].map_or_else(|| "no refusal".to_owned(), |first| format!("{:.1} ms", ms(a.start, first)));
+                    let since = first_refusal_end[*k].map_or_else(
+                        || "no refusal".to_owned(),
+                        |first| format!("{:.1} ms", ms(a.start, first)),
+                    );
                     format!("{} (its first refusal {since} earlier)", NAMES[log.kills[*k].server])
                 })
                 .collect();
@@ -527,22 +617,34 @@ fn judge(attempts: &[Attempt], log: &Log) -> Report {
         }
     }
     let most = max_failed_per_kill();
-    let mut summary = String::from("kill  server  daemon  refused  reset/aborted  first refusal after the listener closed\n");
+    let mut summary = String::from(
+        "kill  server  daemon  refused  reset/aborted  first refusal after the listener closed\n",
+    );
     for (k, (kill, failed)) in log.kills.iter().zip(&assigned).enumerate() {
         let refusals = failed.iter().filter(|a| a.outcome == Outcome::Refused).count();
         if failed.len() > most {
-            violations.push(format!("kill {k} ({}) failed {} connects (at most {most})", NAMES[kill.server], failed.len()));
+            violations.push(format!(
+                "kill {k} ({}) failed {} connects (at most {most})",
+                NAMES[kill.server],
+                failed.len()
+            ));
         }
         summary += &format!(
             "{k:>4}  {:>6}  {:>6}  {refusals:>7}  {:>13}  {}\n",
             NAMES[kill.server],
             if kill.daemon_down { "dead" } else { "up" },
             failed.len() - refusals,
-            first_refusal_end[k].map_or_else(|| "-".to_owned(), |end| format!("{:.1} ms", ms(end, kill.closed)))
+            first_refusal_end[k]
+                .map_or_else(|| "-".to_owned(), |end| format!("{:.1} ms", ms(end, kill.closed)))
         );
     }
     let seen: HashSet<&str> = landed.iter().flat_map(|m| m.keys().map(String::as_str)).collect();
-    summary += &format!("landed: spread {:?}, failover {:?}; servers seen {}; {while_dead} while the daemon was dead\n", landed[0], landed[1], seen.len());
+    summary += &format!(
+        "landed: spread {:?}, failover {:?}; servers seen {}; {while_dead} while the daemon was dead\n",
+        landed[0],
+        landed[1],
+        seen.len()
+    );
     Report { landed, while_dead, violations, summary }
 }
 
@@ -551,7 +653,14 @@ fn judge(attempts: &[Attempt], log: &Log) -> Report {
 fn context(log: &Log, a: &Attempt) -> String {
     let t0 = log.events.first().map_or(0, |e| e.0);
     let at = |ns: u64| (ns as f64 - t0 as f64) / 1e9;
-    let before: Vec<String> = log.events.iter().filter(|e| e.0 <= a.end).rev().take(3).map(|(ns, what)| format!("{what} at {:.3} s", at(*ns))).collect();
+    let before: Vec<String> = log
+        .events
+        .iter()
+        .filter(|e| e.0 <= a.end)
+        .rev()
+        .take(3)
+        .map(|(ns, what)| format!("{what} at {:.3} s", at(*ns)))
+        .collect();
     format!("{:.3} s to {:.3} s; before: {}", at(a.start), at(a.end), before.join(", "))
 }
 
@@ -574,7 +683,9 @@ fn unexplained_failures(daemon_log: &str, log: &Log, addrs: &[SocketAddr]) -> Ve
             let failed = daemon_log
                 .lines()
                 .filter(|l| {
-                    l.contains(" -> failed:") && l.contains(&format!("service={service} ")) && (l.contains(&field) || l.ends_with(&field[..field.len() - 1]))
+                    l.contains(" -> failed:")
+                        && l.contains(&format!("service={service} "))
+                        && (l.contains(&field) || l.ends_with(&field[..field.len() - 1]))
                 })
                 .count();
             let budget: usize = log
@@ -583,8 +694,13 @@ fn unexplained_failures(daemon_log: &str, log: &Log, addrs: &[SocketAddr]) -> Ve
                 .filter(|k| k.server == i)
                 .map(|k| {
                     let during = |t: u64| t >= k.began && t <= k.restored;
-                    let restarts = log.restarts.iter().filter(|(_, restarted)| during(*restarted)).count();
-                    let readds = if service == "failover" && i == S2 { log.s2_added.iter().filter(|t| during(**t)).count() } else { 0 };
+                    let restarts =
+                        log.restarts.iter().filter(|(_, restarted)| during(*restarted)).count();
+                    let readds = if service == "failover" && i == S2 {
+                        log.s2_added.iter().filter(|t| during(**t)).count()
+                    } else {
+                        0
+                    };
                     1 + restarts + readds
                 })
                 .sum();

@@ -9,7 +9,10 @@
 
 use std::{net::SocketAddr, time::Duration};
 
-use lb_tests::{Backend, Client, Connect, Daemon, Policy, ServiceBuilder, TestCgroup, addr, in_new_netns, privileged, tally, wait_until};
+use lb_tests::{
+    Backend, Client, Connect, Daemon, Policy, ServiceBuilder, TestCgroup, addr, in_new_netns,
+    privileged, tally, wait_until,
+};
 
 fn client(cgroup: &TestCgroup) -> Client {
     Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(cgroup))
@@ -39,7 +42,11 @@ fn ipv4_vip_is_rewritten_only_for_vips_and_only_inside_the_cgroup() {
     let one = Backend::start("one", addr(1, 1, 0));
     let two = Backend::start("two", addr(1, 2, 0));
     let vip = addr(1, 100, 6444);
-    let _daemon = Daemon::start("ipv4", &cgroup, &ServiceBuilder::new("api", vip).servers(&[one.addr, two.addr]).toml());
+    let _daemon = Daemon::start(
+        "ipv4",
+        &cgroup,
+        &ServiceBuilder::new("api", vip).servers(&[one.addr, two.addr]).toml(),
+    );
 
     let mut inside = client(&cgroup);
     // TCP through the VIP: lands on the first server, the app sees the VIP.
@@ -53,7 +60,10 @@ fn ipv4_vip_is_rewritten_only_for_vips_and_only_inside_the_cgroup() {
     assert_lands(&inside.connect(two.addr), &two, two.addr);
     // A process outside the cgroup is not rewritten: nothing listens on the VIP.
     let refused = outside_client().connect(vip);
-    assert!(matches!(&refused, Connect::Err(e) if e.contains("refused")), "outside the cgroup: {refused:?}");
+    assert!(
+        matches!(&refused, Connect::Err(e) if e.contains("refused")),
+        "outside the cgroup: {refused:?}"
+    );
     assert_eq!(one.accepted(), 2, "exactly the two TCP VIP connects reached server one");
 }
 
@@ -68,7 +78,11 @@ fn ipv6_vip_in_a_test_netns() {
         let two = Backend::start("two6", "[::1]:0".parse().unwrap());
         // Only routable inside this namespace, which has nothing but lo.
         let vip: SocketAddr = "[fd00:1b::100]:6444".parse().unwrap();
-        let _daemon = Daemon::start("ipv6", &cgroup, &ServiceBuilder::new("api6", vip).servers(&[one.addr, two.addr]).toml());
+        let _daemon = Daemon::start(
+            "ipv6",
+            &cgroup,
+            &ServiceBuilder::new("api6", vip).servers(&[one.addr, two.addr]).toml(),
+        );
         let mut inside = client(&cgroup);
         assert_lands(&inside.connect(vip), &one, vip);
         assert_lands(&inside.udp(vip), &one, vip);
@@ -84,7 +98,11 @@ fn changing_the_selection_moves_new_connections_and_keeps_established_ones() {
     let one = Backend::start("one", addr(3, 1, 0));
     let two = Backend::start("two", addr(3, 2, 0));
     let vip = addr(3, 100, 6444);
-    let daemon = Daemon::start("reselect", &cgroup, &ServiceBuilder::new("api", vip).servers(&[one.addr, two.addr]).toml());
+    let daemon = Daemon::start(
+        "reselect",
+        &cgroup,
+        &ServiceBuilder::new("api", vip).servers(&[one.addr, two.addr]).toml(),
+    );
     let mut inside = client(&cgroup);
     let old = inside.connect(vip);
     assert_lands(&old, &one, vip);
@@ -102,16 +120,25 @@ fn spread_mode_uses_every_selected_server() {
         return;
     }
     let cgroup = TestCgroup::new("spread");
-    let backends: Vec<Backend> = (1..=3).map(|i| Backend::start(&format!("s{i}"), addr(4, i, 0))).collect();
+    let backends: Vec<Backend> =
+        (1..=3).map(|i| Backend::start(&format!("s{i}"), addr(4, i, 0))).collect();
     let servers: Vec<SocketAddr> = backends.iter().map(|b| b.addr).collect();
     let vip = addr(4, 100, 6444);
-    let _daemon = Daemon::start("spread", &cgroup, &ServiceBuilder::new("api", vip).servers(&servers).policy(Policy::Spread).toml());
+    let _daemon = Daemon::start(
+        "spread",
+        &cgroup,
+        &ServiceBuilder::new("api", vip).servers(&servers).policy(Policy::Spread).toml(),
+    );
     let mut inside = client(&cgroup);
     let answers: Vec<Connect> = (0..60).map(|_| inside.connect(vip)).collect();
     let counts = tally(&answers);
     // P(some server gets none of 60 uniform picks) = 3 * (2/3)^60 < 1e-10.
     for b in &backends {
-        assert!(counts.get(&b.name).copied().unwrap_or(0) > 0, "{} got no connection: {counts:?}", b.name);
+        assert!(
+            counts.get(&b.name).copied().unwrap_or(0) > 0,
+            "{} got no connection: {counts:?}",
+            b.name
+        );
     }
     assert_eq!(counts.values().sum::<usize>(), 60);
 }
@@ -126,7 +153,10 @@ fn sock_ops_counts_connections_and_reports_refused_connects() {
     // Nothing listens here: connects to it are refused.
     let dead = addr(5, 9, one.addr.port());
     let vip = addr(5, 100, 6444);
-    let config = ServiceBuilder::new("api", vip).servers(&[dead, one.addr]).hold_down(Duration::from_secs(60)).toml();
+    let config = ServiceBuilder::new("api", vip)
+        .servers(&[dead, one.addr])
+        .hold_down(Duration::from_secs(60))
+        .toml();
     let daemon = Daemon::start("sockops", &cgroup, &config);
     let mut inside = client(&cgroup);
 
@@ -134,10 +164,17 @@ fn sock_ops_counts_connections_and_reports_refused_connects() {
     let refused = inside.connect(vip);
     assert!(matches!(&refused, Connect::Err(e) if e.contains("refused")), "{refused:?}");
     // ... which the kernel reports at once: the next connect goes on.
-    let ids: Vec<u32> = (0..3).map(|_| inside.connect(vip)).inspect(|a| assert_lands(a, &one, vip)).map(|a| a.id()).collect();
+    let ids: Vec<u32> = (0..3)
+        .map(|_| inside.connect(vip))
+        .inspect(|a| assert_lands(a, &one, vip))
+        .map(|a| a.id())
+        .collect();
     assert!(
         wait_until(Duration::from_secs(5), || {
-            daemon.log().lines().any(|l| l.contains("connect through the VIP failed") && l.contains(&format!("server={dead}")))
+            daemon.log().lines().any(|l| {
+                l.contains("connect through the VIP failed")
+                    && l.contains(&format!("server={dead}"))
+            })
         }),
         "the daemon was not told about the refused connect:\n{}",
         daemon.log()
@@ -147,10 +184,18 @@ fn sock_ops_counts_connections_and_reports_refused_connects() {
     assert_eq!(dead_status["address"], dead.to_string());
     assert_eq!(dead_status["recently_failed"], true);
 
-    assert!(wait_until(Duration::from_secs(5), || daemon.connections("api", one.addr) == 3), "count after 3 connects: {}", daemon.connections("api", one.addr));
+    assert!(
+        wait_until(Duration::from_secs(5), || daemon.connections("api", one.addr) == 3),
+        "count after 3 connects: {}",
+        daemon.connections("api", one.addr)
+    );
     inside.close(ids[0]);
     inside.close(ids[1]);
-    assert!(wait_until(Duration::from_secs(5), || daemon.connections("api", one.addr) == 1), "count after 2 closes: {}", daemon.connections("api", one.addr));
+    assert!(
+        wait_until(Duration::from_secs(5), || daemon.connections("api", one.addr) == 1),
+        "count after 2 closes: {}",
+        daemon.connections("api", one.addr)
+    );
     assert_eq!(daemon.connections("api", dead), 0);
 }
 
@@ -163,7 +208,10 @@ fn the_kernel_fails_over_and_back_while_the_daemon_is_dead() {
     let one = Backend::start("one", addr(6, 1, 0));
     let two = Backend::start("two", addr(6, 2, 0));
     let vip = addr(6, 100, 6444);
-    let config = ServiceBuilder::new("api", vip).servers(&[one.addr, two.addr]).hold_down(Duration::from_secs(1)).toml();
+    let config = ServiceBuilder::new("api", vip)
+        .servers(&[one.addr, two.addr])
+        .hold_down(Duration::from_secs(1))
+        .toml();
     let mut daemon = Daemon::start("selfheal", &cgroup, &config);
     let mut inside = client(&cgroup);
     assert_lands(&inside.connect(vip), &one, vip);
@@ -191,9 +239,17 @@ fn sigkill_keeps_traffic_flowing_restart_adopts_and_detach_removes_everything() 
     let cgroup = TestCgroup::new("failstatic");
     let one = Backend::start("one", addr(7, 1, 0));
     let vip = addr(7, 100, 6444);
-    let mut daemon = Daemon::start("failstatic", &cgroup, &ServiceBuilder::new("api", vip).servers(&[one.addr]).toml());
+    let mut daemon = Daemon::start(
+        "failstatic",
+        &cgroup,
+        &ServiceBuilder::new("api", vip).servers(&[one.addr]).toml(),
+    );
     let mut inside = client(&cgroup);
-    let before: Vec<u32> = (0..2).map(|_| inside.connect(vip)).inspect(|a| assert_lands(a, &one, vip)).map(|a| a.id()).collect();
+    let before: Vec<u32> = (0..2)
+        .map(|_| inside.connect(vip))
+        .inspect(|a| assert_lands(a, &one, vip))
+        .map(|a| a.id())
+        .collect();
     let status_before = daemon.status();
 
     daemon.kill();
@@ -231,13 +287,18 @@ fn closing_a_server_resets_only_its_vip_connections() {
     let two = Backend::start("two", addr(8, 2, 0));
     let vip = addr(8, 100, 6444);
     let other_vip = addr(8, 101, 6444);
-    let config = ServiceBuilder::new("api", vip).servers(&[one.addr]).toml() + &ServiceBuilder::new("other", other_vip).servers(&[two.addr]).toml();
+    let config = ServiceBuilder::new("api", vip).servers(&[one.addr]).toml()
+        + &ServiceBuilder::new("other", other_vip).servers(&[two.addr]).toml();
     let daemon = Daemon::start("close", &cgroup, &config);
     if !daemon.has_feature("sock_destroy") {
         return;
     }
     let mut inside = client(&cgroup);
-    let through_vip: Vec<u32> = (0..2).map(|_| inside.connect(vip)).inspect(|a| assert_lands(a, &one, vip)).map(|a| a.id()).collect();
+    let through_vip: Vec<u32> = (0..2)
+        .map(|_| inside.connect(vip))
+        .inspect(|a| assert_lands(a, &one, vip))
+        .map(|a| a.id())
+        .collect();
     let direct = inside.connect(one.addr);
     assert_lands(&direct, &one, one.addr);
     let other = inside.connect(other_vip);
@@ -246,9 +307,15 @@ fn closing_a_server_resets_only_its_vip_connections() {
     let out = daemon.lb(&["close-connections", &one.addr.to_string()]);
     assert!(out.contains("closed 2 connections"), "{out}");
     for id in &through_vip {
-        assert!(wait_until(Duration::from_secs(2), || !inside.alive(*id)), "VIP connection {id} was not reset");
+        assert!(
+            wait_until(Duration::from_secs(2), || !inside.alive(*id)),
+            "VIP connection {id} was not reset"
+        );
     }
-    assert!(inside.alive(direct.id()), "a direct connection to the same server must not be touched");
+    assert!(
+        inside.alive(direct.id()),
+        "a direct connection to the same server must not be touched"
+    );
     assert!(inside.alive(other.id()), "a connection to another server must not be touched");
     assert!(wait_until(Duration::from_secs(5), || daemon.connections("api", one.addr) == 0));
 }
@@ -259,10 +326,19 @@ fn a_thousand_services_load_and_route() {
         return;
     }
     let cgroup = TestCgroup::new("thousand");
-    let backends: Vec<Backend> = (1..=4).map(|i| Backend::start(&format!("b{i}"), addr(9, i, 0))).collect();
+    let backends: Vec<Backend> =
+        (1..=4).map(|i| Backend::start(&format!("b{i}"), addr(9, i, 0))).collect();
     // VIPs 127.78.<i / 250>.<i % 250 + 1>:7000, each with one backend.
-    let vips: Vec<SocketAddr> = (0..1000u16).map(|i| SocketAddr::from(([127, 78, (i / 250) as u8, (i % 250 + 1) as u8], 7000))).collect();
-    let config: String = vips.iter().enumerate().map(|(i, vip)| ServiceBuilder::new(&format!("svc{i}"), *vip).servers(&[backends[i % 4].addr]).toml()).collect();
+    let vips: Vec<SocketAddr> = (0..1000u16)
+        .map(|i| SocketAddr::from(([127, 78, (i / 250) as u8, (i % 250 + 1) as u8], 7000)))
+        .collect();
+    let config: String = vips
+        .iter()
+        .enumerate()
+        .map(|(i, vip)| {
+            ServiceBuilder::new(&format!("svc{i}"), *vip).servers(&[backends[i % 4].addr]).toml()
+        })
+        .collect();
     let daemon = Daemon::start("thousand", &cgroup, &config);
     assert_eq!(daemon.status()["services"].as_array().unwrap().len(), 1000);
     let mut inside = client(&cgroup);

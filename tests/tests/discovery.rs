@@ -56,12 +56,7 @@ impl Follower {
         let (usable_tx, usable_rx) = watch::channel(usable);
         let (tx, updates) = mpsc::channel(64);
         let task = discovery::spawn_with("svc".to_owned(), vip, discovery, options, usable_rx, tx);
-        Self {
-            updates,
-            usable: usable_tx,
-            task,
-            seen: Vec::new(),
-        }
+        Self { updates, usable: usable_tx, task, seen: Vec::new() }
     }
 
     /// The next update, whatever it is.
@@ -72,10 +67,7 @@ impl Follower {
                 update
             }
             Ok(None) => panic!("the discovery task ended; updates so far: {:#?}", self.seen),
-            Err(_) => panic!(
-                "no update within {WAIT:?}; updates so far: {:#?}",
-                self.seen
-            ),
+            Err(_) => panic!("no update within {WAIT:?}; updates so far: {:#?}", self.seen),
         }
     }
 
@@ -85,10 +77,9 @@ impl Follower {
         assert_eq!(update.service, "svc");
         match update.result {
             Ok(list) => list,
-            Err(e) => panic!(
-                "expected a list, got the error {e:?}; updates so far: {:#?}",
-                self.seen
-            ),
+            Err(e) => {
+                panic!("expected a list, got the error {e:?}; updates so far: {:#?}", self.seen)
+            }
         }
     }
 
@@ -114,10 +105,7 @@ impl Follower {
                 return e;
             }
         }
-        panic!(
-            "never got an error with {needle:?}; updates: {:#?}",
-            self.seen
-        );
+        panic!("never got an error with {needle:?}; updates: {:#?}", self.seen);
     }
 
     /// No update at all for `within`.
@@ -129,17 +117,11 @@ impl Follower {
 }
 
 fn ready(addr: &str) -> Endpoint {
-    Endpoint {
-        addr: addr.parse().unwrap(),
-        readiness: Readiness::Ready,
-    }
+    Endpoint { addr: addr.parse().unwrap(), readiness: Readiness::Ready }
 }
 
 fn serving(addr: &str) -> Endpoint {
-    Endpoint {
-        addr: addr.parse().unwrap(),
-        readiness: Readiness::Serving,
-    }
+    Endpoint { addr: addr.parse().unwrap(), readiness: Readiness::Serving }
 }
 
 fn kubernetes(service: &str, port: &str, debounce: Duration) -> Discovery {
@@ -156,10 +138,7 @@ fn vip() -> SocketAddr {
 }
 
 fn options(kubeconfig: &Kubeconfig) -> Options {
-    Options {
-        kubeconfig: Some(kubeconfig.path().to_owned()),
-        ..Options::default()
-    }
+    Options { kubeconfig: Some(kubeconfig.path().to_owned()), ..Options::default() }
 }
 
 /// A loopback port nothing listens on.
@@ -195,10 +174,7 @@ async fn rolling_update_is_judged_per_endpoint_at_every_step() {
     let api = FakeApiServer::start().await;
     let kubeconfig = Kubeconfig::write(&api.url());
     let step = |endpoints: &[(&str, &str, Condition)]| {
-        let endpoints = endpoints
-            .iter()
-            .map(|(ip, node, c)| endpoint(ip, node, *c))
-            .collect();
+        let endpoints = endpoints.iter().map(|(ip, node, c)| endpoint(ip, node, *c)).collect();
         api.apply(endpoint_slice(
             "web-abcde",
             "web",
@@ -213,16 +189,9 @@ async fn rolling_update_is_judged_per_endpoint_at_every_step() {
         ("10.0.0.2", "node-b", Ready),
         ("10.0.0.3", "node-a", NotReady),
     ]);
-    let mut f = Follower::start(
-        vip(),
-        kubernetes("web", "https", DEBOUNCE),
-        options(&kubeconfig),
-        vec![],
-    );
-    assert_eq!(
-        f.next_ok().await,
-        [ready("10.0.0.1:8443"), ready("10.0.0.2:8443")]
-    );
+    let mut f =
+        Follower::start(vip(), kubernetes("web", "https", DEBOUNCE), options(&kubeconfig), vec![]);
+    assert_eq!(f.next_ok().await, [ready("10.0.0.1:8443"), ready("10.0.0.2:8443")]);
 
     // new-1 is ready.
     step(&[
@@ -232,11 +201,7 @@ async fn rolling_update_is_judged_per_endpoint_at_every_step() {
     ]);
     assert_eq!(
         f.next_ok().await,
-        [
-            ready("10.0.0.1:8443"),
-            ready("10.0.0.2:8443"),
-            ready("10.0.0.3:8443")
-        ]
+        [ready("10.0.0.1:8443"), ready("10.0.0.2:8443"), ready("10.0.0.3:8443")]
     );
 
     // old-1 terminates, still serving its connections: drained.
@@ -247,11 +212,7 @@ async fn rolling_update_is_judged_per_endpoint_at_every_step() {
     ]);
     assert_eq!(
         f.next_ok().await,
-        [
-            ready("10.0.0.2:8443"),
-            ready("10.0.0.3:8443"),
-            serving("10.0.0.1:8443")
-        ]
+        [ready("10.0.0.2:8443"), ready("10.0.0.3:8443"), serving("10.0.0.1:8443")]
     );
 
     // old-1 stops serving; new-2 starts on node-b, next to old-2.
@@ -261,10 +222,7 @@ async fn rolling_update_is_judged_per_endpoint_at_every_step() {
         ("10.0.0.3", "node-a", Ready),
         ("10.0.0.4", "node-b", NotReady),
     ]);
-    assert_eq!(
-        f.next_ok().await,
-        [ready("10.0.0.2:8443"), ready("10.0.0.3:8443")]
-    );
+    assert_eq!(f.next_ok().await, [ready("10.0.0.2:8443"), ready("10.0.0.3:8443")]);
 
     // old-1 is gone; new-2 is ready.
     step(&[
@@ -274,11 +232,7 @@ async fn rolling_update_is_judged_per_endpoint_at_every_step() {
     ]);
     assert_eq!(
         f.next_ok().await,
-        [
-            ready("10.0.0.2:8443"),
-            ready("10.0.0.3:8443"),
-            ready("10.0.0.4:8443")
-        ]
+        [ready("10.0.0.2:8443"), ready("10.0.0.3:8443"), ready("10.0.0.4:8443")]
     );
 
     // old-2 terminates, then goes.
@@ -289,21 +243,11 @@ async fn rolling_update_is_judged_per_endpoint_at_every_step() {
     ]);
     assert_eq!(
         f.next_ok().await,
-        [
-            ready("10.0.0.3:8443"),
-            ready("10.0.0.4:8443"),
-            serving("10.0.0.2:8443")
-        ]
+        [ready("10.0.0.3:8443"), ready("10.0.0.4:8443"), serving("10.0.0.2:8443")]
     );
     step(&[("10.0.0.3", "node-a", Ready), ("10.0.0.4", "node-b", Ready)]);
-    assert_eq!(
-        f.next_ok().await,
-        [ready("10.0.0.3:8443"), ready("10.0.0.4:8443")]
-    );
-    assert_eq!(
-        f.seen.iter().map(|u| u.source).collect::<Vec<_>>(),
-        [Source::Kubernetes; 7]
-    );
+    assert_eq!(f.next_ok().await, [ready("10.0.0.3:8443"), ready("10.0.0.4:8443")]);
+    assert_eq!(f.seen.iter().map(|u| u.source).collect::<Vec<_>>(), [Source::Kubernetes; 7]);
 }
 
 /// Only terminating-but-serving endpoints left (over two slices): they are
@@ -331,34 +275,20 @@ async fn terminating_but_serving_endpoints_are_kept_drained() {
             endpoint("10.0.1.3", "n2", TerminatingNotServing),
         ],
     ));
-    let mut f = Follower::start(
-        vip(),
-        kubernetes("api", "https", DEBOUNCE),
-        options(&kubeconfig),
-        vec![],
-    );
-    assert_eq!(
-        f.next_ok().await,
-        [serving("10.0.1.1:6443"), serving("10.0.1.2:6443")]
-    );
+    let mut f =
+        Follower::start(vip(), kubernetes("api", "https", DEBOUNCE), options(&kubeconfig), vec![]);
+    assert_eq!(f.next_ok().await, [serving("10.0.1.1:6443"), serving("10.0.1.2:6443")]);
 
     api.apply(endpoint_slice(
         "api-2",
         "api",
         "IPv4",
         &[("https", 6443)],
-        vec![
-            endpoint("10.0.1.2", "n2", TerminatingServing),
-            endpoint("10.0.1.9", "n2", Ready),
-        ],
+        vec![endpoint("10.0.1.2", "n2", TerminatingServing), endpoint("10.0.1.9", "n2", Ready)],
     ));
     assert_eq!(
         f.next_ok().await,
-        [
-            ready("10.0.1.9:6443"),
-            serving("10.0.1.1:6443"),
-            serving("10.0.1.2:6443")
-        ]
+        [ready("10.0.1.9:6443"), serving("10.0.1.1:6443"), serving("10.0.1.2:6443")]
     );
 
     api.delete("default", "api-1").unwrap();
@@ -381,22 +311,11 @@ async fn the_watch_survives_the_loss_of_its_apiserver_through_a_usable_server() 
     // Two apiservers on one store, same port, two loopback addresses.
     let api = FakeApiServer::start().await;
     let a = api.addr();
-    let b = api
-        .listen(SocketAddr::new("127.0.0.2".parse().unwrap(), a.port()))
-        .await;
+    let b = api.listen(SocketAddr::new("127.0.0.2".parse().unwrap(), a.port())).await;
     let kubeconfig = Kubeconfig::write(&format!("http://{a}"));
     let slice = |ips: &[&str]| {
-        let endpoints = ips
-            .iter()
-            .map(|ip| endpoint(ip, ip, Condition::Ready))
-            .collect();
-        endpoint_slice(
-            "kubernetes",
-            "kubernetes",
-            "IPv4",
-            &[("https", a.port())],
-            endpoints,
-        )
+        let endpoints = ips.iter().map(|ip| endpoint(ip, ip, Condition::Ready)).collect();
+        endpoint_slice("kubernetes", "kubernetes", "IPv4", &[("https", a.port())], endpoints)
     };
     api.apply(slice(&["127.0.0.1", "127.0.0.2"]));
     let mut f = Follower::start(
@@ -405,10 +324,7 @@ async fn the_watch_survives_the_loss_of_its_apiserver_through_a_usable_server() 
         options(&kubeconfig),
         vec![a, b],
     );
-    assert_eq!(
-        f.next_ok().await,
-        [ready(&a.to_string()), ready(&b.to_string())]
-    );
+    assert_eq!(f.next_ok().await, [ready(&a.to_string()), ready(&b.to_string())]);
     until_request(&api, "watching through A", |r| r.watch && r.via == a).await;
     let before = api.requests().len();
 
@@ -416,19 +332,11 @@ async fn the_watch_survives_the_loss_of_its_apiserver_through_a_usable_server() 
     // usable list, so the dialler must pass over the refusal.
     api.stop_listener(a);
     until_request(&api, "watching through B", |r| r.watch && r.via == b).await;
-    assert!(
-        api.requests()[before..].iter().all(|r| r.via == b),
-        "{:#?}",
-        api.requests()
-    );
+    assert!(api.requests()[before..].iter().all(|r| r.via == b), "{:#?}", api.requests());
 
     // A change after the outage arrives.
     api.apply(slice(&["127.0.0.2", "127.0.0.3"]));
-    f.until(&[
-        ready(&b.to_string()),
-        ready(&format!("127.0.0.3:{}", a.port())),
-    ])
-    .await;
+    f.until(&[ready(&b.to_string()), ready(&format!("127.0.0.3:{}", a.port()))]).await;
 
     // B dies too and A comes back: the watch moves back to A.
     api.restart_listener(a).await;
@@ -437,9 +345,7 @@ async fn the_watch_survives_the_loss_of_its_apiserver_through_a_usable_server() 
     api.apply(slice(&["127.0.0.1"]));
     f.until(&[ready(&a.to_string())]).await;
     assert!(
-        api.requests()[before..]
-            .iter()
-            .any(|r| r.watch && r.via == a),
+        api.requests()[before..].iter().any(|r| r.watch && r.via == a),
         "{:#?}",
         api.requests()
     );
@@ -484,11 +390,7 @@ async fn a_kubeconfig_pointing_at_the_vip_is_dialled_through_the_usable_servers(
         vec![endpoint("10.0.2.2", "n1", Condition::Ready)],
     ));
     f.until(&[ready("10.0.2.2:6443")]).await;
-    assert!(
-        api.requests().iter().any(|r| r.watch && r.via == b),
-        "{:#?}",
-        api.requests()
-    );
+    assert!(api.requests().iter().any(|r| r.watch && r.via == b), "{:#?}", api.requests());
 }
 
 /// An application's Service never uses its own servers to reach the
@@ -499,27 +401,17 @@ async fn an_unreachable_apiserver_is_an_error_update() {
     let api = FakeApiServer::start().await;
     let kubeconfig = Kubeconfig::write(&format!("http://127.0.0.1:{}", closed_port()));
     let usable = vec![api.addr()];
-    let mut f = Follower::start(
-        vip(),
-        kubernetes("web", "https", DEBOUNCE),
-        options(&kubeconfig),
-        usable,
-    );
+    let mut f =
+        Follower::start(vip(), kubernetes("web", "https", DEBOUNCE), options(&kubeconfig), usable);
     let error = f.until_error("kubernetes").await;
     eprintln!("the error: {error}");
     assert!(error.contains("EndpointSlices of default/web"), "{error}");
     assert!(error.contains("(kubeconfig)"), "{error}");
-    assert!(
-        api.requests().is_empty(),
-        "the app's servers were used: {:#?}",
-        api.requests()
-    );
+    assert!(api.requests().is_empty(), "the app's servers were used: {:#?}", api.requests());
 
     // A missing kubeconfig is an error too, not a panic.
-    let options = Options {
-        kubeconfig: Some("/nonexistent/kubeconfig".into()),
-        ..Options::default()
-    };
+    let options =
+        Options { kubeconfig: Some("/nonexistent/kubeconfig".into()), ..Options::default() };
     let mut g = Follower::start(vip(), kubernetes("web", "https", DEBOUNCE), options, vec![]);
     let error = g.until_error("kubeconfig").await;
     eprintln!("the error: {error}");
@@ -533,17 +425,8 @@ async fn add_remove_readd_within_the_debounce_window_is_one_update() {
     let api = FakeApiServer::start().await;
     let kubeconfig = Kubeconfig::write(&api.url());
     let slice = |ips: &[&str]| {
-        let endpoints = ips
-            .iter()
-            .map(|ip| endpoint(ip, "n", Condition::Ready))
-            .collect();
-        endpoint_slice(
-            "kubernetes",
-            "kubernetes",
-            "IPv4",
-            &[("https", 6443)],
-            endpoints,
-        )
+        let endpoints = ips.iter().map(|ip| endpoint(ip, "n", Condition::Ready)).collect();
+        endpoint_slice("kubernetes", "kubernetes", "IPv4", &[("https", 6443)], endpoints)
     };
     api.apply(slice(&["10.0.3.1"]));
     let debounce = Duration::from_millis(1500);
@@ -561,10 +444,7 @@ async fn add_remove_readd_within_the_debounce_window_is_one_update() {
     api.apply(slice(&["10.0.3.1"]));
     tokio::time::sleep(Duration::from_millis(100)).await;
     api.apply(slice(&["10.0.3.1", "10.0.3.2"]));
-    assert_eq!(
-        f.next_ok().await,
-        [ready("10.0.3.1:6443"), ready("10.0.3.2:6443")]
-    );
+    assert_eq!(f.next_ok().await, [ready("10.0.3.1:6443"), ready("10.0.3.2:6443")]);
     let took = start.elapsed();
     assert!(
         took >= debounce - Duration::from_millis(100),
@@ -585,12 +465,8 @@ async fn add_remove_readd_within_the_debounce_window_is_one_update() {
 async fn an_empty_result_is_sent_as_an_empty_list() {
     let api = FakeApiServer::start().await;
     let kubeconfig = Kubeconfig::write(&api.url());
-    let mut f = Follower::start(
-        vip(),
-        kubernetes("web", "https", DEBOUNCE),
-        options(&kubeconfig),
-        vec![],
-    );
+    let mut f =
+        Follower::start(vip(), kubernetes("web", "https", DEBOUNCE), options(&kubeconfig), vec![]);
     assert_eq!(f.next_ok().await, []);
 
     api.apply(endpoint_slice(
@@ -616,11 +492,7 @@ async fn an_empty_result_is_sent_as_an_empty_list() {
         &[("https", 8443)],
         vec![endpoint("10.0.4.1", "n", Condition::Unset)],
     ));
-    assert_eq!(
-        f.next_ok().await,
-        [ready("10.0.4.1:8443")],
-        "no conditions: ready"
-    );
+    assert_eq!(f.next_ok().await, [ready("10.0.4.1:8443")], "no conditions: ready");
     api.delete("default", "web-1").unwrap();
     assert_eq!(f.next_ok().await, []);
     // Slices of another Service or another family never count.
@@ -672,16 +544,9 @@ async fn relist_after_gone(as_http: bool) {
     let kubeconfig = Kubeconfig::write(&api.url());
     api.apply(one("web-1", "10.0.5.1"));
     api.apply(one("web-2", "10.0.5.2"));
-    let mut f = Follower::start(
-        vip(),
-        kubernetes("web", "https", DEBOUNCE),
-        options(&kubeconfig),
-        vec![],
-    );
-    assert_eq!(
-        f.next_ok().await,
-        [ready("10.0.5.1:8443"), ready("10.0.5.2:8443")]
-    );
+    let mut f =
+        Follower::start(vip(), kubernetes("web", "https", DEBOUNCE), options(&kubeconfig), vec![]);
+    assert_eq!(f.next_ok().await, [ready("10.0.5.1:8443"), ready("10.0.5.2:8443")]);
     until_request(&api, "watching", |r| r.watch).await;
     let lists = |api: &FakeApiServer| api.requests().iter().filter(|r| !r.watch).count();
     assert_eq!(lists(&api), 1);
@@ -694,17 +559,13 @@ async fn relist_after_gone(as_http: bool) {
     let requests = api.requests();
     assert_eq!(lists(&api), 2, "one relist: {requests:#?}");
     if as_http {
-        assert!(
-            requests.iter().any(|r| r.watch && r.gone),
-            "no watch answered 410: {requests:#?}"
-        );
+        assert!(requests.iter().any(|r| r.watch && r.gone), "no watch answered 410: {requests:#?}");
     }
     // Only the relist could have told: no watch delivered an event.
     api.resume_watches();
     // The watch goes on after it.
     api.apply(one("web-4", "10.0.5.4"));
-    f.until(&[ready("10.0.5.3:8443"), ready("10.0.5.4:8443")])
-        .await;
+    f.until(&[ready("10.0.5.3:8443"), ready("10.0.5.4:8443")]).await;
     // A 410 is no failure: no error was sent.
     assert!(f.seen.iter().all(|u| u.result.is_ok()), "{:#?}", f.seen);
 }
@@ -717,16 +578,9 @@ async fn an_apiserver_outage_ends_with_a_relist_that_replaces_the_whole_view() {
     let kubeconfig = Kubeconfig::write(&api.url());
     api.apply(one("web-1", "10.0.5.1"));
     api.apply(one("web-2", "10.0.5.2"));
-    let mut f = Follower::start(
-        vip(),
-        kubernetes("web", "https", DEBOUNCE),
-        options(&kubeconfig),
-        vec![],
-    );
-    assert_eq!(
-        f.next_ok().await,
-        [ready("10.0.5.1:8443"), ready("10.0.5.2:8443")]
-    );
+    let mut f =
+        Follower::start(vip(), kubernetes("web", "https", DEBOUNCE), options(&kubeconfig), vec![]);
+    assert_eq!(f.next_ok().await, [ready("10.0.5.1:8443"), ready("10.0.5.2:8443")]);
     until_request(&api, "watching", |r| r.watch).await;
 
     api.stop();
@@ -757,21 +611,15 @@ async fn a_cut_stream_resumes_from_the_last_bookmark_and_misses_nothing() {
         )
     };
     api.apply(one("web-1", "10.0.6.1"));
-    let mut f = Follower::start(
-        vip(),
-        kubernetes("web", "https", DEBOUNCE),
-        options(&kubeconfig),
-        vec![],
-    );
+    let mut f =
+        Follower::start(vip(), kubernetes("web", "https", DEBOUNCE), options(&kubeconfig), vec![]);
     assert_eq!(f.next_ok().await, [ready("10.0.6.1:8443")]);
     until_request(&api, "watching", |r| r.watch).await;
 
     // Other objects moved the resourceVersion on; a bookmark says so.
     let rv = api.advance().to_string();
     let resumed = |api: &FakeApiServer| {
-        api.requests()
-            .iter()
-            .any(|r| r.watch && r.resource_version.as_deref() == Some(&rv))
+        api.requests().iter().any(|r| r.watch && r.resource_version.as_deref() == Some(&rv))
     };
     // The bookmark must reach the client before the cut: try a few times.
     for _ in 0..10 {
@@ -795,13 +643,8 @@ async fn a_cut_stream_resumes_from_the_last_bookmark_and_misses_nothing() {
     // Cut again, and change the store before the client is back.
     api.cut_streams();
     api.apply(one("web-2", "10.0.6.2"));
-    f.until(&[ready("10.0.6.1:8443"), ready("10.0.6.2:8443")])
-        .await;
-    assert!(
-        !api.requests().iter().any(|r| r.gone),
-        "{:#?}",
-        api.requests()
-    );
+    f.until(&[ready("10.0.6.1:8443"), ready("10.0.6.2:8443")]).await;
+    assert!(!api.requests().iter().any(|r| r.gone), "{:#?}", api.requests());
     // A cut stream is no failure: no error was sent.
     assert!(f.seen.iter().all(|u| u.result.is_ok()), "{:#?}", f.seen);
 }
@@ -834,19 +677,12 @@ fn ips(list: &[&str]) -> Vec<IpAddr> {
 async fn dns_records_are_followed_and_failures_are_errors() {
     let server = FakeDns::start().await;
     server.set("api.lb.test", &ips(&["10.0.7.2", "10.0.7.1", "fd00::7"]), 1);
-    let discovery = dns(
-        "api.lb.test.",
-        6443,
-        Duration::from_millis(200),
-        Duration::from_millis(500),
-    );
+    let discovery =
+        dns("api.lb.test.", 6443, Duration::from_millis(200), Duration::from_millis(500));
     let mut f = Follower::start(vip(), discovery, dns_options(&server), vec![]);
     let first = f.next().await;
     assert_eq!(first.source, Source::Dns);
-    assert_eq!(
-        first.result,
-        Ok(vec![ready("10.0.7.1:6443"), ready("10.0.7.2:6443")])
-    );
+    assert_eq!(first.result, Ok(vec![ready("10.0.7.1:6443"), ready("10.0.7.2:6443")]));
 
     server.set("api.lb.test", &ips(&["10.0.7.3"]), 1);
     f.until(&[ready("10.0.7.3:6443")]).await;
@@ -854,10 +690,7 @@ async fn dns_records_are_followed_and_failures_are_errors() {
     server.set_mode(Mode::ServFail);
     let error = f.until_error("dns").await;
     eprintln!("the error: {error}");
-    assert!(
-        error.contains("SERVFAIL") && error.contains("api.lb.test"),
-        "{error}"
-    );
+    assert!(error.contains("SERVFAIL") && error.contains("api.lb.test"), "{error}");
 
     server.set_mode(Mode::Answer);
     f.until(&[ready("10.0.7.3:6443")]).await;
@@ -870,10 +703,7 @@ async fn dns_records_are_followed_and_failures_are_errors() {
     server.set_mode(Mode::Drop);
     let error = f.until_error("dns").await;
     eprintln!("the error: {error}");
-    assert!(
-        error.contains("timed out") || error.contains("timeout"),
-        "{error}"
-    );
+    assert!(error.contains("timed out") || error.contains("timeout"), "{error}");
 
     server.set_mode(Mode::Answer);
     server.set("api.lb.test", &ips(&["10.0.7.4"]), 1);
@@ -884,23 +714,11 @@ async fn dns_records_are_followed_and_failures_are_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dns_follows_the_vips_family() {
     let server = FakeDns::start().await;
-    server.set(
-        "api6.lb.test",
-        &ips(&["10.0.8.1", "fd00::8:2", "fd00::8:1"]),
-        30,
-    );
-    let discovery = dns(
-        "api6.lb.test.",
-        443,
-        Duration::from_millis(200),
-        Duration::from_secs(1),
-    );
+    server.set("api6.lb.test", &ips(&["10.0.8.1", "fd00::8:2", "fd00::8:1"]), 30);
+    let discovery = dns("api6.lb.test.", 443, Duration::from_millis(200), Duration::from_secs(1));
     let vip6: SocketAddr = "[::1]:9443".parse().unwrap();
     let mut f = Follower::start(vip6, discovery, dns_options(&server), vec![]);
-    assert_eq!(
-        f.next_ok().await,
-        [ready("[fd00::8:1]:443"), ready("[fd00::8:2]:443")]
-    );
+    assert_eq!(f.next_ok().await, [ready("[fd00::8:1]:443"), ready("[fd00::8:2]:443")]);
 }
 
 /// Re-resolution follows the TTL within the bounds: a long TTL is cut to
@@ -909,37 +727,22 @@ async fn dns_follows_the_vips_family() {
 async fn dns_is_resolved_again_at_the_ttl_within_the_bounds() {
     let server = FakeDns::start().await;
     server.set("long.lb.test", &ips(&["10.0.9.1"]), 3600);
-    let discovery = dns(
-        "long.lb.test.",
-        80,
-        Duration::from_millis(100),
-        Duration::from_millis(400),
-    );
+    let discovery =
+        dns("long.lb.test.", 80, Duration::from_millis(100), Duration::from_millis(400));
     let f = Follower::start(vip(), discovery, dns_options(&server), vec![]);
     tokio::time::sleep(Duration::from_millis(2100)).await;
     let long = server.queries();
     drop(f);
     // About 2.1 s / 0.4 s + 1 = 6 resolutions.
-    assert!(
-        (4..=8).contains(&long),
-        "{long} queries with a TTL of 3600 s and refresh_max 0.4 s"
-    );
+    assert!((4..=8).contains(&long), "{long} queries with a TTL of 3600 s and refresh_max 0.4 s");
 
     let server = FakeDns::start().await;
     server.set("short.lb.test", &ips(&["10.0.9.2"]), 0);
-    let discovery = dns(
-        "short.lb.test.",
-        80,
-        Duration::from_millis(800),
-        Duration::from_secs(10),
-    );
+    let discovery = dns("short.lb.test.", 80, Duration::from_millis(800), Duration::from_secs(10));
     let f = Follower::start(vip(), discovery, dns_options(&server), vec![]);
     tokio::time::sleep(Duration::from_millis(2100)).await;
     let short = server.queries();
     drop(f);
     // About 2.1 s / 0.8 s + 1 = 3 resolutions.
-    assert!(
-        (2..=4).contains(&short),
-        "{short} queries with a TTL of 0 and refresh_min 0.8 s"
-    );
+    assert!((2..=4).contains(&short), "{short} queries with a TTL of 0 and refresh_min 0.8 s");
 }

@@ -69,11 +69,7 @@ fn shared_port(net: u8, hosts: &[u8]) -> u16 {
         let mut held = Vec::new();
         let free = hosts.iter().enumerate().all(|(i, host)| {
             let at = addr(net, *host, port);
-            let tcp = if i == 0 {
-                Ok(None)
-            } else {
-                TcpListener::bind(at).map(Some)
-            };
+            let tcp = if i == 0 { Ok(None) } else { TcpListener::bind(at).map(Some) };
             match (tcp, UdpSocket::bind(at)) {
                 (Ok(tcp), Ok(udp)) => {
                     held.push((tcp, udp));
@@ -113,9 +109,7 @@ fn kubeconfig_setting(kubeconfig: &Kubeconfig) -> String {
 
 /// One endpoint of a slice: (address, node, condition).
 fn endpoints(list: &[(SocketAddr, &str, Condition)]) -> Vec<Endpoint> {
-    list.iter()
-        .map(|(a, node, c)| endpoint(&a.ip().to_string(), node, *c))
-        .collect()
+    list.iter().map(|(a, node, c)| endpoint(&a.ip().to_string(), node, *c)).collect()
 }
 
 /// An IPv4 EndpointSlice of Service `service` whose port `https` is `port`.
@@ -133,9 +127,9 @@ fn service_status(daemon: &Daemon) -> Value {
 }
 
 fn addrs(value: &Value) -> Vec<SocketAddr> {
-    value.as_array().map_or_else(Vec::new, |a| {
-        a.iter().filter_map(|s| s.as_str()?.parse().ok()).collect()
-    })
+    value
+        .as_array()
+        .map_or_else(Vec::new, |a| a.iter().filter_map(|s| s.as_str()?.parse().ok()).collect())
 }
 
 /// The kernel's selection and each listed server's readiness, as one view.
@@ -160,10 +154,7 @@ fn view(status: &Value) -> View {
                 .collect()
         })
         .unwrap_or_default();
-    View {
-        selected: addrs(&status["selected"]),
-        readiness,
-    }
+    View { selected: addrs(&status["selected"]), readiness }
 }
 
 /// Whether the view is: exactly `ready` ∪ `serving` selected, the ready
@@ -176,12 +167,8 @@ fn view_is(view: &View, ready: &[SocketAddr], serving: &[SocketAddr]) -> bool {
     got == want
         && view.selected.len() == want.len()
         && leading == ready.iter().copied().collect()
-        && ready
-            .iter()
-            .all(|a| view.readiness.get(a).is_some_and(|r| r == "ready"))
-        && serving
-            .iter()
-            .all(|a| view.readiness.get(a).is_some_and(|r| r == "serving"))
+        && ready.iter().all(|a| view.readiness.get(a).is_some_and(|r| r == "ready"))
+        && serving.iter().all(|a| view.readiness.get(a).is_some_and(|r| r == "serving"))
         && view.readiness.len() == want.len()
 }
 
@@ -218,10 +205,7 @@ fn wait_selected_set(daemon: &Daemon, want: &[SocketAddr], what: &str) -> u64 {
     }) {
         return monotonic_ns();
     }
-    panic!(
-        "{what}: selected never became {want:?}; last {last:?}\nlog:\n{}",
-        daemon.log()
-    );
+    panic!("{what}: selected never became {want:?}; last {last:?}\nlog:\n{}", daemon.log());
 }
 
 /// Waits until `services[0].discovery` satisfies `pred`; returns it.
@@ -234,10 +218,7 @@ fn wait_discovery(daemon: &Daemon, what: &str, pred: impl Fn(&Value) -> bool) ->
     }) {
         return last;
     }
-    panic!(
-        "{what}: discovery status never matched; last {last}\nlog:\n{}",
-        daemon.log()
-    );
+    panic!("{what}: discovery status never matched; last {last}\nlog:\n{}", daemon.log());
 }
 
 /// Waits until every backend of `backends` answered `n` more client
@@ -246,10 +227,7 @@ fn wait_discovery(daemon: &Daemon, what: &str, pred: impl Fn(&Value) -> bool) ->
 fn wait_traffic(backends: &[&Backend], n: usize, what: &str) {
     let before: Vec<usize> = backends.iter().map(|b| b.accepted()).collect();
     assert!(
-        wait_until(WAIT, || backends
-            .iter()
-            .zip(&before)
-            .all(|(b, was)| b.accepted() >= was + n)),
+        wait_until(WAIT, || backends.iter().zip(&before).all(|(b, was)| b.accepted() >= was + n)),
         "{what}: not every one of {:?} got {n} more connections: {:?} -> {:?}",
         backends.iter().map(|b| &b.name).collect::<Vec<_>>(),
         before,
@@ -319,15 +297,8 @@ fn change_applied(
     let changed = monotonic_ns();
     change();
     let applied = wait_view(daemon, ready, serving, what);
-    eprintln!(
-        "{what}: applied and seen {:.1} ms after the change",
-        ms(applied - changed)
-    );
-    Step {
-        what,
-        changed,
-        applied: Some(applied),
-    }
+    eprintln!("{what}: applied and seen {:.1} ms after the change", ms(applied - changed));
+    Step { what, changed, applied: Some(applied) }
 }
 
 /// The log line of the Kubernetes source for each event it got.
@@ -362,11 +333,7 @@ fn change_ignored(
         "{what}: the selection changed to {now:?}:\n{}",
         daemon.log()
     );
-    Step {
-        what,
-        changed,
-        applied: None,
-    }
+    Step { what, changed, applied: None }
 }
 
 /// MetalLB 474 as it happened, through the real daemon and kernel: a
@@ -422,12 +389,8 @@ fn metallb_474_rolling_update_with_zero_failed_connects() {
         debounce,
     )
     .toml();
-    let daemon = Daemon::start_with(
-        "disc-metallb",
-        &cgroup,
-        &kubeconfig_setting(&kubeconfig),
-        &config,
-    );
+    let daemon =
+        Daemon::start_with("disc-metallb", &cgroup, &kubeconfig_setting(&kubeconfig), &config);
     wait_view(&daemon, &[o1, o2], &[], "the first list");
 
     // The client loop: 4 threads, each connecting, reading the greeting
@@ -520,10 +483,8 @@ fn metallb_474_rolling_update_with_zero_failed_connects() {
     let step = |what: &str| steps.iter().find(|s| s.what == what).unwrap();
     let applied = |what: &str| step(what).applied.unwrap();
     let (new1_declared, new2_declared) = (step("new-1 ready").changed, step("new-2 ready").changed);
-    let (new1_not_ready, new2_not_ready) = (
-        step("new-1 not ready").changed,
-        step("new-2 not ready").changed,
-    );
+    let (new1_not_ready, new2_not_ready) =
+        (step("new-1 not ready").changed, step("new-2 not ready").changed);
     let (old1_drained, old2_drained) = (applied("old-1 terminating"), applied("old-2 terminating"));
 
     let mut names: HashMap<String, usize> = HashMap::new();
@@ -575,17 +536,9 @@ fn metallb_474_rolling_update_with_zero_failed_connects() {
         during_new1_not_ready > 0 && during_new2_not_ready > 0,
         "old-2 got no connects while a not-ready pod shared its node"
     );
-    assert!(
-        attempts
-            .iter()
-            .filter(|a| a.last)
-            .all(|a| matches!(a.outcome, Outcome::Server(_)))
-    );
+    assert!(attempts.iter().filter(|a| a.last).all(|a| matches!(a.outcome, Outcome::Server(_))));
     for name in ["old-1", "old-2", "new-1", "new-2"] {
-        assert!(
-            names.get(name).is_some_and(|n| *n > 0),
-            "{name} never took a connect: {names:?}"
-        );
+        assert!(names.get(name).is_some_and(|n| *n > 0), "{name} never took a connect: {names:?}");
     }
 }
 
@@ -621,12 +574,8 @@ fn terminating_endpoints_serve_until_a_ready_one_appears_and_keep_connections_un
         Duration::from_millis(200),
     )
     .toml();
-    let daemon = Daemon::start_with(
-        "disc-term",
-        &cgroup,
-        &kubeconfig_setting(&kubeconfig),
-        &config,
-    );
+    let daemon =
+        Daemon::start_with("disc-term", &cgroup, &kubeconfig_setting(&kubeconfig), &config);
     wait_view(&daemon, &[a1, a2], &[], "the first list");
     let closes = daemon.has_feature("sock_destroy");
 
@@ -648,10 +597,7 @@ fn terminating_endpoints_serve_until_a_ready_one_appears_and_keep_connections_un
 
     // Both terminate, still serving: the only endpoints left. Traffic
     // still flows to them.
-    set(&[
-        (a1, "n1", TerminatingServing),
-        (a2, "n2", TerminatingServing),
-    ]);
+    set(&[(a1, "n1", TerminatingServing), (a2, "n2", TerminatingServing)]);
     wait_view(&daemon, &[], &[a1, a2], "only terminating endpoints");
     let names = connects(&mut inside, vip, 20);
     all_in(&names, &["t1", "t2"], "only terminating endpoints left");
@@ -661,11 +607,7 @@ fn terminating_endpoints_serve_until_a_ready_one_appears_and_keep_connections_un
     );
 
     // A ready one appears: every new connect goes there; the held ones stay.
-    set(&[
-        (a1, "n1", TerminatingServing),
-        (a2, "n2", TerminatingServing),
-        (a3, "n3", Ready),
-    ]);
+    set(&[(a1, "n1", TerminatingServing), (a2, "n2", TerminatingServing), (a3, "n3", Ready)]);
     wait_view(&daemon, &[a3], &[a1, a2], "a ready endpoint appeared");
     let names = connects(&mut inside, vip, 20);
     all_in(&names, &["r1"], "a ready endpoint exists");
@@ -687,10 +629,7 @@ fn terminating_endpoints_serve_until_a_ready_one_appears_and_keep_connections_un
             "t1 left the list but its connection stayed open"
         );
     }
-    assert!(
-        inside.alive(h2),
-        "t2 is still listed (serving) but its connection was closed"
-    );
+    assert!(inside.alive(h2), "t2 is still listed (serving) but its connection was closed");
     all_in(&connects(&mut inside, vip, 10), &["r1"], "after t1 left");
 
     // t2 leaves too.
@@ -729,10 +668,7 @@ fn k3s_11349_the_watch_follows_the_apiservers_after_its_own_dies() {
     rt.block_on(api.listen(a1));
     rt.block_on(api.listen(a2));
     let apiservers = |list: &[(SocketAddr, &str)]| {
-        let list: Vec<_> = list
-            .iter()
-            .map(|(a, n)| (*a, *n, Condition::Ready))
-            .collect();
+        let list: Vec<_> = list.iter().map(|(a, n)| (*a, *n, Condition::Ready)).collect();
         api.apply(slice("kubernetes", "kubernetes", port, &list))
     };
     apiservers(&[(a1, "server-1"), (a2, "server-2")]);
@@ -748,12 +684,8 @@ fn k3s_11349_the_watch_follows_the_apiservers_after_its_own_dies() {
         Duration::from_millis(200),
     )
     .toml();
-    let daemon = Daemon::start_with(
-        "disc-k11349",
-        &cgroup,
-        &kubeconfig_setting(&kubeconfig),
-        &config,
-    );
+    let daemon =
+        Daemon::start_with("disc-k11349", &cgroup, &kubeconfig_setting(&kubeconfig), &config);
     wait_selected_set(&daemon, &[a1, a2], "both apiservers discovered");
 
     // The apiserver the watch is on.
@@ -791,10 +723,7 @@ fn k3s_11349_the_watch_follows_the_apiservers_after_its_own_dies() {
     eprintln!("requests after the outage: {after:?}; discovery status: {status}");
     assert_eq!(status["source"], "kubernetes");
     let selected = view(&service_status(&daemon)).selected;
-    assert!(
-        !selected.contains(&dead),
-        "the dead apiserver is still selected: {selected:?}"
-    );
+    assert!(!selected.contains(&dead), "the dead apiserver is still selected: {selected:?}");
     // The kubeconfig's address, the VIP, answers nobody outside the test
     // cgroup (the daemon is outside it): the watch can only have come back
     // through a server of the service, and the daemon says which.
@@ -803,10 +732,7 @@ fn k3s_11349_the_watch_follows_the_apiservers_after_its_own_dies() {
         "the VIP answered outside the cgroup"
     );
     assert!(
-        log_lines(
-            &daemon,
-            &format!("connected to the apiserver at {survivor}")
-        ) > 0,
+        log_lines(&daemon, &format!("connected to the apiserver at {survivor}")) > 0,
         "no connection to the surviving apiserver in the log:\n{}",
         daemon.log()
     );
@@ -838,10 +764,7 @@ fn startup_flapping_within_the_debounce_window_is_one_selection_change() {
     let metrics = addr(NET, 200, 9464);
     let debounce = Duration::from_secs(2);
     let config = kubernetes(ServiceBuilder::new("api", vip), "api", "https", debounce).toml();
-    let settings = format!(
-        "{}metrics = \"{metrics}\"\n",
-        kubeconfig_setting(&kubeconfig)
-    );
+    let settings = format!("{}metrics = \"{metrics}\"\n", kubeconfig_setting(&kubeconfig));
     let daemon = Daemon::start_with("disc-flap", &cgroup, &settings, &config);
     wait_view(&daemon, &[s1.addr], &[], "the first list");
     let mut inside = client(&cgroup);
@@ -902,20 +825,9 @@ fn startup_flapping_within_the_debounce_window_is_one_selection_change() {
         after.2 - before.2,
         daemon.log()
     );
-    assert!(view_is(
-        &view(&service_status(&daemon)),
-        &[s1.addr, s2.addr],
-        &[]
-    ));
-    assert!(
-        inside.alive(held.id()),
-        "the connection held through the flapping was closed"
-    );
-    all_in(
-        &connects(&mut inside, vip, 5),
-        &["s1", "s2"],
-        "after the flapping",
-    );
+    assert!(view_is(&view(&service_status(&daemon)), &[s1.addr, s2.addr], &[]));
+    assert!(inside.alive(held.id()), "the connection held through the flapping was closed");
+    all_in(&connects(&mut inside, vip, 5), &["s1", "s2"], "after the flapping");
 }
 
 /// An empty list keeps the last servers (status says so, connects still
@@ -943,45 +855,29 @@ fn empty_list_keeps_the_last_servers_and_a_restart_during_an_outage_uses_the_per
     let cgroup = TestCgroup::new("disc-empty");
     let vip = addr(NET, 100, 8443);
     let config = kubernetes(
-        ServiceBuilder::new("web", vip)
-            .servers(&[boot.addr])
-            .policy(Policy::Spread),
+        ServiceBuilder::new("web", vip).servers(&[boot.addr]).policy(Policy::Spread),
         "web",
         "https",
         Duration::from_millis(200),
     )
     .toml();
-    let mut daemon = Daemon::start_with(
-        "disc-empty",
-        &cgroup,
-        &kubeconfig_setting(&kubeconfig),
-        &config,
-    );
+    let mut daemon =
+        Daemon::start_with("disc-empty", &cgroup, &kubeconfig_setting(&kubeconfig), &config);
     wait_view(&daemon, &[s1.addr, s2.addr], &[], "the first list");
     let mut inside = client(&cgroup);
-    all_in(
-        &connects(&mut inside, vip, 10),
-        &["s1", "s2"],
-        "the discovered list",
-    );
+    all_in(&connects(&mut inside, vip, 10), &["s1", "s2"], "the discovered list");
 
     // The source goes blank: the last list stays.
     set(&[]);
     let status = wait_discovery(&daemon, "the empty list", |d| {
-        d["last_error"]
-            .as_str()
-            .is_some_and(|e| e.contains("no endpoints"))
+        d["last_error"].as_str().is_some_and(|e| e.contains("no endpoints"))
     });
     eprintln!("after an empty list: {status}");
     assert!(
         view_is(&view(&service_status(&daemon)), &[s1.addr, s2.addr], &[]),
         "an empty list changed the selection"
     );
-    all_in(
-        &connects(&mut inside, vip, 10),
-        &["s1", "s2"],
-        "after an empty list",
-    );
+    all_in(&connects(&mut inside, vip, 10), &["s1", "s2"], "after an empty list");
     let saved =
         std::fs::read_to_string(daemon.dir.join("state/servers.json")).expect("the state file");
     assert!(
@@ -1007,21 +903,12 @@ fn empty_list_keeps_the_last_servers_and_a_restart_during_an_outage_uses_the_per
         BTreeSet::from([s1.addr, s2.addr]),
         "the restarted daemon does not hold the persisted list: {status}"
     );
-    assert!(
-        view_is(&view(&status), &[s1.addr, s2.addr], &[]),
-        "{status}"
-    );
+    assert!(view_is(&view(&status), &[s1.addr, s2.addr], &[]), "{status}");
     let status = wait_discovery(&daemon, "the outage", |d| {
-        d["last_error"]
-            .as_str()
-            .is_some_and(|e| e.starts_with("kubernetes"))
+        d["last_error"].as_str().is_some_and(|e| e.starts_with("kubernetes"))
     });
     eprintln!("during the outage: {status}");
-    all_in(
-        &connects(&mut inside, vip, 10),
-        &["s1", "s2"],
-        "during the outage",
-    );
+    all_in(&connects(&mut inside, vip, 10), &["s1", "s2"], "during the outage");
     assert_eq!(boot.accepted(), 0, "the bootstrap server got connects");
 
     // The apiserver is back, with a change: it is followed again.
@@ -1064,13 +951,8 @@ fn dns_records_are_followed_and_servfail_keeps_the_last_list() {
         .raw("refresh_max = \"500ms\"")
         .toml();
     let server = dns.addr().to_string();
-    let daemon = Daemon::start_with_env(
-        "disc-dns",
-        &cgroup,
-        "",
-        &[("LB_DNS_SERVER", &server)],
-        &config,
-    );
+    let daemon =
+        Daemon::start_with_env("disc-dns", &cgroup, "", &[("LB_DNS_SERVER", &server)], &config);
     wait_view(&daemon, &[d1.addr], &[], "the first answer");
     assert_eq!(service_status(&daemon)["discovery"]["source"], "dns");
     let mut inside = client(&cgroup);
@@ -1082,29 +964,19 @@ fn dns_records_are_followed_and_servfail_keeps_the_last_list() {
     let d1_before = d1.accepted();
     let names = connects(&mut inside, vip, 20);
     all_in(&names, &["d2", "d3"], "after the records changed");
-    assert_eq!(
-        d1.accepted(),
-        d1_before,
-        "d1 left the records but got a connect"
-    );
+    assert_eq!(d1.accepted(), d1_before, "d1 left the records but got a connect");
 
     // SERVFAIL: the last list stays, and status says why.
     dns.set_mode(Mode::ServFail);
     let status = wait_discovery(&daemon, "SERVFAIL", |d| {
-        d["last_error"]
-            .as_str()
-            .is_some_and(|e| e.contains("SERVFAIL"))
+        d["last_error"].as_str().is_some_and(|e| e.contains("SERVFAIL"))
     });
     eprintln!("during SERVFAIL: {status}");
     assert!(
         view_is(&view(&service_status(&daemon)), &[d2.addr, d3.addr], &[]),
         "SERVFAIL changed the selection"
     );
-    all_in(
-        &connects(&mut inside, vip, 10),
-        &["d2", "d3"],
-        "during SERVFAIL",
-    );
+    all_in(&connects(&mut inside, vip, 10), &["d2", "d3"], "during SERVFAIL");
     let queries = dns.queries();
     assert!(
         wait_until(WAIT, || dns.queries() > queries + 1),
@@ -1121,9 +993,5 @@ fn dns_records_are_followed_and_servfail_keeps_the_last_list() {
         d["last_error"].is_null() && d["last_success"].is_u64()
     });
     eprintln!("recovered: {status}");
-    all_in(
-        &connects(&mut inside, vip, 10),
-        &["d2", "d3"],
-        "after recovery",
-    );
+    all_in(&connects(&mut inside, vip, 10), &["d2", "d3"], "after recovery");
 }

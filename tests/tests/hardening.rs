@@ -55,7 +55,9 @@ fn counter(daemon: &Daemon, reason: &str) -> u64 {
 }
 
 fn maps(daemon: &Daemon) -> PinnedMaps {
-    PinnedMaps::open(&daemon.bpffs).unwrap_or_else(|e| panic!("opening the pinned maps under {}: {e:#}", daemon.bpffs.display()))
+    PinnedMaps::open(&daemon.bpffs).unwrap_or_else(|e| {
+        panic!("opening the pinned maps under {}: {e:#}", daemon.bpffs.display())
+    })
 }
 
 /// The pid of the `lb run` whose command line names `config`.
@@ -87,27 +89,52 @@ fn a_cancelled_connect_is_no_server_failure() {
     let s1 = SlowToOne::start("s1", addr(60, 1, 0), slow_client);
     let s2 = Backend::start("s2", addr(60, 2, 0));
     let vip = addr(60, 100, 6444);
-    let config = ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).toml();
+    let config =
+        ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).toml();
     let daemon = Daemon::start("cancel", &cgroup, &config);
     let mut inside = client(&cgroup);
 
     let held = inside.hold(vip);
-    assert_eq!((held.greeting.as_str(), held.peer), ("s1", vip), "the held connection goes to s1 and shows the VIP");
-    assert!(s1.slow_client_is_ignored(), "the setup: SYNs from {slow_client} to s1 must go unanswered");
+    assert_eq!(
+        (held.greeting.as_str(), held.peer),
+        ("s1", vip),
+        "the held connection goes to s1 and shows the VIP"
+    );
+    assert!(
+        s1.slow_client_is_ignored(),
+        "the setup: SYNs from {slow_client} to s1 must go unanswered"
+    );
     let state = server_field(&daemon, s1.addr, "state");
 
     let syn_sent = inside.cancel(vip, IpAddr::V4(slow_client), 100, Duration::from_millis(50));
     // Whatever the kernel reported, the daemon has read it by now.
     std::thread::sleep(Duration::from_millis(500));
 
-    let reported = ["sockops_connect_failed", "sockops_connect_timeout"].map(|r| (r, counter(&daemon, r)));
-    assert_eq!(server_field(&daemon, s1.addr, "recently_failed"), false, "a cancelled connect marked s1 failed in the kernel: {reported:?}");
-    assert!(!maps(&daemon).failure_marks().contains(&s1.addr), "a cancelled connect left a failure mark for s1 in FAILED_AT");
+    let reported =
+        ["sockops_connect_failed", "sockops_connect_timeout"].map(|r| (r, counter(&daemon, r)));
+    assert_eq!(
+        server_field(&daemon, s1.addr, "recently_failed"),
+        false,
+        "a cancelled connect marked s1 failed in the kernel: {reported:?}"
+    );
+    assert!(
+        !maps(&daemon).failure_marks().contains(&s1.addr),
+        "a cancelled connect left a failure mark for s1 in FAILED_AT"
+    );
     // (A mark would have sent the next connects to s2, where they establish.)
     assert_eq!(syn_sent, 100, "every connect went to s1 and was given up on in SYN_SENT");
-    assert_eq!(server_field(&daemon, s1.addr, "state"), state, "s1's state changed:\n{}", daemon.log());
+    assert_eq!(
+        server_field(&daemon, s1.addr, "state"),
+        state,
+        "s1's state changed:\n{}",
+        daemon.log()
+    );
     assert!(inside.alive(held.id), "the held connection to s1 was closed");
-    assert_eq!(counter(&daemon, "sockops_connect_failed"), 0, "a cancelled connect was reported as failed");
+    assert_eq!(
+        counter(&daemon, "sockops_connect_failed"),
+        0,
+        "a cancelled connect was reported as failed"
+    );
     assert_eq!(counter(&daemon, "sockops_connect_timeout"), 0);
     for reason in ["release_cancelled", "sockops_cancelled"] {
         assert!(counter(&daemon, reason) >= 100, "{reason}: {}", counter(&daemon, reason));
@@ -117,7 +144,10 @@ fn a_cancelled_connect_is_no_server_failure() {
     // A real refusal still moves the very next connect, in the kernel.
     let s1 = s1.stop();
     let refused = inside.connect(vip);
-    assert!(refused.as_ref().is_err_and(|e| e.contains("refused")), "the connect to the stopped s1: {refused:?}");
+    assert!(
+        refused.as_ref().is_err_and(|e| e.contains("refused")),
+        "the connect to the stopped s1: {refused:?}"
+    );
     let after_refusal = Instant::now();
     assert_eq!(inside.connect(vip).as_deref(), Ok("s2"), "the connect right after the refusal");
     eprintln!("the connect after the refusal landed on s2 {:?} later", after_refusal.elapsed());
@@ -137,7 +167,11 @@ fn released_sockets_leave_the_socket_table() {
     let cgroup = TestCgroup::new("churn");
     let s1 = Backend::start("s1", addr(61, 1, 0));
     let vip = addr(61, 100, 6444);
-    let daemon = Daemon::start("churn", &cgroup, &ServiceBuilder::new("api", vip).servers(&[s1.addr]).toml());
+    let daemon = Daemon::start(
+        "churn",
+        &cgroup,
+        &ServiceBuilder::new("api", vip).servers(&[s1.addr]).toml(),
+    );
     let mut inside = client(&cgroup);
 
     let held = inside.hold(vip);
@@ -154,7 +188,10 @@ fn released_sockets_leave_the_socket_table() {
         "the socket tables hold (TCP, UDP) = {tracked:?}; live: one TCP connection"
     );
     assert!(counter(&daemon, "release_udp") >= 2000);
-    assert_eq!(counter(&daemon, "connect_untracked") + counter(&daemon, "connect_untracked_udp"), 0);
+    assert_eq!(
+        counter(&daemon, "connect_untracked") + counter(&daemon, "connect_untracked_udp"),
+        0
+    );
 
     assert_eq!(daemon.connections("api", s1.addr), 1, "the held connection is still counted");
     assert_eq!(inside.peer(held.id), vip, "getpeername still shows the VIP");
@@ -162,8 +199,15 @@ fn released_sockets_leave_the_socket_table() {
         return;
     }
     let closed = daemon.lb(&["close-connections", &s1.addr.to_string()]);
-    assert!(wait_until(Duration::from_secs(5), || !inside.alive(held.id)), "lb close-connections did not close the held connection: {closed}");
-    assert!(wait_until(Duration::from_secs(5), || maps(&daemon).tracked_sockets() == (0, 0)), "{:?}", maps(&daemon).tracked_sockets());
+    assert!(
+        wait_until(Duration::from_secs(5), || !inside.alive(held.id)),
+        "lb close-connections did not close the held connection: {closed}"
+    );
+    assert!(
+        wait_until(Duration::from_secs(5), || maps(&daemon).tracked_sockets() == (0, 0)),
+        "{:?}",
+        maps(&daemon).tracked_sockets()
+    );
     assert!(wait_until(Duration::from_secs(5), || daemon.connections("api", s1.addr) == 0));
 }
 
@@ -188,16 +232,32 @@ fn a_host_scoped_service_leaves_other_network_namespaces_alone() {
     // and the daemon is not in the initial namespace); never here, where
     // the daemon runs in the initial namespace.
     let datapath = &daemon.status()["datapath"];
-    assert!(datapath["netns_scope"] != false && datapath["features"]["netns_scope"] != false, "{datapath}");
+    assert!(
+        datapath["netns_scope"] != false && datapath["features"]["netns_scope"] != false,
+        "{datapath}"
+    );
     let mut host = client(&cgroup);
-    assert_eq!(host.connect(vip).as_deref(), Ok("s1"), "in the daemon's namespace the VIP is rewritten");
+    assert_eq!(
+        host.connect(vip).as_deref(),
+        Ok("s1"),
+        "in the daemon's namespace the VIP is rewritten"
+    );
     let state = server_field(&daemon, s1.addr, "state");
 
     let answer = connect_from_own_netns(CLIENT, &cgroup, vip, s1.addr);
-    assert_eq!(answer, format!("ok {vip} pod-vip"), "from another network namespace, a host-scoped VIP must reach that namespace's own listener");
+    assert_eq!(
+        answer,
+        format!("ok {vip} pod-vip"),
+        "from another network namespace, a host-scoped VIP must reach that namespace's own listener"
+    );
     assert_eq!(s1.accepted(), 1, "only the host's connect reached s1");
     assert!(counter(&daemon, "connect_other_netns") >= 1);
-    assert_eq!(server_field(&daemon, s1.addr, "state"), state, "the host's server state changed:\n{}", daemon.log());
+    assert_eq!(
+        server_field(&daemon, s1.addr, "state"),
+        state,
+        "the host's server state changed:\n{}",
+        daemon.log()
+    );
     assert_eq!(server_field(&daemon, s1.addr, "recently_failed"), false);
     assert_eq!(counter(&daemon, "sockops_connect_failed"), 0);
 
@@ -231,7 +291,11 @@ fn forget_removes_what_the_kernel_keeps_about_removed_servers() {
     let s1 = Backend::start("s1", addr(63, 1, 0));
     let s2 = Backend::start("s2", addr(63, 2, 0));
     let vip = addr(63, 100, 6444);
-    let daemon = Daemon::start("forget", &cgroup, &ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).toml());
+    let daemon = Daemon::start(
+        "forget",
+        &cgroup,
+        &ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).toml(),
+    );
     let mut inside = client(&cgroup);
     assert_eq!(inside.connect(vip).as_deref(), Ok("s1"));
     let s1 = s1.stop();
@@ -241,14 +305,23 @@ fn forget_removes_what_the_kernel_keeps_about_removed_servers() {
 
     let mut maps = maps(&daemon);
     assert!(maps.failure_marks().contains(&s1));
-    assert!(wait_until(Duration::from_secs(5), || maps.connection_counts().contains(&(vip, s1, 0))), "{:?}", maps.connection_counts());
+    assert!(
+        wait_until(Duration::from_secs(5), || maps.connection_counts().contains(&(vip, s1, 0))),
+        "{:?}",
+        maps.connection_counts()
+    );
     daemon.lb(&["servers", "api", &s2.addr.to_string()]);
-    assert!(wait_until(Duration::from_secs(5), || daemon.status()["services"][0]["selected"] == serde_json::json!([s2.addr.to_string()])));
+    assert!(wait_until(Duration::from_secs(5), || daemon.status()["services"][0]["selected"]
+        == serde_json::json!([s2.addr.to_string()])));
 
     let forgotten = maps.forget(&[(vip, vec![s2.addr])]).expect("forget");
     eprintln!("forget: {forgotten:?}");
     assert!(!maps.failure_marks().contains(&s1), "s1 is in no service: its failure mark must go");
-    assert_eq!(maps.connection_counts(), vec![(vip, s2.addr, 1)], "s1's zero count must go; s2's stays");
+    assert_eq!(
+        maps.connection_counts(),
+        vec![(vip, s2.addr, 1)],
+        "s1's zero count must go; s2's stays"
+    );
 
     // Not configured, but with a live connection: the count stays.
     maps.forget(&[]).expect("forget");
@@ -268,7 +341,11 @@ fn removing_a_server_forgets_its_failure_mark() {
     let s1 = Backend::start("s1", addr(64, 1, 0));
     let s2 = Backend::start("s2", addr(64, 2, 0));
     let vip = addr(64, 100, 6444);
-    let daemon = Daemon::start("forgetd", &cgroup, &ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).toml());
+    let daemon = Daemon::start(
+        "forgetd",
+        &cgroup,
+        &ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).toml(),
+    );
     let mut inside = client(&cgroup);
     assert_eq!(inside.connect(vip).as_deref(), Ok("s1"));
     let s1 = s1.stop();
@@ -280,7 +357,8 @@ fn removing_a_server_forgets_its_failure_mark() {
     assert!(
         wait_until(Duration::from_secs(5), || {
             let maps = maps(&daemon);
-            !maps.failure_marks().contains(&s1) && !maps.connection_counts().iter().any(|(_, server, _)| *server == s1)
+            !maps.failure_marks().contains(&s1)
+                && !maps.connection_counts().iter().any(|(_, server, _)| *server == s1)
         }),
         "the removed server's FAILED_AT mark or CONNECTIONS count stayed: {:?} {:?}",
         maps(&daemon).failure_marks(),
@@ -299,7 +377,11 @@ fn a_second_daemon_on_the_same_pins_exits_naming_the_first() {
     let cgroup = TestCgroup::new("twodaemons");
     let s1 = Backend::start("s1", addr(65, 1, 0));
     let vip = addr(65, 100, 6444);
-    let daemon = Daemon::start("twodaemons", &cgroup, &ServiceBuilder::new("api", vip).servers(&[s1.addr]).toml());
+    let daemon = Daemon::start(
+        "twodaemons",
+        &cgroup,
+        &ServiceBuilder::new("api", vip).servers(&[s1.addr]).toml(),
+    );
     let first = daemon_pid(&daemon.config);
 
     let text = std::fs::read_to_string(&daemon.config).unwrap();
@@ -308,14 +390,30 @@ fn a_second_daemon_on_the_same_pins_exits_naming_the_first() {
     assert_ne!(second_text, text);
     std::fs::write(&second, second_text).unwrap();
     let (status, output) = run_to_exit(&lb_bin(), &second, Duration::from_secs(30));
-    let status = status.unwrap_or_else(|| panic!("the second daemon kept running on the first one's pins:\n{output}"));
+    let status = status.unwrap_or_else(|| {
+        panic!("the second daemon kept running on the first one's pins:\n{output}")
+    });
     assert!(!status.success(), "the second daemon exited with {status}:\n{output}");
-    assert!(output.contains(&format!("pid {first}")), "the message must name the first daemon (pid {first}):\n{output}");
-    assert!(output.contains(&daemon.bpffs.display().to_string()), "the message must name the pins:\n{output}");
+    assert!(
+        output.contains(&format!("pid {first}")),
+        "the message must name the first daemon (pid {first}):\n{output}"
+    );
+    assert!(
+        output.contains(&daemon.bpffs.display().to_string()),
+        "the message must name the pins:\n{output}"
+    );
 
     let mut inside = client(&cgroup);
-    assert_eq!(inside.connect(vip).as_deref(), Ok("s1"), "the first daemon's datapath keeps working");
-    assert_eq!(daemon.status()["services"][0]["selected"], serde_json::json!([s1.addr.to_string()]), "and the first daemon answers");
+    assert_eq!(
+        inside.connect(vip).as_deref(),
+        Ok("s1"),
+        "the first daemon's datapath keeps working"
+    );
+    assert_eq!(
+        daemon.status()["services"][0]["selected"],
+        serde_json::json!([s1.addr.to_string()]),
+        "and the first daemon answers"
+    );
 }
 
 /// Issue 10, item 5 (the refusal half): pins without the layout version
@@ -329,15 +427,23 @@ fn pins_of_another_layout_are_refused_naming_lb_detach() {
     let cgroup = TestCgroup::new("layout");
     let s1 = Backend::start("s1", addr(66, 1, 0));
     let vip = addr(66, 100, 6444);
-    let mut daemon = Daemon::start("layout", &cgroup, &ServiceBuilder::new("api", vip).servers(&[s1.addr]).toml());
+    let mut daemon = Daemon::start(
+        "layout",
+        &cgroup,
+        &ServiceBuilder::new("api", vip).servers(&[s1.addr]).toml(),
+    );
     daemon.kill();
     let meta = daemon.bpffs.join("maps/META");
     std::fs::remove_file(&meta).unwrap_or_else(|e| panic!("removing {}: {e}", meta.display()));
 
     let (status, output) = run_to_exit(&lb_bin(), &daemon.config, Duration::from_secs(30));
-    let status = status.unwrap_or_else(|| panic!("the daemon adopted pins of another layout:\n{output}"));
+    let status =
+        status.unwrap_or_else(|| panic!("the daemon adopted pins of another layout:\n{output}"));
     assert!(!status.success());
-    assert!(output.contains("layout") && output.contains("lb detach"), "the message must say why and what to run:\n{output}");
+    assert!(
+        output.contains("layout") && output.contains("lb detach"),
+        "the message must say why and what to run:\n{output}"
+    );
     let mut inside = client(&cgroup);
     assert_eq!(inside.connect(vip).as_deref(), Ok("s1"), "the refused pins were left working");
 
@@ -361,8 +467,13 @@ fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
     let cgroup = TestCgroup::new("upgrade");
     let s1 = Backend::start("s1", addr(67, 1, 0));
     let vip = addr(67, 100, 6444);
-    let mut daemon = Daemon::start("upgrade", &cgroup, &ServiceBuilder::new("api", vip).servers(&[s1.addr]).toml());
-    let before = lb_user::datapath::pinned_program_ids(&daemon.bpffs).expect("reading the pinned links");
+    let mut daemon = Daemon::start(
+        "upgrade",
+        &cgroup,
+        &ServiceBuilder::new("api", vip).servers(&[s1.addr]).toml(),
+    );
+    let before =
+        lb_user::datapath::pinned_program_ids(&daemon.bpffs).expect("reading the pinned links");
     assert!(before.len() >= 4, "{before:?}");
     let stop = daemon.dir.join("stop-storm");
 
@@ -370,27 +481,50 @@ fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
         // The storm ends when this goes, on every path out of the scope.
         let _stop = StopFile(&stop);
         let storm = scope.spawn(|| {
-            Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(&cgroup)).storm(vip, 200, Duration::from_secs(120), &stop)
+            Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(&cgroup)).storm(
+                vip,
+                200,
+                Duration::from_secs(120),
+                &stop,
+            )
         });
-        assert!(wait_until(Duration::from_secs(30), || s1.accepted() > 200), "the storm did not start");
+        assert!(
+            wait_until(Duration::from_secs(30), || s1.accepted() > 200),
+            "the storm did not start"
+        );
         daemon.kill();
         // What an older lb's programs would look like to this one.
-        lb_user::datapath::write_program_fingerprint(&daemon.bpffs, 0).expect("writing the fingerprint");
+        lb_user::datapath::write_program_fingerprint(&daemon.bpffs, 0)
+            .expect("writing the fingerprint");
         daemon.restart();
         let replaced = s1.accepted();
-        assert!(wait_until(Duration::from_secs(30), || s1.accepted() > replaced + 200), "the storm stopped after the replacement");
+        assert!(
+            wait_until(Duration::from_secs(30), || s1.accepted() > replaced + 200),
+            "the storm stopped after the replacement"
+        );
         std::fs::write(&stop, "").unwrap();
         storm.join().expect("the storm client")
     });
     eprintln!("{summary}");
-    let after = lb_user::datapath::pinned_program_ids(&daemon.bpffs).expect("reading the pinned links");
+    let after =
+        lb_user::datapath::pinned_program_ids(&daemon.bpffs).expect("reading the pinned links");
     assert_eq!(after.len(), before.len());
     for ((name, old), (_, new)) in before.iter().zip(&after) {
         assert_ne!(old, new, "{name} was not replaced:\n{}", daemon.log());
     }
     assert!(daemon.log().contains("replaced them"), "{}", daemon.log());
-    let field = |name: &str| summary.split_whitespace().find_map(|w| w.strip_prefix(name)).unwrap_or_else(|| panic!("{summary}")).to_owned();
-    assert_eq!(field("failed="), "0", "a connect during the replacement was not rewritten: {summary}");
+    let field = |name: &str| {
+        summary
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(name))
+            .unwrap_or_else(|| panic!("{summary}"))
+            .to_owned()
+    };
+    assert_eq!(
+        field("failed="),
+        "0",
+        "a connect during the replacement was not rewritten: {summary}"
+    );
     assert_eq!(field("names="), format!("s1:{}", field("total=")), "{summary}");
 }
 

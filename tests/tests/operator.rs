@@ -8,7 +8,10 @@ use std::{
     time::Duration,
 };
 
-use lb_tests::{Backend, Check, Client, Connect, Daemon, Policy, ServiceBuilder, TestCgroup, addr, privileged, wait_until};
+use lb_tests::{
+    Backend, Check, Client, Connect, Daemon, Policy, ServiceBuilder, TestCgroup, addr, privileged,
+    wait_until,
+};
 
 fn client(cgroup: &TestCgroup) -> Client {
     Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(cgroup))
@@ -19,7 +22,8 @@ fn client(cgroup: &TestCgroup) -> Client {
 const TCP_EVERY_200MS: Check = Check::Tcp { interval: Duration::from_millis(200) };
 
 fn scrape(metrics: SocketAddr) -> String {
-    let mut stream = TcpStream::connect_timeout(&metrics, Duration::from_secs(5)).expect("metrics endpoint");
+    let mut stream =
+        TcpStream::connect_timeout(&metrics, Duration::from_secs(5)).expect("metrics endpoint");
     stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     write!(stream, "GET /metrics HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n").unwrap();
     let mut response = String::new();
@@ -42,10 +46,18 @@ fn reload_applies_only_the_difference_under_live_connections() {
     let one = Backend::start("one", addr(30, 1, 0));
     let two = Backend::start("two", addr(30, 2, 0));
     let three = Backend::start("three", addr(30, 3, 0));
-    let (kept_vip, changed_vip, removed_vip, added_vip) = (addr(30, 100, 80), addr(30, 101, 80), addr(30, 102, 80), addr(30, 103, 80));
-    let before = ServiceBuilder::new("kept", kept_vip).servers(&[one.addr]).check(TCP_EVERY_200MS).toml()
-        + &ServiceBuilder::new("changed", changed_vip).servers(&[two.addr]).check(TCP_EVERY_200MS).toml()
-        + &ServiceBuilder::new("removed", removed_vip).servers(&[three.addr]).check(TCP_EVERY_200MS).toml();
+    let (kept_vip, changed_vip, removed_vip, added_vip) =
+        (addr(30, 100, 80), addr(30, 101, 80), addr(30, 102, 80), addr(30, 103, 80));
+    let before =
+        ServiceBuilder::new("kept", kept_vip).servers(&[one.addr]).check(TCP_EVERY_200MS).toml()
+            + &ServiceBuilder::new("changed", changed_vip)
+                .servers(&[two.addr])
+                .check(TCP_EVERY_200MS)
+                .toml()
+            + &ServiceBuilder::new("removed", removed_vip)
+                .servers(&[three.addr])
+                .check(TCP_EVERY_200MS)
+                .toml();
     let daemon = Daemon::start("reload", &cgroup, &before);
     if !daemon.has_feature("sock_destroy") {
         return;
@@ -59,20 +71,42 @@ fn reload_applies_only_the_difference_under_live_connections() {
     assert_eq!(removed.landed(), "three");
     let kept_state_before = daemon.status()["services"][0].clone();
 
-    let after = ServiceBuilder::new("kept", kept_vip).servers(&[one.addr]).check(TCP_EVERY_200MS).toml()
-        + &ServiceBuilder::new("changed", changed_vip).servers(&[two.addr, three.addr]).check(TCP_EVERY_200MS).policy(Policy::Spread).toml()
-        + &ServiceBuilder::new("added", added_vip).servers(&[three.addr]).check(TCP_EVERY_200MS).toml();
+    let after =
+        ServiceBuilder::new("kept", kept_vip).servers(&[one.addr]).check(TCP_EVERY_200MS).toml()
+            + &ServiceBuilder::new("changed", changed_vip)
+                .servers(&[two.addr, three.addr])
+                .check(TCP_EVERY_200MS)
+                .policy(Policy::Spread)
+                .toml()
+            + &ServiceBuilder::new("added", added_vip)
+                .servers(&[three.addr])
+                .check(TCP_EVERY_200MS)
+                .toml();
     daemon.write_config(&cgroup, &after);
     assert_eq!(daemon.lb(&["reload"]).trim(), "config reloaded");
 
     let status = daemon.status();
-    let names: Vec<&str> = status["services"].as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect();
+    let names: Vec<&str> = status["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
     assert_eq!(names, ["kept", "changed", "added"]);
-    assert_eq!(status["services"][0], kept_state_before, "an unchanged service keeps its state and counts");
+    assert_eq!(
+        status["services"][0], kept_state_before,
+        "an unchanged service keeps its state and counts"
+    );
     assert_eq!(status["services"][1]["policy"], "spread");
     assert!(inside.alive(kept.id()), "an unchanged service keeps its connections");
-    assert!(inside.alive(changed.id()), "a changed service keeps connections to servers it still has");
-    assert!(wait_until(Duration::from_secs(5), || !inside.alive(removed.id())), "a removed service's VIP connections must be closed");
+    assert!(
+        inside.alive(changed.id()),
+        "a changed service keeps connections to servers it still has"
+    );
+    assert!(
+        wait_until(Duration::from_secs(5), || !inside.alive(removed.id())),
+        "a removed service's VIP connections must be closed"
+    );
     assert_eq!(inside.connect(added_vip).landed(), "three");
     // The removed VIP is not rewritten any more: nothing listens on it.
     assert!(matches!(inside.connect(removed_vip), Connect::Err(e) if e.contains("refused")));
@@ -87,19 +121,30 @@ fn an_invalid_reload_keeps_serving_the_old_config_and_says_so() {
     let cgroup = TestCgroup::new("badreload");
     let one = Backend::start("one", addr(31, 1, 0));
     let vip = addr(31, 100, 80);
-    let daemon = Daemon::start("badreload", &cgroup, &ServiceBuilder::new("api", vip).servers(&[one.addr]).check(TCP_EVERY_200MS).toml());
+    let daemon = Daemon::start(
+        "badreload",
+        &cgroup,
+        &ServiceBuilder::new("api", vip).servers(&[one.addr]).check(TCP_EVERY_200MS).toml(),
+    );
     let mut inside = client(&cgroup);
     let open = inside.connect(vip);
     assert_eq!(open.landed(), "one");
 
     // A typo'd key and a bad address: rejected as a whole.
-    let bad = ServiceBuilder::new("api", vip).servers(&["127.77.31.2:0".parse().unwrap()]).check(TCP_EVERY_200MS).raw("polcy = \"spread\"");
+    let bad = ServiceBuilder::new("api", vip)
+        .servers(&["127.77.31.2:0".parse().unwrap()])
+        .check(TCP_EVERY_200MS)
+        .raw("polcy = \"spread\"");
     daemon.write_config(&cgroup, &bad.toml());
     let error = daemon.try_lb(&["reload"]).expect_err("an invalid reload must fail");
     assert!(error.contains("polcy"), "{error}");
     // SIGHUP takes the same path.
     daemon.signal(libc::SIGHUP);
-    assert!(wait_until(Duration::from_secs(5), || daemon.log().matches("reload failed").count() >= 2), "{}", daemon.log());
+    assert!(
+        wait_until(Duration::from_secs(5), || daemon.log().matches("reload failed").count() >= 2),
+        "{}",
+        daemon.log()
+    );
 
     let status = daemon.status();
     assert_eq!(status["config"]["last_reload"]["ok"], false);
@@ -123,12 +168,18 @@ fn metrics_match_what_happened() {
     // A second service judged by kernel reports only, whose first server
     // is dead: the connect through it fails and is counted.
     let passive_vip = addr(32, 101, 80);
-    let passive = ServiceBuilder::new("passive", passive_vip).servers(&[dead, one.addr]).check(Check::None);
+    let passive =
+        ServiceBuilder::new("passive", passive_vip).servers(&[dead, one.addr]).check(Check::None);
     let daemon = Daemon::start_with(
         "metrics",
         &cgroup,
         &format!("metrics = \"{metrics}\"\n"),
-        &(ServiceBuilder::new("api", vip).servers(&[dead, one.addr]).check(TCP_EVERY_200MS).hold_down(Duration::from_secs(60)).toml() + &passive.toml()),
+        &(ServiceBuilder::new("api", vip)
+            .servers(&[dead, one.addr])
+            .check(TCP_EVERY_200MS)
+            .hold_down(Duration::from_secs(60))
+            .toml()
+            + &passive.toml()),
     );
     if !daemon.has_feature("sock_destroy") {
         return;
@@ -136,35 +187,89 @@ fn metrics_match_what_happened() {
 
     let mut inside = client(&cgroup);
     // The dead server fails its checks; the live one becomes active.
-    assert!(wait_until(Duration::from_secs(10), || daemon.status()["services"][0]["servers"][1]["state"] == "active"), "{}", daemon.log());
-    let ids: Vec<u32> = (0..3).map(|_| inside.connect(vip)).inspect(|a| assert_eq!(a.landed(), "one")).map(|a| a.id()).collect();
+    assert!(
+        wait_until(
+            Duration::from_secs(10),
+            || daemon.status()["services"][0]["servers"][1]["state"] == "active"
+        ),
+        "{}",
+        daemon.log()
+    );
+    let ids: Vec<u32> = (0..3)
+        .map(|_| inside.connect(vip))
+        .inspect(|a| assert_eq!(a.landed(), "one"))
+        .map(|a| a.id())
+        .collect();
     let said = daemon.lb(&["close-connections", &one.addr.to_string()]);
     assert!(said.contains("closed 3 connections"), "{said}");
     for id in &ids {
         assert!(wait_until(Duration::from_secs(5), || !inside.alive(*id)));
     }
     let _still_open = inside.connect(vip);
-    assert!(matches!(inside.connect(passive_vip), Connect::Err(_)), "the passive service's first server is dead");
+    assert!(
+        matches!(inside.connect(passive_vip), Connect::Err(_)),
+        "the passive service's first server is dead"
+    );
     daemon.try_lb(&["reload"]).unwrap();
 
     let server = |s: SocketAddr| format!("service=\"api\",server=\"{s}\"");
     assert!(
-        wait_until(Duration::from_secs(5), || sample(&scrape(metrics), &format!("lb_server_connections{{{}}}", server(one.addr))) == Some(1.0)),
+        wait_until(Duration::from_secs(5), || sample(
+            &scrape(metrics),
+            &format!("lb_server_connections{{{}}}", server(one.addr))
+        ) == Some(1.0)),
         "{}",
         scrape(metrics)
     );
     let text = scrape(metrics);
-    assert_eq!(sample(&text, &format!("lb_server_state{{{},state=\"active\"}}", server(one.addr))), Some(1.0), "{text}");
-    assert_eq!(sample(&text, &format!("lb_server_state{{{},state=\"failed\"}}", server(dead))), Some(1.0), "{text}");
+    assert_eq!(
+        sample(&text, &format!("lb_server_state{{{},state=\"active\"}}", server(one.addr))),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, &format!("lb_server_state{{{},state=\"failed\"}}", server(dead))),
+        Some(1.0),
+        "{text}"
+    );
     assert_eq!(sample(&text, &format!("lb_server_healthy{{{}}}", server(one.addr))), Some(1.0));
     assert_eq!(sample(&text, &format!("lb_server_healthy{{{}}}", server(dead))), Some(0.0));
-    assert_eq!(sample(&text, &format!("lb_connections_closed_total{{{},reason=\"manual\"}}", server(one.addr))), Some(3.0), "{text}");
+    assert_eq!(
+        sample(
+            &text,
+            &format!("lb_connections_closed_total{{{},reason=\"manual\"}}", server(one.addr))
+        ),
+        Some(3.0),
+        "{text}"
+    );
     assert_eq!(sample(&text, "lb_config_reloads_total{result=\"success\"}"), Some(1.0), "{text}");
     assert!(sample(&text, "lb_selection_changes_total{service=\"api\"}").unwrap() >= 1.0);
-    assert!(sample(&text, "lb_datapath_decisions_total{reason=\"connect_rewritten\"}").unwrap() >= 4.0, "{text}");
-    assert!(sample(&text, &format!("lb_health_check_duration_seconds_count{{{}}}", server(one.addr))).unwrap() >= 1.0, "{text}");
-    assert_eq!(sample(&text, &format!("lb_connect_failures_total{{service=\"passive\",server=\"{dead}\"}}")), Some(1.0), "{text}");
-    assert_eq!(sample(&text, &format!("lb_server_state{{service=\"passive\",server=\"{dead}\",state=\"failed\"}}")), Some(1.0), "{text}");
+    assert!(
+        sample(&text, "lb_datapath_decisions_total{reason=\"connect_rewritten\"}").unwrap() >= 4.0,
+        "{text}"
+    );
+    assert!(
+        sample(&text, &format!("lb_health_check_duration_seconds_count{{{}}}", server(one.addr)))
+            .unwrap()
+            >= 1.0,
+        "{text}"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            &format!("lb_connect_failures_total{{service=\"passive\",server=\"{dead}\"}}")
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            &format!("lb_server_state{{service=\"passive\",server=\"{dead}\",state=\"failed\"}}")
+        ),
+        Some(1.0),
+        "{text}"
+    );
 }
 
 #[test]
@@ -175,7 +280,11 @@ fn sigterm_leaves_the_datapath_working_unless_detach_on_exit() {
     let cgroup = TestCgroup::new("sigterm");
     let one = Backend::start("one", addr(33, 1, 0));
     let vip = addr(33, 100, 80);
-    let mut daemon = Daemon::start("sigterm", &cgroup, &ServiceBuilder::new("api", vip).servers(&[one.addr]).check(TCP_EVERY_200MS).toml());
+    let mut daemon = Daemon::start(
+        "sigterm",
+        &cgroup,
+        &ServiceBuilder::new("api", vip).servers(&[one.addr]).check(TCP_EVERY_200MS).toml(),
+    );
     let mut inside = client(&cgroup);
     let open = inside.connect(vip);
     assert_eq!(open.landed(), "one");
@@ -191,5 +300,8 @@ fn sigterm_leaves_the_datapath_working_unless_detach_on_exit() {
     daemon.signal(libc::SIGTERM);
     assert!(daemon.wait_exit(Duration::from_secs(10)));
     assert!(!daemon.bpffs.exists(), "--detach-on-exit must remove every pin");
-    assert!(matches!(inside.connect(vip), Connect::Err(e) if e.contains("refused")), "nothing rewrites after --detach-on-exit");
+    assert!(
+        matches!(inside.connect(vip), Connect::Err(e) if e.contains("refused")),
+        "nothing rewrites after --detach-on-exit"
+    );
 }

@@ -15,7 +15,10 @@ use std::{
 
 use lb_tests::{
     Backend, Check, Client, Connect, Daemon, ServiceBuilder, TestCgroup, addr,
-    load::{Flood, HoldBackend, LoadClient, ProcSample, daemon_pid, log_since, raise_nofile, sample, scrape, server_field, timed_status},
+    load::{
+        Flood, HoldBackend, LoadClient, ProcSample, daemon_pid, log_since, raise_nofile, sample,
+        scrape, server_field, timed_status,
+    },
     privileged, wait_until,
 };
 
@@ -85,16 +88,22 @@ fn closing_ten_thousand_connections_blocks_neither_status_nor_another_failover()
     // This process holds the server side of every connection, the client
     // the other; each needs HELD descriptors and some to spare.
     let limit = raise_nofile(HELD as u64 + 4096);
-    assert!(limit >= HELD as u64 + 1024, "RLIMIT_NOFILE is {limit} and cannot be raised: {HELD} connections need more");
+    assert!(
+        limit >= HELD as u64 + 1024,
+        "RLIMIT_NOFILE is {limit} and cannot be raised: {HELD} connections need more"
+    );
     let net = 91;
     let cgroup = TestCgroup::new("stress10k");
     let a1 = HoldBackend::start("a1", addr(net, 1, 0));
     let a2 = HoldBackend::start("a2", addr(net, 2, 0));
     let b1 = Backend::start("b1", addr(net, 3, 0));
     let b2 = Backend::start("b2", addr(net, 4, 0));
-    let (a_vip, b_vip, metrics) = (addr(net, 100, 6444), addr(net, 101, 6444), addr(net, 200, 9464));
-    let config = service("a", a_vip, &[a1.addr, a2.addr]) + &service("b", b_vip, &[b1.addr, b2.addr]);
-    let daemon = Daemon::start_with("stress10k", &cgroup, &format!("metrics = \"{metrics}\"\n"), &config);
+    let (a_vip, b_vip, metrics) =
+        (addr(net, 100, 6444), addr(net, 101, 6444), addr(net, 200, 9464));
+    let config =
+        service("a", a_vip, &[a1.addr, a2.addr]) + &service("b", b_vip, &[b1.addr, b2.addr]);
+    let daemon =
+        Daemon::start_with("stress10k", &cgroup, &format!("metrics = \"{metrics}\"\n"), &config);
     if !daemon.has_feature("sock_destroy") {
         return;
     }
@@ -115,7 +124,11 @@ fn closing_ten_thousand_connections_blocks_neither_status_nor_another_failover()
     let held = holder.hold(a_vip, HELD, 8);
     eprintln!("opened {} VIP connections in {:?}: {held:?}", held.ok, opening.elapsed());
     assert_eq!((held.ok, held.failed), (HELD, 0), "{held:?}");
-    assert_eq!(held.names, HashMap::from([("a1".to_owned(), HELD)]), "every connection through the VIP must reach the active server");
+    assert_eq!(
+        held.names,
+        HashMap::from([("a1".to_owned(), HELD)]),
+        "every connection through the VIP must reach the active server"
+    );
     assert!(
         wait_until(Duration::from_secs(15), || daemon.connections("a", a1.addr) == HELD as i64),
         "the kernel counts {} connections to a1, not {HELD}",
@@ -124,13 +137,27 @@ fn closing_ten_thousand_connections_blocks_neither_status_nor_another_failover()
     assert_eq!(a1.open(), HELD);
     let mut inside = Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(&cgroup));
     let on_b = inside.connect(b_vip);
-    assert_eq!(on_b.landed(), "b1", "{}", daemon.log().lines().filter(|l| l.contains(" -> ") || l.contains("WARN")).collect::<Vec<_>>().join("\n"));
+    assert_eq!(
+        on_b.landed(),
+        "b1",
+        "{}",
+        daemon
+            .log()
+            .lines()
+            .filter(|l| l.contains(" -> ") || l.contains("WARN"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
     let log_from = lb_tests::load::log_len(&daemon);
 
     // a1's next check fails: the daemon fails it and closes its 10,000.
     let failed_at = Instant::now();
     a1.set_health(500);
-    assert!(wait_until(Duration::from_secs(30), || a1.resets() > 0), "a1's connections were never closed:\n{}", log_since(&daemon, log_from));
+    assert!(
+        wait_until(Duration::from_secs(30), || a1.resets() > 0),
+        "a1's connections were never closed:\n{}",
+        log_since(&daemon, log_from)
+    );
     let closing_seen = failed_at.elapsed();
 
     // While the closing is in progress, the second service fails over.
@@ -158,8 +185,12 @@ fn closing_ten_thousand_connections_blocks_neither_status_nor_another_failover()
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let (took, status) = timed_status(&daemon);
-        let status = status.unwrap_or_else(|e| panic!("lb status failed after {took:?}: {e}\n{}", log_since(&daemon, log_from)));
-        let field = |service: &str, server: SocketAddr, name: &str| server_field(&status, service, server, name);
+        let status = status.unwrap_or_else(|e| {
+            panic!("lb status failed after {took:?}: {e}\n{}", log_since(&daemon, log_from))
+        });
+        let field = |service: &str, server: SocketAddr, name: &str| {
+            server_field(&status, service, server, name)
+        };
         let call = Call {
             took,
             a1_left: field("a", a1.addr, "connections").as_i64().unwrap(),
@@ -181,7 +212,8 @@ fn closing_ten_thousand_connections_blocks_neither_status_nor_another_failover()
     }
     let closing_done = failed_at.elapsed();
     let slowest = calls.iter().map(|c| c.took).max().unwrap();
-    let during: Vec<&Call> = calls.iter().filter(|c| c.a1_left > 0 && c.a1_left < HELD as i64).collect();
+    let during: Vec<&Call> =
+        calls.iter().filter(|c| c.a1_left > 0 && c.a1_left < HELD as i64).collect();
     let lefts: Vec<i64> = calls.iter().map(|c| c.a1_left).collect();
     eprintln!(
         "a1 failed its check; first reset seen after {closing_seen:?}, all {HELD} closed after {closing_done:?}. b1 killed with {resets_at_kill} \
@@ -192,8 +224,14 @@ fn closing_ten_thousand_connections_blocks_neither_status_nor_another_failover()
         during.len()
     );
     assert!(slowest < ANSWERS_WITHIN, "an `lb status` took {slowest:?}");
-    assert!(!during.is_empty(), "no `lb status` answered while a1's connections were being closed: it showed {lefts:?}");
-    assert!(during.iter().all(|c| c.a1 == "failed"), "a1 must show failed while its connections are closed");
+    assert!(
+        !during.is_empty(),
+        "no `lb status` answered while a1's connections were being closed: it showed {lefts:?}"
+    );
+    assert!(
+        during.iter().all(|c| c.a1 == "failed"),
+        "a1 must show failed while its connections are closed"
+    );
     assert!(
         during.iter().any(|c| c.b1 == "failed"),
         "the daemon did not fail b1 while a1's connections were being closed (b1 in those answers: {:?})",
@@ -211,13 +249,28 @@ fn closing_ten_thousand_connections_blocks_neither_status_nor_another_failover()
     let (alive, kinds) = report;
     eprintln!("the client's held connections: {alive} alive, dead: {kinds:?}");
     assert_eq!(kinds.values().sum::<usize>(), HELD);
-    assert!(kinds.keys().all(|k| k == "connection_aborted" || k == "connection_reset"), "closed otherwise than by a reset: {kinds:?}");
+    assert!(
+        kinds.keys().all(|k| k == "connection_aborted" || k == "connection_reset"),
+        "closed otherwise than by a reset: {kinds:?}"
+    );
     assert_eq!((a1.resets(), a1.eofs(), a1.open()), (HELD, 0, 0));
-    let closed = format!("lb_connections_closed_total{{service=\"a\",server=\"{}\",reason=\"failed\"}}", a1.addr);
+    let closed = format!(
+        "lb_connections_closed_total{{service=\"a\",server=\"{}\",reason=\"failed\"}}",
+        a1.addr
+    );
     let text = scrape(metrics).unwrap();
-    assert_eq!(sample(&text, &closed), Some(HELD as f64), "{}", text.lines().filter(|l| l.contains("closed")).collect::<Vec<_>>().join("\n"));
+    assert_eq!(
+        sample(&text, &closed),
+        Some(HELD as f64),
+        "{}",
+        text.lines().filter(|l| l.contains("closed")).collect::<Vec<_>>().join("\n")
+    );
     let log = log_since(&daemon, log_from);
-    assert!(log.lines().any(|l| l.contains("closed VIP connections") && l.contains(&format!("closed={HELD}"))), "{log}");
+    assert!(
+        log.lines()
+            .any(|l| l.contains("closed VIP connections") && l.contains(&format!("closed={HELD}"))),
+        "{log}"
+    );
     assert!(wait_until(Duration::from_secs(10), || daemon.connections("a", a1.addr) == 0));
     // a's traffic is on a2 now; b1 stays failed, b2 active.
     assert_eq!(inside.connect(a_vip).landed(), "a2");
@@ -242,16 +295,21 @@ fn two_thousand_idle_metrics_connections_stop_neither_checks_nor_status_nor_fail
     let _heavy = one_at_a_time();
     let test_started = Instant::now();
     const IDLE: usize = 2_000;
-    assert!(raise_nofile(IDLE as u64 + 4096) > IDLE as u64 + 256, "RLIMIT_NOFILE too low for {IDLE} connections");
+    assert!(
+        raise_nofile(IDLE as u64 + 4096) > IDLE as u64 + 256,
+        "RLIMIT_NOFILE too low for {IDLE} connections"
+    );
     let net = 92;
     let cgroup = TestCgroup::new("metricsflood");
     let s1 = Backend::start("s1", addr(net, 1, 0));
     let s2 = Backend::start("s2", addr(net, 2, 0));
     let (vip, metrics) = (addr(net, 100, 6444), addr(net, 200, 9464));
     let config = service("api", vip, &[s1.addr, s2.addr]);
-    let daemon = Daemon::start_with("metricsflood", &cgroup, &format!("metrics = \"{metrics}\"\n"), &config);
+    let daemon =
+        Daemon::start_with("metricsflood", &cgroup, &format!("metrics = \"{metrics}\"\n"), &config);
     assert!(
-        wait_until(Duration::from_secs(15), || state(&daemon, "api", s1.addr) == "active" && in_healthy_class(&state(&daemon, "api", s2.addr))),
+        wait_until(Duration::from_secs(15), || state(&daemon, "api", s1.addr) == "active"
+            && in_healthy_class(&state(&daemon, "api", s2.addr))),
         "s1 was not elected:\n{}",
         daemon.log()
     );
@@ -275,20 +333,30 @@ fn two_thousand_idle_metrics_connections_stop_neither_checks_nor_status_nor_fail
     };
     let flood_started = Instant::now();
     let flood = Flood::start(metrics, IDLE, Duration::from_millis(500), Duration::from_secs(90));
-    assert!(wait_until(Duration::from_secs(30), || flood.opened.load(Ordering::Relaxed) >= IDLE), "the flood could not open {IDLE} connections");
+    assert!(
+        wait_until(Duration::from_secs(30), || flood.opened.load(Ordering::Relaxed) >= IDLE),
+        "the flood could not open {IDLE} connections"
+    );
 
     let mut slowest = Duration::ZERO;
     let mut status_of = |server: SocketAddr| {
         let (took, status) = timed_status(&daemon);
         slowest = slowest.max(took);
-        let status = status.unwrap_or_else(|e| panic!("lb status failed after {took:?} during the flood: {e}"));
+        let status = status
+            .unwrap_or_else(|e| panic!("lb status failed after {took:?} during the flood: {e}"));
         server_field(&status, "api", server, "state").as_str().unwrap_or("").to_owned()
     };
     // Checks keep running: s2's check fails, then passes again.
     s2.set_health(500);
-    assert!(wait_until(Duration::from_secs(10), || status_of(s2.addr) == "failed"), "s2's failing check was not seen during the flood");
+    assert!(
+        wait_until(Duration::from_secs(10), || status_of(s2.addr) == "failed"),
+        "s2's failing check was not seen during the flood"
+    );
     s2.set_health(200);
-    assert!(wait_until(Duration::from_secs(10), || in_healthy_class(&status_of(s2.addr))), "s2's passing check was not seen during the flood");
+    assert!(
+        wait_until(Duration::from_secs(10), || in_healthy_class(&status_of(s2.addr))),
+        "s2's passing check was not seen during the flood"
+    );
 
     // Failover: the active server is killed.
     let mut inside = Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(&cgroup));
@@ -296,8 +364,14 @@ fn two_thousand_idle_metrics_connections_stop_neither_checks_nor_status_nor_fail
     let s1_addr = s1.stop();
     let (landed, tries) = connect_after_a_kill(&mut inside, vip);
     assert_eq!(landed, "s2", "after s1 was killed, the next connect must reach s2");
-    assert!(wait_until(Duration::from_secs(10), || status_of(s1_addr) == "failed"), "status never showed s1 failed during the flood");
-    assert!(wait_until(Duration::from_secs(10), || status_of(s2.addr) == "active"), "s2 was not elected during the flood");
+    assert!(
+        wait_until(Duration::from_secs(10), || status_of(s1_addr) == "failed"),
+        "status never showed s1 failed during the flood"
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || status_of(s2.addr) == "active"),
+        "s2 was not elected during the flood"
+    );
     for _ in 0..5 {
         assert_eq!(inside.connect(vip).landed(), "s2");
     }
@@ -321,7 +395,11 @@ fn two_thousand_idle_metrics_connections_stop_neither_checks_nor_status_nor_fail
     );
     assert!(stats.opened >= IDLE, "{stats:?}");
     assert!(stats.closed_by_peer > 0, "the daemon never closed a flood connection: {stats:?}");
-    assert!(most < baseline.fds + 200, "the daemon's descriptors went from {} to {most}", baseline.fds);
+    assert!(
+        most < baseline.fds + 200,
+        "the daemon's descriptors went from {} to {most}",
+        baseline.fds
+    );
     assert!(slowest < ANSWERS_WITHIN, "an `lb status` took {slowest:?} during the flood");
 
     // The endpoint serves again once the flood is gone, and it tells what
@@ -332,7 +410,8 @@ fn two_thousand_idle_metrics_connections_stop_neither_checks_nor_status_nor_fail
         "no scrape worked within 15 s after the flood: {:?}",
         scrape(metrics)
     );
-    let series = format!("lb_server_state{{service=\"api\",server=\"{s1_addr}\",state=\"failed\"}}");
+    let series =
+        format!("lb_server_state{{service=\"api\",server=\"{s1_addr}\",state=\"failed\"}}");
     assert_eq!(sample(&text, &series), Some(1.0), "{text}");
     eprintln!("test took {:?}", test_started.elapsed());
 }

@@ -25,7 +25,12 @@ struct Sim {
 }
 
 impl Sim {
-    fn new(policy: Policy, checks: Checks, servers: &[SocketAddr], default: Option<SocketAddr>) -> Self {
+    fn new(
+        policy: Policy,
+        checks: Checks,
+        servers: &[SocketAddr],
+        default: Option<SocketAddr>,
+    ) -> Self {
         let now = Instant::now();
         let (lb, effects) = Balancer::new(policy, checks, servers, default, now);
         Self { lb, now, effects }
@@ -243,8 +248,14 @@ fn connections_close_only_after_the_new_selection_is_written() {
     sim.pass(a(1));
     sim.pass(a(2));
     for effects in [sim.fail(a(1)).to_vec(), sim.set(&[a(1)], None).to_vec()] {
-        let write = effects.iter().position(|e| matches!(e, Effect::WriteSelection(_))).expect("a new selection");
-        let close = effects.iter().position(|e| matches!(e, Effect::CloseConnections { .. })).expect("a close");
+        let write = effects
+            .iter()
+            .position(|e| matches!(e, Effect::WriteSelection(_)))
+            .expect("a new selection");
+        let close = effects
+            .iter()
+            .position(|e| matches!(e, Effect::CloseConnections { .. }))
+            .expect("a close");
         assert!(write < close, "{effects:?}");
     }
 }
@@ -276,7 +287,11 @@ fn behaviour_4_a_failed_connect_is_confirmed_at_once_then_moves_everything() {
     assert_eq!(sim.kernel(a(1), Connection::ConnectFailed), [], "already being checked");
     let effects = sim.fail(a(1)).to_vec();
     assert_eq!(sim.state(a(1)), State::Failed, "the check confirmed it, fall = 3 notwithstanding");
-    assert!(effects.contains(&Effect::WriteSelection(Selection { servers: vec![a(2), a(1)], spread: 1 })), "{effects:?}");
+    assert!(
+        effects
+            .contains(&Effect::WriteSelection(Selection { servers: vec![a(2), a(1)], spread: 1 })),
+        "{effects:?}"
+    );
     assert_eq!(closed(&effects), [a(1)]);
     sim.kernel(a(2), Connection::ConnectTimedOut);
     assert_eq!(sim.state(a(2)), State::Active);
@@ -298,7 +313,11 @@ fn behaviour_4_one_ambiguous_report_never_resets_a_healthy_server() {
     sim.pass(a(1));
     assert_eq!(sim.state(a(1)), State::Active);
     assert!(!sim.lb.server(a(1)).unwrap().suspect, "a passing check clears the report");
-    assert_eq!(sim.kernel(a(1), Connection::ConnectFailed), [Effect::CheckNow { server: a(1) }], "a new report asks again");
+    assert_eq!(
+        sim.kernel(a(1), Connection::ConnectFailed),
+        [Effect::CheckNow { server: a(1) }],
+        "a new report asks again"
+    );
 }
 
 /// Hardening #4: a restarted daemon keeps the kernel's selection (server
@@ -319,7 +338,11 @@ fn adopting_keeps_the_kernels_selection_until_every_server_has_a_result() {
     sim.pass(a(4));
     assert_eq!(writes(&sim.effects), 0, "server 3 has no result yet");
     let effects = sim.fail(a(3)).to_vec();
-    assert_eq!(writes(&effects), 0, "every server has a result and the order is the kernel's: {effects:?}");
+    assert_eq!(
+        writes(&effects),
+        0,
+        "every server has a result and the order is the kernel's: {effects:?}"
+    );
     assert_eq!(sim.lb.selection(), kernel);
 }
 
@@ -330,7 +353,11 @@ fn adopting_failover_keeps_the_kernels_active_server() {
     assert_eq!(sim.lb.adopt(kernel, &[], &[a(1)], sim.now), [Effect::CheckNow { server: a(1) }]);
     assert_eq!(writes(sim.pass(a(1))), 0, "server 2 has no result yet");
     let effects = sim.pass(a(2)).to_vec();
-    assert_eq!(sim.state(a(2)), State::Active, "the kernel's first server wins among equals: {effects:?}");
+    assert_eq!(
+        sim.state(a(2)),
+        State::Active,
+        "the kernel's first server wins among equals: {effects:?}"
+    );
     assert_eq!(writes(&effects), 0);
     // Nor is the hold forever.
     let mut sim = Sim::failover(&[a(1), a(2)]);
@@ -344,7 +371,8 @@ fn adopting_failover_keeps_the_kernels_active_server() {
 fn adopting_with_passive_checks_fails_what_the_kernel_marked() {
     let checks = Checks { rise: 1, fall: 3, passive_only: true };
     let mut sim = Sim::new(Policy::Failover, checks, &[a(1), a(2)], None);
-    let effects = sim.lb.adopt(Selection { servers: vec![a(2), a(1)], spread: 1 }, &[], &[a(1)], sim.now);
+    let effects =
+        sim.lb.adopt(Selection { servers: vec![a(2), a(1)], spread: 1 }, &[], &[a(1)], sim.now);
     assert_eq!(sim.state(a(1)), State::Failed, "{effects:?}");
     assert_eq!(sim.lb.selection().servers, [a(2), a(1)]);
 }
@@ -364,7 +392,15 @@ fn adopting_restores_the_previous_daemons_failed_and_active_servers() {
     assert_eq!(writes(&effects), 0, "{effects:?}");
     assert_eq!(sim.lb.selection(), kernel);
     assert_eq!(sim.lb.state_codes(&[a(1), a(9)]), [State::Failed.code(), 0]);
-    for state in [State::Failed, State::Standby, State::Unchecked, State::Recovering, State::Healthy, State::Preferred, State::Active] {
+    for state in [
+        State::Failed,
+        State::Standby,
+        State::Unchecked,
+        State::Recovering,
+        State::Healthy,
+        State::Preferred,
+        State::Active,
+    ] {
         assert_eq!(State::from_code(state.code()), Some(state));
     }
 }
@@ -377,7 +413,11 @@ fn passive_only_needs_fall_reports_in_a_row() {
     assert_eq!(sim.state(a(1)), State::Active);
     sim.kernel(a(1), Connection::Established);
     sim.kernel(a(1), Connection::ConnectFailed);
-    assert_eq!(sim.state(a(1)), State::Active, "an established connection in between resets the count");
+    assert_eq!(
+        sim.state(a(1)),
+        State::Active,
+        "an established connection in between resets the count"
+    );
     sim.kernel(a(1), Connection::ConnectTimedOut);
     assert_eq!(sim.state(a(1)), State::Failed);
     assert_eq!(sim.target(), Some(a(2)));
@@ -398,7 +438,11 @@ fn the_first_election_is_the_default_then_configured_order_whoever_answers_first
         for n in order {
             sim.pass(a(n));
         }
-        assert_eq!(sim.state(a(3)), State::Active, "the default wins; checks answered in the order {order:?}");
+        assert_eq!(
+            sim.state(a(3)),
+            State::Active,
+            "the default wins; checks answered in the order {order:?}"
+        );
     }
     // A better-ranked server that fails does not hold the election up.
     let mut sim = Sim::failover(&[a(1), a(2)]);
@@ -466,7 +510,11 @@ fn behaviour_8_readiness_is_per_endpoint_never_per_host() {
     assert_eq!(sim.target(), Some(ready));
     assert_eq!(sim.state(ready), State::Active);
     assert_eq!(sim.lb.server(ready).unwrap().readiness, Readiness::Ready);
-    assert_eq!(sim.closed(), Vec::<SocketAddr>::new(), "terminating endpoints keep their connections");
+    assert_eq!(
+        sim.closed(),
+        Vec::<SocketAddr>::new(),
+        "terminating endpoints keep their connections"
+    );
 }
 
 #[test]
@@ -507,7 +555,10 @@ fn spread_uses_the_whole_best_class_with_failover_behind_it() {
     let selection = sim.lb.selection();
     assert_eq!(selection.spread, 2);
     assert_eq!(&selection.servers[2..], [a(1)]);
-    assert!(sim.lb.servers().iter().all(|s| s.state != State::Active), "spread elects no active server");
+    assert!(
+        sim.lb.servers().iter().all(|s| s.state != State::Active),
+        "spread elects no active server"
+    );
 }
 
 #[test]
@@ -587,7 +638,8 @@ fn op() -> impl Strategy<Value = Op> {
         (1..6u8).prop_map(Op::Refused),
         (1..6u8).prop_map(Op::Established),
         (1..6u8, 0..3u8).prop_map(|(s, r)| Op::Readiness(s, r)),
-        (proptest::collection::vec(1..6u8, 0..5), proptest::option::of(1..6u8)).prop_map(|(l, d)| Op::SetServers(l, d)),
+        (proptest::collection::vec(1..6u8, 0..5), proptest::option::of(1..6u8))
+            .prop_map(|(l, d)| Op::SetServers(l, d)),
         (0..120u16).prop_map(Op::Tick),
     ]
 }
@@ -644,7 +696,7 @@ proptest! {
             prop_assert!(active <= 1);
             if policy == Policy::Spread {
                 prop_assert_eq!(active, 0);
-            } else if lb.servers().iter().any(|s| s.in_healthy_class()) && lb.elected_once {
+            } else if lb.servers().iter().any(Server::in_healthy_class) && lb.elected_once {
                 prop_assert_eq!(active, 1);
             }
             // A healthy active server is never replaced by an equally ranked one.

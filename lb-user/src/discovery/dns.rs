@@ -56,11 +56,7 @@ pub(crate) struct ResolverChoice {
 
 /// Resolves `target` until `signals` closes.
 pub(crate) async fn run(target: Target, choice: ResolverChoice, signals: mpsc::Sender<Signal>) {
-    let record_type = if target.vip.is_ipv4() {
-        RecordType::A
-    } else {
-        RecordType::AAAA
-    };
+    let record_type = if target.vip.is_ipv4() { RecordType::A } else { RecordType::AAAA };
     loop {
         let (signal, wait) = match resolver(choice) {
             Err(error) => (Signal::Failed(format!("dns: {error}")), target.refresh_min),
@@ -104,14 +100,7 @@ async fn resolve(
             }
             let wait = refresh_after(ttl, target.refresh_min, target.refresh_max);
             tracing::debug!(service = %target.service, "dns discovery: {} {record_type}: {endpoints:?}, again in {wait:?}", target.host);
-            (
-                Signal::List {
-                    endpoints,
-                    truncated,
-                    confirm: true,
-                },
-                wait,
-            )
+            (Signal::List { endpoints, truncated, confirm: true }, wait)
         }
         Err(NetError::Dns(DnsError::NoRecordsFound(no)))
             if no.response_code == ResponseCode::NoError =>
@@ -122,14 +111,7 @@ async fn resolve(
                 target.refresh_min,
                 target.refresh_max,
             );
-            (
-                Signal::List {
-                    endpoints: Vec::new(),
-                    truncated: 0,
-                    confirm: true,
-                },
-                wait,
-            )
+            (Signal::List { endpoints: Vec::new(), truncated: 0, confirm: true }, wait)
         }
         Err(error) => (
             Signal::Failed(format!(
@@ -208,19 +190,13 @@ fn resolver(choice: ResolverChoice) -> Result<TokioResolver, String> {
             );
             TokioResolver::builder_with_config(config, TokioRuntimeProvider::default())
         }
-        None => TokioResolver::builder_tokio().map_err(|e| {
-            format!(
-                "reading the system's DNS configuration: {}",
-                super::chain(&e)
-            )
-        })?,
+        None => TokioResolver::builder_tokio()
+            .map_err(|e| format!("reading the system's DNS configuration: {}", super::chain(&e)))?,
     };
     let options: &mut ResolverOpts = builder.options_mut();
     options.timeout = choice.timeout.unwrap_or(DEFAULT_TIMEOUT);
     options.attempts = ATTEMPTS;
-    builder
-        .build()
-        .map_err(|e| format!("building the resolver: {}", super::chain(&e)))
+    builder.build().map_err(|e| format!("building the resolver: {}", super::chain(&e)))
 }
 
 #[cfg(test)]
@@ -262,10 +238,7 @@ mod tests {
             Record::from_rdata(name.clone(), 5, RData::A(A(Ipv4Addr::UNSPECIFIED))),
         ];
         let (ips, ttl) = addresses(&records, RecordType::A);
-        assert_eq!(
-            ips,
-            [IpAddr::from([10, 0, 0, 2]), IpAddr::from([10, 0, 0, 1])]
-        );
+        assert_eq!(ips, [IpAddr::from([10, 0, 0, 2]), IpAddr::from([10, 0, 0, 1])]);
         assert_eq!(ttl, Some(S(30)));
         let (ips, ttl) = addresses(&records, RecordType::AAAA);
         assert_eq!(ips, [IpAddr::V6(Ipv6Addr::LOCALHOST)]);
@@ -277,15 +250,11 @@ mod tests {
     fn errors_name_the_dns_failure() {
         assert_eq!(describe(&NetError::Timeout), "timed out");
         assert_eq!(
-            describe(&NetError::Dns(DnsError::ResponseCode(
-                ResponseCode::ServFail
-            ))),
+            describe(&NetError::Dns(DnsError::ResponseCode(ResponseCode::ServFail))),
             "SERVFAIL (server failure)"
         );
         assert_eq!(
-            describe(&NetError::Dns(DnsError::ResponseCode(
-                ResponseCode::Refused
-            ))),
+            describe(&NetError::Dns(DnsError::ResponseCode(ResponseCode::Refused))),
             "REFUSED (the server refused the query)"
         );
     }

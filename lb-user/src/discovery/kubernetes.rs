@@ -119,11 +119,7 @@ pub(crate) async fn run(
             Ok(client) => break client,
             Err(error) => {
                 tracing::warn!(service = %target.service, "kubernetes discovery: {error}");
-                if signals
-                    .send(Signal::Failed(format!("kubernetes: {error}")))
-                    .await
-                    .is_err()
-                {
+                if signals.send(Signal::Failed(format!("kubernetes: {error}"))).await.is_err() {
                     return;
                 }
                 tokio::time::sleep(backoff.next_delay()).await;
@@ -164,9 +160,7 @@ pub(crate) async fn run(
                     continue;
                 }
                 watcher::Event::InitApply(slice) => {
-                    listing
-                        .get_or_insert_default()
-                        .insert(slice_name(&slice), slice);
+                    listing.get_or_insert_default().insert(slice_name(&slice), slice);
                     continue;
                 }
                 watcher::Event::InitDone => {
@@ -192,15 +186,7 @@ pub(crate) async fn run(
                 );
             }
             tracing::debug!(service = %target.service, "kubernetes discovery: {what}: {endpoints:?}");
-            if signals
-                .send(Signal::List {
-                    endpoints,
-                    truncated,
-                    confirm,
-                })
-                .await
-                .is_err()
-            {
+            if signals.send(Signal::List { endpoints, truncated, confirm }).await.is_err() {
                 return;
             }
         };
@@ -256,20 +242,13 @@ pub(crate) fn endpoints_of<'a>(
             };
             // Only the first address has a meaning (the API says so;
             // kube-proxy uses only it).
-            let Some(ip) = endpoint
-                .addresses
-                .first()
-                .and_then(|a| a.parse::<IpAddr>().ok())
-            else {
+            let Some(ip) = endpoint.addresses.first().and_then(|a| a.parse::<IpAddr>().ok()) else {
                 continue;
             };
             if ip.is_ipv4() != vip.is_ipv4() || ip.is_unspecified() {
                 continue;
             }
-            found.push(Endpoint {
-                addr: SocketAddr::new(ip, port),
-                readiness,
-            });
+            found.push(Endpoint { addr: SocketAddr::new(ip, port), readiness });
         }
     }
     rank(found)
@@ -314,20 +293,14 @@ async fn client(
                 .map_err(|e| format!("loading the kubeconfig {}: {}", path.display(), chain(&e)))?
         }
         None => kube::Config::incluster().map_err(|e| {
-            format!(
-                "loading the in-cluster config (no [daemon] kubeconfig is set): {}",
-                chain(&e)
-            )
+            format!("loading the in-cluster config (no [daemon] kubeconfig is set): {}", chain(&e))
         })?,
     };
     if config.accept_invalid_certs {
         tracing::warn!(service = %target.service, "the kubeconfig skips TLS verification (insecure-skip-tls-verify)");
     }
     let dialer = Dialer::new(
-        DialRule {
-            vip: target.vip,
-            apiserver_service: target.is_apiserver_service(),
-        },
+        DialRule { vip: target.vip, apiserver_service: target.is_apiserver_service() },
         usable,
     );
     let https = config
@@ -339,12 +312,8 @@ async fn client(
         hyper_util::client::legacy::Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(0)
             .build(https);
-    let auth = config
-        .auth_layer()
-        .map_err(|e| format!("credentials: {}", chain(&e)))?;
-    let headers = config
-        .extra_headers_layer()
-        .map_err(|e| format!("headers: {}", chain(&e)))?;
+    let auth = config.auth_layer().map_err(|e| format!("credentials: {}", chain(&e)))?;
+    let headers = config.extra_headers_layer().map_err(|e| format!("headers: {}", chain(&e)))?;
     let service = ServiceBuilder::new()
         .layer(config.base_uri_layer())
         .option_layer(auth)
@@ -393,18 +362,8 @@ impl DialRule {
 /// The IP address and port of a URI, when its host is an IP address.
 fn socket_addr_of(uri: &Uri) -> Option<SocketAddr> {
     let host = uri.host()?;
-    let ip: IpAddr = host
-        .trim_start_matches('[')
-        .trim_end_matches(']')
-        .parse()
-        .ok()?;
-    let port = uri
-        .port_u16()
-        .unwrap_or(if uri.scheme_str() == Some("https") {
-            443
-        } else {
-            80
-        });
+    let ip: IpAddr = host.trim_start_matches('[').trim_end_matches(']').parse().ok()?;
+    let port = uri.port_u16().unwrap_or(if uri.scheme_str() == Some("https") { 443 } else { 80 });
     Some(SocketAddr::new(ip, port))
 }
 
@@ -463,17 +422,12 @@ impl tower::Service<Uri> for Dialer {
             for dial in plan {
                 let (to, name) = match dial {
                     Dial::Server(addr) => (
-                        format!("http://{addr}/")
-                            .parse::<Uri>()
-                            .expect("an address is a URI"),
+                        format!("http://{addr}/").parse::<Uri>().expect("an address is a URI"),
                         addr.to_string(),
                     ),
                     Dial::Configured => (
                         uri.clone(),
-                        format!(
-                            "{} (kubeconfig)",
-                            uri.authority().map_or("?", |a| a.as_str())
-                        ),
+                        format!("{} (kubeconfig)", uri.authority().map_or("?", |a| a.as_str())),
                     ),
                 };
                 match tower::ServiceExt::oneshot(tcp.clone(), to).await {
@@ -486,10 +440,7 @@ impl tower::Service<Uri> for Dialer {
                     Err(e) => failures.push(format!("{name}: {}", chain(&e))),
                 }
             }
-            Err(DialError(format!(
-                "no apiserver accepted a connection ({})",
-                failures.join("; ")
-            )))
+            Err(DialError(format!("no apiserver accepted a connection ({})", failures.join("; "))))
         })
     }
 }
@@ -517,11 +468,7 @@ mod tests {
         serving: Option<bool>,
         terminating: Option<bool>,
     ) -> Option<EndpointConditions> {
-        Some(EndpointConditions {
-            ready,
-            serving,
-            terminating,
-        })
+        Some(EndpointConditions { ready, serving, terminating })
     }
 
     fn endpoint(addr: &str, node: &str, conditions: Option<EndpointConditions>) -> K8sEndpoint {
@@ -540,10 +487,7 @@ mod tests {
         endpoints: Vec<K8sEndpoint>,
     ) -> EndpointSlice {
         EndpointSlice {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                ..Default::default()
-            },
+            metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
             address_type: family.into(),
             ports: Some(ports),
             endpoints,
@@ -551,10 +495,7 @@ mod tests {
     }
 
     fn ep(addr: &str, readiness: Readiness) -> Endpoint {
-        Endpoint {
-            addr: addr.parse().unwrap(),
-            readiness,
-        }
+        Endpoint { addr: addr.parse().unwrap(), readiness }
     }
 
     const READY: Option<EndpointConditions> = Some(EndpointConditions {
@@ -599,10 +540,7 @@ mod tests {
         assert_eq!(readiness_of(GOING.as_ref()), None);
         assert_eq!(readiness_of(NOT_READY.as_ref()), None);
         // Not ready, serving unset: serving follows ready.
-        assert_eq!(
-            readiness_of(conditions(Some(false), None, Some(true)).as_ref()),
-            None
-        );
+        assert_eq!(readiness_of(conditions(Some(false), None, Some(true)).as_ref()), None);
         // Ready wins whatever else is said.
         assert_eq!(
             readiness_of(conditions(Some(true), Some(false), None).as_ref()),
@@ -618,10 +556,7 @@ mod tests {
             "web-abc",
             "IPv4",
             vec![port("https", 8443)],
-            vec![
-                endpoint("10.0.0.1", "node-a", READY),
-                endpoint("10.0.0.2", "node-a", NOT_READY),
-            ],
+            vec![endpoint("10.0.0.1", "node-a", READY), endpoint("10.0.0.2", "node-a", NOT_READY)],
         );
         let (list, truncated) = endpoints_of([&s], vip4(), &https());
         assert_eq!(list, [ep("10.0.0.1:8443", Readiness::Ready)]);
@@ -641,10 +576,7 @@ mod tests {
         let (list, _) = endpoints_of([&s], vip4(), &https());
         assert_eq!(
             list,
-            [
-                ep("10.0.0.1:8443", Readiness::Ready),
-                ep("10.0.0.3:8443", Readiness::Serving)
-            ]
+            [ep("10.0.0.1:8443", Readiness::Ready), ep("10.0.0.3:8443", Readiness::Serving)]
         );
     }
 
@@ -665,10 +597,7 @@ mod tests {
         let (list, _) = endpoints_of([&a, &b], vip4(), &https());
         assert_eq!(
             list,
-            [
-                ep("10.0.0.1:8443", Readiness::Ready),
-                ep("10.0.0.2:8443", Readiness::Ready)
-            ]
+            [ep("10.0.0.1:8443", Readiness::Ready), ep("10.0.0.2:8443", Readiness::Ready)]
         );
     }
 
@@ -701,10 +630,7 @@ mod tests {
             "web-bad",
             "IPv4",
             vec![port("https", 8443)],
-            vec![
-                endpoint("fd00::2", "n1", READY),
-                endpoint("0.0.0.0", "n1", READY),
-            ],
+            vec![endpoint("fd00::2", "n1", READY), endpoint("0.0.0.0", "n1", READY)],
         );
         assert_eq!(endpoints_of([&bad], vip4(), &https()).0, []);
     }
@@ -728,10 +654,7 @@ mod tests {
         let (list, _) = endpoints_of([&old, &new], vip4(), &https());
         assert_eq!(
             list,
-            [
-                ep("10.0.0.1:8443", Readiness::Ready),
-                ep("10.0.0.2:9443", Readiness::Ready)
-            ]
+            [ep("10.0.0.1:8443", Readiness::Ready), ep("10.0.0.2:9443", Readiness::Ready)]
         );
         let (list, _) = endpoints_of([&old, &new], vip4(), &PortRef::Number(9090));
         assert_eq!(list, [ep("10.0.0.1:9090", Readiness::Ready)]);
@@ -739,10 +662,7 @@ mod tests {
         let unnamed = slice(
             "web-u",
             "IPv4",
-            vec![EndpointPort {
-                port: Some(6443),
-                ..Default::default()
-            }],
+            vec![EndpointPort { port: Some(6443), ..Default::default() }],
             vec![endpoint("10.0.0.3", "n3", READY)],
         );
         assert_eq!(
@@ -761,17 +681,13 @@ mod tests {
         let mut e = endpoint("10.0.0.1", "n1", READY);
         e.addresses.push("10.0.0.99".into());
         let s = slice("web", "IPv4", vec![port("https", 8443)], vec![e]);
-        assert_eq!(
-            endpoints_of([&s], vip4(), &https()).0,
-            [ep("10.0.0.1:8443", Readiness::Ready)]
-        );
+        assert_eq!(endpoints_of([&s], vip4(), &https()).0, [ep("10.0.0.1:8443", Readiness::Ready)]);
     }
 
     #[test]
     fn more_than_sixteen_keeps_ready_first_then_by_address() {
-        let mut endpoints: Vec<K8sEndpoint> = (1..=12)
-            .map(|i| endpoint(&format!("10.0.1.{i}"), "n", DRAINING))
-            .collect();
+        let mut endpoints: Vec<K8sEndpoint> =
+            (1..=12).map(|i| endpoint(&format!("10.0.1.{i}"), "n", DRAINING)).collect();
         endpoints.extend((1..=12).map(|i| endpoint(&format!("10.0.2.{i}"), "n", READY)));
         let s = slice("web", "IPv4", vec![port("https", 443)], endpoints);
         let (list, truncated) = endpoints_of([&s], vip4(), &https());
@@ -788,34 +704,19 @@ mod tests {
         let a: SocketAddr = "10.0.0.1:6443".parse().unwrap();
         let b: SocketAddr = "10.0.0.2:6443".parse().unwrap();
         let elsewhere: SocketAddr = "10.9.9.9:443".parse().unwrap();
-        let apiservers = DialRule {
-            vip,
-            apiserver_service: true,
-        };
-        let app = DialRule {
-            vip,
-            apiserver_service: false,
-        };
+        let apiservers = DialRule { vip, apiserver_service: true };
+        let app = DialRule { vip, apiserver_service: false };
         // default/kubernetes: the usable servers first, then the kubeconfig.
         assert_eq!(
             apiservers.plan(Some(elsewhere), &[a, b]),
             [Dial::Server(a), Dial::Server(b), Dial::Configured]
         );
-        assert_eq!(
-            apiservers.plan(None, &[a]),
-            [Dial::Server(a), Dial::Configured]
-        );
+        assert_eq!(apiservers.plan(None, &[a]), [Dial::Server(a), Dial::Configured]);
         // The kubeconfig points at one of them: not dialled twice.
-        assert_eq!(
-            app.plan(Some(b), &[a, b]),
-            [Dial::Server(a), Dial::Server(b)]
-        );
+        assert_eq!(app.plan(Some(b), &[a, b]), [Dial::Server(a), Dial::Server(b)]);
         // The kubeconfig points at the VIP: its servers, then the VIP (which
         // the kernel rewrites when the daemon is in the attached cgroup).
-        assert_eq!(
-            app.plan(Some(vip), &[b]),
-            [Dial::Server(b), Dial::Configured]
-        );
+        assert_eq!(app.plan(Some(vip), &[b]), [Dial::Server(b), Dial::Configured]);
         // An application's Service: its servers are not apiservers.
         assert_eq!(app.plan(Some(elsewhere), &[a, b]), [Dial::Configured]);
         assert_eq!(app.plan(None, &[a, b]), [Dial::Configured]);
@@ -834,13 +735,7 @@ mod tests {
             socket_addr_of(&uri("https://10.0.0.1/")),
             Some("10.0.0.1:443".parse().unwrap())
         );
-        assert_eq!(
-            socket_addr_of(&uri("http://[::1]:8080/")),
-            Some("[::1]:8080".parse().unwrap())
-        );
-        assert_eq!(
-            socket_addr_of(&uri("https://kubernetes.default.svc/")),
-            None
-        );
+        assert_eq!(socket_addr_of(&uri("http://[::1]:8080/")), Some("[::1]:8080".parse().unwrap()));
+        assert_eq!(socket_addr_of(&uri("https://kubernetes.default.svc/")), None);
     }
 }

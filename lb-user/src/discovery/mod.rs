@@ -111,15 +111,13 @@ impl Options {
         let dns_server = std::env::var(DNS_SERVER_ENV).ok().and_then(|v| match v.parse() {
             Ok(addr) => Some(addr),
             Err(e) => {
-                tracing::warn!("{DNS_SERVER_ENV}={v:?} is not IP:PORT ({e}); using the system's resolv.conf");
+                tracing::warn!(
+                    "{DNS_SERVER_ENV}={v:?} is not IP:PORT ({e}); using the system's resolv.conf"
+                );
                 None
             }
         });
-        Self {
-            kubeconfig,
-            dns_server,
-            dns_timeout: None,
-        }
+        Self { kubeconfig, dns_server, dns_timeout: None }
     }
 }
 
@@ -139,14 +137,7 @@ pub fn spawn(
     usable: watch::Receiver<Vec<SocketAddr>>,
     tx: mpsc::Sender<Update>,
 ) -> JoinHandle<()> {
-    spawn_with(
-        name,
-        vip,
-        discovery,
-        Options::from_env(kubeconfig),
-        usable,
-        tx,
-    )
+    spawn_with(name, vip, discovery, Options::from_env(kubeconfig), usable, tx)
 }
 
 /// [`spawn`] with explicit [`Options`] (tests: a DNS server on loopback).
@@ -161,12 +152,7 @@ pub fn spawn_with(
     tokio::spawn(async move {
         let (signals, signal_rx) = mpsc::channel(64);
         match discovery {
-            config::Discovery::Kubernetes {
-                namespace,
-                service,
-                port,
-                debounce,
-            } => {
+            config::Discovery::Kubernetes { namespace, service, port, debounce } => {
                 let follow = kubernetes::run(
                     kubernetes::Target {
                         service: name.clone(),
@@ -185,13 +171,7 @@ pub fn spawn_with(
                     () = forward => {}
                 }
             }
-            config::Discovery::Dns {
-                name: host,
-                port,
-                debounce,
-                refresh_min,
-                refresh_max,
-            } => {
+            config::Discovery::Dns { name: host, port, debounce, refresh_min, refresh_max } => {
                 let follow = dns::run(
                     dns::Target {
                         service: name.clone(),
@@ -241,10 +221,8 @@ pub(crate) fn rank(endpoints: impl IntoIterator<Item = Endpoint>) -> (Vec<Endpoi
         let slot = best.entry(addr).or_insert(readiness);
         *slot = (*slot).max(readiness);
     }
-    let mut list: Vec<Endpoint> = best
-        .into_iter()
-        .map(|(addr, readiness)| Endpoint { addr, readiness })
-        .collect();
+    let mut list: Vec<Endpoint> =
+        best.into_iter().map(|(addr, readiness)| Endpoint { addr, readiness }).collect();
     list.sort_by_key(|e| (Reverse(e.readiness), e.addr));
     let truncated = list.len().saturating_sub(MAX_SERVERS);
     list.truncate(MAX_SERVERS);
@@ -292,11 +270,7 @@ pub(crate) async fn forward(
         };
         let Some(signal) = signal else { return };
         match signal {
-            Signal::List {
-                endpoints,
-                truncated,
-                confirm: c,
-            } => {
+            Signal::List { endpoints, truncated, confirm: c } => {
                 let list = (endpoints, truncated);
                 confirm |= c;
                 if window.is_none() && (confirm || sent.as_ref() != Some(&list)) {
@@ -306,12 +280,8 @@ pub(crate) async fn forward(
             }
             Signal::Failed(error) => {
                 confirm = true;
-                let update = Update {
-                    service: service.clone(),
-                    source,
-                    result: Err(error),
-                    truncated: 0,
-                };
+                let update =
+                    Update { service: service.clone(), source, result: Err(error), truncated: 0 };
                 if tx.send(update).await.is_err() {
                     return;
                 }
@@ -337,11 +307,7 @@ pub(crate) struct Backoff {
 
 impl Backoff {
     pub(crate) fn new(min: Duration, max: Duration) -> Self {
-        Self {
-            next: min,
-            min,
-            max,
-        }
+        Self { next: min, min, max }
     }
 
     /// The delay before the next retry; each one doubles, up to `max`.
@@ -377,10 +343,7 @@ mod tests {
     use super::*;
 
     fn ep(addr: &str, readiness: Readiness) -> Endpoint {
-        Endpoint {
-            addr: addr.parse().unwrap(),
-            readiness,
-        }
+        Endpoint { addr: addr.parse().unwrap(), readiness }
     }
 
     fn ready(addr: &str) -> Endpoint {
@@ -458,26 +421,12 @@ mod tests {
     fn harness() -> Harness {
         let (signals, signal_rx) = mpsc::channel(16);
         let (tx, updates) = mpsc::channel(16);
-        let task = tokio::spawn(forward(
-            "api".into(),
-            Source::Kubernetes,
-            DEBOUNCE,
-            signal_rx,
-            tx,
-        ));
-        Harness {
-            signals,
-            updates,
-            task,
-        }
+        let task = tokio::spawn(forward("api".into(), Source::Kubernetes, DEBOUNCE, signal_rx, tx));
+        Harness { signals, updates, task }
     }
 
     fn list(endpoints: &[Endpoint], confirm: bool) -> Signal {
-        Signal::List {
-            endpoints: endpoints.to_vec(),
-            truncated: 0,
-            confirm,
-        }
+        Signal::List { endpoints: endpoints.to_vec(), truncated: 0, confirm }
     }
 
     fn ok(endpoints: &[Endpoint]) -> Update {
@@ -598,8 +547,7 @@ mod tests {
         // one window after the change that opened it.
         let mut updates = 0;
         for i in 1..=8u16 {
-            h.send(list(&[ready(&format!("10.0.0.{i}:443"))], false))
-                .await;
+            h.send(list(&[ready(&format!("10.0.0.{i}:443"))], false)).await;
             tokio::time::sleep(Duration::from_millis(400)).await;
             while let Ok(u) = h.updates.try_recv() {
                 assert!(u.result.is_ok());
@@ -614,12 +562,7 @@ mod tests {
     async fn truncation_is_reported() {
         let mut h = harness();
         let a = ready("10.0.0.1:443");
-        h.send(Signal::List {
-            endpoints: vec![a],
-            truncated: 3,
-            confirm: true,
-        })
-        .await;
+        h.send(Signal::List { endpoints: vec![a], truncated: 3, confirm: true }).await;
         let (update, _) = h.next().await;
         assert_eq!(update.truncated, 3);
         h.task.abort();
@@ -629,9 +572,6 @@ mod tests {
     async fn the_forwarder_ends_when_the_daemon_goes() {
         let h = harness();
         drop(h.updates);
-        tokio::time::timeout(Duration::from_secs(1), h.task)
-            .await
-            .expect("still running")
-            .unwrap();
+        tokio::time::timeout(Duration::from_secs(1), h.task).await.expect("still running").unwrap();
     }
 }

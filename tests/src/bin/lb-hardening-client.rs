@@ -61,7 +61,9 @@ fn main() {
                 Err(e) => format!("err {e}"),
             },
             ["peer", id] => match id.parse().ok().and_then(|id: u32| held.get(&id)) {
-                Some(stream) => stream.peer_addr().map_or_else(|e| format!("err {e}"), |p| format!("peer {p}")),
+                Some(stream) => {
+                    stream.peer_addr().map_or_else(|e| format!("err {e}"), |p| format!("peer {p}"))
+                }
                 None => "err no such connection".to_owned(),
             },
             ["alive", id] => match id.parse().ok().and_then(|id: u32| held.get(&id)) {
@@ -74,7 +76,9 @@ fn main() {
             },
             ["churn-udp", addr, n] => churn(n, || udp(addr).map(drop)),
             ["churn-tcp", addr, n] => churn(n, || connect(addr).map(drop)),
-            ["cancel", addr, source, n, wait_ms] => cancel(addr, source, n, wait_ms).unwrap_or_else(|e| format!("err {e}")),
+            ["cancel", addr, source, n, wait_ms] => {
+                cancel(addr, source, n, wait_ms).unwrap_or_else(|e| format!("err {e}"))
+            }
             ["exit"] => break,
             _ => format!("err bad command {line:?}"),
         };
@@ -86,18 +90,22 @@ fn main() {
 
 fn connect(addr: &str) -> Result<(TcpStream, SocketAddr, String), String> {
     let addr: SocketAddr = addr.parse().map_err(|e| format!("bad address: {e}"))?;
-    let stream = TcpStream::connect_timeout(&addr, TIMEOUT).map_err(|e| e.to_string().replace(' ', "_").to_lowercase())?;
+    let stream = TcpStream::connect_timeout(&addr, TIMEOUT)
+        .map_err(|e| e.to_string().replace(' ', "_").to_lowercase())?;
     let peer = stream.peer_addr().map_err(|e| e.to_string())?;
     stream.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
     (&stream).write_all(b"who\n").map_err(|e| format!("send:{}", e.kind()))?;
     let mut greeting = String::new();
-    BufReader::new(&stream).read_line(&mut greeting).map_err(|e| format!("no_greeting:{}", e.kind()))?;
+    BufReader::new(&stream)
+        .read_line(&mut greeting)
+        .map_err(|e| format!("no_greeting:{}", e.kind()))?;
     Ok((stream, peer, greeting.trim().to_owned()))
 }
 
 fn udp(addr: &str) -> Result<String, String> {
     let addr: SocketAddr = addr.parse().map_err(|e| format!("bad address: {e}"))?;
-    let bind: SocketAddr = if addr.is_ipv4() { "0.0.0.0:0".parse().unwrap() } else { "[::]:0".parse().unwrap() };
+    let bind: SocketAddr =
+        if addr.is_ipv4() { "0.0.0.0:0".parse().unwrap() } else { "[::]:0".parse().unwrap() };
     let socket = UdpSocket::bind(bind).map_err(|e| e.to_string())?;
     socket.connect(addr).map_err(|e| e.to_string())?;
     socket.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
@@ -135,7 +143,15 @@ fn tcp_state(fd: &OwnedFd) -> Option<u8> {
     let mut info = [0u8; 256];
     let mut len = info.len() as libc::socklen_t;
     // SAFETY: a valid socket and an out-buffer of the size we pass.
-    let rc = unsafe { libc::getsockopt(fd.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_INFO, info.as_mut_ptr().cast(), &mut len) };
+    let rc = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            info.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
     (rc == 0).then_some(info[0])
 }
 
@@ -154,7 +170,7 @@ fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
             };
             // SAFETY: sockaddr_storage is larger than sockaddr_in and aligned for it.
             unsafe { std::ptr::write((&raw mut storage).cast(), sin) };
-            std::mem::size_of::<libc::sockaddr_in>()
+            size_of::<libc::sockaddr_in>()
         }
         SocketAddr::V6(a) => {
             let sin6 = libc::sockaddr_in6 {
@@ -166,7 +182,7 @@ fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
             };
             // SAFETY: as above.
             unsafe { std::ptr::write((&raw mut storage).cast(), sin6) };
-            std::mem::size_of::<libc::sockaddr_in6>()
+            size_of::<libc::sockaddr_in6>()
         }
     };
     (storage, len as libc::socklen_t)
@@ -185,7 +201,9 @@ fn cancel(addr: &str, source: &str, n: &str, wait_ms: &str) -> Result<String, St
     for _ in 0..n {
         let family = if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
         // SAFETY: plain socket call.
-        let fd = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0) };
+        let fd = unsafe {
+            libc::socket(family, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0)
+        };
         if fd < 0 {
             return Err(format!("socket: {}", std::io::Error::last_os_error()));
         }
@@ -223,7 +241,8 @@ fn netns(vip: &str, server: &str) -> Result<String, String> {
     }
     loopback_up()?;
     for (addr, name) in [(vip, "pod-vip"), (server, "pod-server")] {
-        let listener = TcpListener::bind(addr).map_err(|e| format!("bind {addr} in the new netns: {e}"))?;
+        let listener =
+            TcpListener::bind(addr).map_err(|e| format!("bind {addr} in the new netns: {e}"))?;
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
                 let _ = stream.set_read_timeout(Some(TIMEOUT));

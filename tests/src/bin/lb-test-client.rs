@@ -104,7 +104,8 @@ fn main() {
 
 fn connect(addr: &str) -> Result<(TcpStream, SocketAddr, String), String> {
     let addr: SocketAddr = addr.parse().map_err(|e| format!("bad address: {e}"))?;
-    let stream = TcpStream::connect_timeout(&addr, TIMEOUT).map_err(|e| e.to_string().replace(' ', "_"))?;
+    let stream =
+        TcpStream::connect_timeout(&addr, TIMEOUT).map_err(|e| e.to_string().replace(' ', "_"))?;
     let peer = stream.peer_addr().map_err(|e| e.to_string())?;
     stream.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
     (&stream).write_all(b"who\n").map_err(|e| format!("send:{}", e.kind()))?;
@@ -170,7 +171,11 @@ fn storm(addr: &str, threads: usize, duration: Duration, stop_file: &str) -> Str
     let mut names: Vec<String> = names.into_iter().map(|(n, c)| format!("{n}:{c}")).collect();
     names.sort();
     let latest: Vec<String> = latest.into_iter().map(|(n, at)| format!("{n}:{at}")).collect();
-    format!("storm total={total} failed={failed} last_ok={last_ok} names={} latest={}", names.join(","), latest.join(","))
+    format!(
+        "storm total={total} failed={failed} last_ok={last_ok} names={} latest={}",
+        names.join(","),
+        latest.join(",")
+    )
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: comparable across processes.
@@ -184,7 +189,8 @@ fn monotonic_ns() -> u64 {
 
 fn udp(addr: &str) -> Result<(SocketAddr, String), String> {
     let addr: SocketAddr = addr.parse().map_err(|e| format!("bad address: {e}"))?;
-    let bind: SocketAddr = if addr.is_ipv4() { "0.0.0.0:0".parse().unwrap() } else { "[::]:0".parse().unwrap() };
+    let bind: SocketAddr =
+        if addr.is_ipv4() { "0.0.0.0:0".parse().unwrap() } else { "[::]:0".parse().unwrap() };
     let socket = UdpSocket::bind(bind).map_err(|e| e.to_string())?;
     socket.connect(addr).map_err(|e| e.to_string().replace(' ', "_"))?;
     let peer = socket.peer_addr().map_err(|e| e.to_string())?;
@@ -297,7 +303,12 @@ fn raise_nofile(want: u64) {
     }
 }
 
-fn hold(addr: &str, count: usize, threads: usize, held: &mut Vec<(TcpStream, Option<String>)>) -> String {
+fn hold(
+    addr: &str,
+    count: usize,
+    threads: usize,
+    held: &mut Vec<(TcpStream, Option<String>)>,
+) -> String {
     raise_nofile((held.len() + count) as u64 + 1024);
     let threads = threads.clamp(1, count.max(1));
     let workers: Vec<_> = (0..threads)
@@ -340,7 +351,12 @@ fn hold(addr: &str, count: usize, threads: usize, held: &mut Vec<(TcpStream, Opt
         v.sort();
         v.join(",")
     };
-    format!("held ok={ok} failed={} names={} errors={}", errors.values().sum::<usize>(), join(names), join(errors))
+    format!(
+        "held ok={ok} failed={} names={} errors={}",
+        errors.values().sum::<usize>(),
+        join(names),
+        join(errors)
+    )
 }
 
 fn held_report(held: &mut [(TcpStream, Option<String>)]) -> String {

@@ -119,11 +119,7 @@ impl FakeApiServer {
     pub async fn start() -> Self {
         let server = Self {
             shared: Arc::new(Shared {
-                state: Mutex::new(State {
-                    rv: 1,
-                    compacted: 1,
-                    ..State::default()
-                }),
+                state: Mutex::new(State { rv: 1, compacted: 1, ..State::default() }),
                 changed: watch::channel(()).0,
             }),
             listeners: Mutex::new(HashMap::new()),
@@ -144,26 +140,16 @@ impl FakeApiServer {
                 Ok(listener) => break listener,
                 Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 50 => {
                     tries += 1;
-                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
                 }
                 Err(e) => panic!("fake apiserver: bind {addr}: {e}"),
             }
         };
         let addr = listener.local_addr().unwrap();
         let connections = Arc::new(Mutex::new(JoinSet::new()));
-        let accept = tokio::spawn(accept_loop(
-            listener,
-            addr,
-            self.shared.clone(),
-            connections.clone(),
-        ));
-        self.listeners.lock().unwrap().insert(
-            addr,
-            Listener {
-                accept,
-                connections,
-            },
-        );
+        let accept =
+            tokio::spawn(accept_loop(listener, addr, self.shared.clone(), connections.clone()));
+        self.listeners.lock().unwrap().insert(addr, Listener { accept, connections });
         let mut order = self.order.lock().unwrap();
         if !order.contains(&addr) {
             order.push(addr);
@@ -187,23 +173,12 @@ impl FakeApiServer {
         let mut state = self.shared.state.lock().unwrap();
         state.rv += 1;
         let rv = state.rv;
-        let namespace = slice
-            .metadata
-            .namespace
-            .get_or_insert_with(|| "default".to_owned())
-            .clone();
-        let name = slice
-            .metadata
-            .name
-            .clone()
-            .expect("an EndpointSlice needs a name");
+        let namespace =
+            slice.metadata.namespace.get_or_insert_with(|| "default".to_owned()).clone();
+        let name = slice.metadata.name.clone().expect("an EndpointSlice needs a name");
         slice.metadata.resource_version = Some(rv.to_string());
         let key = (namespace, name);
-        let kind = if state.slices.contains_key(&key) {
-            Kind::Modified
-        } else {
-            Kind::Added
-        };
+        let kind = if state.slices.contains_key(&key) { Kind::Modified } else { Kind::Added };
         state.slices.insert(key, slice.clone());
         state.history.push(Change { rv, kind, slice });
         drop(state);
@@ -214,17 +189,11 @@ impl FakeApiServer {
     /// Deletes a slice; returns the new resourceVersion (`None`: no such slice).
     pub fn delete(&self, namespace: &str, name: &str) -> Option<u64> {
         let mut state = self.shared.state.lock().unwrap();
-        let mut slice = state
-            .slices
-            .remove(&(namespace.to_owned(), name.to_owned()))?;
+        let mut slice = state.slices.remove(&(namespace.to_owned(), name.to_owned()))?;
         state.rv += 1;
         let rv = state.rv;
         slice.metadata.resource_version = Some(rv.to_string());
-        state.history.push(Change {
-            rv,
-            kind: Kind::Deleted,
-            slice,
-        });
+        state.history.push(Change { rv, kind: Kind::Deleted, slice });
         drop(state);
         self.shared.changed.send_replace(());
         Some(rv)
@@ -359,9 +328,7 @@ async fn accept_loop(
                 let shared = shared.clone();
                 async move { Ok::<_, std::convert::Infallible>(handle(&shared, via, request)) }
             });
-            let _ = http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+            let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
         });
     }
 }
@@ -377,9 +344,7 @@ impl hyper::body::Body for ChannelBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        self.0
-            .poll_recv(cx)
-            .map(|chunk| chunk.map(|c| Ok(Frame::data(c))))
+        self.0.poll_recv(cx).map(|chunk| chunk.map(|c| Ok(Frame::data(c))))
     }
 }
 
@@ -408,10 +373,7 @@ fn status_response(code: u16, reason: &str, message: &str) -> Response<ChannelBo
     let mut body = serde_json::to_value(status(code, reason, message)).unwrap();
     body["kind"] = "Status".into();
     body["apiVersion"] = "v1".into();
-    json_response(
-        StatusCode::from_u16(code).unwrap(),
-        serde_json::to_vec(&body).unwrap(),
-    )
+    json_response(StatusCode::from_u16(code).unwrap(), serde_json::to_vec(&body).unwrap())
 }
 
 fn gone_message(rv: u64) -> String {
@@ -449,12 +411,8 @@ fn handle(
         gone: false,
     };
     if !watch {
-        let items: Vec<EndpointSlice> = state
-            .slices
-            .values()
-            .filter(|s| in_scope(s, &namespace, &wanted))
-            .cloned()
-            .collect();
+        let items: Vec<EndpointSlice> =
+            state.slices.values().filter(|s| in_scope(s, &namespace, &wanted)).cloned().collect();
         let list = List {
             items,
             metadata: ListMeta {
@@ -486,10 +444,7 @@ fn handle(
     if gone && state.gone_as_http {
         return status_response(410, "Expired", &gone_message(from));
     }
-    let timeout = query
-        .get("timeoutSeconds")
-        .and_then(|t| t.parse::<u64>().ok())
-        .unwrap_or(1800);
+    let timeout = query.get("timeoutSeconds").and_then(|t| t.parse::<u64>().ok()).unwrap_or(1800);
     let (tx, rx) = mpsc::channel(64);
     let expiries = state.expiries;
     drop(state);
@@ -602,10 +557,7 @@ async fn stream_watch(
 /// `apiVersion` and `kind` out.)
 fn bookmark(rv: u64) -> Bytes {
     let object = EndpointSlice {
-        metadata: ObjectMeta {
-            resource_version: Some(rv.to_string()),
-            ..ObjectMeta::default()
-        },
+        metadata: ObjectMeta { resource_version: Some(rv.to_string()), ..ObjectMeta::default() },
         ..EndpointSlice::default()
     };
     line(&serde_json::json!({ "type": "BOOKMARK", "object": object }))
@@ -761,10 +713,7 @@ pub fn endpoint_slice(
         metadata: ObjectMeta {
             name: Some(name.to_owned()),
             namespace: Some("default".to_owned()),
-            labels: Some(BTreeMap::from([(
-                SERVICE_NAME_LABEL.to_owned(),
-                service.to_owned(),
-            )])),
+            labels: Some(BTreeMap::from([(SERVICE_NAME_LABEL.to_owned(), service.to_owned())])),
             ..ObjectMeta::default()
         },
         address_type: address_type.to_owned(),

@@ -61,16 +61,11 @@ fn key(name: &str) -> String {
 impl FakeDns {
     /// Starts on `127.0.0.1`, UDP and TCP on the same port.
     pub async fn start() -> Self {
-        let state = Arc::new(Mutex::new(State {
-            mode: Mode::Answer,
-            records: HashMap::new(),
-            queries: 0,
-        }));
+        let state =
+            Arc::new(Mutex::new(State { mode: Mode::Answer, records: HashMap::new(), queries: 0 }));
         // A port free for both protocols.
         let (udp, tcp) = loop {
-            let udp = UdpSocket::bind("127.0.0.1:0")
-                .await
-                .expect("fake dns: bind udp");
+            let udp = UdpSocket::bind("127.0.0.1:0").await.expect("fake dns: bind udp");
             if let Ok(tcp) = TcpListener::bind(udp.local_addr().unwrap()).await {
                 break (udp, tcp);
             }
@@ -78,11 +73,7 @@ impl FakeDns {
         let addr = udp.local_addr().unwrap();
         let udp_task = tokio::spawn(serve_udp(udp, state.clone()));
         let tcp_task = tokio::spawn(serve_tcp(tcp, state.clone()));
-        Self {
-            addr,
-            state,
-            tasks: vec![udp_task, tcp_task],
-        }
+        Self { addr, state, tasks: vec![udp_task, tcp_task] }
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -92,11 +83,7 @@ impl FakeDns {
     /// Sets the addresses of `name` (A and AAAA alike, by family) and
     /// their TTL.
     pub fn set(&self, name: &str, addrs: &[IpAddr], ttl: u32) {
-        self.state
-            .lock()
-            .unwrap()
-            .records
-            .insert(key(name), (addrs.to_vec(), ttl));
+        self.state.lock().unwrap().records.insert(key(name), (addrs.to_vec(), ttl));
     }
 
     /// Removes `name`: NXDOMAIN.
