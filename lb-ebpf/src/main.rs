@@ -366,7 +366,7 @@ fn vip_of_peer(ctx: &SockAddrContext, peer: &Endpoint) -> Option<Endpoint> {
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let (table, _) = sockets_of(ctx_read!(ctx, protocol));
     // SAFETY: entries are written whole by connect4/6 and sock_ops.
-    match unsafe { table.get(&cookie) } {
+    match unsafe { table.get(cookie) } {
         Some(entry) if entry.server == *peer && (peer.is_v4() == entry.vip.is_v4()) => {
             count(Reason::GetpeernameRewritten);
             Some(entry.vip)
@@ -410,7 +410,7 @@ fn try_release(ctx: &SockContext) -> Reason {
         // SAFETY: the helper only reads the socket behind the context.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
         // Most UDP sockets never connected to a VIP: the miss is normal.
-        return if SOCKETS_UDP.remove(&cookie).is_ok() {
+        return if SOCKETS_UDP.remove(cookie).is_ok() {
             Reason::ReleaseUdp
         } else {
             Reason::ReleaseUntouched
@@ -426,11 +426,11 @@ fn try_release(ctx: &SockContext) -> Reason {
     }
     // SAFETY: as above.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let Some(entry) = SOCKETS.get_ptr_mut(&cookie) else { return Reason::ReleaseUntouched };
+    let Some(entry) = SOCKETS.get_ptr_mut(cookie) else { return Reason::ReleaseUntouched };
     if state == TCP_CLOSE {
         // TCP is done with it (its connect never sent a SYN): no callback
         // will come. Ignoring the error is right: it was just found.
-        let _ = SOCKETS.remove(&cookie);
+        let _ = SOCKETS.remove(cookie);
         return Reason::ReleaseCancelled;
     }
     // SAFETY: the entry is this socket's; this program is its only writer
@@ -445,11 +445,7 @@ pub fn lb_sock_ops(ctx: SockOpsContext) -> u32 {
         BPF_SOCK_OPS_TCP_CONNECT_CB => on_connect(&ctx),
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => on_established(&ctx),
         BPF_SOCK_OPS_RTO_CB => on_retransmit_timeout(&ctx),
-        BPF_SOCK_OPS_STATE_CB => {
-            if ctx.arg(1) == BPF_TCP_CLOSE {
-                on_close(&ctx);
-            }
-        }
+        BPF_SOCK_OPS_STATE_CB if ctx.arg(1) == BPF_TCP_CLOSE => on_close(&ctx),
         _ => {}
     }
     // sock_ops programs return 1; the reply, if any, goes through set_reply.
@@ -461,7 +457,7 @@ pub fn lb_sock_ops(ctx: SockOpsContext) -> u32 {
 fn tracked(ctx: &SockOpsContext) -> Option<(u64, *mut SockEntry)> {
     // SAFETY: the helper only reads the socket behind the context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    match SOCKETS.get_ptr_mut(&cookie) {
+    match SOCKETS.get_ptr_mut(cookie) {
         Some(entry) => Some((cookie, entry)),
         None => {
             count(Reason::SockopsUntracked);
@@ -491,7 +487,7 @@ fn on_established(ctx: &SockOpsContext) {
     // a failure mark is news to the daemon (it recovers); every other
     // establishment is counted in CONNECTIONS and not reported, so a VIP
     // whose servers are fine costs the daemon nothing per connection.
-    let recovered = FAILED_AT.remove(&entry.server).is_ok();
+    let recovered = FAILED_AT.remove(entry.server).is_ok();
     if !add_connection(&ConnKey { vip: entry.vip, server: entry.server }, 1) {
         entry.flags |= SOCK_UNCOUNTED;
     }
@@ -539,7 +535,7 @@ fn on_close(ctx: &SockOpsContext) {
     }
     // Ignoring the error is right: the entry was just found, and only this
     // socket's callbacks (serialized by its lock) remove it.
-    let _ = SOCKETS.remove(&cookie);
+    let _ = SOCKETS.remove(cookie);
 }
 
 fn mark_failed(server: &Endpoint) {

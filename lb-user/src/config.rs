@@ -803,7 +803,7 @@ fn parse_health(
         let range = text.split_once('-').unwrap_or((text.as_str(), text.as_str()));
         match (range.0.trim().parse::<u16>(), range.1.trim().parse::<u16>()) {
             (Ok(lo), Ok(hi)) if (100..=599).contains(&lo) && (lo..=599).contains(&hi) => {
-                health.status = (lo, hi)
+                health.status = (lo, hi);
             }
             _ => problem("status", format!("{text:?} is not a status range like \"200-399\"")),
         }
@@ -851,7 +851,7 @@ fn parse_addr(
                 line,
                 key,
                 format!("{text:?} is not an address like \"127.0.0.1:6443\" or \"[::1]:6443\""),
-            ))
+            ));
         })
         .ok()
 }

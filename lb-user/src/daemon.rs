@@ -535,7 +535,7 @@ impl Daemon {
                 Effect::CheckNow { server } => match service.checks.get(&server) {
                     Some(check) => check.now.notify_one(),
                     None => {
-                        warn!(service = %name, %server, "no check task to confirm a kernel report with")
+                        warn!(service = %name, %server, "no check task to confirm a kernel report with");
                     }
                 },
             }
@@ -705,7 +705,7 @@ impl Daemon {
             .collect();
         match self.datapath.forget(&live) {
             Ok(forgotten) => {
-                debug!(?forgotten, "forgot what the kernel kept about removed servers")
+                debug!(?forgotten, "forgot what the kernel kept about removed servers");
             }
             Err(e) => warn!("cleaning the kernel's maps of removed servers failed: {e:#}"),
         }
@@ -806,7 +806,7 @@ impl Daemon {
                 }
             }
             (Closing::Balancer { service, .. }, Err(e)) => {
-                error!(service = %service, "closing connections failed: {e}")
+                error!(service = %service, "closing connections failed: {e}");
             }
             (Closing::Manual { server, reply }, result) => {
                 let response = match result {
@@ -831,7 +831,7 @@ impl Daemon {
                 "closed the connections of removed VIPs"
             ),
             (Closing::RemovedVips, Err(e)) => {
-                error!("closing the connections of removed VIPs failed: {e}")
+                error!("closing the connections of removed VIPs failed: {e}");
             }
         }
     }
