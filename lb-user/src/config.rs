@@ -455,10 +455,13 @@ impl Config {
 
     /// Parses and validates `text`; `path` only names the file in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        let line_of = |span: std::ops::Range<usize>| {
-            text.as_bytes()[..span.start.min(text.len())].iter().filter(|b| **b == b'\n').count()
-                + 1
-        };
+        // Where each line starts, found once: a value's line is then a
+        // binary search, not a count from the top of the file (which made
+        // parsing quadratic in the number of services).
+        let newlines: Vec<usize> =
+            text.bytes().enumerate().filter(|(_, b)| *b == b'\n').map(|(i, _)| i).collect();
+        let line_of =
+            |span: std::ops::Range<usize>| newlines.partition_point(|&at| at < span.start) + 1;
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError {
             file: path.to_owned(),
             problems: vec![Problem::new(e.span().map(&line_of), "", e.message().trim_end())],
@@ -1171,6 +1174,20 @@ mod tests {
             msg.contains(
                 "servers: a service needs servers, a default, or a [service.discovery] source"
             ),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn lines_are_counted_right_to_the_last_service() {
+        let many: String = (0..300)
+            .map(|i| format!("[[service]]\nname = \"s{i}\"\nvip = \"127.1.0.{}:{}\"\nservers = [\"127.2.0.1:80\"]\n", i % 200 + 1, 1000 + i))
+            .collect();
+        let msg = problems(&format!(
+            "{many}[[service]]\nname = \"last\"\nvip = \"127.1.9.9:0\"\nservers = [\"127.2.0.1:80\"]\n"
+        ));
+        assert!(
+            msg.starts_with(&format!("test.toml:{}: service[300] (\"last\"): vip:", 300 * 4 + 3)),
             "{msg}"
         );
     }

@@ -122,7 +122,10 @@ fn configmap_carries_a_valid_config() {
 #[test]
 fn containerfile_builds_the_binary() {
     let text = std::fs::read_to_string(deploy("Containerfile")).unwrap();
-    assert!(text.contains("cargo xtask build-ebpf"), "the toolchain is installed by xtask, not the build script");
+    assert!(
+        text.contains("cargo xtask build-ebpf"),
+        "the toolchain is installed by xtask, not the build script"
+    );
     assert!(text.contains("cargo build --release --package lb-user"));
     assert!(text.contains("rust-src"));
 }

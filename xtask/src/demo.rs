@@ -33,7 +33,9 @@ struct Demo {
 
 pub fn run(exit_after: u64) -> anyhow::Result<()> {
     if !is_root() {
-        bail!("the demo attaches eBPF programs to a cgroup and needs root: run `sudo -E cargo xtask demo`");
+        bail!(
+            "the demo attaches eBPF programs to a cgroup and needs root: run `sudo -E cargo xtask demo`"
+        );
     }
     let stop = Arc::new(AtomicBool::new(false));
     {
@@ -46,11 +48,23 @@ pub fn run(exit_after: u64) -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir)?;
     let cgroup = lb_tests::cgroup2_root().context("the demo needs cgroup v2")?.join("lb-demo");
     let config = dir.join("config.toml");
-    let mut demo = Demo { dir: dir.clone(), config: config.clone(), cgroup: cgroup.clone(), daemon: None, stop_backends: Arc::new(AtomicBool::new(false)) };
+    let mut demo = Demo {
+        dir: dir.clone(),
+        config: config.clone(),
+        cgroup: cgroup.clone(),
+        daemon: None,
+        stop_backends: Arc::new(AtomicBool::new(false)),
+    };
 
-    let modes: Vec<Arc<AtomicU8>> = BACKENDS.iter().map(|_| Arc::new(AtomicU8::new(RUNNING))).collect();
+    let modes: Vec<Arc<AtomicU8>> =
+        BACKENDS.iter().map(|_| Arc::new(AtomicU8::new(RUNNING))).collect();
     for (i, addr) in BACKENDS.iter().enumerate() {
-        start_backend(&format!("backend-{}", i + 1), addr, modes[i].clone(), demo.stop_backends.clone())?;
+        start_backend(
+            &format!("backend-{}", i + 1),
+            addr,
+            modes[i].clone(),
+            demo.stop_backends.clone(),
+        )?;
     }
     if !cgroup.exists() {
         std::fs::create_dir(&cgroup).with_context(|| format!("creating {}", cgroup.display()))?;
@@ -159,7 +173,11 @@ impl Drop for Demo {
             let _ = daemon.kill();
             let _ = daemon.wait();
         }
-        let _ = Command::new(lb_bin()).args(["detach", "--config"]).arg(&self.config).stdout(Stdio::null()).status();
+        let _ = Command::new(lb_bin())
+            .args(["detach", "--config"])
+            .arg(&self.config)
+            .stdout(Stdio::null())
+            .status();
         self.stop_backends.store(true, Ordering::Relaxed);
         let _ = std::fs::write(self.cgroup.join("cgroup.kill"), "1");
         for _ in 0..50 {
@@ -204,7 +222,12 @@ const KILLED: u8 = 2;
 /// A demo backend: answers HTTP with its name while running; when hung it
 /// keeps its port but accepts nothing (connects and checks time out);
 /// when killed its port is closed (connects are refused).
-fn start_backend(name: &str, addr: &str, mode: Arc<AtomicU8>, stop: Arc<AtomicBool>) -> anyhow::Result<()> {
+fn start_backend(
+    name: &str,
+    addr: &str,
+    mode: Arc<AtomicU8>,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<()> {
     let mut listener = Some(bind(name, addr)?);
     let (name, addr) = (name.to_owned(), addr.to_owned());
     let body = format!("{name} ({addr})\n");
@@ -244,7 +267,8 @@ fn start_backend(name: &str, addr: &str, mode: Arc<AtomicU8>, stop: Arc<AtomicBo
 }
 
 fn bind(name: &str, addr: &str) -> anyhow::Result<TcpListener> {
-    let listener = TcpListener::bind(addr).with_context(|| format!("{name}: binding {addr} (is a demo already running?)"))?;
+    let listener = TcpListener::bind(addr)
+        .with_context(|| format!("{name}: binding {addr} (is a demo already running?)"))?;
     listener.set_nonblocking(true)?;
     Ok(listener)
 }
@@ -269,13 +293,16 @@ fn get_in_cgroup(cgroup: &Path, addr: &str) -> anyhow::Result<String> {
     cmd.args(["demo-get", addr]);
     lb_tests::start_in_cgroup(&mut cmd, cgroup);
     let out = cmd.output()?;
-    Ok(String::from_utf8_lossy(if out.status.success() { &out.stdout } else { &out.stderr }).trim().to_owned())
+    Ok(String::from_utf8_lossy(if out.status.success() { &out.stdout } else { &out.stderr })
+        .trim()
+        .to_owned())
 }
 
 /// One HTTP GET; prints the body.
 pub fn get(addr: &str) -> anyhow::Result<()> {
     let target = addr.parse().with_context(|| format!("bad address {addr}"))?;
-    let mut stream = TcpStream::connect_timeout(&target, Duration::from_secs(2)).with_context(|| format!("connect {addr}"))?;
+    let mut stream = TcpStream::connect_timeout(&target, Duration::from_secs(2))
+        .with_context(|| format!("connect {addr}"))?;
     stream.set_read_timeout(Some(Duration::from_secs(2)))?;
     write!(stream, "GET / HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
     let mut response = String::new();

@@ -1,16 +1,22 @@
 //! `cargo xtask`: build, run, demo and test lb. See README.md.
+//!
+//! Every task that builds lb first installs what that build needs
+//! ([`toolchain::ensure`]), so each works on a fresh machine.
 
 mod bench;
 mod demo;
+mod fuzz;
+mod toolchain;
 mod vmtest;
 
 use std::{
     path::{Path, PathBuf},
-    process::{Command, ExitCode},
+    process::{Command, ExitCode, Stdio},
 };
 
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
+use vmtest::{KernelSpec, Release};
 
 #[derive(Parser)]
 #[command(name = "cargo xtask")]
@@ -21,7 +27,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Build the eBPF object (and the toolchain it needs, once).
+    /// Install what the eBPF build needs (once: the nightly's rust-src and
+    /// bpf-linker under target/tools/), then build lb with its eBPF object.
+    /// After this, a plain `cargo build` works.
     BuildEbpf,
     /// Build lb and run it with the given arguments, e.g.
     /// `cargo xtask run -- run --config deploy/config.toml`.
@@ -35,26 +43,31 @@ enum Task {
         #[arg(long, default_value_t = 0)]
         exit_after: u64,
     },
-    /// Run every test: host tests, the privileged integration tests on this
-    /// kernel, a demo smoke run, then the integration tests in VMs on other
-    /// kernels (`vmtest`).
+    /// Run every check and test: formatting and clippy, host tests, each
+    /// fuzz target briefly, the privileged integration tests on this
+    /// kernel, a demo smoke run, then
+    /// the integration tests in VMs on other kernels (`vmtest`).
     Test,
     /// Run the privileged integration tests on other kernels, each booted
-    /// in a QEMU guest (virtme-ng). Default: Debian's bullseye, bookworm
-    /// and trixie kernels.
-    Vmtest {
-        /// A kernel package (.deb) or image (vmlinuz) to test instead of
-        /// the default kernels; may be repeated.
-        #[arg(long)]
-        kernel: Vec<PathBuf>,
-    },
-    /// As root: the datapath's cost to applications (connect rate and bulk
-    /// throughput through a VIP), as ratios against direct connections and
-    /// a userspace proxy measured in the same run. Loopback only.
-    Bench,
+    /// in a QEMU guest (virtme-ng). Default: Debian's bullseye (5.10),
+    /// bookworm (6.1) and trixie (6.12) kernels; `--release` and `--kernel`
+    /// replace that list.
+    Vmtest(vmtest::Args),
+    /// As root, loopback only, a few minutes: lb's speed side by side with
+    /// direct connections, haproxy and nginx (wrk, connect + close, bulk),
+    /// scale (10,000 and 16,384 services, reload), failover and discovery
+    /// latency. A table, target/bench/report.md and target/bench/ratios.svg.
+    Bench(bench::Args),
+    /// Run the fuzz targets under fuzz/ (cargo-fuzz on the nightly): config
+    /// parsing, control requests, the state file, kernel event decoding.
+    /// Fails if any target finds a crash.
+    Fuzz(fuzz::Args),
     /// (internal) The benchmark's client.
     #[command(hide = true)]
-    BenchClient { mode: String, addr: String, amount: u64 },
+    BenchClient {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// (internal) One HTTP GET from inside the demo cgroup.
     #[command(hide = true)]
     DemoGet { addr: String },
@@ -73,9 +86,14 @@ fn main() -> ExitCode {
 }
 
 fn run(task: Task) -> anyhow::Result<()> {
+    // Every task that builds lb first installs what that build needs.
     match task {
-        Task::BuildEbpf => cargo(&["build", "--package", "lb-user"]),
+        Task::BuildEbpf => {
+            toolchain::ensure()?;
+            cargo(&["build", "--package", "lb-user"])
+        }
         Task::Run { args } => {
+            toolchain::ensure()?;
             cargo(&["build", "--package", "lb-user"])?;
             let status = Command::new(lb_bin()).args(&args).status().context("running lb")?;
             if !status.success() {
@@ -84,14 +102,30 @@ fn run(task: Task) -> anyhow::Result<()> {
             Ok(())
         }
         Task::Demo { exit_after } => {
+            toolchain::ensure()?;
             cargo(&["build", "--package", "lb-user"])?;
             demo::run(exit_after)
         }
-        Task::Test => test(),
-        Task::Vmtest { kernel } => vmtest::run(kernel),
+        Task::Test => {
+            toolchain::ensure()?;
+            test()
+        }
+        Task::Vmtest(args) => {
+            // A bad argument fails before anything is installed or built.
+            let kernels = args.kernel_specs()?;
+            toolchain::ensure()?;
+            vmtest::run(&kernels)
+        }
+        Task::Bench(args) => {
+            toolchain::ensure()?;
+            bench::run(&args)
+        }
+        Task::Fuzz(args) => {
+            toolchain::ensure()?;
+            fuzz::run(&args)
+        }
         Task::DemoGet { addr } => demo::get(&addr),
-        Task::Bench => bench::run(),
-        Task::BenchClient { mode, addr, amount } => bench::client_main(&mode, &addr, amount),
+        Task::BenchClient { args } => bench::client_main(&args),
     }
 }
 
@@ -107,17 +141,67 @@ fn lb_bin() -> PathBuf {
     target_dir().join("debug/lb")
 }
 
+/// `cargo ARGS` in the workspace, with the installed bpf-linker first on
+/// `PATH` (see [`toolchain::path_with_linker`]).
+fn cargo_command(args: &[&str]) -> anyhow::Result<Command> {
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.args(args).current_dir(workspace()).env("PATH", toolchain::path_with_linker()?);
+    remove_package_env(&mut cmd);
+    Ok(cmd)
+}
+
+/// Removes the variables `cargo run` set for xtask itself
+/// (`CARGO_MANIFEST_DIR`, `CARGO_PKG_NAME`, ...) from a cargo child's
+/// environment. Build scripts that watch them (ring's does) would
+/// otherwise see them change between `cargo xtask ...` and a plain
+/// `cargo build`, and rebuild each time.
+fn remove_package_env(cmd: &mut Command) {
+    for (key, _) in std::env::vars_os() {
+        let key_text = key.to_string_lossy();
+        if key_text.starts_with("CARGO_PKG_")
+            || key_text.starts_with("CARGO_MANIFEST_")
+            || ["CARGO_CRATE_NAME", "CARGO_BIN_NAME", "CARGO_PRIMARY_PACKAGE"].contains(&&*key_text)
+        {
+            cmd.env_remove(&key);
+        }
+    }
+}
+
+/// Runs `cargo ARGS` in the workspace (see [`cargo_command`]).
 fn cargo(args: &[&str]) -> anyhow::Result<()> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(&cargo)
-        .args(args)
-        .current_dir(workspace())
-        .status()
-        .with_context(|| format!("running cargo {}", args.join(" ")))?;
+    run_cmd(&mut cargo_command(args)?)
+}
+
+/// A command as one would type it, for messages.
+fn describe(cmd: &Command) -> String {
+    std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| a.to_string_lossy())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Runs `cmd` with its output on the terminal; an unsuccessful exit is an
+/// error naming the command.
+fn run_cmd(cmd: &mut Command) -> anyhow::Result<()> {
+    let status = cmd.status().with_context(|| format!("running {}", describe(cmd)))?;
     if !status.success() {
-        bail!("cargo {} failed ({status})", args.join(" "));
+        bail!("{} failed ({status})", describe(cmd));
     }
     Ok(())
+}
+
+/// Runs `cmd` and returns its standard output (its standard error goes to
+/// the terminal); an unsuccessful exit is an error naming the command.
+fn output_of(cmd: &mut Command) -> anyhow::Result<String> {
+    let out = cmd
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("running {}", describe(cmd)))?;
+    if !out.status.success() {
+        bail!("{} failed ({})", describe(cmd), out.status);
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 fn is_root() -> bool {
@@ -125,9 +209,16 @@ fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
+/// `cargo xtask test`: the style checks, then every tier of tests (see
+/// the README). Expects [`toolchain::ensure`] to have run.
 fn test() -> anyhow::Result<()> {
+    style_checks()?;
+
     println!("==> host tests (no privileges needed)");
     cargo(&["test", "--workspace", "--exclude", "lb-tests"])?;
+
+    // Each target briefly; `cargo xtask fuzz` runs them longer.
+    fuzz::run(&fuzz::Args { seconds: fuzz::TEST_SECONDS, target: None })?;
 
     println!("==> privileged integration tests on the host kernel");
     cargo(&["build", "--package", "lb-user"])?;
@@ -154,9 +245,46 @@ fn test() -> anyhow::Result<()> {
         // Three kernels take ~10.5 min under software emulation, which on
         // top of a cold build passes 20 min; CI keeps the oldest and the
         // newest. `cargo xtask vmtest` runs all three.
-        println!("CI: testing Linux 5.10 (bullseye) and 6.12 (trixie); `cargo xtask vmtest` also runs 6.1 (bookworm)");
-        vmtest::run(vec!["bullseye".into(), "trixie".into()])
+        println!("CI: Linux 5.10 (bullseye) and 6.12 (trixie); `cargo xtask vmtest` adds 6.1");
+        vmtest::run(&[KernelSpec::Release(Release::Bullseye), KernelSpec::Release(Release::Trixie)])
     } else {
-        vmtest::run(Vec::new())
+        vmtest::run(&Release::ALL.map(KernelSpec::Release))
     }
+}
+
+/// Formatting and lints, before any test runs: `cargo fmt --check` over
+/// the workspace, clippy with warnings as errors over the host crates
+/// (a real build: lb-user embeds the eBPF object), and clippy over the
+/// eBPF crate for the BPF target.
+fn style_checks() -> anyhow::Result<()> {
+    toolchain::ensure_lint_tools()?;
+    println!("==> formatting (cargo fmt --all --check)");
+    cargo(&["fmt", "--all", "--check"])?;
+
+    // lb-ebpf is left to the next step: on the host it compiles with an
+    // empty `main` and without its `cfg(target_arch = "bpf")` code, so the
+    // same lints would be reported twice and the BPF-only code not at all.
+    println!("==> lints, host crates (cargo clippy --workspace --all-targets)");
+    cargo(&[
+        "clippy",
+        "--workspace",
+        "--exclude",
+        "lb-ebpf",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
+
+    // lb-ebpf as lb-user/build.rs (aya-build) builds it: the nightly, the
+    // BPF target, core built from source, the target architecture's cfg.
+    println!("==> lints, eBPF programs (cargo +nightly clippy --target bpfel-unknown-none)");
+    let arch_cfg = format!("--cfg=bpf_target_arch=\"{}\"", std::env::consts::ARCH);
+    let mut clippy = toolchain::nightly("cargo");
+    clippy
+        .args(["clippy", "--package", "lb-ebpf", "--target", "bpfel-unknown-none"])
+        .args(["-Z", "build-std=core", "--", "-D", "warnings"])
+        .current_dir(workspace())
+        .env("CARGO_ENCODED_RUSTFLAGS", arch_cfg);
+    run_cmd(&mut clippy)
 }

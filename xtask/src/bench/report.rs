@@ -1,0 +1,717 @@
+//! What the bench found, three ways: a table on stdout, a Markdown report
+//! (`target/bench/report.md`, what the README copies) and a plot of the
+//! ratios per path and workload (`target/bench/ratios.svg`). The Speed
+//! issue's targets are PASS/MISS lines; a miss is reported, never an error.
+
+use std::{fmt::Write as _, path::Path, process::Command, time::Duration};
+
+use anyhow::Context as _;
+use plotters::{
+    prelude::*,
+    style::text_anchor::{HPos, Pos, VPos},
+};
+
+use super::{
+    Args, Part, discovery, failover, median,
+    paths::{BULK, Route},
+    percentile,
+    workloads::CONNECTS,
+};
+
+/// One route's figure in one workload (medians of the rounds).
+#[derive(Clone, Copy, Debug)]
+pub struct Figure {
+    /// Requests/s, connects/s or GB/s.
+    pub value: f64,
+    /// wrk's 99th percentile latency.
+    pub p99_ms: Option<f64>,
+}
+
+impl Figure {
+    pub fn describe(&self) -> String {
+        let value = if self.value >= 1000.0 {
+            format!("{:.1}k", self.value / 1000.0)
+        } else {
+            format!("{:.2}", self.value)
+        };
+        match self.p99_ms {
+            Some(p99) => format!("{value:>8}  p99 {p99:.2} ms"),
+            None => format!("{value:>8}"),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Workload {
+    KeepAlive,
+    NewConnection,
+    Connect,
+    Bulk,
+}
+
+impl Workload {
+    const fn label(self) -> &'static str {
+        match self {
+            Self::KeepAlive => "wrk keep-alive",
+            Self::NewConnection => "wrk new conn. per request",
+            Self::Connect => "connect + close",
+            Self::Bulk => "bulk 1 GiB",
+        }
+    }
+
+    const fn unit(self) -> &'static str {
+        match self {
+            Self::KeepAlive | Self::NewConnection => "req/s",
+            Self::Connect => "conn/s",
+            Self::Bulk => "GB/s",
+        }
+    }
+}
+
+/// One lb program's cost per connect on one route.
+pub struct KernelCost {
+    pub route: Route,
+    pub program: String,
+    pub runs_per_connect: f64,
+    pub ns_per_connect: f64,
+}
+
+/// One daemon start; `None`: no status answer within the harness's 60 s.
+pub struct Startup {
+    pub services: usize,
+    /// From starting `lb run` to its first status answer.
+    pub answered: Option<Duration>,
+    /// From starting `lb run` to a status listing every service with a selection.
+    pub ready: Option<Duration>,
+    /// VmRSS then, bytes.
+    pub rss: Option<u64>,
+}
+
+impl Startup {
+    pub fn describe(&self) -> String {
+        match (self.answered, self.ready, self.rss) {
+            (Some(answered), Some(ready), Some(rss)) => {
+                format!(
+                    "{}: first status answer {}, all listed with selections {}, RSS {:.0} MB",
+                    services(self.services),
+                    ms(answered),
+                    ms(ready),
+                    rss as f64 / 1e6
+                )
+            }
+            _ => format!("{}: no status answer within 60 s", services(self.services)),
+        }
+    }
+}
+
+#[derive(Default)]
+pub struct Scale {
+    pub startups: Vec<Startup>,
+    /// Connects/s through one VIP: (1 service, 1,000 services).
+    pub connects: Option<(f64, f64)>,
+    pub reload_ms: Vec<f64>,
+}
+
+pub struct Failover {
+    pub kernel_ms: Vec<f64>,
+    pub daemon_ms: Vec<f64>,
+}
+
+#[derive(Default)]
+pub struct Discovery {
+    pub latency_ms: Vec<f64>,
+    pub initial_sync: Option<Duration>,
+    pub updates_per_second: Option<f64>,
+}
+
+pub struct Results {
+    rounds: u32,
+    wrk_seconds: u64,
+    parts: Vec<Part>,
+    pub versions: Vec<(String, String)>,
+    pub paths: Vec<(Workload, Vec<(Route, Figure)>)>,
+    /// (what, daemon CPU time, connects or requests during it).
+    pub daemon_cpu: Vec<(String, Duration, u64)>,
+    pub kernel_cost: Vec<KernelCost>,
+    pub scale: Option<Scale>,
+    pub failover: Option<Failover>,
+    pub discovery: Option<Discovery>,
+    pub notes: Vec<String>,
+    pub duration: Duration,
+    /// The 1-minute load average when the run started: other work on the
+    /// machine shows in the figures.
+    load_at_start: String,
+}
+
+impl Results {
+    pub fn new(args: &Args, parts: &[Part]) -> Self {
+        Self {
+            rounds: args.rounds,
+            wrk_seconds: args.wrk_seconds,
+            parts: parts.to_vec(),
+            versions: Vec::new(),
+            paths: Vec::new(),
+            daemon_cpu: Vec::new(),
+            kernel_cost: Vec::new(),
+            scale: None,
+            failover: None,
+            discovery: None,
+            notes: Vec::new(),
+            duration: Duration::ZERO,
+            load_at_start: load_average(),
+        }
+    }
+
+    fn figure(&self, workload: Workload, route: Route) -> Option<Figure> {
+        let (_, figures) = self.paths.iter().find(|(w, _)| *w == workload)?;
+        figures.iter().find(|(r, _)| *r == route).map(|(_, f)| *f)
+    }
+
+    /// `route`'s figure over the direct route's, in `workload`.
+    fn ratio(&self, workload: Workload, route: Route) -> Option<f64> {
+        Some(self.figure(workload, route)?.value / self.figure(workload, Route::Direct)?.value)
+    }
+}
+
+/// A table, rendered as aligned text or as Markdown.
+struct Table {
+    title: String,
+    headers: Vec<String>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    fn new(title: &str, headers: &[&str]) -> Self {
+        Self {
+            title: title.to_owned(),
+            headers: headers.iter().map(|h| (*h).to_owned()).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    fn text(&self) -> String {
+        let widths: Vec<usize> = (0..self.headers.len())
+            .map(|i| {
+                self.rows
+                    .iter()
+                    .map(|r| r[i].chars().count())
+                    .chain([self.headers[i].chars().count()])
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        let line = |cells: &[String]| {
+            let mut out = String::from("  ");
+            for (i, cell) in cells.iter().enumerate() {
+                let pad = widths[i] - cell.chars().count();
+                out += cell;
+                out += &" ".repeat(pad + 3);
+            }
+            out.trim_end().to_owned() + "\n"
+        };
+        let mut out = format!("{}\n", self.title);
+        out += &line(&self.headers);
+        out +=
+            &format!("  {}\n", "-".repeat(widths.iter().sum::<usize>() + 3 * (widths.len() - 1)));
+        for row in &self.rows {
+            out += &line(row);
+        }
+        out
+    }
+
+    fn markdown(&self) -> String {
+        let mut out = format!(
+            "### {}\n\n| {} |\n|{}\n",
+            self.title,
+            self.headers.join(" | "),
+            "---|".repeat(self.headers.len())
+        );
+        for row in &self.rows {
+            out += &format!("| {} |\n", row.join(" | "));
+        }
+        out + "\n"
+    }
+}
+
+fn ms(d: Duration) -> String {
+    if d >= Duration::from_secs(1) {
+        format!("{:.2} s", d.as_secs_f64())
+    } else {
+        format!("{:.0} ms", d.as_secs_f64() * 1e3)
+    }
+}
+
+fn count(n: usize) -> String {
+    if n >= 1000 { format!("{},{:03}", n / 1000, n % 1000) } else { n.to_string() }
+}
+
+/// "1 service", "1,000 services".
+fn services(n: usize) -> String {
+    if n == 1 { "1 service".to_owned() } else { format!("{} services", count(n)) }
+}
+
+/// Milliseconds as "12.3 ms" or, from 1 s, "1.23 s".
+pub fn millis(value: f64) -> String {
+    if value >= 1000.0 { format!("{:.2} s", value / 1e3) } else { format!("{value:.1} ms") }
+}
+
+fn rate(workload: Workload, value: f64) -> String {
+    match workload {
+        Workload::Bulk => format!("{value:.2} GB/s"),
+        _ => format!("{:.1}k/s", value / 1000.0),
+    }
+}
+
+fn tables(r: &Results) -> Vec<Table> {
+    let mut tables = Vec::new();
+    if !r.paths.is_empty() {
+        let workloads: Vec<Workload> = r.paths.iter().map(|(w, _)| *w).collect();
+        let mut headers = vec!["path".to_owned()];
+        headers.extend(workloads.iter().map(|w| format!("{} ({})", w.label(), w.unit())));
+        let mut t = Table {
+            title: "Throughput by path: × direct (absolute figure; wrk: p99 latency)".to_owned(),
+            headers,
+            rows: Vec::new(),
+        };
+        for route in Route::ALL {
+            let mut row = vec![route.label().to_owned()];
+            for w in &workloads {
+                row.push(match (r.figure(*w, route), r.ratio(*w, route)) {
+                    (Some(f), Some(ratio)) => match f.p99_ms {
+                        Some(p99) => format!("{ratio:.2} ({}, p99 {p99:.2} ms)", rate(*w, f.value)),
+                        None => format!("{ratio:.2} ({})", rate(*w, f.value)),
+                    },
+                    _ => "-".to_owned(),
+                });
+            }
+            t.row(row);
+        }
+        tables.push(t);
+    }
+    if !r.daemon_cpu.is_empty() {
+        let mut t = Table::new(
+            "Daemon CPU (utime + stime of `lb run`, in clock ticks: 10 ms steps)",
+            &["during", "connects", "CPU", "per 10,000 connects", "per connect"],
+        );
+        for (what, cpu, n) in &r.daemon_cpu {
+            let per = |k: f64| if *n == 0 { f64::NAN } else { cpu.as_secs_f64() * k / *n as f64 };
+            t.row(vec![
+                what.clone(),
+                count(*n as usize),
+                ms(*cpu),
+                format!("{:.1} ms", per(1e7)),
+                format!("{:.1} µs", per(1e6)),
+            ]);
+        }
+        tables.push(t);
+    }
+    if !r.kernel_cost.is_empty() {
+        let mut t = Table::new(
+            &format!(
+                "Kernel cost per connect (bpf_stats, one round of {} connects each)",
+                count(CONNECTS as usize)
+            ),
+            &["program", "VIP: runs", "VIP: ns", "in cgroup, not a VIP: runs", "in cgroup: ns"],
+        );
+        // Programs that ran (getpeername runs only when a client asks).
+        let mut programs: Vec<&str> = r
+            .kernel_cost
+            .iter()
+            .filter(|c| c.runs_per_connect > 0.0)
+            .map(|c| c.program.as_str())
+            .collect();
+        programs.sort_unstable();
+        programs.dedup();
+        let cell = |program: Option<&str>, route: Route| {
+            let costs = r
+                .kernel_cost
+                .iter()
+                .filter(|c| c.route == route && program.is_none_or(|p| c.program == p));
+            let (runs, ns) = costs.fold((0.0, 0.0), |(runs, ns), c| {
+                (runs + c.runs_per_connect, ns + c.ns_per_connect)
+            });
+            [format!("{runs:.2}"), format!("{ns:.0}")]
+        };
+        for program in programs.iter().map(|p| Some(*p)).chain([None]) {
+            let mut row = vec![program.unwrap_or("all lb programs").to_owned()];
+            row.extend(cell(program, Route::Vip));
+            row.extend(cell(program, Route::Cgroup));
+            t.row(row);
+        }
+        tables.push(t);
+    }
+    if let Some(s) = &r.scale {
+        let mut t = Table::new("Scale (check = \"none\")", &["measure", "value"]);
+        for st in &s.startups {
+            t.row(vec![
+                format!(
+                    "{}: `lb run` to a status answer / to all listed with selections; RSS",
+                    services(st.services)
+                ),
+                match (st.answered, st.ready, st.rss) {
+                    (Some(answered), Some(ready), Some(rss)) => {
+                        format!("{} / {}; {:.0} MB", ms(answered), ms(ready), rss as f64 / 1e6)
+                    }
+                    _ => "> 60 s (no answer)".to_owned(),
+                },
+            ]);
+        }
+        if let Some((one, many)) = s.connects {
+            t.row(vec![
+                "connect + close through one VIP, 1 service".to_owned(),
+                format!("{:.1}k/s", one / 1000.0),
+            ]);
+            t.row(vec![
+                "connect + close through one VIP, 1,000 services".to_owned(),
+                format!("{:.1}k/s ({:.2} × 1 service)", many / 1000.0, many / one),
+            ]);
+        }
+        if !s.reload_ms.is_empty() {
+            t.row(vec![
+                format!(
+                    "reload changing 1 of 10,000 services, SIGHUP to kernel (median of {})",
+                    s.reload_ms.len()
+                ),
+                format!(
+                    "{} (max {})",
+                    millis(median(&s.reload_ms)),
+                    millis(percentile(&s.reload_ms, 100.0))
+                ),
+            ]);
+        }
+        tables.push(t);
+    }
+    if let Some(f) = &r.failover {
+        let mut t = Table::new(
+            &format!(
+                "Failover: server killed (listener closed) → first connect elsewhere, {} kills each",
+                failover::KILLS
+            ),
+            &["path", "p50", "p99", "max"],
+        );
+        for (what, samples) in [
+            ("kernel (refused connect marks the server; checks every 60 s)", &f.kernel_ms),
+            ("daemon (TCP checks every 100 ms; until status' selection changes)", &f.daemon_ms),
+        ] {
+            t.row(vec![
+                what.to_owned(),
+                millis(median(samples)),
+                millis(percentile(samples, 99.0)),
+                millis(percentile(samples, 100.0)),
+            ]);
+        }
+        tables.push(t);
+    }
+    if let Some(d) = &r.discovery {
+        let mut t = Table::new(
+            "Discovery (fake API server on loopback, debounce 1 ms)",
+            &["measure", "value"],
+        );
+        if !d.latency_ms.is_empty() {
+            t.row(vec![
+                format!(
+                    "EndpointSlice change → kernel's selection, {} changes",
+                    d.latency_ms.len()
+                ),
+                format!(
+                    "p50 {}, p99 {}",
+                    millis(median(&d.latency_ms)),
+                    millis(percentile(&d.latency_ms, 99.0))
+                ),
+            ]);
+        }
+        if let Some(sync) = d.initial_sync {
+            t.row(vec![
+                format!(
+                    "initial sync, {} services × {} endpoints",
+                    count(discovery::SERVICES),
+                    discovery::ENDPOINTS
+                ),
+                ms(sync),
+            ]);
+        }
+        if let Some(ups) = d.updates_per_second {
+            t.row(vec![
+                format!("updates applied, {} services changed at once", count(discovery::SERVICES)),
+                format!("{ups:.0}/s"),
+            ]);
+        }
+        tables.push(t);
+    }
+    tables
+}
+
+/// The Speed issue's targets that this run measured: (PASS, line).
+fn targets(r: &Results) -> Vec<(bool, String)> {
+    let mut lines = Vec::new();
+    let mut ratio = |what: &str, workload: Workload, route: Route, at_least: f64| {
+        if let Some(ratio) = r.ratio(workload, route) {
+            lines.push((ratio >= at_least, format!("{what} ≥ {at_least:.2} × direct: {ratio:.2}")));
+        }
+    };
+    ratio(
+        "new connection per request (wrk) through the VIP",
+        Workload::NewConnection,
+        Route::Vip,
+        0.95,
+    );
+    ratio("connect + close through the VIP", Workload::Connect, Route::Vip, 0.95);
+    ratio(
+        "new connection per request (wrk) from inside the cgroup, not a VIP",
+        Workload::NewConnection,
+        Route::Cgroup,
+        0.98,
+    );
+    ratio(
+        "connect + close from inside the cgroup, not a VIP",
+        Workload::Connect,
+        Route::Cgroup,
+        0.98,
+    );
+    ratio("keep-alive requests (wrk) through the VIP", Workload::KeepAlive, Route::Vip, 0.98);
+    ratio("bulk transfer through the VIP", Workload::Bulk, Route::Vip, 0.98);
+    if let Some((_, cpu, n)) = r
+        .daemon_cpu
+        .iter()
+        .find(|(what, _, n)| what.starts_with("connect + close through the VIP") && *n > 0)
+    {
+        let per_10k = cpu.as_secs_f64() * 1e7 / *n as f64;
+        lines.push((per_10k < 10.0, format!("daemon CPU per 10,000 VIP connects close to zero (read here as < 10 ms, 1 µs per connect): {per_10k:.1} ms")));
+    }
+    if let Some(s) = &r.scale {
+        for (n, limit) in [(10_000, 1.0), (16_384, 2.0)] {
+            if let Some(st) = s.startups.iter().find(|st| st.services == n) {
+                let took = st.ready.map_or_else(|| "> 60 s".to_owned(), ms);
+                lines.push((
+                    st.ready.is_some_and(|r| r.as_secs_f64() < limit),
+                    format!(
+                        "{} services ready (all listed with selections) < {limit:.0} s: {took}",
+                        count(n)
+                    ),
+                ));
+            }
+        }
+        if let Some(rss) = s.startups.iter().find(|st| st.services == 10_000).and_then(|st| st.rss)
+        {
+            lines.push((
+                rss < 40_000_000,
+                format!("RSS at 10,000 services < 40 MB: {:.0} MB", rss as f64 / 1e6),
+            ));
+        }
+        if !s.reload_ms.is_empty() {
+            let m = median(&s.reload_ms);
+            lines.push((
+                m < 100.0,
+                format!("a reload changing one service of 10,000 applies < 100 ms: {}", millis(m)),
+            ));
+        }
+    }
+    if let Some(f) = &r.failover {
+        let p99 = percentile(&f.kernel_ms, 99.0);
+        lines.push((p99 < 10.0, format!("a refused connect moves the next connect within milliseconds (read here as kernel path p99 < 10 ms): {p99:.2} ms")));
+    }
+    lines
+}
+
+/// The 1-minute load average.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .next()
+        .unwrap_or("?")
+        .to_owned()
+}
+
+fn machine(r: &Results) -> Vec<(String, String)> {
+    let read = |path: &str| std::fs::read_to_string(path).unwrap_or_default();
+    let cpu = read("/proc/cpuinfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|l| l.trim_start_matches([' ', '\t', ':']).to_owned())
+        .unwrap_or_default();
+    let cpus = std::thread::available_parallelism().map_or(0, usize::from);
+    let mem_kb: u64 = read("/proc/meminfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|l| l.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    let os = read("/etc/os-release")
+        .lines()
+        .find_map(|l| l.strip_prefix("PRETTY_NAME="))
+        .map(|l| l.trim_matches('"').to_owned())
+        .unwrap_or_default();
+    let date = Command::new("date")
+        .args(["-u", "+%Y-%m-%d %H:%M UTC"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default();
+    vec![
+        ("taken".to_owned(), date),
+        ("machine".to_owned(), format!("{cpus} CPUs ({cpu}), {:.0} GB RAM", mem_kb as f64 / 1e6)),
+        ("system".to_owned(), format!("{os}, Linux {}", read("/proc/sys/kernel/osrelease").trim())),
+        (
+            "load average (1 min) at start / end".to_owned(),
+            format!("{} / {}", r.load_at_start, load_average()),
+        ),
+    ]
+}
+
+pub fn write(r: &Results, dir: &Path) -> anyhow::Result<()> {
+    let tables = tables(r);
+    let targets = targets(r);
+    let machine = machine(r);
+    let settings = format!(
+        "release build; medians of {} alternated rounds; wrk -t2 -c16, {} s per run; connect + close: {} connects per round; bulk: {} MiB per round; parts: {}",
+        r.rounds,
+        r.wrk_seconds,
+        count(CONNECTS as usize),
+        BULK >> 20,
+        r.parts.iter().map(|p| format!("{p:?}").to_lowercase()).collect::<Vec<_>>().join(", ")
+    );
+
+    let mut text = String::from("\n==> results\n");
+    for (k, v) in &machine {
+        let _ = writeln!(text, "{k}: {v}");
+    }
+    let _ = writeln!(text, "{settings}\n");
+    for t in &tables {
+        text += &t.text();
+        text += "\n";
+    }
+    if !targets.is_empty() {
+        text += "Targets (Speed issue; a MISS is reported, not an error)\n";
+        for (pass, line) in &targets {
+            let _ = writeln!(text, "  {}  {line}", if *pass { "PASS" } else { "MISS" });
+        }
+    }
+    for note in &r.notes {
+        let _ = writeln!(text, "note: {note}");
+    }
+    let _ = writeln!(
+        text,
+        "\nbench took {:.0} s; report: {}; plot: {}",
+        r.duration.as_secs_f64(),
+        dir.join("report.md").display(),
+        dir.join("ratios.svg").display()
+    );
+    print!("{text}");
+
+    let mut md = String::from("# `cargo xtask bench`\n\n");
+    for (k, v) in machine.iter().chain(&r.versions) {
+        let _ = writeln!(md, "- {k}: {v}");
+    }
+    let _ = writeln!(md, "- {settings}\n- duration: {:.0} s\n", r.duration.as_secs_f64());
+    for t in &tables {
+        md += &t.markdown();
+    }
+    if !targets.is_empty() {
+        md += "### Targets (Speed issue)\n\n";
+        for (pass, line) in &targets {
+            let _ = writeln!(md, "- **{}** {line}", if *pass { "PASS" } else { "MISS" });
+        }
+        md += "\n";
+    }
+    for note in &r.notes {
+        let _ = writeln!(md, "Note: {note}\n");
+    }
+    if !r.paths.is_empty() {
+        md += "![ratios per path and workload](ratios.svg)\n";
+    }
+    std::fs::write(dir.join("report.md"), md).context("writing report.md")?;
+    if !r.paths.is_empty() {
+        plot(r, &dir.join("ratios.svg")).map_err(|e| anyhow::anyhow!("drawing ratios.svg: {e}"))?;
+    }
+    Ok(())
+}
+
+const COLORS: [RGBColor; 5] = [
+    RGBColor(120, 120, 120),
+    RGBColor(160, 190, 220),
+    RGBColor(31, 119, 180),
+    RGBColor(230, 120, 40),
+    RGBColor(44, 160, 44),
+];
+
+/// Grouped bars: per workload, one bar per route, the height its ratio to
+/// direct, labelled with it; a line at 1.0 (direct).
+fn plot(r: &Results, path: &Path) -> Result<(), Box<dyn std::error::Error>> {
+    let workloads: Vec<Workload> = r.paths.iter().map(|(w, _)| *w).collect();
+    let top = workloads
+        .iter()
+        .flat_map(|w| Route::ALL.map(|route| r.ratio(*w, route).unwrap_or(0.0)))
+        .fold(1.0f64, f64::max)
+        * 1.15;
+    let full = SVGBackend::new(path, (1150, 560)).into_drawing_area();
+    full.fill(&WHITE)?;
+    let titled = full.titled(
+        "lb bench: throughput × direct, per path and workload (higher is better)",
+        ("sans-serif", 22),
+    )?;
+    let (area, legend) = titled.split_horizontally(930);
+    let mut chart = ChartBuilder::on(&area)
+        .margin(16)
+        .x_label_area_size(50)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0f64..workloads.len() as f64, 0f64..top)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(0)
+        .light_line_style(WHITE)
+        .bold_line_style(RGBColor(225, 225, 225))
+        .y_desc("× direct")
+        .y_label_formatter(&|v| format!("{v:.1}"))
+        .label_style(("sans-serif", 15))
+        .draw()?;
+    let width = 0.8 / Route::ALL.len() as f64;
+    for (i, route) in Route::ALL.iter().enumerate() {
+        let color = COLORS[i];
+        let bars: Vec<(f64, f64)> = workloads
+            .iter()
+            .enumerate()
+            .filter_map(|(g, w)| Some((g as f64 + 0.1 + i as f64 * width, r.ratio(*w, *route)?)))
+            .collect();
+        chart
+            .draw_series(bars.iter().map(|(x, y)| {
+                Rectangle::new([(*x, 0.0), (*x + width * 0.92, *y)], color.filled())
+            }))?;
+        chart.draw_series(bars.iter().map(|(x, y)| {
+            Text::new(
+                format!("{y:.2}"),
+                (*x + width * 0.46, *y + top * 0.01),
+                ("sans-serif", 12)
+                    .into_font()
+                    .color(&BLACK)
+                    .pos(Pos::new(HPos::Center, VPos::Bottom)),
+            )
+        }))?;
+        let row = 40 + 28 * i as i32;
+        legend.draw(&Rectangle::new([(8, row), (24, row + 16)], color.filled()))?;
+        legend.draw(&Text::new(
+            route.label(),
+            (32, row + 8),
+            ("sans-serif", 15).into_font().color(&BLACK).pos(Pos::new(HPos::Left, VPos::Center)),
+        ))?;
+    }
+    chart.draw_series(std::iter::once(PathElement::new(
+        vec![(0.0, 1.0), (workloads.len() as f64, 1.0)],
+        BLACK.stroke_width(1),
+    )))?;
+    // Workload names under their groups, in the backend's own coordinates.
+    for (g, w) in workloads.iter().enumerate() {
+        let (x, y) = chart.backend_coord(&(g as f64 + 0.5, 0.0));
+        let label = format!("{} ({})", w.label(), w.unit());
+        full.draw(&Text::new(
+            label,
+            (x, y + 12),
+            ("sans-serif", 15).into_font().color(&BLACK).pos(Pos::new(HPos::Center, VPos::Top)),
+        ))?;
+    }
+    full.present()?;
+    Ok(())
+}

@@ -1,0 +1,419 @@
+//! The paths part: every workload over every route, rounds alternated
+//! (round 1 runs each route once, then round 2...) so that a change in the
+//! machine's load hits the routes alike; the median of the rounds is
+//! reported.
+//!
+//! - wrk keep-alive and wrk with `Connection: close` (one new connection per
+//!   request) against the nginx origin: req/s and p99 latency (`--latency`);
+//!   2 threads, 16 connections;
+//! - connect + close: [`CONNECTS`] connects by `bench-client`, each waiting
+//!   for the sink to close; every one must reach the sink;
+//! - bulk: [`BULK`] bytes from the source on one connection, every byte
+//!   counted.
+//!
+//! Clients of the cgroup and VIP routes start inside the attached cgroup.
+//! Also measured: the daemon's CPU time (utime + stime) during the VIP and
+//! in-cgroup connect rounds, and with `bpftool`, one extra round each with
+//! `kernel.bpf_stats_enabled=1` for each lb program's runs and run time.
+
+use std::{
+    net::SocketAddr,
+    path::Path,
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+use lb_tests::{Daemon, ServiceBuilder, TestCgroup};
+use serde_json::Value;
+
+use super::{
+    Args, check_stop, cpu_time, daemon_pid, median, output_within,
+    paths::{BULK, Origins, Route, Servers, VIP_IP, versions},
+    report::{Figure, KernelCost, Results, Workload},
+};
+
+/// Connects per connect + close round.
+pub const CONNECTS: u64 = 10_000;
+
+pub fn run(
+    args: &Args,
+    dir: &Path,
+    origins: &Origins,
+    results: &mut Results,
+) -> anyhow::Result<()> {
+    println!("==> paths: starting the origins, haproxy and nginx");
+    results.versions = versions();
+    let servers = Servers::start(dir, origins)?;
+    let cgroup = TestCgroup::new("bench");
+    let vip = |rank: u16| SocketAddr::from((VIP_IP, 80 + rank));
+    let services = [
+        ("bench-http", servers.http),
+        ("bench-connect", servers.sink),
+        ("bench-bulk", servers.source),
+    ]
+    .iter()
+    .zip(0..)
+    .map(|((name, server), rank)| ServiceBuilder::new(name, vip(rank)).servers(&[*server]).toml())
+    .collect::<String>();
+    // RUST_LOG as shipped (the harness's default is debug logging).
+    let daemon = Daemon::start_with_env("bench", &cgroup, "", &[("RUST_LOG", "info")], &services);
+    let active =
+        |status: &Value| (0..3).all(|i| status["services"][i]["servers"][0]["state"] == "active");
+    if !lb_tests::wait_until(Duration::from_secs(10), || active(&daemon.status())) {
+        bail!("the daemon did not make the servers active; its log:\n{}", daemon.log());
+    }
+    let pid = daemon_pid(&daemon)?;
+    let bench = Bench { cgroup: &cgroup.path, rounds: args.rounds as usize };
+
+    let duration = args.wrk_seconds;
+    println!("==> wrk keep-alive, {duration} s per run, {} rounds", args.rounds);
+    let figures = bench.rounds(|route| {
+        wrk(bench.cgroup_of(route), route.target(servers.http, 0), duration, false)
+            .map(|w| w.figure())
+    })?;
+    results.paths.push((Workload::KeepAlive, figures));
+
+    println!(
+        "==> wrk, one new connection per request, {duration} s per run, {} rounds",
+        args.rounds
+    );
+    let mut vip_cpu = (Duration::ZERO, 0u64);
+    let figures = bench.rounds(|route| {
+        let before = cpu_time(pid)?;
+        let w = wrk(bench.cgroup_of(route), route.target(servers.http, 0), duration, true)?;
+        if route == Route::Vip {
+            vip_cpu.0 += cpu_time(pid)? - before;
+            vip_cpu.1 += w.requests;
+        }
+        Ok(w.figure())
+    })?;
+    results.paths.push((Workload::NewConnection, figures));
+    results.daemon_cpu.push((
+        "wrk, new connection per request, through the VIP".to_owned(),
+        vip_cpu.0,
+        vip_cpu.1,
+    ));
+
+    println!("==> connect + close, {CONNECTS} per round, {} rounds", args.rounds);
+    let mut cpu = [(Duration::ZERO, 0u64); 2];
+    let figures = bench.rounds(|route| {
+        let before = (cpu_time(pid)?, origins.sink.accepted());
+        let took =
+            client(bench.cgroup_of(route), "connect", route.target(servers.sink, 1), CONNECTS)?;
+        let accepted = (origins.sink.accepted() - before.1) as u64;
+        if accepted != CONNECTS {
+            bail!("{CONNECTS} connects {}, but the sink accepted {accepted}", route.label());
+        }
+        if let Some(slot) = match route {
+            Route::Vip => Some(0),
+            Route::Cgroup => Some(1),
+            _ => None,
+        } {
+            cpu[slot].0 += cpu_time(pid)? - before.0;
+            cpu[slot].1 += CONNECTS;
+        }
+        Ok(Figure { value: CONNECTS as f64 / took.as_secs_f64(), p99_ms: None })
+    })?;
+    results.paths.push((Workload::Connect, figures));
+    results.daemon_cpu.push(("connect + close through the VIP".to_owned(), cpu[0].0, cpu[0].1));
+    results.daemon_cpu.push((
+        "connect + close direct, in the cgroup".to_owned(),
+        cpu[1].0,
+        cpu[1].1,
+    ));
+
+    println!("==> bulk transfer, {} MiB per round, {} rounds", BULK >> 20, args.rounds);
+    let figures = bench.rounds(|route| {
+        let took = client(bench.cgroup_of(route), "bulk", route.target(servers.source, 2), BULK)?;
+        Ok(Figure { value: BULK as f64 / took.as_secs_f64() / 1e9, p99_ms: None })
+    })?;
+    results.paths.push((Workload::Bulk, figures));
+
+    println!("==> kernel cost per connect (bpf_stats)");
+    match kernel_cost(&bench, &servers, origins) {
+        Ok(costs) => results.kernel_cost = costs,
+        Err(e) => results.notes.push(format!("kernel cost per program not measured: {e:#}")),
+    }
+    // The daemon must have kept up: every service still has its server.
+    let status = super::status(&daemon)?;
+    for i in 0..3 {
+        if status["services"][i]["selected"].as_array().is_none_or(Vec::is_empty) {
+            bail!(
+                "after the paths part, service {} has no selection: {status}",
+                status["services"][i]["name"]
+            );
+        }
+    }
+    Ok(())
+}
+
+struct Bench<'a> {
+    cgroup: &'a Path,
+    rounds: usize,
+}
+
+impl Bench<'_> {
+    fn cgroup_of(&self, route: Route) -> Option<&Path> {
+        route.in_cgroup().then_some(self.cgroup)
+    }
+
+    /// Runs `measure` over every route, round after round; the median of
+    /// each route's figures (and of its p99s).
+    fn rounds(
+        &self,
+        mut measure: impl FnMut(Route) -> anyhow::Result<Figure>,
+    ) -> anyhow::Result<Vec<(Route, Figure)>> {
+        let mut samples: Vec<Vec<Figure>> = vec![Vec::new(); Route::ALL.len()];
+        for _ in 0..self.rounds {
+            for (route, samples) in Route::ALL.iter().zip(&mut samples) {
+                check_stop()?;
+                samples.push(measure(*route).with_context(|| format!("route {}", route.label()))?);
+            }
+        }
+        let figures = Route::ALL
+            .iter()
+            .zip(&samples)
+            .map(|(route, samples)| {
+                let values: Vec<f64> = samples.iter().map(|f| f.value).collect();
+                let p99s: Vec<f64> = samples.iter().filter_map(|f| f.p99_ms).collect();
+                (
+                    *route,
+                    Figure {
+                        value: median(&values),
+                        p99_ms: (!p99s.is_empty()).then(|| median(&p99s)),
+                    },
+                )
+            })
+            .collect::<Vec<_>>();
+        for (route, figure) in &figures {
+            println!("  {:<22} {}", route.label(), figure.describe());
+        }
+        Ok(figures)
+    }
+}
+
+/// Runs `xtask bench-client MODE ADDR AMOUNT`, inside `cgroup` if given;
+/// the time it measured.
+pub(super) fn client(
+    cgroup: Option<&Path>,
+    mode: &str,
+    addr: SocketAddr,
+    amount: u64,
+) -> anyhow::Result<Duration> {
+    let mut cmd = Command::new(super::client_exe()?);
+    cmd.args(["bench-client", mode, &addr.to_string(), &amount.to_string()]);
+    if let Some(cgroup) = cgroup {
+        lb_tests::start_in_cgroup(&mut cmd, cgroup);
+    }
+    let out = output_within(&mut cmd, Duration::from_secs(60))?;
+    if !out.status.success() {
+        bail!("bench-client {mode} {addr} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let nanos: u64 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .context("bench-client printed no duration")?;
+    Ok(Duration::from_nanos(nanos))
+}
+
+/// What one wrk run reported.
+struct WrkRun {
+    requests: u64,
+    per_second: f64,
+    p99_ms: f64,
+}
+
+impl WrkRun {
+    fn figure(&self) -> Figure {
+        Figure { value: self.per_second, p99_ms: Some(self.p99_ms) }
+    }
+}
+
+/// `wrk -t2 -c16 -dSECONDS --latency http://ADDR/`, inside `cgroup` if
+/// given; with `close`, `Connection: close` (one connection per request).
+/// Errors on any non-2xx answer or failed connect: a request that did not
+/// reach the origin is not a figure.
+fn wrk(
+    cgroup: Option<&Path>,
+    addr: SocketAddr,
+    seconds: u64,
+    close: bool,
+) -> anyhow::Result<WrkRun> {
+    let mut cmd = Command::new("wrk");
+    cmd.args(["-t2", "-c16", &format!("-d{seconds}s"), "--timeout", "5s", "--latency"]);
+    if close {
+        cmd.args(["-H", "Connection: close"]);
+    }
+    cmd.arg(format!("http://{addr}/"));
+    if let Some(cgroup) = cgroup {
+        lb_tests::start_in_cgroup(&mut cmd, cgroup);
+    }
+    let out = output_within(&mut cmd, Duration::from_secs(seconds + 20))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!("wrk {addr} failed: {}{}", text.trim(), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    parse_wrk(&text).with_context(|| format!("wrk {addr} said:\n{text}"))
+}
+
+fn parse_wrk(text: &str) -> anyhow::Result<WrkRun> {
+    let mut run = WrkRun { requests: 0, per_second: f64::NAN, p99_ms: f64::NAN };
+    for line in text.lines().map(str::trim) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["Requests/sec:", value] => run.per_second = value.parse()?,
+            ["99%", value] => run.p99_ms = wrk_ms(value)?,
+            [n, "requests", "in", ..] => run.requests = n.parse()?,
+            ["Non-2xx", "or", "3xx", "responses:", n] => bail!("{n} answers were not 2xx"),
+            ["Socket", "errors:", "connect", n, ..] if *n != "0," => {
+                bail!("failed connects: {line}")
+            }
+            _ => {}
+        }
+    }
+    if run.requests == 0 || run.per_second.is_nan() || run.p99_ms.is_nan() {
+        bail!("no requests, rate or p99 in wrk's output");
+    }
+    Ok(run)
+}
+
+/// wrk's latency (`850.00us`, `1.20ms`, `2.00s`) in milliseconds.
+fn wrk_ms(value: &str) -> anyhow::Result<f64> {
+    let split =
+        value.find(|c: char| c.is_ascii_alphabetic()).context("a latency without a unit")?;
+    let (number, unit) = value.split_at(split);
+    let number: f64 = number.parse()?;
+    Ok(match unit {
+        "us" => number / 1e3,
+        "ms" => number,
+        "s" => number * 1e3,
+        "m" => number * 60e3,
+        _ => bail!("unknown latency unit in {value}"),
+    })
+}
+
+/// With `bpftool`: one more connect + close round through the VIP and one
+/// direct from inside the cgroup, each with `kernel.bpf_stats_enabled=1`;
+/// per attached lb program, its runs and run time per connect.
+fn kernel_cost(
+    bench: &Bench,
+    servers: &Servers,
+    origins: &Origins,
+) -> anyhow::Result<Vec<KernelCost>> {
+    if Command::new("bpftool").arg("version").output().is_err() {
+        bail!("bpftool is not installed (Debian package bpftool)");
+    }
+    let programs = attached_programs(bench.cgroup)?;
+    let _stats = BpfStats::enable()?;
+    let mut costs = Vec::new();
+    for route in [Route::Vip, Route::Cgroup] {
+        check_stop()?;
+        let before = program_stats(&programs)?;
+        let started = (Instant::now(), origins.sink.accepted());
+        client(bench.cgroup_of(route), "connect", route.target(servers.sink, 1), CONNECTS)?;
+        let accepted = (origins.sink.accepted() - started.1) as u64;
+        if accepted != CONNECTS {
+            bail!("{CONNECTS} connects {}, but the sink accepted {accepted}", route.label());
+        }
+        let after = program_stats(&programs)?;
+        for ((name, (cnt0, ns0)), (_, (cnt1, ns1))) in before.iter().zip(&after) {
+            costs.push(KernelCost {
+                route,
+                program: name.clone(),
+                runs_per_connect: (cnt1 - cnt0) as f64 / CONNECTS as f64,
+                ns_per_connect: (ns1 - ns0) as f64 / CONNECTS as f64,
+            });
+        }
+    }
+    Ok(costs)
+}
+
+/// The programs attached to `cgroup`: (id, name), by `bpftool cgroup show`.
+fn attached_programs(cgroup: &Path) -> anyhow::Result<Vec<(u64, String)>> {
+    let out = output_within(
+        Command::new("bpftool").args(["-j", "cgroup", "show"]).arg(cgroup),
+        Duration::from_secs(10),
+    )?;
+    let list: Value =
+        serde_json::from_slice(&out.stdout).context("bpftool cgroup show: not JSON")?;
+    let programs: Vec<(u64, String)> = list
+        .as_array()
+        .context("bpftool cgroup show: not a list")?
+        .iter()
+        .filter_map(|p| Some((p["id"].as_u64()?, p["name"].as_str().unwrap_or("?").to_owned())))
+        .collect();
+    if programs.is_empty() {
+        bail!("bpftool shows no program attached to {}", cgroup.display());
+    }
+    Ok(programs)
+}
+
+/// Per program (name): (run_cnt, run_time_ns).
+fn program_stats(programs: &[(u64, String)]) -> anyhow::Result<Vec<(String, (u64, u64))>> {
+    programs
+        .iter()
+        .map(|(id, name)| {
+            let out = output_within(
+                Command::new("bpftool").args(["-j", "prog", "show", "id", &id.to_string()]),
+                Duration::from_secs(10),
+            )?;
+            let prog: Value = serde_json::from_slice(&out.stdout)
+                .with_context(|| format!("bpftool prog show id {id}: not JSON"))?;
+            Ok((
+                name.clone(),
+                (prog["run_cnt"].as_u64().unwrap_or(0), prog["run_time_ns"].as_u64().unwrap_or(0)),
+            ))
+        })
+        .collect()
+}
+
+/// `kernel.bpf_stats_enabled=1` while held; the previous value is written
+/// back on drop (every path: errors and Ctrl-C unwind through it).
+struct BpfStats {
+    previous: String,
+}
+
+const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
+
+impl BpfStats {
+    fn enable() -> anyhow::Result<Self> {
+        let previous = std::fs::read_to_string(BPF_STATS)
+            .with_context(|| format!("reading {BPF_STATS}"))?
+            .trim()
+            .to_owned();
+        std::fs::write(BPF_STATS, "1").with_context(|| format!("writing {BPF_STATS}"))?;
+        Ok(Self { previous })
+    }
+}
+
+impl Drop for BpfStats {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::write(BPF_STATS, &self.previous) {
+            eprintln!("warning: could not set {BPF_STATS} back to {}: {e}", self.previous);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wrk_output_parses() {
+        let text = "Running 2s test @ http://127.78.0.1:8080/\n  2 threads and 16 connections\n  Thread Stats   Avg      Stdev     Max   +/- Stdev\n\
+                    \x20   Latency   510.37us  200.00us   5.00ms   90.00%\n  Latency Distribution\n     50%  480.00us\n     75%  600.00us\n\
+                    \x20    90%  800.00us\n     99%    1.25ms\n  61234 requests in 2.00s, 9.00MB read\nRequests/sec:  30617.00\nTransfer/sec:      4.50MB\n";
+        let run = parse_wrk(text).unwrap();
+        assert_eq!(run.requests, 61234);
+        assert!((run.per_second - 30617.0).abs() < 1e-9);
+        assert!((run.p99_ms - 1.25).abs() < 1e-9);
+        assert!(
+            parse_wrk(&format!("{text}  Socket errors: connect 3, read 0, write 0, timeout 0\n"))
+                .is_err()
+        );
+        assert!(parse_wrk(&format!("{text}  Non-2xx or 3xx responses: 7\n")).is_err());
+        assert!((wrk_ms("850.00us").unwrap() - 0.85).abs() < 1e-9);
+        assert!((wrk_ms("2.00s").unwrap() - 2000.0).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,466 @@
+//! `cargo xtask vmtest`: the privileged integration tests on other kernels.
+//!
+//! `lb` and the test binaries are built on the host, then each kernel is
+//! booted once in a throwaway QEMU guest (virtme-ng) that sees the host's
+//! files read-only and runs every test binary in turn. By default the
+//! kernels are Debian's generic kernels of bullseye (5.10), bookworm (6.1)
+//! and trixie (6.12), downloaded as packages and unpacked (never installed).
+//! `--release RELEASE` and `--kernel FILE` (both repeatable) replace that
+//! list: a release is one of those three names, a file is a `.deb` or a
+//! vmlinuz. A vmlinuz on its own needs 9p and virtio built in (Debian's
+//! have them as modules: give the `.deb`, or the `boot/vmlinuz-*` of an
+//! unpacked package).
+//!
+//! The pieces: `tools` (what the host needs, and the run lock), `kernels`
+//! (getting each kernel ready), `guest` (the script the guest runs, and
+//! booting it), `libtest` (reading each binary's output into per-test
+//! results); this module builds the binaries, runs each kernel and sums up.
+//!
+//! Layout under `target/vmtest/`:
+//! - `apt/<release>/`: a private apt configuration per release, so the
+//!   machine's own apt configuration and lists are never touched;
+//! - `virtme-ng-<version>/`: a Python virtual environment with virtme-ng,
+//!   so the machine's own Python packages are never touched either;
+//! - `kernels/<name>/`: unpacked kernel packages, reused when present
+//!   (delete a directory to fetch that kernel again);
+//! - `bin/`: the binaries under test (`lb`, `lb-test-client` and the test
+//!   executables), linked or copied there at the start of a run, so a
+//!   rebuild on the host cannot change them mid-run; the guest copies them
+//!   into its memory before running them;
+//! - `results/<name>/`: the guest script, each binary's output and exit
+//!   status, the guest's dmesg and the console log of the last run.
+
+mod guest;
+mod kernels;
+mod libtest;
+mod tools;
+
+use std::{
+    collections::BTreeSet,
+    fmt::Write as _,
+    fs,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+
+pub use self::kernels::{KernelSpec, Release};
+use self::{guest::BINARY_TIMEOUT_SECS, kernels::Kernel, libtest::TestResult, tools::Vng};
+use crate::target_dir;
+
+/// `cargo xtask vmtest`'s command line. With neither option, every
+/// [`Release`] is tested.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Test the generic kernel of this Debian release; may be repeated.
+    #[arg(long = "release", value_name = "RELEASE")]
+    releases: Vec<Release>,
+    /// Test this kernel package (.deb) or image (vmlinuz); may be repeated.
+    /// Always a file, even when its name is a release's.
+    #[arg(long = "kernel", value_name = "FILE")]
+    kernels: Vec<PathBuf>,
+}
+
+impl Args {
+    /// The kernels asked for, the releases first; every release when none
+    /// was. A `--kernel` that names no file is an error here, before
+    /// anything is built.
+    pub fn kernel_specs(self) -> anyhow::Result<Vec<KernelSpec>> {
+        let Self { releases, kernels } = self;
+        if releases.is_empty() && kernels.is_empty() {
+            return Ok(Release::ALL.map(KernelSpec::Release).to_vec());
+        }
+        let releases = releases.into_iter().map(KernelSpec::Release);
+        let files = kernels.into_iter().map(KernelSpec::file);
+        releases.map(Ok).chain(files).collect()
+    }
+}
+
+/// A test executable to run in the guest.
+struct TestBinary {
+    /// The cargo target name (`datapath`), also used for file names.
+    name: String,
+    path: PathBuf,
+}
+
+/// What the guest runs: `lb`, `lb-test-client` and the test executables,
+/// all in one directory, the test executables under their target names.
+struct Binaries {
+    dir: PathBuf,
+    tests: Vec<String>,
+}
+
+/// What one kernel's run came to.
+#[derive(Default)]
+struct Outcome {
+    name: String,
+    version: String,
+    passed: usize,
+    failed: Vec<String>,
+    /// Tests that ran but said they were skipped, with their reason.
+    skipped: Vec<String>,
+    /// Everything else that went wrong: no boot, a timeout, a binary that
+    /// crashed or never ran.
+    problems: Vec<String>,
+    fetch: Duration,
+    boot: Option<Duration>,
+    tests: Option<Duration>,
+    total: Duration,
+    results: Option<PathBuf>,
+}
+
+impl Outcome {
+    fn ok(&self) -> bool {
+        self.failed.is_empty() && self.problems.is_empty() && self.passed > 0
+    }
+
+    /// The kernel's line and what went wrong; `full` includes the console
+    /// tails, which the closing summary leaves to the lines printed before.
+    fn summary(&self, full: bool) -> String {
+        let secs = |d: Option<Duration>| {
+            d.map_or_else(|| "?".to_owned(), |d| format!("{:.0} s", d.as_secs_f64()))
+        };
+        let mut text = format!(
+            "{} {:<9} {:<24} {} passed, {} failed, {} skipped; fetch {:.0} s, boot {}, tests {}, total {:.0} s",
+            if self.ok() { "ok  " } else { "FAIL" },
+            self.name,
+            self.version,
+            self.passed,
+            self.failed.len(),
+            self.skipped.len(),
+            self.fetch.as_secs_f64(),
+            secs(self.boot),
+            secs(self.tests),
+            self.total.as_secs_f64(),
+        );
+        for test in &self.failed {
+            let _ = write!(text, "\n       failed: {test}");
+        }
+        for test in &self.skipped {
+            let _ = write!(text, "\n       skipped: {test}");
+        }
+        for problem in &self.problems {
+            let problem = if full { problem } else { problem.lines().next().unwrap_or_default() };
+            let _ = write!(text, "\n       {problem}");
+        }
+        if let Some(results) = self.results.as_ref().filter(|_| !self.ok()) {
+            let _ = write!(text, "\n       logs: {}", results.display());
+        }
+        text
+    }
+}
+
+/// Tests each of `kernels` in turn, prints one line per kernel and a
+/// closing summary, and fails if any kernel did.
+pub fn run(kernels: &[KernelSpec]) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let base = std::path::absolute(target_dir().join("vmtest"))
+        .context("resolving the target directory")?;
+
+    // Held until the run ends: runs share `bin/` and `results/`.
+    let _lock = tools::lock(&base)?;
+    let vng = tools::ensure(&base)?;
+    let binaries = build(&base)?;
+
+    let mut outcomes = Vec::new();
+    let mut names = BTreeSet::new();
+    for spec in kernels {
+        // Each kernel gets its own results directory, also when two
+        // arguments have the same version (among n names, one of the
+        // first n + 1 candidates is free).
+        let name = (1..=kernels.len() + 1)
+            .map(|n| if n == 1 { spec.name() } else { format!("{}-{n}", spec.name()) })
+            .find(|candidate| names.insert(candidate.clone()))
+            .unwrap_or_else(|| spec.name());
+        println!("==> kernel {name}");
+        // A kernel that cannot be fetched is one failed kernel, not the end
+        // of the run.
+        let outcome = match spec.prepare(&base) {
+            Ok(kernel) => {
+                boot_and_test(&base, &vng, &Kernel { name: name.clone(), ..kernel }, &binaries)
+            }
+            Err(e) => {
+                Outcome { name, problems: vec![format!("no kernel: {e:#}")], ..Outcome::default() }
+            }
+        };
+        println!("{}", outcome.summary(true));
+        outcomes.push(outcome);
+    }
+
+    println!("==> vmtest summary ({:.0} s in all)", started.elapsed().as_secs_f64());
+    for outcome in &outcomes {
+        println!("{}", outcome.summary(false));
+    }
+    // One plain closing line over every kernel, for whoever reads the end.
+    let passed: usize = outcomes.iter().map(|o| o.passed).sum();
+    let failed_tests: usize = outcomes.iter().map(|o| o.failed.len() + o.problems.len()).sum();
+    let skipped: usize = outcomes.iter().map(|o| o.skipped.len()).sum();
+    println!("vmtest: {passed} passed, {failed_tests} failed, {skipped} skipped");
+    let failed: Vec<&str> = outcomes.iter().filter(|o| !o.ok()).map(|o| o.name.as_str()).collect();
+    if !failed.is_empty() {
+        bail!("vmtest failed on: {}", failed.join(", "));
+    }
+    Ok(())
+}
+
+/// Builds `lb` and the `lb-tests` binaries and fixes them under
+/// `<base>/bin`.
+///
+/// `lb` is the release build: the guest runs under software emulation,
+/// where the debug build is too slow for the tests' own deadlines (a
+/// daemon must answer within 60 s). The test binaries stay debug builds;
+/// they do little work of their own.
+/// Test binaries that run on the host kernel only: load tests (200
+/// threads, 10,000 connections) that say nothing more about a kernel than
+/// the others do and would take many minutes under software emulation,
+/// and the discovery tests that never touch the kernel.
+const HOST_ONLY: [&str; 3] = ["chaos", "stress", "discovery"];
+
+/// The client binaries the tests start inside the guest, and the variable
+/// through which each test finds its copy.
+const CLIENTS: [(&str, &str); 2] =
+    [("lb-test-client", "LB_TEST_CLIENT"), ("lb-hardening-client", "LB_HARDENING_CLIENT")];
+
+fn build(base: &Path) -> anyhow::Result<Binaries> {
+    println!("==> building lb (release) and the integration tests");
+    crate::cargo(&["build", "--release", "--package", "lb-user"])?;
+    let out = crate::output_of(&mut crate::cargo_command(&[
+        "test",
+        "--package",
+        "lb-tests",
+        "--no-run",
+        "--message-format=json",
+    ])?)?;
+    let (mut tests, clients) = parse_artifacts(&out)?;
+    tests.retain(|test| {
+        let host_only = HOST_ONLY.contains(&test.name.as_str());
+        if host_only {
+            println!(
+                "vmtest: {} runs on the host kernel only (cargo xtask test runs it there)",
+                test.name
+            );
+        }
+        !host_only
+    });
+    if tests.is_empty() {
+        bail!("cargo reported no integration test executables for lb-tests");
+    }
+
+    let bin = base.join("bin");
+    if bin.exists() {
+        fs::remove_dir_all(&bin).with_context(|| format!("removing {}", bin.display()))?;
+    }
+    fs::create_dir_all(&bin).with_context(|| format!("creating {}", bin.display()))?;
+    pin(&target_dir().join("release/lb"), &bin.join("lb"))?;
+    // The tests find the clients through `$LB_TEST_CLIENT` and
+    // `$LB_HARDENING_CLIENT` (see the guest script).
+    for (name, _) in CLIENTS {
+        let client =
+            clients.get(name).with_context(|| format!("cargo reported no {name} binary"))?;
+        pin(client, &bin.join(name))?;
+    }
+    for test in &tests {
+        pin(&test.path, &bin.join(&test.name))?;
+    }
+    Ok(Binaries { dir: bin, tests: tests.into_iter().map(|test| test.name).collect() })
+}
+
+/// A hard link (cargo replaces rather than rewrites its outputs, so the
+/// link keeps this build), or a copy on another file system.
+fn pin(from: &Path, to: &Path) -> anyhow::Result<()> {
+    if fs::hard_link(from, to).is_err() {
+        fs::copy(from, to)
+            .with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
+    }
+    Ok(())
+}
+
+/// Picks the test executables and the client binaries ([`CLIENTS`]) out
+/// of cargo's JSON messages.
+fn parse_artifacts(
+    messages: &str,
+) -> anyhow::Result<(Vec<TestBinary>, std::collections::BTreeMap<&'static str, PathBuf>)> {
+    let mut tests = Vec::new();
+    let mut clients = std::collections::BTreeMap::new();
+    for line in messages.lines().filter(|l| l.starts_with('{')) {
+        let message: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("parsing cargo message {line:?}"))?;
+        if message["reason"] != "compiler-artifact" {
+            continue;
+        }
+        let Some(executable) = message["executable"].as_str() else { continue };
+        let kinds = message["target"]["kind"].as_array().map(Vec::as_slice).unwrap_or_default();
+        let name = message["target"]["name"].as_str().unwrap_or_default();
+        let is_test_build = message["profile"]["test"].as_bool().unwrap_or(false);
+        if kinds.iter().any(|k| k == "test") {
+            // The name goes into file names and the guest script.
+            if name.is_empty()
+                || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            {
+                bail!("unexpected test target name {name:?} in cargo's output");
+            }
+            tests.push(TestBinary { name: name.to_owned(), path: PathBuf::from(executable) });
+        } else if kinds.iter().any(|k| k == "bin")
+            && !is_test_build
+            && let Some((client, _)) = CLIENTS.iter().find(|(client, _)| *client == name)
+        {
+            clients.insert(*client, PathBuf::from(executable));
+        }
+    }
+    tests.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok((tests, clients))
+}
+
+/// Boots `kernel` once and runs every test binary in it.
+fn boot_and_test(base: &Path, vng: &Vng, kernel: &Kernel, binaries: &Binaries) -> Outcome {
+    let started = Instant::now();
+    let results = base.join("results").join(&kernel.name);
+    let mut outcome = Outcome {
+        name: kernel.name.clone(),
+        version: kernel.version.clone(),
+        fetch: kernel.fetch_time,
+        results: Some(results.clone()),
+        ..Outcome::default()
+    };
+    match guest::boot(vng, kernel, binaries, &results) {
+        Ok(()) => collect(&results, &binaries.tests, &mut outcome),
+        Err(e) => {
+            // Whatever did finish still counts.
+            collect(&results, &binaries.tests, &mut outcome);
+            outcome.problems.insert(0, format!("{e:#}"));
+        }
+    }
+    outcome.total = started.elapsed() + kernel.fetch_time;
+    outcome
+}
+
+/// Reads what the guest left in `results` into `outcome`.
+fn collect(results: &Path, tests: &[String], outcome: &mut Outcome) {
+    if let Ok(uname) = fs::read_to_string(results.join("uname")) {
+        outcome.version = uname.trim().to_owned();
+    }
+    let timing = fs::read_to_string(results.join("timing")).unwrap_or_default();
+    let (mut first_start, mut last_end) = (None, None);
+    for line in timing.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let seconds =
+            words.last().and_then(|w| w.parse::<f64>().ok()).filter(|s| s.is_finite() && *s >= 0.0);
+        match words.first() {
+            Some(&"boot") => outcome.boot = seconds.map(Duration::from_secs_f64),
+            Some(&"start") => first_start = first_start.or(seconds),
+            Some(&"end") => last_end = seconds.or(last_end),
+            _ => {}
+        }
+    }
+    if let (Some(start), Some(end)) = (first_start, last_end) {
+        outcome.tests = Some(Duration::from_secs_f64((end - start).max(0.0)));
+    }
+    if let Ok(modules) = fs::read_to_string(results.join("modules.log")) {
+        outcome
+            .problems
+            .extend(modules.lines().filter(|l| l.contains("failed")).map(str::to_owned));
+    }
+
+    if timing.is_empty() {
+        // The script never started: the boot's own error says it all.
+        return;
+    }
+    for test in tests {
+        let log = fs::read(results.join(format!("{test}.log")))
+            .map(|b| String::from_utf8_lossy(&b).into_owned());
+        let status = fs::read_to_string(results.join(format!("{test}.status"))).ok();
+        let report = libtest::parse(log.as_deref().unwrap_or_default());
+        let mut failed = 0;
+        for (name, result) in &report.tests {
+            match result {
+                TestResult::Ok => outcome.passed += 1,
+                TestResult::Skipped(reason) => {
+                    outcome.skipped.push(format!("{test}::{name} ({reason})"));
+                }
+                TestResult::Failed(why) => {
+                    failed += 1;
+                    // The first panic says what went wrong; the rest is in the log.
+                    let why = why.as_deref().map(|why| format!(": {why}")).unwrap_or_default();
+                    outcome.failed.push(format!("{test}::{name}{why}"));
+                }
+                TestResult::Ignored => outcome.skipped.push(format!("{test}::{name} (#[ignore])")),
+                TestResult::Unfinished => {
+                    outcome.failed.push(format!("{test}::{name} (did not finish)"));
+                }
+            }
+        }
+        match status.as_deref().map(str::trim) {
+            None => outcome.problems.push(format!("{test}: never finished")),
+            Some("0") if report.summary => {}
+            Some("0") => {
+                outcome.problems.push(format!("{test}: exited 0 without libtest's summary"));
+            }
+            Some("124" | "137") => {
+                outcome.problems.push(format!("{test}: timed out after {BINARY_TIMEOUT_SECS} s"));
+            }
+            // A failing test already counts; a binary that failed without
+            // one (a crash, a panic outside a test) must not pass silently.
+            Some(code) if failed == 0 => {
+                outcome.problems.push(format!("{test}: exited with {code} without a failing test"));
+            }
+            Some(_) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    /// The kernels `cargo xtask <args>` asks for, or clap's error.
+    fn kernels(args: &[&str]) -> anyhow::Result<Vec<KernelSpec>> {
+        let cli = crate::Cli::try_parse_from(["cargo xtask", "vmtest"].iter().chain(args))?;
+        let crate::Task::Vmtest(args) = cli.command else { panic!("not the vmtest command") };
+        args.kernel_specs()
+    }
+
+    #[test]
+    fn command_line() {
+        // None asked for: every release.
+        let all: Vec<KernelSpec> = Release::ALL.map(KernelSpec::Release).to_vec();
+        assert_eq!(kernels(&[]).unwrap(), all);
+        assert_eq!(
+            kernels(&["--release", "trixie", "--release", "bullseye"]).unwrap(),
+            [KernelSpec::Release(Release::Trixie), KernelSpec::Release(Release::Bullseye)]
+        );
+        // A file, and releases before files whatever the order given.
+        let file = std::env::current_exe().unwrap();
+        let file_arg = file.to_str().unwrap();
+        assert_eq!(
+            kernels(&["--kernel", file_arg, "--release", "bookworm"]).unwrap(),
+            [KernelSpec::Release(Release::Bookworm), KernelSpec::File(file.clone())]
+        );
+        // An unknown release is refused by the parser, naming the known ones.
+        let unknown = kernels(&["--release", "sid"]).unwrap_err().to_string();
+        assert!(unknown.contains("bullseye, bookworm, trixie"), "{unknown}");
+        // A release name is never a file, nor a file name a release.
+        let missing = kernels(&["--kernel", "trixie"]).unwrap_err().to_string();
+        assert!(missing.contains("--kernel trixie: no such file"), "{missing}");
+        assert!(kernels(&["--release", file_arg]).is_err());
+        assert!(kernels(&["trixie"]).is_err(), "no positional kernels");
+    }
+
+    #[test]
+    fn cargo_artifacts() {
+        let messages = r#"{"reason":"compiler-artifact","target":{"kind":["test"],"name":"datapath"},"profile":{"test":true},"executable":"/t/datapath-1"}
+{"reason":"compiler-artifact","target":{"kind":["bin"],"name":"lb-test-client"},"profile":{"test":false},"executable":"/t/lb-test-client"}
+{"reason":"compiler-artifact","target":{"kind":["bin"],"name":"lb-test-client"},"profile":{"test":true},"executable":"/t/lb_test_client-2"}
+{"reason":"build-finished","success":true}"#;
+        let (tests, client) = parse_artifacts(messages).unwrap();
+        assert_eq!(tests.len(), 1);
+        assert_eq!(tests[0].path, Path::new("/t/datapath-1"));
+        assert_eq!(
+            client.get("lb-test-client").map(PathBuf::as_path),
+            Some(Path::new("/t/lb-test-client"))
+        );
+        assert!(parse_artifacts(r#"{"reason":"compiler-artifact","target":{"kind":["test"],"name":"a b"},"executable":"/t/x"}"#).is_err());
+    }
+}
