@@ -27,6 +27,7 @@ pub enum Choice {
     NoServer,
     /// Use `service.servers[index]`; `index < min(count, MAX_SERVERS)`.
     Server {
+        /// Where the server is in `service.servers`.
         index: usize,
         /// A server failed within the hold-down was passed over: some of
         /// the `spread` group was not usable (`connect_skipped_failed`).

@@ -11,6 +11,7 @@
 //! the host. The `user` feature adds the userspace-only conversions (`user`
 //! module).
 #![no_std]
+#![warn(missing_docs)]
 
 pub mod choose;
 #[cfg(feature = "user")]
@@ -26,8 +27,11 @@ pub const MAX_TRACKED_SOCKETS: u32 = 262_144;
 /// Connected UDP sockets through a VIP (`SOCKETS_UDP`), apart from TCP so
 /// that a churn of UDP sockets never takes a TCP connection's slot.
 pub const MAX_TRACKED_UDP_SOCKETS: u32 = 65_536;
+/// (VIP, server) pairs with live connection counts (`CONNECTIONS`).
 pub const MAX_SERVER_PAIRS: u32 = 65_536;
+/// Servers with a failure mark (`FAILED_AT`).
 pub const MAX_FAILED_SERVERS: u32 = 16_384;
+/// Size of the `EVENTS` ring buffer.
 pub const EVENTS_BYTES: u32 = 256 * 1024;
 
 /// The layout of the pinned maps (their names, types, keys and values).
@@ -47,6 +51,7 @@ pub const META_LAYOUT_VERSION: u32 = 0;
 /// and high halves of a hash of the eBPF object): a daemon whose programs
 /// differ replaces them (atomic link updates) when it adopts the pins.
 pub const META_PROGRAMS_LOW: u32 = 1;
+/// See [`META_PROGRAMS_LOW`].
 pub const META_PROGRAMS_HIGH: u32 = 2;
 /// Number of `META` slots.
 pub const META_SLOTS: u32 = 3;
@@ -62,12 +67,19 @@ pub const NETNS_INITIAL: u64 = u64::MAX;
 
 /// Names of the maps, as the object file and the pin directory know them.
 pub mod maps {
+    /// VIP → [`Service`](crate::Service): the selections.
     pub const SERVICES: &str = "SERVICES";
+    /// Server → when a connect to it last failed.
     pub const FAILED_AT: &str = "FAILED_AT";
+    /// TCP socket cookie → [`SockEntry`](crate::SockEntry).
     pub const SOCKETS: &str = "SOCKETS";
+    /// [`ConnKey`](crate::ConnKey) → live connections, per CPU.
     pub const CONNECTIONS: &str = "CONNECTIONS";
+    /// The ring buffer of [`Event`](crate::Event)s.
     pub const EVENTS: &str = "EVENTS";
+    /// Per-CPU decision counters, indexed by [`Reason`](crate::Reason).
     pub const COUNTERS: &str = "COUNTERS";
+    /// Connected-UDP socket cookie → [`SockEntry`](crate::SockEntry).
     pub const SOCKETS_UDP: &str = "SOCKETS_UDP";
     /// The layout version (`LAYOUT_VERSION`), an array of u32.
     pub const META: &str = "META";
@@ -78,15 +90,21 @@ pub mod maps {
 
 /// Names of the programs in the object file; also their link pin names.
 pub mod programs {
+    /// cgroup connect4: rewrites IPv4 connects to a VIP.
     pub const CONNECT4: &str = "lb_connect4";
+    /// cgroup connect6: rewrites IPv6 (and IPv4-mapped) connects to a VIP.
     pub const CONNECT6: &str = "lb_connect6";
+    /// cgroup getpeername4: a socket connected through a VIP sees the VIP.
     pub const GETPEERNAME4: &str = "lb_getpeername4";
+    /// cgroup getpeername6: as [`GETPEERNAME4`] for IPv6.
     pub const GETPEERNAME6: &str = "lb_getpeername6";
+    /// sock_ops: counts connections, marks failed servers, reports events.
     pub const SOCK_OPS: &str = "lb_sock_ops";
     /// cgroup sock_release (Linux 5.9+): a released socket leaves the
     /// socket tables, and a connect its application gave up on is no
     /// server failure.
     pub const SOCK_RELEASE: &str = "lb_sock_release";
+    /// Every program, in one list so attach, adopt and detach agree.
     pub const ALL: [&str; 6] =
         [CONNECT4, CONNECT6, GETPEERNAME4, GETPEERNAME6, SOCK_OPS, SOCK_RELEASE];
     /// Without these there is no load balancing: a kernel lacking them is
@@ -106,9 +124,11 @@ pub mod programs {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Endpoint {
+    /// The address as four 32-bit words in network byte order.
     pub addr: [u32; 4],
     /// Network byte order.
     pub port: u16,
+    /// Explicit padding (zero).
     pub _pad: [u8; 2],
 }
 
@@ -184,7 +204,9 @@ pub const SOCK_UNCOUNTED: u32 = 1 << 2;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SockEntry {
+    /// The VIP the application dialled.
     pub vip: Endpoint,
+    /// The server the connect was sent to.
     pub server: Endpoint,
     /// `SOCK_*` bits; written only by sock_ops (under the socket's lock).
     pub flags: u32,
@@ -202,7 +224,9 @@ pub struct SockEntry {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ConnKey {
+    /// The service's VIP.
     pub vip: Endpoint,
+    /// The server the connections went to.
     pub server: Endpoint,
 }
 
@@ -259,13 +283,17 @@ impl From<EventKind> for u32 {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Event {
+    /// The socket's cookie.
     pub cookie: u64,
     /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) when it happened.
     pub time_ns: u64,
+    /// The VIP the application dialled.
     pub vip: Endpoint,
+    /// The server the connect went to.
     pub server: Endpoint,
     /// An [`EventKind`] as `u32`; read it with [`Event::kind()`].
     pub kind: u32,
+    /// Explicit padding (zero).
     pub _pad: u32,
 }
 
