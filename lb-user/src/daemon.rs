@@ -630,10 +630,10 @@ impl Daemon {
                 discovery.status.last_error = None;
                 discovery.status.truncated = update.truncated;
                 let at = i64::try_from(now_unix).unwrap_or(i64::MAX);
-                self.metrics
-                    .discovery_last_success
-                    .get_or_create(&ServiceLabels { service: name })
-                    .set(at);
+                let labels = ServiceLabels { service: name };
+                self.metrics.discovery_last_success.get_or_create(&labels).set(at);
+                let truncated = i64::try_from(update.truncated).unwrap_or(i64::MAX);
+                self.metrics.discovery_truncated.get_or_create(&labels).set(truncated);
             }
             Err((_, error)) => discovery.status.last_error = Some(error),
         }

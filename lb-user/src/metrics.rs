@@ -101,6 +101,7 @@ pub struct Metrics {
     pub config_reloads: Family<ResultLabels, Counter>,
     pub discovery_updates: Family<DiscoveryLabels, Counter>,
     pub discovery_last_success: Family<ServiceLabels, Gauge>,
+    pub discovery_truncated: Family<ServiceLabels, Gauge>,
     /// Kernel counters as last read, to turn them into counter increments.
     last_decisions: HashMap<&'static str, u64>,
 }
@@ -187,6 +188,12 @@ impl Metrics {
             "When a discovery source last synced (Unix time)",
             discovery_last_success.clone(),
         );
+        let discovery_truncated = Family::default();
+        registry.register(
+            "lb_discovery_truncated_endpoints",
+            "Endpoints a discovery source listed beyond the 16 a service holds (left out)",
+            discovery_truncated.clone(),
+        );
         Self {
             registry,
             server_connections,
@@ -200,6 +207,7 @@ impl Metrics {
             config_reloads,
             discovery_updates,
             discovery_last_success,
+            discovery_truncated,
             last_decisions: HashMap::new(),
         }
     }
