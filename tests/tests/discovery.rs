@@ -183,6 +183,8 @@ async fn rolling_update_is_judged_per_endpoint_at_every_step() {
             endpoints,
         ));
     };
+    // The 10.0.0.x endpoints are data only: this test drives the discovery
+    // module alone (no daemon, no kernel), so nothing ever dials them.
     // old-1 on node-a and old-2 on node-b serve; new-1 starts on node-a.
     step(&[
         ("10.0.0.1", "node-a", Ready),
