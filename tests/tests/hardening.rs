@@ -456,25 +456,26 @@ fn pins_of_another_layout_are_refused_naming_lb_detach() {
 /// programs differ from its own (here: the pinned fingerprint says another
 /// build's) replaces every program with one atomic link update each, while
 /// 200 threads connect through the VIP in a loop: every connect is
-/// rewritten (an unrewritten one would reach the VIP's address, where
-/// nothing listens, and fail). Before, adoption kept the old programs.
+/// rewritten. A listener on the VIP's own address catches any connect that
+/// was not (it would have been refused before; a refusal can also come from
+/// elsewhere, a connect that lands on the trap cannot). Before, adoption
+/// kept the old programs.
+///
+/// 200 threads against one test backend on a loaded machine can overflow
+/// its accept queue: a dropped SYN is retried after 1 s and 3 s, and a
+/// connect can time out. Timeouts are printed and allowed; every other
+/// failure (refused, reset, permission denied: a program that rejected the
+/// connect) fails the test.
 #[test]
 fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
     if !privileged() {
-        return;
-    }
-    // Measured on Debian's 5.10 kernel (in the VM tests): 8 of 4,351
-    // connects failed during the replacement, so the swap is not seamless
-    // there; not understood yet (see the Hardening issue's note). Checked
-    // on 6.1 and newer.
-    if kernel_older_than(6, 1) {
-        eprintln!("skipped: program replacement without a window is checked on Linux 6.1+ only");
         return;
     }
     let _quiet = quiet();
     let cgroup = TestCgroup::new("upgrade");
     let s1 = Backend::start("s1", addr(67, 1, 0));
     let vip = addr(67, 100, 6444);
+    let trap = Backend::start("unrewritten", vip);
     let mut daemon = Daemon::start(
         "upgrade",
         &cgroup,
@@ -528,12 +529,17 @@ fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
             .unwrap_or_else(|| panic!("{summary}"))
             .to_owned()
     };
-    assert_eq!(
-        field("failed="),
-        "0",
-        "a connect during the replacement was not rewritten: {summary}"
-    );
-    assert_eq!(field("names="), format!("s1:{}", field("total=")), "{summary}");
+    assert_eq!(trap.accepted(), 0, "connects during the replacement were not rewritten: {summary}");
+    assert!(!field("names=").contains("unrewritten"), "{summary}");
+    let failed: usize = field("failed=").parse().unwrap();
+    let succeeded: usize = field("names=").strip_prefix("s1:").map_or(0, |n| n.parse().unwrap());
+    assert_eq!(succeeded + failed, field("total=").parse::<usize>().unwrap(), "{summary}");
+    for error in field("errors=").split(',').filter(|e| !e.is_empty()) {
+        assert!(
+            error.contains("TimedOut") || error.contains("WouldBlock"),
+            "a connect during the replacement failed other than by a timeout: {error} in {summary}"
+        );
+    }
 }
 
 /// Creates its file when dropped: tells a storm to stop.
@@ -543,12 +549,4 @@ impl Drop for StopFile<'_> {
     fn drop(&mut self) {
         let _ = std::fs::write(self.0, "");
     }
-}
-
-/// Whether the running kernel is older than `major.minor`.
-fn kernel_older_than(major: u32, minor: u32) -> bool {
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let mut parts = release.trim().split(['.', '-']).map(|p| p.parse::<u32>().unwrap_or(0));
-    let found = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    found < (major, minor)
 }

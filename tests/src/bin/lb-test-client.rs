@@ -9,10 +9,13 @@
 //! - `alive ID` → `alive` or `dead MESSAGE`: is TCP connection ID still open;
 //! - `close ID` → `closed`;
 //! - `storm ADDR THREADS MILLIS STOPFILE` → `storm total=N failed=N
-//!   last_ok=N names=NAME:N,...`: THREADS threads connect, ask `who` and
-//!   close, in a loop, until STOPFILE exists (at most MILLIS ms); then each
-//!   makes one final connect, and `last_ok` counts those that worked; `latest=NAME:NS,...` is, per server, the CLOCK_MONOTONIC time
-//!   at which the latest connect that landed there *started*.
+//!   last_ok=N names=NAME:N,... latest=NAME:NS,... errors=WHAT:N,...`:
+//!   THREADS threads connect, ask `who` and close, in a loop, until
+//!   STOPFILE exists (at most MILLIS ms); then each makes one final
+//!   connect, and `last_ok` counts those that worked; `latest` is, per
+//!   server, the CLOCK_MONOTONIC time at which the latest connect that
+//!   landed there *started*; `errors` counts the failures by what failed
+//!   (`MESSAGE/connect:KIND`, `no_greeting:KIND`, ...).
 //! - `chaos ADDR[,ADDR...] THREADS MILLIS STOPFILE OUTFILE` → `chaos
 //!   attempts=N`: as `storm` (thread i uses the i-th address, round robin),
 //!   but every attempt is written to OUTFILE as one line `ADDRINDEX START_NS
@@ -126,6 +129,7 @@ fn storm(addr: &str, threads: usize, duration: Duration, stop_file: &str) -> Str
                 let mut last_ok;
                 let mut names: HashMap<String, usize> = HashMap::new();
                 let mut latest: HashMap<String, u64> = HashMap::new();
+                let mut errors: HashMap<String, usize> = HashMap::new();
                 // Bounded by time; the attempt after the stop is the final one.
                 let mut stopping = false;
                 loop {
@@ -138,8 +142,9 @@ fn storm(addr: &str, threads: usize, duration: Duration, stop_file: &str) -> Str
                             *slot = (*slot).max(started);
                             last_ok = true;
                         }
-                        Err(_) => {
+                        Err(error) => {
                             failed += 1;
+                            *errors.entry(error).or_default() += 1;
                             last_ok = false;
                         }
                     }
@@ -148,15 +153,16 @@ fn storm(addr: &str, threads: usize, duration: Duration, stop_file: &str) -> Str
                     }
                     stopping = std::time::Instant::now() >= deadline || stop_file.exists();
                 }
-                (total, failed, last_ok, names, latest)
+                (total, failed, last_ok, names, latest, errors)
             })
         })
         .collect();
     let (mut total, mut failed, mut last_ok) = (0, 0, 0);
     let mut names: HashMap<String, usize> = HashMap::new();
     let mut latest: HashMap<String, u64> = HashMap::new();
+    let mut errors: HashMap<String, usize> = HashMap::new();
     for worker in workers {
-        let (t, f, ok, n, l) = worker.join().unwrap_or_default();
+        let (t, f, ok, n, l, e) = worker.join().unwrap_or_default();
         total += t;
         failed += f;
         last_ok += usize::from(ok);
@@ -167,14 +173,16 @@ fn storm(addr: &str, threads: usize, duration: Duration, stop_file: &str) -> Str
             let slot = latest.entry(name).or_default();
             *slot = (*slot).max(at);
         }
+        for (error, count) in e {
+            *errors.entry(error).or_default() += count;
+        }
     }
-    let mut names: Vec<String> = names.into_iter().map(|(n, c)| format!("{n}:{c}")).collect();
-    names.sort();
     let latest: Vec<String> = latest.into_iter().map(|(n, at)| format!("{n}:{at}")).collect();
     format!(
-        "storm total={total} failed={failed} last_ok={last_ok} names={} latest={}",
-        names.join(","),
-        latest.join(",")
+        "storm total={total} failed={failed} last_ok={last_ok} names={} latest={} errors={}",
+        counts(names),
+        latest.join(","),
+        counts(errors)
     )
 }
 
@@ -346,17 +354,19 @@ fn hold(
             *errors.entry(error).or_default() += c;
         }
     }
-    let join = |m: HashMap<String, usize>| {
-        let mut v: Vec<String> = m.into_iter().map(|(k, c)| format!("{k}:{c}")).collect();
-        v.sort();
-        v.join(",")
-    };
     format!(
         "held ok={ok} failed={} names={} errors={}",
         errors.values().sum::<usize>(),
-        join(names),
-        join(errors)
+        counts(names),
+        counts(errors)
     )
+}
+
+/// `KEY:N,...`, sorted by key.
+fn counts(counts: HashMap<String, usize>) -> String {
+    let mut v: Vec<String> = counts.into_iter().map(|(k, c)| format!("{k}:{c}")).collect();
+    v.sort();
+    v.join(",")
 }
 
 fn held_report(held: &mut [(TcpStream, Option<String>)]) -> String {
