@@ -482,7 +482,7 @@ fn k3s_10317_no_races_under_concurrent_connects_and_list_changes() {
         "every client must end with a working connection: {summary}"
     );
     // A connect that *started* after a server left the list never lands there.
-    let latest = summary.split("latest=").nth(1).unwrap_or("");
+    let latest = summary.split_whitespace().find_map(|w| w.strip_prefix("latest=")).unwrap_or("");
     for entry in latest.split(',').filter(|e| !e.is_empty()) {
         let (name, started) = entry.split_once(':').unwrap();
         let started: u64 = started.parse().unwrap();

@@ -536,7 +536,7 @@ fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
     assert_eq!(succeeded + failed, field("total=").parse::<usize>().unwrap(), "{summary}");
     for error in field("errors=").split(',').filter(|e| !e.is_empty()) {
         assert!(
-            error.contains("TimedOut") || error.contains("WouldBlock"),
+            error.contains(":TimedOut:") || error.contains(":WouldBlock:"),
             "a connect during the replacement failed other than by a timeout: {error} in {summary}"
         );
     }

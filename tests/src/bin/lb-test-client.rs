@@ -107,14 +107,14 @@ fn main() {
 
 fn connect(addr: &str) -> Result<(TcpStream, SocketAddr, String), String> {
     let addr: SocketAddr = addr.parse().map_err(|e| format!("bad address: {e}"))?;
-    let stream =
-        TcpStream::connect_timeout(&addr, TIMEOUT).map_err(|e| e.to_string().replace(' ', "_"))?;
+    let stream = TcpStream::connect_timeout(&addr, TIMEOUT)
+        .map_err(|e| format!("{}/connect:{:?}", e.to_string().replace(' ', "_"), e.kind()))?;
     let peer = stream.peer_addr().map_err(|e| e.to_string())?;
     stream.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
-    (&stream).write_all(b"who\n").map_err(|e| format!("send:{}", e.kind()))?;
+    (&stream).write_all(b"who\n").map_err(|e| format!("send:{:?}", e.kind()))?;
     let mut greeting = String::new();
     let mut reader = BufReader::new(&stream);
-    reader.read_line(&mut greeting).map_err(|e| format!("no_greeting:{}", e.kind()))?;
+    reader.read_line(&mut greeting).map_err(|e| format!("no_greeting:{:?}", e.kind()))?;
     Ok((stream, peer, greeting.trim().to_owned()))
 }
 
@@ -144,7 +144,7 @@ fn storm(addr: &str, threads: usize, duration: Duration, stop_file: &str) -> Str
                         }
                         Err(error) => {
                             failed += 1;
-                            *errors.entry(error).or_default() += 1;
+                            *errors.entry(error.replace(' ', "_")).or_default() += 1;
                             last_ok = false;
                         }
                     }
