@@ -427,8 +427,10 @@ impl Balancer {
         }
         let first = if self.checks.passive_only { State::Healthy } else { State::Unchecked };
 
-        // Forget removed servers (a removed default stays as standby).
-        let mut kept = Vec::with_capacity(self.servers.len());
+        // Forget removed servers (a removed default stays as standby). The
+        // list ends with at most the listed servers and the default: sized
+        // for that, as 10,000 services hold one each.
+        let mut kept = Vec::with_capacity(unique.len() + usize::from(default.is_some()));
         for mut server in std::mem::take(&mut self.servers) {
             let listed = unique.contains(&server.addr);
             let is_default = Some(server.addr) == default;

@@ -382,6 +382,14 @@ impl Datapath {
         Ok(())
     }
 
+    /// Stops rewriting connects to `vip` (removes its entry, if any).
+    pub fn remove(&mut self, vip: SocketAddr) -> anyhow::Result<()> {
+        match self.maps.services.remove(&Endpoint::from(vip)) {
+            Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+            Err(e) => Err(e).with_context(|| format!("removing VIP {vip}")),
+        }
+    }
+
     /// The selection currently in the kernel for `vip`.
     pub fn selection(&self, vip: SocketAddr) -> Vec<SocketAddr> {
         self.maps.selection(vip)

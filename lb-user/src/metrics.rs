@@ -3,23 +3,37 @@
 //! owner task for a fresh snapshot, which also reads the kernel's live
 //! connection counts and decision counters.
 //!
+//! The per-server series (state, health, connections, failures, closings:
+//! 14 series a server) are kept as plain numbers, one small record per
+//! server, and written out at each scrape ([`ServerSeries`]). As labelled
+//! series in `prometheus-client` families they took about 3 KB a server,
+//! 30 MB with 10,000 services.
+//!
 //! The endpoint is bounded ([`Limits`]): a local process that opens
 //! thousands of idle connections to it cannot take the daemon's file
 //! descriptors or time; extra connections are closed at once, idle ones
 //! after a short timeout.
 
-use std::{collections::HashMap, convert::Infallible, net::SocketAddr, sync::Arc, time::Duration};
+use std::{
+    collections::{BTreeMap, HashMap},
+    convert::Infallible,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use anyhow::Context as _;
 use http_body_util::Full;
 use hyper::{Request, Response, body::Bytes, server::conn::http1, service::service_fn};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::{
-    encoding::{EncodeLabelSet, text::encode},
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric as _, text::encode},
     metrics::{
-        counter::Counter,
+        MetricType,
+        counter::{ConstCounter, Counter},
         family::Family,
-        gauge::Gauge,
+        gauge::{ConstGauge, Gauge},
         histogram::{Histogram, exponential_buckets},
     },
     registry::Registry,
@@ -33,20 +47,6 @@ use crate::balancer::State;
 pub struct ServerLabels {
     pub service: String,
     pub server: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct StateLabels {
-    pub service: String,
-    pub server: String,
-    pub state: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ClosedLabels {
-    pub service: String,
-    pub server: String,
-    pub reason: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -88,13 +88,106 @@ const STATES: [State; 7] = [
 
 type HistogramFamily = Family<ServerLabels, Histogram, fn() -> Histogram>;
 
+/// What the metrics say about one server of one service.
+#[derive(Debug)]
+struct ServerSeries {
+    state: State,
+    /// The last health check's outcome; `None` before the first, or
+    /// without checks (no `lb_server_healthy` series then).
+    healthy: Option<bool>,
+    /// Live connections, as the kernel counted them at the last scrape.
+    connections: i64,
+    connect_failures: u64,
+    /// Per [`CLOSE_REASONS`] entry.
+    closed: [u64; CLOSE_REASONS.len()],
+}
+
+/// Every server's series, by service name (sorted, so that scrapes list
+/// them in a stable order), then in the order the servers appeared (a
+/// service has at most 16: a short list beats a map's nodes).
+type Servers = BTreeMap<String, Vec<(SocketAddr, ServerSeries)>>;
+
+/// Writes the per-server series at each scrape; shares the records with
+/// [`Metrics`].
+#[derive(Debug)]
+struct ServerCollector(Arc<Mutex<Servers>>);
+
+impl Collector for ServerCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let servers = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // The server label of each series, formatted once per scrape.
+        let rows: Vec<(&str, String, &ServerSeries)> = servers
+            .iter()
+            .flat_map(|(service, servers)| {
+                servers.iter().map(|(addr, series)| (service.as_str(), addr.to_string(), series))
+            })
+            .collect();
+        let mut family = encoder.encode_descriptor(
+            "lb_server_connections",
+            "Live connections through the VIP to the server",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (service, server, series) in &rows {
+            let labels = [("service", *service), ("server", server.as_str())];
+            ConstGauge::new(series.connections).encode(family.encode_family(&labels)?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "lb_server_state",
+            "1 for the server's current state, 0 for the others",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (service, server, series) in &rows {
+            for state in STATES {
+                let labels =
+                    [("service", *service), ("server", server.as_str()), ("state", state.name())];
+                ConstGauge::new(i64::from(series.state == state))
+                    .encode(family.encode_family(&labels)?)?;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "lb_server_healthy",
+            "1 if the server's last health check passed, 0 if it failed",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (service, server, series) in &rows {
+            if let Some(healthy) = series.healthy {
+                let labels = [("service", *service), ("server", server.as_str())];
+                ConstGauge::new(i64::from(healthy)).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "lb_connect_failures",
+            "Connects through the VIP that failed before establishing",
+            None,
+            MetricType::Counter,
+        )?;
+        for (service, server, series) in &rows {
+            let labels = [("service", *service), ("server", server.as_str())];
+            ConstCounter::new(series.connect_failures).encode(family.encode_family(&labels)?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "lb_connections_closed",
+            "VIP connections the daemon closed, by reason",
+            None,
+            MetricType::Counter,
+        )?;
+        for (service, server, series) in &rows {
+            for (reason, count) in CLOSE_REASONS.iter().zip(series.closed) {
+                let labels =
+                    [("service", *service), ("server", server.as_str()), ("reason", *reason)];
+                ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
-    pub server_connections: Family<ServerLabels, Gauge>,
-    pub server_state: Family<StateLabels, Gauge>,
-    pub server_healthy: Family<ServerLabels, Gauge>,
-    pub connect_failures: Family<ServerLabels, Counter>,
-    pub connections_closed: Family<ClosedLabels, Counter>,
+    servers: Arc<Mutex<Servers>>,
     pub selection_changes: Family<ServiceLabels, Counter>,
     pub health_check_duration: HistogramFamily,
     pub datapath_decisions: Family<ReasonLabels, Counter>,
@@ -115,47 +208,11 @@ pub fn server_labels(service: &str, server: SocketAddr) -> ServerLabels {
     ServerLabels { service: service.to_owned(), server: server.to_string() }
 }
 
-pub fn closed_labels(service: &str, server: SocketAddr, reason: &str) -> ClosedLabels {
-    ClosedLabels {
-        service: service.to_owned(),
-        server: server.to_string(),
-        reason: reason.to_owned(),
-    }
-}
-
 impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::default();
-        let server_connections = Family::default();
-        registry.register(
-            "lb_server_connections",
-            "Live connections through the VIP to the server",
-            server_connections.clone(),
-        );
-        let server_state = Family::default();
-        registry.register(
-            "lb_server_state",
-            "1 for the server's current state, 0 for the others",
-            server_state.clone(),
-        );
-        let server_healthy = Family::default();
-        registry.register(
-            "lb_server_healthy",
-            "1 if the server's last health check passed, 0 if it failed",
-            server_healthy.clone(),
-        );
-        let connect_failures = Family::default();
-        registry.register(
-            "lb_connect_failures",
-            "Connects through the VIP that failed before establishing",
-            connect_failures.clone(),
-        );
-        let connections_closed = Family::default();
-        registry.register(
-            "lb_connections_closed",
-            "VIP connections the daemon closed, by reason",
-            connections_closed.clone(),
-        );
+        let servers = Arc::new(Mutex::new(Servers::new()));
+        registry.register_collector(Box::new(ServerCollector(Arc::clone(&servers))));
         let selection_changes = Family::default();
         registry.register(
             "lb_selection_changes",
@@ -196,11 +253,7 @@ impl Metrics {
         );
         Self {
             registry,
-            server_connections,
-            server_state,
-            server_healthy,
-            connect_failures,
-            connections_closed,
+            servers,
             selection_changes,
             health_check_duration,
             datapath_decisions,
@@ -212,56 +265,76 @@ impl Metrics {
         }
     }
 
+    /// Runs `update` on the record of `server` of `service`, if it has one
+    /// (a server that left has none: nothing recreates its series).
+    fn update(&self, service: &str, server: SocketAddr, update: impl FnOnce(&mut ServerSeries)) {
+        let mut servers = self.servers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let found = servers.get_mut(service).and_then(|s| s.iter_mut().find(|(a, _)| *a == server));
+        if let Some((_, series)) = found {
+            update(series);
+        }
+    }
+
+    /// A server joined its service, in `state`: its series exist from now
+    /// on, the counters at zero, so that `rate()` and alerts see the first
+    /// failure (as Prometheus advises for labels known in advance).
+    pub fn server_appeared(&self, service: &str, server: SocketAddr, state: State) {
+        let mut servers = self.servers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let of_service = servers.entry(service.to_owned()).or_default();
+        if of_service.iter().all(|(a, _)| *a != server) {
+            // One at a time: most services have one or a few servers.
+            of_service.reserve_exact(1);
+            of_service.push((
+                server,
+                ServerSeries {
+                    state,
+                    healthy: None,
+                    connections: 0,
+                    connect_failures: 0,
+                    closed: [0; CLOSE_REASONS.len()],
+                },
+            ));
+        }
+    }
+
     pub fn set_state(&self, service: &str, server: SocketAddr, state: State) {
-        for s in STATES {
-            let labels = StateLabels {
-                service: service.to_owned(),
-                server: server.to_string(),
-                state: s.name().to_owned(),
-            };
-            self.server_state.get_or_create(&labels).set(i64::from(s == state));
-        }
+        self.update(service, server, |series| series.state = state);
     }
 
+    /// The last health check's outcome (`None`: no check result).
     pub fn set_healthy(&self, service: &str, server: SocketAddr, healthy: Option<bool>) {
-        let labels = server_labels(service, server);
-        match healthy {
-            Some(h) => {
-                self.server_healthy.get_or_create(&labels).set(i64::from(h));
-            }
-            None => {
-                self.server_healthy.remove(&labels);
-            }
-        }
+        self.update(service, server, |series| series.healthy = healthy);
     }
 
-    /// A server joined its service: its counters exist from now on, at
-    /// zero, so that `rate()` and alerts see the first failure (as
-    /// Prometheus advises for labels known in advance).
-    pub fn server_appeared(&self, service: &str, server: SocketAddr) {
-        // Creating the series is the point; the guards are not needed.
-        drop(self.connect_failures.get_or_create(&server_labels(service, server)));
-        for reason in CLOSE_REASONS {
-            drop(self.connections_closed.get_or_create(&closed_labels(service, server, reason)));
-        }
+    /// Live connections to `server`, as the kernel counts them.
+    pub fn set_connections(&self, service: &str, server: SocketAddr, connections: i64) {
+        self.update(service, server, |series| series.connections = connections);
+    }
+
+    /// A connect through the VIP to `server` failed before establishing.
+    pub fn count_connect_failure(&self, service: &str, server: SocketAddr) {
+        self.update(service, server, |series| series.connect_failures += 1);
+    }
+
+    /// The daemon closed `n` VIP connections to `server`, for `reason` (one
+    /// of `failed`, `fail_back`, `removed`, `manual`).
+    pub fn count_closed(&self, service: &str, server: SocketAddr, reason: &str, n: u64) {
+        let Some(i) = CLOSE_REASONS.iter().position(|r| *r == reason) else {
+            warn!(reason, "not a reason lb_connections_closed_total counts");
+            return;
+        };
+        self.update(service, server, |series| series.closed[i] += n);
     }
 
     /// Drops every series of a server that left its service.
     pub fn forget_server(&self, service: &str, server: SocketAddr) {
-        let labels = server_labels(service, server);
-        self.server_connections.remove(&labels);
-        self.server_healthy.remove(&labels);
-        self.connect_failures.remove(&labels);
-        self.health_check_duration.remove(&labels);
-        for s in STATES {
-            self.server_state.remove(&StateLabels {
-                service: service.to_owned(),
-                server: server.to_string(),
-                state: s.name().to_owned(),
-            });
-        }
-        for reason in CLOSE_REASONS {
-            self.connections_closed.remove(&closed_labels(service, server, reason));
+        self.health_check_duration.remove(&server_labels(service, server));
+        let mut servers = self.servers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(of_service) = servers.get_mut(service) {
+            of_service.retain(|(a, _)| *a != server);
+            if of_service.is_empty() {
+                servers.remove(service);
+            }
         }
     }
 
@@ -397,9 +470,12 @@ mod tests {
     fn encodes_the_named_series() {
         let mut metrics = Metrics::new();
         let server: SocketAddr = "127.0.0.1:6443".parse().unwrap();
+        metrics.server_appeared("api", server, State::Unchecked);
         metrics.set_state("api", server, State::Active);
         metrics.set_healthy("api", server, Some(true));
-        metrics.connect_failures.get_or_create(&server_labels("api", server)).inc();
+        metrics.set_connections("api", server, 3);
+        metrics.count_connect_failure("api", server);
+        metrics.count_closed("api", server, "manual", 2);
         metrics.record_decisions(&[("connect_rewritten", 5)]);
         metrics.record_decisions(&[("connect_rewritten", 7)]);
         let text = metrics.encode();
@@ -407,12 +483,21 @@ mod tests {
             r#"lb_server_state{service="api",server="127.0.0.1:6443",state="active"} 1"#,
             r#"lb_server_state{service="api",server="127.0.0.1:6443",state="failed"} 0"#,
             r#"lb_server_healthy{service="api",server="127.0.0.1:6443"} 1"#,
+            r#"lb_server_connections{service="api",server="127.0.0.1:6443"} 3"#,
             r#"lb_connect_failures_total{service="api",server="127.0.0.1:6443"} 1"#,
+            r#"lb_connections_closed_total{service="api",server="127.0.0.1:6443",reason="manual"} 2"#,
             r#"lb_datapath_decisions_total{reason="connect_rewritten"} 7"#,
+            "# TYPE lb_server_state gauge",
+            "# TYPE lb_connect_failures counter",
+            "# EOF",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing from:\n{text}");
         }
         metrics.forget_server("api", server);
+        assert!(!metrics.encode().contains("127.0.0.1:6443"));
+        // A server that left is not brought back by a late report.
+        metrics.count_connect_failure("api", server);
+        metrics.set_state("api", server, State::Failed);
         assert!(!metrics.encode().contains("127.0.0.1:6443"));
     }
 
@@ -420,7 +505,7 @@ mod tests {
     fn a_new_servers_counters_start_at_zero() {
         let metrics = Metrics::new();
         let server: SocketAddr = "127.0.0.1:6443".parse().unwrap();
-        metrics.server_appeared("api", server);
+        metrics.server_appeared("api", server, State::Unchecked);
         let text = metrics.encode();
         for line in [
             r#"lb_connect_failures_total{service="api",server="127.0.0.1:6443"} 0"#,

@@ -6,7 +6,7 @@
 //! servers keep their state and connections). Same name, new VIP: removed
 //! and added again, since the kernel knows a service by its VIP.
 
-use std::collections::HashMap;
+use std::{borrow::Borrow, collections::HashMap};
 
 use crate::config::Service;
 
@@ -38,12 +38,15 @@ pub struct Update {
 
 /// The changes that turn `old` into `new`: removals first, then additions
 /// and updates in the new file's order. Unchanged services are left out.
-pub fn plan(old: &[Service], new: &[Service]) -> Vec<Change> {
-    let before: HashMap<&str, &Service> = old.iter().map(|s| (s.name.as_str(), s)).collect();
+/// `old` may be borrowed: the running services are not copied.
+pub fn plan<S: Borrow<Service>>(old: &[S], new: &[Service]) -> Vec<Change> {
+    let before: HashMap<&str, &Service> =
+        old.iter().map(|s| (s.borrow().name.as_str(), s.borrow())).collect();
     let after: HashMap<&str, &Service> = new.iter().map(|s| (s.name.as_str(), s)).collect();
     let mut changes: Vec<Change> = old
         .iter()
-        .filter(|s| after.get(s.name.as_str()).is_none_or(|n| n.vip != s.vip))
+        .map(Borrow::borrow)
+        .filter(|s: &&Service| after.get(s.name.as_str()).is_none_or(|n| n.vip != s.vip))
         .map(|s| Change::Remove { name: s.name.clone() })
         .collect();
     for wanted in new {
