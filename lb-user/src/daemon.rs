@@ -564,7 +564,7 @@ impl Daemon {
                 Effect::StateChanged { server, from, to, why } => {
                     info!(service = %name, %server, %from, %to, "server {from} -> {to}: {why}");
                     if to == State::Invalid {
-                        self.metrics.forget_server(name, server);
+                        self.metrics.server_left(name, server, Instant::now());
                     } else {
                         if from == State::Invalid {
                             self.metrics.server_appeared(name, server, to);
@@ -774,6 +774,7 @@ impl Daemon {
             let effects = self.services[i].balancer.on_tick(now);
             self.apply(i, effects);
         }
+        self.metrics.expire(now);
     }
 
     /// Makes the health check tasks of service `i` match its servers.
@@ -1162,7 +1163,7 @@ impl Daemon {
                 let name = &service.config.name;
                 info!(service = %name, vip = %service.config.vip, "service removed");
                 for server in service.balancer.servers() {
-                    self.metrics.forget_server(name, server.addr);
+                    self.metrics.server_left(name, server.addr, now);
                 }
                 removed_vips.insert(service.config.vip);
             }

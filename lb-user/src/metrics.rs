@@ -7,7 +7,8 @@
 //! 14 series a server) are kept as plain numbers, one small record per
 //! server, and written out at each scrape ([`ServerSeries`]). As labelled
 //! series in `prometheus-client` families they took about 3 KB a server,
-//! 30 MB with 10,000 services.
+//! 30 MB with 10,000 services. A server that leaves its service keeps its
+//! counters for [`KEEP_DEPARTED`].
 //!
 //! The endpoint is bounded ([`Limits`]): a local process that opens
 //! thousands of idle connections to it cannot take the daemon's file
@@ -19,7 +20,7 @@ use std::{
     convert::Infallible,
     net::SocketAddr,
     sync::{Arc, Mutex},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::Context as _;
@@ -88,9 +89,19 @@ const STATES: [State; 7] = [
 
 type HistogramFamily = Family<ServerLabels, Histogram, fn() -> Histogram>;
 
+/// How long the counters of a server that left its service are still
+/// served: a few scrape intervals, so that the connections closed because
+/// it was removed (counted after it left) are seen, and a server that comes
+/// back within it keeps counting from where it was (counters do not reset
+/// when a list flaps).
+pub const KEEP_DEPARTED: Duration = Duration::from_secs(300);
+
 /// What the metrics say about one server of one service.
 #[derive(Debug)]
 struct ServerSeries {
+    /// When the server left its service: from then on only its counters
+    /// are served, until [`KEEP_DEPARTED`] has passed.
+    departed: Option<Instant>,
     state: State,
     /// The last health check's outcome; `None` before the first, or
     /// without checks (no `lb_server_healthy` series then).
@@ -128,7 +139,9 @@ impl Collector for ServerCollector {
             None,
             MetricType::Gauge,
         )?;
-        for (service, server, series) in &rows {
+        // The gauges describe servers in their service now.
+        let present: Vec<_> = rows.iter().filter(|(_, _, s)| s.departed.is_none()).collect();
+        for (service, server, series) in &present {
             let labels = [("service", *service), ("server", server.as_str())];
             ConstGauge::new(series.connections).encode(family.encode_family(&labels)?)?;
         }
@@ -138,7 +151,7 @@ impl Collector for ServerCollector {
             None,
             MetricType::Gauge,
         )?;
-        for (service, server, series) in &rows {
+        for (service, server, series) in &present {
             for state in STATES {
                 let labels =
                     [("service", *service), ("server", server.as_str()), ("state", state.name())];
@@ -152,7 +165,7 @@ impl Collector for ServerCollector {
             None,
             MetricType::Gauge,
         )?;
-        for (service, server, series) in &rows {
+        for (service, server, series) in &present {
             if let Some(healthy) = series.healthy {
                 let labels = [("service", *service), ("server", server.as_str())];
                 ConstGauge::new(i64::from(healthy)).encode(family.encode_family(&labels)?)?;
@@ -277,16 +290,21 @@ impl Metrics {
 
     /// A server joined its service, in `state`: its series exist from now
     /// on, the counters at zero, so that `rate()` and alerts see the first
-    /// failure (as Prometheus advises for labels known in advance).
+    /// failure (as Prometheus advises for labels known in advance). A
+    /// server that left less than [`KEEP_DEPARTED`] ago keeps its counters.
     pub fn server_appeared(&self, service: &str, server: SocketAddr, state: State) {
         let mut servers = self.servers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let of_service = servers.entry(service.to_owned()).or_default();
-        if of_service.iter().all(|(a, _)| *a != server) {
+        if let Some((_, series)) = of_service.iter_mut().find(|(a, _)| *a == server) {
+            series.departed = None;
+            series.state = state;
+        } else {
             // One at a time: most services have one or a few servers.
             of_service.reserve_exact(1);
             of_service.push((
                 server,
                 ServerSeries {
+                    departed: None,
                     state,
                     healthy: None,
                     connections: 0,
@@ -326,16 +344,27 @@ impl Metrics {
         self.update(service, server, |series| series.closed[i] += n);
     }
 
-    /// Drops every series of a server that left its service.
-    pub fn forget_server(&self, service: &str, server: SocketAddr) {
+    /// A server left its service at `now`: its gauges and histogram go at
+    /// once, its counters after [`KEEP_DEPARTED`] ([`Self::expire`]).
+    pub fn server_left(&self, service: &str, server: SocketAddr, now: Instant) {
         self.health_check_duration.remove(&server_labels(service, server));
+        self.update(service, server, |series| {
+            series.departed.get_or_insert(now);
+            series.healthy = None;
+            series.connections = 0;
+        });
+    }
+
+    /// Drops the series of servers that left more than [`KEEP_DEPARTED`]
+    /// before `now`.
+    pub fn expire(&self, now: Instant) {
         let mut servers = self.servers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(of_service) = servers.get_mut(service) {
-            of_service.retain(|(a, _)| *a != server);
-            if of_service.is_empty() {
-                servers.remove(service);
-            }
-        }
+        servers.retain(|_, of_service| {
+            of_service.retain(|(_, series)| {
+                series.departed.is_none_or(|at| now.saturating_duration_since(at) < KEEP_DEPARTED)
+            });
+            !of_service.is_empty()
+        });
     }
 
     /// Adds what the kernel counted since the last read.
@@ -493,12 +522,51 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing from:\n{text}");
         }
-        metrics.forget_server("api", server);
+        // A server that left: its gauges go at once; its counters stay a
+        // while and still count (the connections closed because it left).
+        let left = Instant::now();
+        metrics.server_left("api", server, left);
+        metrics.count_closed("api", server, "removed", 4);
+        let text = metrics.encode();
+        assert!(
+            !text.contains(r#"lb_server_state{service="api",server="127.0.0.1:6443""#),
+            "{text}"
+        );
+        assert!(!text.contains(r#"lb_server_connections{service="api""#), "{text}");
+        for line in [
+            r#"lb_connect_failures_total{service="api",server="127.0.0.1:6443"} 1"#,
+            r#"lb_connections_closed_total{service="api",server="127.0.0.1:6443",reason="removed"} 4"#,
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing from:\n{text}");
+        }
+        metrics.expire(left + KEEP_DEPARTED / 2);
+        assert!(metrics.encode().contains("127.0.0.1:6443"));
+        metrics.expire(left + KEEP_DEPARTED);
         assert!(!metrics.encode().contains("127.0.0.1:6443"));
-        // A server that left is not brought back by a late report.
+        // Gone for good: a late report does not bring it back.
         metrics.count_connect_failure("api", server);
         metrics.set_state("api", server, State::Failed);
         assert!(!metrics.encode().contains("127.0.0.1:6443"));
+    }
+
+    #[test]
+    fn a_server_back_within_the_grace_period_keeps_its_counters() {
+        let metrics = Metrics::new();
+        let server: SocketAddr = "127.0.0.1:6443".parse().unwrap();
+        metrics.server_appeared("api", server, State::Unchecked);
+        metrics.count_connect_failure("api", server);
+        metrics.server_left("api", server, Instant::now());
+        metrics.server_appeared("api", server, State::Healthy);
+        metrics.count_connect_failure("api", server);
+        let text = metrics.encode();
+        for line in [
+            r#"lb_connect_failures_total{service="api",server="127.0.0.1:6443"} 2"#,
+            r#"lb_server_state{service="api",server="127.0.0.1:6443",state="healthy"} 1"#,
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing from:\n{text}");
+        }
+        metrics.expire(Instant::now() + KEEP_DEPARTED);
+        assert!(metrics.encode().contains("127.0.0.1:6443"), "a present server never expires");
     }
 
     #[test]
@@ -514,7 +582,9 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing from:\n{text}");
         }
-        metrics.forget_server("api", server);
+        let left = Instant::now();
+        metrics.server_left("api", server, left);
+        metrics.expire(left + KEEP_DEPARTED);
         assert!(!metrics.encode().contains("127.0.0.1:6443"));
     }
 

@@ -205,7 +205,7 @@ fn metrics_match_what_happened() {
     for id in &ids {
         assert!(wait_until(Duration::from_secs(5), || !inside.alive(*id)));
     }
-    let _still_open = inside.connect(vip);
+    let still_open = inside.connect(vip);
     assert!(
         matches!(inside.connect(passive_vip), Connect::Err(_)),
         "the passive service's first server is dead"
@@ -268,6 +268,24 @@ fn metrics_match_what_happened() {
             &format!("lb_server_state{{service=\"passive\",server=\"{dead}\",state=\"failed\"}}")
         ),
         Some(1.0),
+        "{text}"
+    );
+
+    // A server that leaves: its connection is closed as `removed`, counted
+    // after it left; its gauges go, its counters stay.
+    let still_open = still_open.id();
+    daemon.lb(&["servers", "api", &dead.to_string()]);
+    assert!(wait_until(Duration::from_secs(5), || !inside.alive(still_open)));
+    let removed = format!("lb_connections_closed_total{{{},reason=\"removed\"}}", server(one.addr));
+    assert!(
+        wait_until(Duration::from_secs(5), || sample(&scrape(metrics), &removed) == Some(1.0)),
+        "{}",
+        scrape(metrics)
+    );
+    let text = scrape(metrics);
+    assert_eq!(
+        sample(&text, &format!("lb_server_state{{{},state=\"active\"}}", server(one.addr))),
+        None,
         "{text}"
     );
 }
