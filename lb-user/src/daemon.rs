@@ -101,6 +101,15 @@ struct Discovery {
     status: DiscoveryStatus,
 }
 
+/// What applied discovered lists left to do ([`Daemon::after_discovered`]).
+#[derive(Default)]
+struct AfterDiscovery {
+    /// A list changed: write the state file.
+    save: bool,
+    /// A server left: clean the kernel's maps of it.
+    forget: bool,
+}
+
 /// One service: its config, its state machine, its health check tasks and
 /// its discovery task.
 struct Service {
@@ -184,6 +193,9 @@ struct Daemon {
     tx: mpsc::Sender<Message>,
     /// Where discovery tasks send their lists.
     discovered: mpsc::Sender<discovery::Update>,
+    /// Work that discovered lists call for, done once for a burst of them
+    /// ([`Self::after_discovered`]).
+    after_discovery: AfterDiscovery,
     metrics: Metrics,
     last_reload: Option<ReloadStatus>,
     /// Netlink SOCK_DESTROY works on this kernel (probed once at start).
@@ -375,6 +387,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
         sock_destroy,
         started_ns,
         discovered,
+        after_discovery: AfterDiscovery::default(),
         by_name: HashMap::new(),
         by_vip: HashMap::new(),
     };
@@ -432,7 +445,15 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
                 Request::CloseConnections { server, service } => daemon.close_connections(server, service.as_deref(), reply),
                 request => { let _ = reply.send(daemon.handle(request)); }
             },
-            Some(update) = discoveries.recv() => daemon.on_discovered(update),
+            Some(update) = discoveries.recv() => {
+                // A burst (1,000 services changed at once) is applied in
+                // one go, then saved and cleaned up once.
+                daemon.on_discovered(update);
+                while let Ok(update) = discoveries.try_recv() {
+                    daemon.on_discovered(update);
+                }
+                daemon.after_discovered();
+            }
             Some(message) = rx.recv() => match message {
                 Message::Kernel(event) => daemon.on_kernel_event(&event),
                 Message::Health { service, server, result, took } => daemon.on_health(&service, server, result, took),
@@ -720,9 +741,7 @@ impl Daemon {
             info!(service = %name, servers = ?servers, "applying the discovered list");
         }
         self.apply(i, effects);
-        if removed {
-            self.forget_stale();
-        }
+        self.after_discovery.forget |= removed;
         let config = &self.services[i].config;
         let drained =
             list.iter().filter(|(_, r)| *r != Readiness::Ready).map(|(addr, _)| *addr).collect();
@@ -743,11 +762,22 @@ impl Daemon {
         });
         if !unchanged {
             self.saved.services.insert(name, saved);
-            if let Err(e) = self.saved.save(&self.settings.state_dir) {
-                error!("saving the discovered list to the state directory failed: {e:#}");
-            }
+            self.after_discovery.save = true;
         }
         Ok(())
+    }
+
+    /// After the discovered lists at hand are applied: writes the state
+    /// file and cleans the kernel's maps once for all of them (each is a
+    /// file write with fsync, or a walk of two maps).
+    fn after_discovered(&mut self) {
+        let AfterDiscovery { save, forget } = std::mem::take(&mut self.after_discovery);
+        if forget {
+            self.forget_stale();
+        }
+        if save && let Err(e) = self.saved.save(&self.settings.state_dir) {
+            error!("saving the discovered lists to the state directory failed: {e:#}");
+        }
     }
 
     /// Removes from the kernel what it keeps about servers no longer in
