@@ -369,7 +369,8 @@ reasons! {
     SockopsConnectTimeout = 12 => "sockops_connect_timeout",
     /// sock_ops: a tracked, established connection closed.
     SockopsClosed = 13 => "sockops_closed",
-    /// sock_ops: a callback for a socket that is not tracked; ignored.
+    /// sock_ops: a TCP connect (or a callback) from a socket that is not
+    /// tracked; ignored.
     SockopsUntracked = 14 => "sockops_untracked",
     /// sock_ops: the event ring buffer was full; the event was dropped
     /// (counts and failure marks are still updated).

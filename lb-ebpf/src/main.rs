@@ -28,9 +28,9 @@
 use aya_ebpf::{
     EbpfContext as _,
     bindings::{
-        BPF_ANY, BPF_NOEXIST, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTO_CB,
-        BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG,
-        BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE, BPF_TCP_SYN_SENT,
+        BPF_ANY, BPF_NOEXIST, BPF_SOCK_OPS_RTO_CB, BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB,
+        BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE,
+        BPF_TCP_ESTABLISHED, BPF_TCP_SYN_SENT,
     },
     helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns},
     macros::{cgroup_sock, cgroup_sock_addr, map, sock_ops},
@@ -441,11 +441,20 @@ fn try_release(ctx: &SockContext) -> Reason {
 
 #[sock_ops]
 pub fn lb_sock_ops(ctx: SockOpsContext) -> u32 {
+    // Only `TCP_CONNECT_CB` runs for every socket of the cgroup; the other
+    // callbacks handled here are the ones `on_connect` asks for, so only
+    // tracked sockets pay for them. Establishment is seen as a state change
+    // (SYN_SENT -> ESTABLISHED), not as `ACTIVE_ESTABLISHED_CB`, which the
+    // kernel calls for every socket and would cost every connect that is
+    // not to a VIP a second socket-table lookup.
     match ctx.op() {
         BPF_SOCK_OPS_TCP_CONNECT_CB => on_connect(&ctx),
-        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => on_established(&ctx),
         BPF_SOCK_OPS_RTO_CB => on_retransmit_timeout(&ctx),
-        BPF_SOCK_OPS_STATE_CB if ctx.arg(1) == BPF_TCP_CLOSE => on_close(&ctx),
+        BPF_SOCK_OPS_STATE_CB => match ctx.arg(1) {
+            BPF_TCP_ESTABLISHED => on_established(&ctx),
+            BPF_TCP_CLOSE => on_close(&ctx),
+            _ => {}
+        },
         _ => {}
     }
     // sock_ops programs return 1; the reply, if any, goes through set_reply.
@@ -467,7 +476,8 @@ fn tracked(ctx: &SockOpsContext) -> Option<(u64, *mut SockEntry)> {
 }
 
 /// A tracked connect is about to send its SYN: ask for state changes (to see
-/// it fail or close) and retransmission timeouts (to see a SYN go unanswered).
+/// it establish, fail or close) and retransmission timeouts (to see a SYN go
+/// unanswered).
 fn on_connect(ctx: &SockOpsContext) {
     if tracked(ctx).is_some() {
         let flags = ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG;
@@ -483,11 +493,23 @@ fn on_established(ctx: &SockOpsContext) {
     // socket lock, so nothing else writes it concurrently.
     let entry = unsafe { &mut *entry };
     entry.flags |= SOCK_ESTABLISHED;
+    // A retransmission timeout is no news once established
+    // (`on_retransmit_timeout` ignores it): stop asking, so that a lossy
+    // long-lived connection does not run this program at every timeout.
+    // Keep the state changes, for its close.
+    let flags = ctx.cb_flags() & !BPF_SOCK_OPS_RTO_CB_FLAG;
+    if ctx.set_cb_flags(flags as i32).is_err() {
+        count(Reason::MapError);
+    }
     // The server answers again: lift its hold-down. Only a server that had
     // a failure mark is news to the daemon (it recovers); every other
     // establishment is counted in CONNECTIONS and not reported, so a VIP
     // whose servers are fine costs the daemon nothing per connection.
-    let recovered = FAILED_AT.remove(entry.server).is_ok();
+    // Looked up first: a lookup is lock-free, a removal takes the bucket's
+    // lock, and almost every server has no mark.
+    // SAFETY: only tested for presence.
+    let recovered = unsafe { FAILED_AT.get(&entry.server) }.is_some()
+        && FAILED_AT.remove(&entry.server).is_ok();
     if !add_connection(&ConnKey { vip: entry.vip, server: entry.server }, 1) {
         entry.flags |= SOCK_UNCOUNTED;
     }
