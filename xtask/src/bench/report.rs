@@ -15,7 +15,7 @@ use super::{
     Args, Part, discovery, failover, median,
     paths::{BULK, Route},
     percentile,
-    workloads::CONNECTS,
+    workloads::{CONNECT_SLICES, CONNECTS},
 };
 
 /// One route's figure in one workload (medians of the rounds).
@@ -25,6 +25,9 @@ pub struct Figure {
     pub value: f64,
     /// wrk's 99th percentile latency.
     pub p99_ms: Option<f64>,
+    /// The median of this route's ratios to the direct route, round by
+    /// round (`None` in a single sample).
+    pub ratio: Option<f64>,
 }
 
 impl Figure {
@@ -167,9 +170,11 @@ impl Results {
         figures.iter().find(|(r, _)| *r == route).map(|(_, f)| *f)
     }
 
-    /// `route`'s figure over the direct route's, in `workload`.
+    /// `route`'s figure over the direct route's, in `workload`: the median
+    /// of the ratios of each round, if measured so.
     fn ratio(&self, workload: Workload, route: Route) -> Option<f64> {
-        Some(self.figure(workload, route)?.value / self.figure(workload, Route::Direct)?.value)
+        let figure = self.figure(workload, route)?;
+        figure.ratio.or_else(|| Some(figure.value / self.figure(workload, Route::Direct)?.value))
     }
 }
 
@@ -566,10 +571,11 @@ pub fn write(r: &Results, dir: &Path) -> anyhow::Result<()> {
     let targets = targets(r);
     let machine = machine(r);
     let settings = format!(
-        "release build; medians of {} alternated rounds; wrk -t2 -c16, {} s per run; connect + close: {} connects per round; bulk: {} MiB per round; parts: {}",
+        "release build; medians of {} alternated rounds (a ratio: the median of each round's ratio to direct); wrk -t2 -c16, {} s per run; connect + close: {} connects per round, in {} alternated slices; bulk: {} MiB per round; parts: {}",
         r.rounds,
         r.wrk_seconds,
         count(CONNECTS as usize),
+        CONNECT_SLICES,
         BULK >> 20,
         r.parts.iter().map(|p| format!("{p:?}").to_lowercase()).collect::<Vec<_>>().join(", ")
     );

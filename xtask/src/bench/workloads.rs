@@ -1,13 +1,15 @@
 //! The paths part: every workload over every route, rounds alternated
 //! (round 1 runs each route once, then round 2...) so that a change in the
 //! machine's load hits the routes alike; the median of the rounds is
-//! reported.
+//! reported, and as a route's ratio to direct the median of its ratios to
+//! the direct run of the same round.
 //!
 //! - wrk keep-alive and wrk with `Connection: close` (one new connection per
 //!   request) against the nginx origin: req/s and p99 latency (`--latency`);
 //!   2 threads, 16 connections;
-//! - connect + close: [`CONNECTS`] connects by `bench-client`, each waiting
-//!   for the sink to close; every one must reach the sink;
+//! - connect + close: [`CONNECTS`] connects by `bench-client` per round,
+//!   each waiting for the sink to close, in slices alternated between the
+//!   routes; every one must reach the sink;
 //! - bulk: [`BULK`] bytes from the source on one connection, every byte
 //!   counted.
 //!
@@ -35,6 +37,9 @@ use super::{
 
 /// Connects per connect + close round.
 pub const CONNECTS: u64 = 10_000;
+/// Slices a connect + close round is cut into, each route taking its turn
+/// per slice.
+pub const CONNECT_SLICES: usize = 4;
 
 pub fn run(
     args: &Args,
@@ -95,15 +100,21 @@ pub fn run(
         vip_cpu.1,
     ));
 
-    println!("==> connect + close, {CONNECTS} per round, {} rounds", args.rounds);
+    println!(
+        "==> connect + close, {CONNECTS} per round, {} rounds of {CONNECT_SLICES} alternated slices",
+        args.rounds
+    );
     let mut cpu = [(Duration::ZERO, 0u64); 2];
-    let figures = bench.rounds(|route| {
+    // Short slices, alternated: a connect loop is the workload most moved
+    // by whatever else the machine does, so each route's slices sit close
+    // in time to the direct route's.
+    let slice = CONNECTS / CONNECT_SLICES as u64;
+    let figures = bench.rounds_of(bench.rounds * CONNECT_SLICES, |route| {
         let before = (cpu_time(pid)?, origins.sink.accepted());
-        let took =
-            client(bench.cgroup_of(route), "connect", route.target(servers.sink, 1), CONNECTS)?;
+        let took = client(bench.cgroup_of(route), "connect", route.target(servers.sink, 1), slice)?;
         let accepted = (origins.sink.accepted() - before.1) as u64;
-        if accepted != CONNECTS {
-            bail!("{CONNECTS} connects {}, but the sink accepted {accepted}", route.label());
+        if accepted != slice {
+            bail!("{slice} connects {}, but the sink accepted {accepted}", route.label());
         }
         if let Some(slot) = match route {
             Route::Vip => Some(0),
@@ -111,9 +122,9 @@ pub fn run(
             _ => None,
         } {
             cpu[slot].0 += cpu_time(pid)? - before.0;
-            cpu[slot].1 += CONNECTS;
+            cpu[slot].1 += slice;
         }
-        Ok(Figure { value: CONNECTS as f64 / took.as_secs_f64(), p99_ms: None })
+        Ok(Figure { value: slice as f64 / took.as_secs_f64(), p99_ms: None, ratio: None })
     })?;
     results.paths.push((Workload::Connect, figures));
     results.daemon_cpu.push(("connect + close through the VIP".to_owned(), cpu[0].0, cpu[0].1));
@@ -126,7 +137,7 @@ pub fn run(
     println!("==> bulk transfer, {} MiB per round, {} rounds", BULK >> 20, args.rounds);
     let figures = bench.rounds(|route| {
         let took = client(bench.cgroup_of(route), "bulk", route.target(servers.source, 2), BULK)?;
-        Ok(Figure { value: BULK as f64 / took.as_secs_f64() / 1e9, p99_ms: None })
+        Ok(Figure { value: BULK as f64 / took.as_secs_f64() / 1e9, p99_ms: None, ratio: None })
     })?;
     results.paths.push((Workload::Bulk, figures));
 
@@ -159,29 +170,46 @@ impl Bench<'_> {
     }
 
     /// Runs `measure` over every route, round after round; the median of
-    /// each route's figures (and of its p99s).
+    /// each route's figures (and of its p99s), and the median of its ratios
+    /// to the direct route of the same round.
     fn rounds(
         &self,
+        measure: impl FnMut(Route) -> anyhow::Result<Figure>,
+    ) -> anyhow::Result<Vec<(Route, Figure)>> {
+        self.rounds_of(self.rounds, measure)
+    }
+
+    /// As [`Self::rounds`], with `rounds` rounds.
+    fn rounds_of(
+        &self,
+        rounds: usize,
         mut measure: impl FnMut(Route) -> anyhow::Result<Figure>,
     ) -> anyhow::Result<Vec<(Route, Figure)>> {
         let mut samples: Vec<Vec<Figure>> = vec![Vec::new(); Route::ALL.len()];
-        for _ in 0..self.rounds {
+        for _ in 0..rounds {
             for (route, samples) in Route::ALL.iter().zip(&mut samples) {
                 check_stop()?;
                 samples.push(measure(*route).with_context(|| format!("route {}", route.label()))?);
             }
         }
+        let direct = Route::ALL.iter().position(|r| *r == Route::Direct).unwrap_or(0);
         let figures = Route::ALL
             .iter()
             .zip(&samples)
-            .map(|(route, samples)| {
-                let values: Vec<f64> = samples.iter().map(|f| f.value).collect();
-                let p99s: Vec<f64> = samples.iter().filter_map(|f| f.p99_ms).collect();
+            .map(|(route, mine)| {
+                let values: Vec<f64> = mine.iter().map(|f| f.value).collect();
+                let p99s: Vec<f64> = mine.iter().filter_map(|f| f.p99_ms).collect();
+                // Paired with the baseline taken moments before it, a ratio
+                // is spared the machine's slower drifts, which a ratio of
+                // two medians is not.
+                let ratios: Vec<f64> =
+                    mine.iter().zip(&samples[direct]).map(|(f, d)| f.value / d.value).collect();
                 (
                     *route,
                     Figure {
                         value: median(&values),
                         p99_ms: (!p99s.is_empty()).then(|| median(&p99s)),
+                        ratio: Some(median(&ratios)),
                     },
                 )
             })
@@ -226,7 +254,7 @@ struct WrkRun {
 
 impl WrkRun {
     fn figure(&self) -> Figure {
-        Figure { value: self.per_second, p99_ms: Some(self.p99_ms) }
+        Figure { value: self.per_second, p99_ms: Some(self.p99_ms), ratio: None }
     }
 }
 
