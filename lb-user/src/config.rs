@@ -190,8 +190,66 @@ pub struct Problem {
 }
 
 impl Problem {
-    fn new(line: Option<usize>, key: impl Into<String>, what: impl fmt::Display) -> Self {
-        Self { line, key: key.into(), what: what.to_string() }
+    fn new(line: Option<usize>, key: impl fmt::Display, what: impl fmt::Display) -> Self {
+        Self { line, key: key.to_string(), what: what.to_string() }
+    }
+}
+
+/// A [`Problem`]'s key (`service[3] ("api"): health.interval`,
+/// `daemon.metrics`), kept as its parts and written out only for a problem:
+/// almost every value has none, and a config may hold 16,384 services.
+#[derive(Clone, Copy)]
+struct Key<'a> {
+    /// The service's index and name, if the key is in one.
+    service: Option<(usize, &'a str)>,
+    /// The table, with its dot (`health.`), or "".
+    table: &'a str,
+    name: &'a str,
+    /// The element, in a list (`servers[2]`).
+    index: Option<usize>,
+}
+
+impl<'a> Key<'a> {
+    /// A key outside services (`daemon.metrics`).
+    const fn top(name: &'a str) -> Self {
+        Self { service: None, table: "", name, index: None }
+    }
+
+    /// The `i`th service, named `name`.
+    const fn service(i: usize, name: &'a str) -> Self {
+        Self { service: Some((i, name)), table: "", name: "", index: None }
+    }
+
+    /// Key `name`, in this key's service and table.
+    const fn at(self, name: &'a str) -> Self {
+        Self { name, index: None, ..self }
+    }
+
+    /// The keys of `table` (with its dot), in this key's service.
+    const fn table(self, table: &'a str) -> Self {
+        Self { table, name: "", index: None, ..self }
+    }
+
+    /// Element `index` of this key's list.
+    const fn nth(self, index: usize) -> Self {
+        Self { index: Some(index), ..self }
+    }
+}
+
+impl fmt::Display for Key<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some((i, name)) = self.service {
+            write!(f, "service[{i}] ({name:?})")?;
+            if self.table.is_empty() && self.name.is_empty() {
+                return Ok(());
+            }
+            f.write_str(": ")?;
+        }
+        write!(f, "{}{}", self.table, self.name)?;
+        if let Some(index) = self.index {
+            write!(f, "[{index}]")?;
+        }
+        Ok(())
     }
 }
 
@@ -443,7 +501,8 @@ struct Parsed {
     server_lines: Vec<usize>,
     default_line: Option<usize>,
     list_line: usize,
-    key: String,
+    /// The service's index in the file.
+    index: usize,
 }
 
 impl Config {
@@ -467,6 +526,9 @@ impl Config {
             problems: vec![Problem::new(e.span().map(&line_of), "", e.message().trim_end())],
         })?;
         let mut problems = Vec::new();
+        let metrics = raw.daemon.metrics.as_deref();
+        let metrics = metrics
+            .and_then(|m| parse_endpoint(m, None, Key::top("daemon.metrics"), &mut problems));
         let daemon = Daemon {
             cgroup: raw.daemon.cgroup,
             bpffs: raw.daemon.bpffs.unwrap_or_else(|| DEFAULT_BPFFS.into()),
@@ -475,11 +537,7 @@ impl Config {
                 .control_socket
                 .unwrap_or_else(|| DEFAULT_CONTROL_SOCKET.into()),
             state_dir: raw.daemon.state_dir.unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
-            metrics: raw
-                .daemon
-                .metrics
-                .as_deref()
-                .and_then(|m| parse_endpoint(m, None, "daemon.metrics", &mut problems)),
+            metrics,
             kubeconfig: raw.daemon.kubeconfig,
         };
         for (key, value) in [
@@ -508,13 +566,13 @@ impl Config {
             ));
         }
         let mut parsed = Vec::with_capacity(raw.service.len());
-        let mut names = HashMap::new();
-        let mut vips = HashMap::new();
+        let mut names = HashMap::with_capacity(raw.service.len());
+        let mut vips = HashMap::with_capacity(raw.service.len());
         for (i, raw) in raw.service.into_iter().enumerate() {
             let name = raw.name.get_ref().clone();
-            let key = format!("service[{i}] ({name:?})");
+            let key = Key::service(i, &name);
             let at = |span: std::ops::Range<usize>| Some(line_of(span));
-            let sub = |k: &str| format!("{key}: {k}");
+            let sub = |k| key.at(k);
             if name.is_empty() {
                 problems.push(Problem::new(at(raw.name.span()), sub("name"), "must not be empty"));
             }
@@ -526,7 +584,7 @@ impl Config {
                 ));
             }
             let vip =
-                parse_endpoint(raw.vip.get_ref(), at(raw.vip.span()), &sub("vip"), &mut problems);
+                parse_endpoint(raw.vip.get_ref(), at(raw.vip.span()), sub("vip"), &mut problems);
             if let Some(vip) = vip
                 && let Some(first) = vips.insert(vip, i)
             {
@@ -539,19 +597,17 @@ impl Config {
             let mut servers = Vec::new();
             let mut server_lines = Vec::new();
             for (j, s) in raw.servers.iter().flat_map(Spanned::get_ref).enumerate() {
-                if let Some(addr) = parse_addr(
-                    s.get_ref(),
-                    at(s.span()),
-                    &sub(&format!("servers[{j}]")),
-                    &mut problems,
-                ) {
+                if let Some(addr) =
+                    parse_addr(s.get_ref(), at(s.span()), sub("servers").nth(j), &mut problems)
+                {
                     servers.push(addr);
                     server_lines.push(line_of(s.span()));
                 }
             }
-            let default = raw.default.as_ref().and_then(|d| {
-                parse_addr(d.get_ref(), at(d.span()), &sub("default"), &mut problems)
-            });
+            let default = raw
+                .default
+                .as_ref()
+                .and_then(|d| parse_addr(d.get_ref(), at(d.span()), sub("default"), &mut problems));
             let policy = match raw.policy.as_ref().map(|p| (p.get_ref().as_str(), p.span())) {
                 None | Some(("failover", _)) => Policy::Failover,
                 Some(("spread", _)) => Policy::Spread,
@@ -568,24 +624,19 @@ impl Config {
                 .hold_down
                 .as_ref()
                 .and_then(|text| {
-                    parse_duration(
-                        text.get_ref(),
-                        at(text.span()),
-                        &sub("hold_down"),
-                        &mut problems,
-                    )
+                    parse_duration(text.get_ref(), at(text.span()), sub("hold_down"), &mut problems)
                 })
                 .unwrap_or(DEFAULT_HOLD_DOWN);
             let health = match raw.health {
                 Some(health) => {
                     let line = at(health.span());
-                    parse_health(health.into_inner(), line, &sub("health."), &mut problems)
+                    parse_health(health.into_inner(), line, key.table("health."), &mut problems)
                 }
                 None => HealthConfig::default(),
             };
             let discovery = raw.discovery.map(|d| {
                 let line = at(d.span());
-                parse_discovery(d.into_inner(), line, &sub("discovery."), &mut problems)
+                parse_discovery(d.into_inner(), line, key.table("discovery."), &mut problems)
             });
             let discovery = discovery.flatten();
             let scope = match raw.scope.as_ref().map(|p| (p.get_ref().as_str(), p.span())) {
@@ -625,7 +676,7 @@ impl Config {
                     server_lines,
                     default_line: raw.default.as_ref().map(|d| line_of(d.span())),
                     list_line: line_of(raw.servers.as_ref().map_or(raw.name.span(), Spanned::span)),
-                    key,
+                    index: i,
                 });
             }
         }
@@ -634,13 +685,12 @@ impl Config {
         for p in &parsed {
             let s = &p.service;
             let owner = |addr: SocketAddr| vips.get(&addr).map(|i| format!("service[{i}]"));
+            let key = Key::service(p.index, &s.name);
             for (slot, problem) in check_servers(s.vip, &s.servers, s.default, owner) {
                 let (line, key) = match slot {
-                    Slot::Server(j) => (p.server_lines[j], format!("{}: servers[{j}]", p.key)),
-                    Slot::Default => {
-                        (p.default_line.unwrap_or(p.list_line), format!("{}: default", p.key))
-                    }
-                    Slot::Set => (p.list_line, format!("{}: servers", p.key)),
+                    Slot::Server(j) => (p.server_lines[j], key.at("servers").nth(j)),
+                    Slot::Default => (p.default_line.unwrap_or(p.list_line), key.at("default")),
+                    Slot::Set => (p.list_line, key.at("servers")),
                 };
                 problems.push(Problem::new(Some(line), key, problem));
             }
@@ -656,7 +706,7 @@ impl Config {
 fn parse_duration(
     text: &str,
     line: Option<usize>,
-    key: &str,
+    key: Key,
     problems: &mut Vec<Problem>,
 ) -> Option<Duration> {
     let what = match humantime::parse_duration(text) {
@@ -672,12 +722,11 @@ fn parse_duration(
 fn parse_discovery(
     raw: RawDiscovery,
     line: Option<usize>,
-    at: &str,
+    at: Key,
     problems: &mut Vec<Problem>,
 ) -> Option<Discovery> {
     let mut duration = |key: &str, text: Option<String>, default: Duration| {
-        text.and_then(|t| parse_duration(&t, line, &format!("{at}{key}"), problems))
-            .unwrap_or(default)
+        text.and_then(|t| parse_duration(&t, line, at.at(key), problems)).unwrap_or(default)
     };
     let debounce = duration("debounce", raw.debounce, DEFAULT_DEBOUNCE);
     let refresh = (raw.refresh_min.is_some() || raw.refresh_max.is_some()).then(|| {
@@ -687,7 +736,7 @@ fn parse_discovery(
         )
     });
     let mut problem = |key: &str, what: &str| {
-        problems.push(Problem::new(line, format!("{at}{key}"), what));
+        problems.push(Problem::new(line, at.at(key), what));
         None
     };
     let port = |value: i64| u16::try_from(value).ok().filter(|p| *p != 0);
@@ -746,11 +795,10 @@ fn parse_discovery(
 fn parse_health(
     raw: RawHealth,
     line: Option<usize>,
-    at: &str,
+    at: Key,
     problems: &mut Vec<Problem>,
 ) -> HealthConfig {
-    let mut problem =
-        |key: &str, what: String| problems.push(Problem::new(line, format!("{at}{key}"), what));
+    let mut problem = |key: &str, what: String| problems.push(Problem::new(line, at.at(key), what));
     let check = match raw.check.as_deref() {
         None | Some("tcp") => CheckKind::Tcp,
         Some("http") => CheckKind::Http,
@@ -775,14 +823,12 @@ fn parse_health(
         ("interval", raw.interval, &mut health.interval),
         ("timeout", raw.timeout, &mut health.timeout),
     ] {
-        if let Some(d) =
-            text.as_deref().and_then(|t| parse_duration(t, line, &format!("{at}{key}"), problems))
+        if let Some(d) = text.as_deref().and_then(|t| parse_duration(t, line, at.at(key), problems))
         {
             *slot = d;
         }
     }
-    let mut problem =
-        |key: &str, what: String| problems.push(Problem::new(line, format!("{at}{key}"), what));
+    let mut problem = |key: &str, what: String| problems.push(Problem::new(line, at.at(key), what));
     if health.timeout > health.interval {
         problem(
             "timeout",
@@ -845,7 +891,7 @@ const fn family(addr: &SocketAddr) -> &'static str {
 fn parse_addr(
     text: &str,
     line: Option<usize>,
-    key: &str,
+    key: Key,
     problems: &mut Vec<Problem>,
 ) -> Option<SocketAddr> {
     text.parse::<SocketAddr>()
@@ -864,7 +910,7 @@ fn parse_addr(
 fn parse_endpoint(
     text: &str,
     line: Option<usize>,
-    key: &str,
+    key: Key,
     problems: &mut Vec<Problem>,
 ) -> Option<SocketAddr> {
     let addr = parse_addr(text, line, key, problems)?;
@@ -919,6 +965,18 @@ mod tests {
     fn unknown_key_is_named() {
         let msg = problems(&GOOD.replace("hold_down", "holddown"));
         assert!(msg.starts_with("test.toml:10: ") && msg.contains("holddown"), "{msg}");
+    }
+
+    #[test]
+    fn keys_read_as_written() {
+        let service = Key::service(3, "api");
+        assert_eq!(service.to_string(), "service[3] (\"api\")");
+        assert_eq!(service.at("servers").nth(2).to_string(), "service[3] (\"api\"): servers[2]");
+        assert_eq!(
+            service.table("health.").at("interval").to_string(),
+            "service[3] (\"api\"): health.interval"
+        );
+        assert_eq!(Key::top("daemon.metrics").to_string(), "daemon.metrics");
     }
 
     #[test]
