@@ -209,10 +209,11 @@ struct Daemon {
 /// Reads every service's TLS files once, so that what only shows when the
 /// files are read (a missing CA bundle, a key that does not parse) fails a
 /// start or a reload instead of leaving servers unchecked.
-fn load_tls(config: &Config) -> anyhow::Result<HashMap<String, Tls>> {
-    config
-        .services
-        .iter()
+fn load_tls<'a>(
+    services: impl IntoIterator<Item = &'a config::Service>,
+) -> anyhow::Result<HashMap<String, Tls>> {
+    services
+        .into_iter()
         .map(|s| {
             Ok((
                 s.name.clone(),
@@ -295,7 +296,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     }
     let config = load_config_to_keep(&options.config_path)?;
     // Before anything is attached.
-    let mut tls = load_tls(&config)?;
+    let mut tls = load_tls(&config.services)?;
     let cgroup = match &config.daemon.cgroup {
         Some(path) => path.clone(),
         None => datapath::cgroup2_root()?,
@@ -1150,9 +1151,10 @@ impl Daemon {
     /// being rewritten and their VIP connections are closed. Nothing
     /// changes if the file is invalid.
     fn try_reload(&mut self) -> anyhow::Result<()> {
+        let started = Instant::now();
         // Only the changed services' settings are kept (copied below).
         let config = parse_config(&self.config_path)?;
-        let mut tls = load_tls(&config)?;
+        let parsed_in = started.elapsed();
         if config.daemon != self.settings {
             warn!("[daemon] settings changed; they take effect at the next start");
         }
@@ -1160,6 +1162,14 @@ impl Daemon {
         let running: Vec<&config::Service> = self.services.iter().map(|s| &s.config).collect();
         let mut removed_vips = HashSet::new();
         let changes = reload::plan(&running, &config.services);
+        let changed = changes.len();
+        // The certificates of the services that start or restart their
+        // checks; the others keep what they loaded.
+        let mut tls = load_tls(changes.iter().filter_map(|c| match c {
+            Change::Add(s) => Some(s),
+            Change::Update { service: s, what } if what.policy_or_health => Some(s),
+            _ => None,
+        }))?;
         // What this reload writes to the kernel: the services it adds or
         // changes, and the VIPs it removes. The daemon is the only writer of
         // the other entries, which hold what it wrote (10,000 services need
@@ -1249,16 +1259,23 @@ impl Daemon {
                 }
             }
         }
-        // The config's order, as `lb status` shows it.
-        let order: HashMap<&str, usize> =
-            config.services.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
-        self.services.sort_by_key(|s| order.get(s.config.name.as_str()).copied());
-        self.reindex();
+        // The config's order, as `lb status` shows it (most reloads keep it).
+        let in_order = self.services.len() == config.services.len()
+            && self.services.iter().zip(&config.services).all(|(s, c)| s.config.name == c.name);
+        if !in_order {
+            let order: HashMap<&str, usize> =
+                config.services.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+            self.services.sort_by_cached_key(|s| order.get(s.config.name.as_str()).copied());
+            self.reindex();
+        }
         for name in &touched {
             let i = self.index(name)?;
             if let Err(e) = self.datapath.write(&self.services[i].entry()) {
                 error!(service = %name, "reload: writing the datapath failed: {e:#}");
             }
+            // Only an added or changed service can have new servers or
+            // stopped checks.
+            self.sync_checks(i);
         }
         // A removed VIP no longer rewrites; its connections are closed
         // (unless another service has taken the VIP over).
@@ -1276,11 +1293,14 @@ impl Daemon {
         if !removed_vips.is_empty() && self.sock_destroy {
             self.close_in_background(|vip, _| removed_vips.contains(&vip), Closing::RemovedVips);
         }
-        for i in 0..self.services.len() {
-            self.sync_checks(i);
-        }
         self.settings = config.daemon;
-        info!(services = self.services.len(), "config reloaded");
+        info!(
+            services = self.services.len(),
+            changed,
+            parse_ms = parsed_in.as_millis(),
+            apply_ms = (started.elapsed() - parsed_in).as_millis(),
+            "config reloaded"
+        );
         Ok(())
     }
 }
