@@ -111,6 +111,55 @@ fn reload_applies_only_the_difference_under_live_connections() {
     // The removed VIP is not rewritten any more: nothing listens on it.
     assert!(matches!(inside.connect(removed_vip), Connect::Err(e) if e.contains("refused")));
     assert_eq!(status["config"]["last_reload"]["ok"], true);
+    // The changed service's new server is health checked: it leaves
+    // "unchecked" only at its first passing check.
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            let status = daemon.status();
+            let servers = status["services"][1]["servers"].as_array().cloned().unwrap_or_default();
+            servers.len() == 2
+                && servers.iter().all(|s| s["state"] != "unchecked" && s["healthy"] == true)
+        }),
+        "the changed service's servers: {}",
+        daemon.status()["services"][1]["servers"]
+    );
+
+    // A reload that reorders the services and changes only the health
+    // settings of one: its checks restart with them, nothing else changes.
+    let every_300ms = Check::Tcp { interval: Duration::from_millis(300) };
+    let reordered = ServiceBuilder::new("added", added_vip)
+        .servers(&[three.addr])
+        .check(TCP_EVERY_200MS)
+        .toml()
+        + &ServiceBuilder::new("kept", kept_vip).servers(&[one.addr]).check(every_300ms).toml()
+        + &ServiceBuilder::new("changed", changed_vip)
+            .servers(&[two.addr, three.addr])
+            .check(TCP_EVERY_200MS)
+            .policy(Policy::Spread)
+            .toml();
+    daemon.write_config(&cgroup, &reordered);
+    assert_eq!(daemon.lb(&["reload"]).trim(), "config reloaded");
+    let status = daemon.status();
+    let names: Vec<&str> = status["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["added", "kept", "changed"]);
+    assert_eq!(inside.connect(kept_vip).landed(), "one");
+    assert!(inside.alive(kept.id()), "a reordered service keeps its connections");
+    // Its restarted check sees its server go (nothing else would: no
+    // client connects to it any more).
+    drop(one);
+    assert!(
+        wait_until(
+            Duration::from_secs(5),
+            || daemon.status()["services"][1]["servers"][0]["healthy"] == false
+        ),
+        "the check of a service whose health settings changed did not run: {}",
+        daemon.status()["services"][1]
+    );
 }
 
 #[test]
