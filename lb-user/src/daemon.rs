@@ -228,12 +228,12 @@ fn load_tls<'a>(
 /// services `toml` allocates about 40 MB of small temporaries, which would
 /// otherwise be interleaved with the daemon's long-lived allocations and
 /// keep thousands of mostly free pages resident. The config returned still
-/// lives in that arena; see [`load_config_to_keep`].
+/// lives in that arena; see [`load_config_to_keep`]. The caller releases
+/// the freed memory ([`release_freed_memory`]) when it is done with the
+/// config: a reload does so after the kernel has the change.
 fn parse_config(path: &Path) -> Result<Config, config::ConfigError> {
-    let parsed = std::thread::scope(|scope| scope.spawn(|| Config::load(path)).join())
-        .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-    release_freed_memory();
-    parsed
+    std::thread::scope(|scope| scope.spawn(|| Config::load(path)).join())
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 /// [`parse_config`] for a config the daemon keeps (the one it starts with):
