@@ -15,7 +15,7 @@ use super::{
     Args, Part, discovery, failover, median,
     paths::{BULK, Route},
     percentile,
-    workloads::{CONNECT_SLICES, CONNECTS},
+    workloads::{BULK_REPEATS, CONNECT_SLICES, CONNECTS},
 };
 
 /// One route's figure in one workload (medians of the rounds).
@@ -571,11 +571,12 @@ pub fn write(r: &Results, dir: &Path) -> anyhow::Result<()> {
     let targets = targets(r);
     let machine = machine(r);
     let settings = format!(
-        "release build; medians of {} alternated rounds (a ratio: the median of each round's ratio to direct); wrk -t2 -c16, {} s per run; connect + close: {} connects per round, in {} alternated slices; bulk: {} MiB per round; parts: {}",
+        "release build; medians of {} alternated rounds (a ratio: the median of each round's ratio to direct); wrk -t2 -c16, {} s per run; connect + close: {} connects per round, in {} alternated slices; bulk: {} × {} MiB per round; parts: {}",
         r.rounds,
         r.wrk_seconds,
         count(CONNECTS as usize),
         CONNECT_SLICES,
+        BULK_REPEATS,
         BULK >> 20,
         r.parts.iter().map(|p| format!("{p:?}").to_lowercase()).collect::<Vec<_>>().join(", ")
     );
