@@ -191,6 +191,44 @@ fn run_cmd(cmd: &mut Command) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Installs whichever of the Debian `packages` are missing (apt-get, as
+/// root). Only adds packages; the package lists are updated first only if
+/// an install fails, as they may be absent or stale on a fresh machine.
+fn install_missing_packages(packages: &[&str]) -> anyhow::Result<()> {
+    let missing: Vec<&str> = packages.iter().copied().filter(|p| !dpkg_installed(p)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    println!("==> installing {}", missing.join(" "));
+    let install = || {
+        Command::new("apt-get")
+            .args(["install", "-y", "-qq", "--no-install-recommends"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !install() {
+        run_cmd(
+            Command::new("apt-get")
+                .args(["update", "-qq"])
+                .env("DEBIAN_FRONTEND", "noninteractive"),
+        )?;
+        if !install() {
+            bail!("apt-get install {} failed", missing.join(" "));
+        }
+    }
+    Ok(())
+}
+
+fn dpkg_installed(package: &str) -> bool {
+    Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", package])
+        .stderr(Stdio::null())
+        .output()
+        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains("install ok installed"))
+}
+
 /// Runs `cmd` and returns its standard output (its standard error goes to
 /// the terminal); an unsuccessful exit is an error naming the command.
 fn output_of(cmd: &mut Command) -> anyhow::Result<String> {

@@ -49,39 +49,7 @@ const PACKAGES: [&str; 4] = ["wrk", "haproxy", "nginx", "libnginx-mod-stream"];
 /// they need. Only adds packages. The packages' own services are never
 /// used (nor started by the bench): it runs its own processes.
 pub fn ensure_packages() -> anyhow::Result<()> {
-    let missing: Vec<&str> = PACKAGES.iter().copied().filter(|p| !dpkg_installed(p)).collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    println!("==> installing {}", missing.join(" "));
-    let install = || {
-        Command::new("apt-get")
-            .args(["install", "-y", "-qq", "--no-install-recommends"])
-            .args(&missing)
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !install() {
-        // The package lists may be absent or stale on a fresh machine.
-        crate::run_cmd(
-            Command::new("apt-get")
-                .args(["update", "-qq"])
-                .env("DEBIAN_FRONTEND", "noninteractive"),
-        )?;
-        if !install() {
-            bail!("apt-get install {} failed", missing.join(" "));
-        }
-    }
-    Ok(())
-}
-
-fn dpkg_installed(package: &str) -> bool {
-    Command::new("dpkg-query")
-        .args(["-W", "-f=${Status}", package])
-        .stderr(Stdio::null())
-        .output()
-        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains("install ok installed"))
+    crate::install_missing_packages(&PACKAGES)
 }
 
 /// `haproxy -v`, `nginx -v`, `wrk -v`: the first line each prints.

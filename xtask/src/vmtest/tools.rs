@@ -6,7 +6,7 @@ use std::{
     ffi::OsString,
     fs,
     path::{Path, PathBuf},
-    process::{Command, Stdio},
+    process::Command,
     time::{Duration, Instant},
 };
 
@@ -35,22 +35,7 @@ pub struct Vng {
 /// into its own virtual environment under `base`. Only ever adds packages;
 /// the machine's apt sources and Python packages are not changed.
 pub fn ensure(base: &Path) -> anyhow::Result<Vng> {
-    let missing: Vec<&str> = HOST_PACKAGES.iter().copied().filter(|p| !dpkg_installed(p)).collect();
-    if !missing.is_empty() {
-        println!("==> installing {}", missing.join(" "));
-        // The package lists may be absent or stale on a fresh machine.
-        run_cmd(
-            Command::new("apt-get")
-                .args(["update", "-qq"])
-                .env("DEBIAN_FRONTEND", "noninteractive"),
-        )?;
-        run_cmd(
-            Command::new("apt-get")
-                .args(["install", "-y", "-qq", "--no-install-recommends"])
-                .args(&missing)
-                .env("DEBIAN_FRONTEND", "noninteractive"),
-        )?;
-    }
+    crate::install_missing_packages(&HOST_PACKAGES)?;
     let venv = base.join(format!("virtme-ng-{VIRTME_NG_VERSION}"));
     let bin = venv.join("bin");
     // Written last: an interrupted install is never mistaken for a
@@ -79,14 +64,6 @@ pub fn ensure(base: &Path) -> anyhow::Result<Vng> {
     )
     .context("building PATH for virtme-ng")?;
     Ok(Vng { program: bin.join("vng"), path })
-}
-
-fn dpkg_installed(package: &str) -> bool {
-    Command::new("dpkg-query")
-        .args(["-W", "-f=${Status}", package])
-        .stderr(Stdio::null())
-        .output()
-        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains("install ok installed"))
 }
 
 fn which(program: &str) -> Option<PathBuf> {
