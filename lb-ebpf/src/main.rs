@@ -508,8 +508,8 @@ fn on_established(ctx: &SockOpsContext) {
     // Looked up first: a lookup is lock-free, a removal takes the bucket's
     // lock, and almost every server has no mark.
     // SAFETY: only tested for presence.
-    let recovered = unsafe { FAILED_AT.get(&entry.server) }.is_some()
-        && FAILED_AT.remove(&entry.server).is_ok();
+    let recovered =
+        unsafe { FAILED_AT.get(entry.server) }.is_some() && FAILED_AT.remove(entry.server).is_ok();
     if !add_connection(&ConnKey { vip: entry.vip, server: entry.server }, 1) {
         entry.flags |= SOCK_UNCOUNTED;
     }
