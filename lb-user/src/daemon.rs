@@ -206,9 +206,10 @@ struct Daemon {
     started_ns: u64,
 }
 
-/// Reads every service's TLS files once, so that what only shows when the
-/// files are read (a missing CA bundle, a key that does not parse) fails a
-/// start or a reload instead of leaving servers unchecked.
+/// Reads the TLS files of `services` (at start every service; at a reload
+/// the ones whose checks start or restart), so that what only shows when
+/// the files are read (a missing CA bundle, a key that does not parse)
+/// fails the start or the reload instead of leaving servers unchecked.
 fn load_tls<'a>(
     services: impl IntoIterator<Item = &'a config::Service>,
 ) -> anyhow::Result<HashMap<String, Tls>> {
