@@ -526,8 +526,10 @@ impl Config {
             problems: vec![Problem::new(e.span().map(&line_of), "", e.message().trim_end())],
         })?;
         let mut problems = Vec::new();
-        let metrics = raw.daemon.metrics.as_deref();
-        let metrics = metrics
+        let metrics = raw
+            .daemon
+            .metrics
+            .as_deref()
             .and_then(|m| parse_endpoint(m, None, Key::top("daemon.metrics"), &mut problems));
         let daemon = Daemon {
             cgroup: raw.daemon.cgroup,
@@ -572,25 +574,28 @@ impl Config {
             let name = raw.name.get_ref().clone();
             let key = Key::service(i, &name);
             let at = |span: std::ops::Range<usize>| Some(line_of(span));
-            let sub = |k| key.at(k);
             if name.is_empty() {
-                problems.push(Problem::new(at(raw.name.span()), sub("name"), "must not be empty"));
+                problems.push(Problem::new(
+                    at(raw.name.span()),
+                    key.at("name"),
+                    "must not be empty",
+                ));
             }
             if let Some(first) = names.insert(name.clone(), i) {
                 problems.push(Problem::new(
                     at(raw.name.span()),
-                    sub("name"),
+                    key.at("name"),
                     format!("duplicate of service[{first}]"),
                 ));
             }
             let vip =
-                parse_endpoint(raw.vip.get_ref(), at(raw.vip.span()), sub("vip"), &mut problems);
+                parse_endpoint(raw.vip.get_ref(), at(raw.vip.span()), key.at("vip"), &mut problems);
             if let Some(vip) = vip
                 && let Some(first) = vips.insert(vip, i)
             {
                 problems.push(Problem::new(
                     at(raw.vip.span()),
-                    sub("vip"),
+                    key.at("vip"),
                     format!("{vip} is already the VIP of service[{first}]"),
                 ));
             }
@@ -598,23 +603,22 @@ impl Config {
             let mut server_lines = Vec::new();
             for (j, s) in raw.servers.iter().flat_map(Spanned::get_ref).enumerate() {
                 if let Some(addr) =
-                    parse_addr(s.get_ref(), at(s.span()), sub("servers").nth(j), &mut problems)
+                    parse_addr(s.get_ref(), at(s.span()), key.at("servers").nth(j), &mut problems)
                 {
                     servers.push(addr);
                     server_lines.push(line_of(s.span()));
                 }
             }
-            let default = raw
-                .default
-                .as_ref()
-                .and_then(|d| parse_addr(d.get_ref(), at(d.span()), sub("default"), &mut problems));
+            let default = raw.default.as_ref().and_then(|d| {
+                parse_addr(d.get_ref(), at(d.span()), key.at("default"), &mut problems)
+            });
             let policy = match raw.policy.as_ref().map(|p| (p.get_ref().as_str(), p.span())) {
                 None | Some(("failover", _)) => Policy::Failover,
                 Some(("spread", _)) => Policy::Spread,
                 Some((other, span)) => {
                     problems.push(Problem::new(
                         at(span),
-                        sub("policy"),
+                        key.at("policy"),
                         format!("{other:?} is not a policy; use \"failover\" or \"spread\""),
                     ));
                     Policy::Failover
@@ -624,7 +628,12 @@ impl Config {
                 .hold_down
                 .as_ref()
                 .and_then(|text| {
-                    parse_duration(text.get_ref(), at(text.span()), sub("hold_down"), &mut problems)
+                    parse_duration(
+                        text.get_ref(),
+                        at(text.span()),
+                        key.at("hold_down"),
+                        &mut problems,
+                    )
                 })
                 .unwrap_or(DEFAULT_HOLD_DOWN);
             let health = match raw.health {
@@ -647,7 +656,7 @@ impl Config {
                 Some((other, span)) => {
                     problems.push(Problem::new(
                         at(span),
-                        sub("scope"),
+                        key.at("scope"),
                         format!("{other:?} is not a scope; use \"host\" or \"all\""),
                     ));
                     Scope::Host
@@ -656,7 +665,7 @@ impl Config {
             if servers.is_empty() && default.is_none() && discovery.is_none() {
                 problems.push(Problem::new(
                     at(raw.name.span()),
-                    sub("servers"),
+                    key.at("servers"),
                     "a service needs servers, a default, or a [service.discovery] source",
                 ));
             }

@@ -37,6 +37,11 @@ fn sample(text: &str, series: &str) -> Option<f64> {
     text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
+/// The services `lb status` lists, by name, in its order.
+fn service_names(status: &serde_json::Value) -> Vec<&str> {
+    status["services"].as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect()
+}
+
 #[test]
 fn reload_applies_only_the_difference_under_live_connections() {
     if !privileged() {
@@ -86,12 +91,7 @@ fn reload_applies_only_the_difference_under_live_connections() {
     assert_eq!(daemon.lb(&["reload"]).trim(), "config reloaded");
 
     let status = daemon.status();
-    let names: Vec<&str> = status["services"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["name"].as_str().unwrap())
-        .collect();
+    let names = service_names(&status);
     assert_eq!(names, ["kept", "changed", "added"]);
     assert_eq!(
         status["services"][0], kept_state_before,
@@ -140,12 +140,7 @@ fn reload_applies_only_the_difference_under_live_connections() {
     daemon.write_config(&cgroup, &reordered);
     assert_eq!(daemon.lb(&["reload"]).trim(), "config reloaded");
     let status = daemon.status();
-    let names: Vec<&str> = status["services"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["name"].as_str().unwrap())
-        .collect();
+    let names = service_names(&status);
     assert_eq!(names, ["added", "kept", "changed"]);
     assert_eq!(inside.connect(kept_vip).landed(), "one");
     assert!(inside.alive(kept.id()), "a reordered service keeps its connections");

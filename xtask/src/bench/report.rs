@@ -26,8 +26,8 @@ pub struct Figure {
     /// wrk's 99th percentile latency.
     pub p99_ms: Option<f64>,
     /// The median of this route's ratios to the direct route, round by
-    /// round (`None` in a single sample).
-    pub ratio: Option<f64>,
+    /// round.
+    pub ratio: f64,
 }
 
 impl Figure {
@@ -170,11 +170,10 @@ impl Results {
         figures.iter().find(|(r, _)| *r == route).map(|(_, f)| *f)
     }
 
-    /// `route`'s figure over the direct route's, in `workload`: the median
-    /// of the ratios of each round, if measured so.
+    /// `route`'s figure over the direct route's, in `workload` (the median
+    /// of the ratios of each round).
     fn ratio(&self, workload: Workload, route: Route) -> Option<f64> {
-        let figure = self.figure(workload, route)?;
-        figure.ratio.or_else(|| Some(figure.value / self.figure(workload, Route::Direct)?.value))
+        Some(self.figure(workload, route)?.ratio)
     }
 }
 

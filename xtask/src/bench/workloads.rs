@@ -77,7 +77,7 @@ pub fn run(
     println!("==> wrk keep-alive, {duration} s per run, {} rounds", args.rounds);
     let figures = bench.rounds(|route| {
         wrk(bench.cgroup_of(route), route.target(servers.http, 0), duration, false)
-            .map(|w| w.figure())
+            .map(|w| w.sample())
     })?;
     results.paths.push((Workload::KeepAlive, figures));
 
@@ -93,7 +93,7 @@ pub fn run(
             vip_cpu.0 += cpu_time(pid)? - before;
             vip_cpu.1 += w.requests;
         }
-        Ok(w.figure())
+        Ok(w.sample())
     })?;
     results.paths.push((Workload::NewConnection, figures));
     results.daemon_cpu.push((
@@ -126,7 +126,7 @@ pub fn run(
             cpu[slot].0 += cpu_time(pid)? - before.0;
             cpu[slot].1 += slice;
         }
-        Ok(Figure { value: slice as f64 / took.as_secs_f64(), p99_ms: None, ratio: None })
+        Ok(Sample { value: slice as f64 / took.as_secs_f64(), p99_ms: None })
     })?;
     results.paths.push((Workload::Connect, figures));
     results.daemon_cpu.push(("connect + close through the VIP".to_owned(), cpu[0].0, cpu[0].1));
@@ -145,7 +145,7 @@ pub fn run(
     // that one slow moment does not decide a route's figure.
     let figures = bench.rounds_of(bench.rounds * BULK_REPEATS, |route| {
         let took = client(bench.cgroup_of(route), "bulk", route.target(servers.source, 2), BULK)?;
-        Ok(Figure { value: BULK as f64 / took.as_secs_f64() / 1e9, p99_ms: None, ratio: None })
+        Ok(Sample { value: BULK as f64 / took.as_secs_f64() / 1e9, p99_ms: None })
     })?;
     results.paths.push((Workload::Bulk, figures));
 
@@ -167,6 +167,15 @@ pub fn run(
     Ok(())
 }
 
+/// One run of a workload over one route.
+#[derive(Clone, Copy)]
+struct Sample {
+    /// Requests/s, connects/s or GB/s.
+    value: f64,
+    /// wrk's 99th percentile latency.
+    p99_ms: Option<f64>,
+}
+
 struct Bench<'a> {
     cgroup: &'a Path,
     rounds: usize,
@@ -182,7 +191,7 @@ impl Bench<'_> {
     /// to the direct route of the same round.
     fn rounds(
         &self,
-        measure: impl FnMut(Route) -> anyhow::Result<Figure>,
+        measure: impl FnMut(Route) -> anyhow::Result<Sample>,
     ) -> anyhow::Result<Vec<(Route, Figure)>> {
         self.rounds_of(self.rounds, measure)
     }
@@ -191,9 +200,9 @@ impl Bench<'_> {
     fn rounds_of(
         &self,
         rounds: usize,
-        mut measure: impl FnMut(Route) -> anyhow::Result<Figure>,
+        mut measure: impl FnMut(Route) -> anyhow::Result<Sample>,
     ) -> anyhow::Result<Vec<(Route, Figure)>> {
-        let mut samples: Vec<Vec<Figure>> = vec![Vec::new(); Route::ALL.len()];
+        let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); Route::ALL.len()];
         for _ in 0..rounds {
             for (route, samples) in Route::ALL.iter().zip(&mut samples) {
                 check_stop()?;
@@ -217,7 +226,7 @@ impl Bench<'_> {
                     Figure {
                         value: median(&values),
                         p99_ms: (!p99s.is_empty()).then(|| median(&p99s)),
-                        ratio: Some(median(&ratios)),
+                        ratio: median(&ratios),
                     },
                 )
             })
@@ -261,8 +270,8 @@ struct WrkRun {
 }
 
 impl WrkRun {
-    fn figure(&self) -> Figure {
-        Figure { value: self.per_second, p99_ms: Some(self.p99_ms), ratio: None }
+    fn sample(&self) -> Sample {
+        Sample { value: self.per_second, p99_ms: Some(self.p99_ms) }
     }
 }
 
