@@ -15,6 +15,9 @@ use lb_common::{MAX_SERVERS, MAX_SERVICES};
 use serde::Deserialize;
 use toml::Spanned;
 
+mod reparse;
+pub use reparse::{Read, Source};
+
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/lb/config.toml";
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
 pub const DEFAULT_CONTROL_SOCKET: &str = "/run/lb/lb.sock";
@@ -390,7 +393,7 @@ struct RawConfig {
     #[serde(default)]
     daemon: RawDaemon,
     #[serde(default)]
-    service: Vec<RawService>,
+    service: Vec<Spanned<RawService>>,
 }
 
 #[derive(Default, Deserialize)]
@@ -503,6 +506,8 @@ struct Parsed {
     list_line: usize,
     /// The service's index in the file.
     index: usize,
+    /// Where its `[[service]]` header starts in the text.
+    start: usize,
 }
 
 impl Config {
@@ -514,16 +519,20 @@ impl Config {
 
     /// Parses and validates `text`; `path` only names the file in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        // Where each line starts, found once: a value's line is then a
-        // binary search, not a count from the top of the file (which made
-        // parsing quadratic in the number of services).
-        let newlines: Vec<usize> =
-            text.bytes().enumerate().filter(|(_, b)| *b == b'\n').map(|(i, _)| i).collect();
-        let line_of =
-            |span: std::ops::Range<usize>| newlines.partition_point(|&at| at < span.start) + 1;
+        Self::parse_tables(text, path).map(|(config, _)| config)
+    }
+
+    /// [`Config::parse`], and where each service's `[[service]]` header
+    /// starts in `text`.
+    fn parse_tables(text: &str, path: &Path) -> Result<(Self, Vec<usize>), ConfigError> {
+        let lines = Lines::of(text);
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError {
             file: path.to_owned(),
-            problems: vec![Problem::new(e.span().map(&line_of), "", e.message().trim_end())],
+            problems: vec![Problem::new(
+                e.span().map(|s| lines.of_span(s)),
+                "",
+                e.message().trim_end(),
+            )],
         })?;
         let mut problems = Vec::new();
         let metrics = raw
@@ -567,149 +576,172 @@ impl Config {
                 ),
             ));
         }
-        let mut parsed = Vec::with_capacity(raw.service.len());
-        let mut names = HashMap::with_capacity(raw.service.len());
-        let mut vips = HashMap::with_capacity(raw.service.len());
-        for (i, raw) in raw.service.into_iter().enumerate() {
-            let name = raw.name.get_ref().clone();
-            let key = Key::service(i, &name);
-            let at = |span: std::ops::Range<usize>| Some(line_of(span));
-            if name.is_empty() {
-                problems.push(Problem::new(
-                    at(raw.name.span()),
-                    key.at("name"),
-                    "must not be empty",
-                ));
-            }
-            if let Some(first) = names.insert(name.clone(), i) {
-                problems.push(Problem::new(
-                    at(raw.name.span()),
-                    key.at("name"),
-                    format!("duplicate of service[{first}]"),
-                ));
-            }
-            let vip =
-                parse_endpoint(raw.vip.get_ref(), at(raw.vip.span()), key.at("vip"), &mut problems);
-            if let Some(vip) = vip
-                && let Some(first) = vips.insert(vip, i)
-            {
-                problems.push(Problem::new(
-                    at(raw.vip.span()),
-                    key.at("vip"),
-                    format!("{vip} is already the VIP of service[{first}]"),
-                ));
-            }
-            let mut servers = Vec::new();
-            let mut server_lines = Vec::new();
-            for (j, s) in raw.servers.iter().flat_map(Spanned::get_ref).enumerate() {
-                if let Some(addr) =
-                    parse_addr(s.get_ref(), at(s.span()), key.at("servers").nth(j), &mut problems)
-                {
-                    servers.push(addr);
-                    server_lines.push(line_of(s.span()));
-                }
-            }
-            let default = raw.default.as_ref().and_then(|d| {
-                parse_addr(d.get_ref(), at(d.span()), key.at("default"), &mut problems)
-            });
-            let policy = match raw.policy.as_ref().map(|p| (p.get_ref().as_str(), p.span())) {
-                None | Some(("failover", _)) => Policy::Failover,
-                Some(("spread", _)) => Policy::Spread,
-                Some((other, span)) => {
-                    problems.push(Problem::new(
-                        at(span),
-                        key.at("policy"),
-                        format!("{other:?} is not a policy; use \"failover\" or \"spread\""),
-                    ));
-                    Policy::Failover
-                }
-            };
-            let hold_down = raw
-                .hold_down
-                .as_ref()
-                .and_then(|text| {
-                    parse_duration(
-                        text.get_ref(),
-                        at(text.span()),
-                        key.at("hold_down"),
-                        &mut problems,
-                    )
-                })
-                .unwrap_or(DEFAULT_HOLD_DOWN);
-            let health = match raw.health {
-                Some(health) => {
-                    let line = at(health.span());
-                    parse_health(health.into_inner(), line, key.table("health."), &mut problems)
-                }
-                None => HealthConfig::default(),
-            };
-            let discovery = raw.discovery.map(|d| {
-                let line = at(d.span());
-                parse_discovery(d.into_inner(), line, key.table("discovery."), &mut problems)
-            });
-            let discovery = discovery.flatten();
-            let scope = match raw.scope.as_ref().map(|p| (p.get_ref().as_str(), p.span())) {
-                Some(("host", _)) => Scope::Host,
-                Some(("all", _)) => Scope::All,
-                None if vip.is_some_and(|v| v.ip().is_loopback()) => Scope::Host,
-                None => Scope::All,
-                Some((other, span)) => {
-                    problems.push(Problem::new(
-                        at(span),
-                        key.at("scope"),
-                        format!("{other:?} is not a scope; use \"host\" or \"all\""),
-                    ));
-                    Scope::Host
-                }
-            };
-            if servers.is_empty() && default.is_none() && discovery.is_none() {
-                problems.push(Problem::new(
-                    at(raw.name.span()),
-                    key.at("servers"),
-                    "a service needs servers, a default, or a [service.discovery] source",
-                ));
-            }
-            if let Some(vip) = vip {
-                parsed.push(Parsed {
-                    service: Service {
-                        name,
-                        vip,
-                        servers,
-                        default,
-                        policy,
-                        hold_down,
-                        health,
-                        discovery,
-                        scope,
-                    },
-                    server_lines,
-                    default_line: raw.default.as_ref().map(|d| line_of(d.span())),
-                    list_line: line_of(raw.servers.as_ref().map_or(raw.name.span(), Spanned::span)),
-                    index: i,
-                });
-            }
-        }
-        // Now that every VIP is known: the server sets, by the one set of
-        // rules every other source of servers is held to.
-        for p in &parsed {
-            let s = &p.service;
-            let owner = |addr: SocketAddr| vips.get(&addr).map(|i| format!("service[{i}]"));
-            let key = Key::service(p.index, &s.name);
-            for (slot, problem) in check_servers(s.vip, &s.servers, s.default, owner) {
-                let (line, key) = match slot {
-                    Slot::Server(j) => (p.server_lines[j], key.at("servers").nth(j)),
-                    Slot::Default => (p.default_line.unwrap_or(p.list_line), key.at("default")),
-                    Slot::Set => (p.list_line, key.at("servers")),
-                };
-                problems.push(Problem::new(Some(line), key, problem));
-            }
-        }
+        let (services, starts) = read_services(raw.service, &lines, &mut problems);
         if problems.is_empty() {
-            Ok(Self { daemon, services: parsed.into_iter().map(|p| p.service).collect() })
+            Ok((Self { daemon, services }, starts))
         } else {
             Err(ConfigError { file: path.to_owned(), problems })
         }
     }
+}
+
+/// Where each line of a text starts, found once: a value's line is then a
+/// binary search, not a count from the top of the file (which made parsing
+/// quadratic in the number of services).
+struct Lines(Vec<usize>);
+
+impl Lines {
+    fn of(text: &str) -> Self {
+        Self(text.bytes().enumerate().filter(|(_, b)| *b == b'\n').map(|(i, _)| i).collect())
+    }
+
+    /// The 1-based line of the value at `span`.
+    fn of_span(&self, span: std::ops::Range<usize>) -> usize {
+        self.0.partition_point(|&at| at < span.start) + 1
+    }
+}
+
+/// The `[[service]]` tables of a file, each checked on its own and then
+/// against the others; and where each header starts. Problems are added to
+/// `problems`; the services are only meaningful if none were.
+fn read_services(
+    tables: Vec<Spanned<RawService>>,
+    lines: &Lines,
+    problems: &mut Vec<Problem>,
+) -> (Vec<Service>, Vec<usize>) {
+    let line_of = |span| lines.of_span(span);
+    let mut parsed = Vec::with_capacity(tables.len());
+    let mut names = HashMap::with_capacity(tables.len());
+    let mut vips = HashMap::with_capacity(tables.len());
+    for (i, table) in tables.into_iter().enumerate() {
+        let start = table.span().start;
+        let raw = table.into_inner();
+        let name = raw.name.get_ref().clone();
+        let key = Key::service(i, &name);
+        let at = |span: std::ops::Range<usize>| Some(line_of(span));
+        if name.is_empty() {
+            problems.push(Problem::new(at(raw.name.span()), key.at("name"), "must not be empty"));
+        }
+        if let Some(first) = names.insert(name.clone(), i) {
+            problems.push(Problem::new(
+                at(raw.name.span()),
+                key.at("name"),
+                format!("duplicate of service[{first}]"),
+            ));
+        }
+        let vip = parse_endpoint(raw.vip.get_ref(), at(raw.vip.span()), key.at("vip"), problems);
+        if let Some(vip) = vip
+            && let Some(first) = vips.insert(vip, i)
+        {
+            problems.push(Problem::new(
+                at(raw.vip.span()),
+                key.at("vip"),
+                format!("{vip} is already the VIP of service[{first}]"),
+            ));
+        }
+        let mut servers = Vec::new();
+        let mut server_lines = Vec::new();
+        for (j, s) in raw.servers.iter().flat_map(Spanned::get_ref).enumerate() {
+            if let Some(addr) =
+                parse_addr(s.get_ref(), at(s.span()), key.at("servers").nth(j), problems)
+            {
+                servers.push(addr);
+                server_lines.push(line_of(s.span()));
+            }
+        }
+        let default = raw
+            .default
+            .as_ref()
+            .and_then(|d| parse_addr(d.get_ref(), at(d.span()), key.at("default"), problems));
+        let policy = match raw.policy.as_ref().map(|p| (p.get_ref().as_str(), p.span())) {
+            None | Some(("failover", _)) => Policy::Failover,
+            Some(("spread", _)) => Policy::Spread,
+            Some((other, span)) => {
+                problems.push(Problem::new(
+                    at(span),
+                    key.at("policy"),
+                    format!("{other:?} is not a policy; use \"failover\" or \"spread\""),
+                ));
+                Policy::Failover
+            }
+        };
+        let hold_down = raw
+            .hold_down
+            .as_ref()
+            .and_then(|text| {
+                parse_duration(text.get_ref(), at(text.span()), key.at("hold_down"), problems)
+            })
+            .unwrap_or(DEFAULT_HOLD_DOWN);
+        let health = match raw.health {
+            Some(health) => {
+                let line = at(health.span());
+                parse_health(health.into_inner(), line, key.table("health."), problems)
+            }
+            None => HealthConfig::default(),
+        };
+        let discovery = raw.discovery.map(|d| {
+            let line = at(d.span());
+            parse_discovery(d.into_inner(), line, key.table("discovery."), problems)
+        });
+        let discovery = discovery.flatten();
+        let scope = match raw.scope.as_ref().map(|p| (p.get_ref().as_str(), p.span())) {
+            Some(("host", _)) => Scope::Host,
+            Some(("all", _)) => Scope::All,
+            None if vip.is_some_and(|v| v.ip().is_loopback()) => Scope::Host,
+            None => Scope::All,
+            Some((other, span)) => {
+                problems.push(Problem::new(
+                    at(span),
+                    key.at("scope"),
+                    format!("{other:?} is not a scope; use \"host\" or \"all\""),
+                ));
+                Scope::Host
+            }
+        };
+        if servers.is_empty() && default.is_none() && discovery.is_none() {
+            problems.push(Problem::new(
+                at(raw.name.span()),
+                key.at("servers"),
+                "a service needs servers, a default, or a [service.discovery] source",
+            ));
+        }
+        if let Some(vip) = vip {
+            parsed.push(Parsed {
+                service: Service {
+                    name,
+                    vip,
+                    servers,
+                    default,
+                    policy,
+                    hold_down,
+                    health,
+                    discovery,
+                    scope,
+                },
+                server_lines,
+                default_line: raw.default.as_ref().map(|d| line_of(d.span())),
+                list_line: line_of(raw.servers.as_ref().map_or(raw.name.span(), Spanned::span)),
+                index: i,
+                start,
+            });
+        }
+    }
+    // Now that every VIP is known: the server sets, by the one set of
+    // rules every other source of servers is held to.
+    for p in &parsed {
+        let s = &p.service;
+        let owner = |addr: SocketAddr| vips.get(&addr).map(|i| format!("service[{i}]"));
+        let key = Key::service(p.index, &s.name);
+        for (slot, problem) in check_servers(s.vip, &s.servers, s.default, owner) {
+            let (line, key) = match slot {
+                Slot::Server(j) => (p.server_lines[j], key.at("servers").nth(j)),
+                Slot::Default => (p.default_line.unwrap_or(p.list_line), key.at("default")),
+                Slot::Set => (p.list_line, key.at("servers")),
+            };
+            problems.push(Problem::new(Some(line), key, problem));
+        }
+    }
+    parsed.into_iter().map(|p| (p.service, p.start)).unzip()
 }
 
 fn parse_duration(

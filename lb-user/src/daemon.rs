@@ -180,6 +180,9 @@ struct Daemon {
     /// `services`).
     settings: config::Daemon,
     config_path: PathBuf,
+    /// The text the running config was read from: a reload parses only
+    /// the service tables that changed since.
+    source: config::Source,
     cgroup: PathBuf,
     datapath: Datapath,
     /// In the config's order.
@@ -224,16 +227,17 @@ fn load_tls<'a>(
         .collect()
 }
 
-/// [`Config::load`] on a thread of its own, so in another allocator arena
-/// than the owner loop's. Parsing is the daemon's peak: with 10,000
-/// services `toml` allocates about 40 MB of small temporaries, which would
-/// otherwise be interleaved with the daemon's long-lived allocations and
-/// keep thousands of mostly free pages resident. The config returned still
-/// lives in that arena; see [`load_config_to_keep`]. The caller releases
-/// the freed memory ([`release_freed_memory`]) when it is done with the
-/// config: a reload does so after the kernel has the change.
-fn parse_config(path: &Path) -> Result<Config, config::ConfigError> {
-    std::thread::scope(|scope| scope.spawn(|| Config::load(path)).join())
+/// Parses the config (`parse`: [`config::Source::load`] or
+/// [`config::Source::reload`]) on a thread of its own, so in another
+/// allocator arena than the owner loop's. Parsing is the daemon's peak:
+/// with 10,000 services `toml` allocates about 40 MB of small temporaries,
+/// which would otherwise be interleaved with the daemon's long-lived
+/// allocations and keep thousands of mostly free pages resident. What it
+/// returns still lives in that arena; see [`load_config_to_keep`]. The
+/// caller releases the freed memory ([`release_freed_memory`]) when it is
+/// done with the config: a reload does so after the kernel has the change.
+fn parse_config<T: Send>(parse: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|scope| scope.spawn(parse).join())
         .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
@@ -242,12 +246,12 @@ fn parse_config(path: &Path) -> Result<Config, config::ConfigError> {
 /// that its strings do not pin the parser's arena either. With 10,000
 /// services: RSS 29 MB after start-up instead of 42 (and 102 before the
 /// metrics kept their per-server series as numbers).
-fn load_config_to_keep(path: &Path) -> Result<Config, config::ConfigError> {
-    let parsed = parse_config(path)?;
-    let config = parsed.clone();
+fn load_config_to_keep(path: &Path) -> Result<(Config, config::Source), config::ConfigError> {
+    let parsed = parse_config(|| config::Source::load(path))?;
+    let kept = parsed.clone();
     drop(parsed);
     release_freed_memory();
-    Ok(config)
+    Ok(kept)
 }
 
 /// Gives the memory freed since the last call back to the system (glibc
@@ -304,7 +308,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 256 * 1024);
         libc::mallopt(libc::M_MXFAST, 0);
     }
-    let config = load_config_to_keep(&options.config_path)?;
+    let (config, source) = load_config_to_keep(&options.config_path)?;
     // Before anything is attached.
     let mut tls = load_tls(&config.services)?;
     let cgroup = match &config.daemon.cgroup {
@@ -388,6 +392,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     let mut daemon = Daemon {
         settings,
         config_path: options.config_path,
+        source,
         cgroup,
         datapath,
         services,
@@ -1146,6 +1151,7 @@ impl Daemon {
             .inc();
         if let Err(e) = &result {
             error!("reload failed; still serving the previous config:\n{e:#}");
+            self.source.forget();
         }
         release_freed_memory();
         self.last_reload = Some(ReloadStatus {
@@ -1162,14 +1168,17 @@ impl Daemon {
     /// changes if the file is invalid.
     fn try_reload(&mut self) -> anyhow::Result<()> {
         let started = Instant::now();
-        // Only the changed services' settings are kept (copied below).
-        let config = parse_config(&self.config_path)?;
+        let running: Vec<&config::Service> = self.services.iter().map(|s| &s.config).collect();
+        // Only the changed services' settings are kept (copied below), and
+        // the source, copied here out of the parser's arena.
+        let (config, source, read) =
+            parse_config(|| self.source.reload(&self.config_path, &running))?;
+        let source = source.clone();
         let parsed_in = started.elapsed();
         if config.daemon != self.settings {
             warn!("[daemon] settings changed; they take effect at the next start");
         }
         let now = Instant::now();
-        let running: Vec<&config::Service> = self.services.iter().map(|s| &s.config).collect();
         let mut removed_vips = HashSet::new();
         let changes = reload::plan(&running, &config.services);
         let changed = changes.len();
@@ -1304,9 +1313,11 @@ impl Daemon {
             self.close_in_background(|vip, _| removed_vips.contains(&vip), Closing::RemovedVips);
         }
         self.settings = config.daemon;
+        self.source = source;
         info!(
             services = self.services.len(),
             changed,
+            tables_parsed = %read,
             parse_ms = parsed_in.as_millis(),
             apply_ms = (started.elapsed() - parsed_in).as_millis(),
             "config reloaded"

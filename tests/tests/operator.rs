@@ -89,6 +89,8 @@ fn reload_applies_only_the_difference_under_live_connections() {
                 .toml();
     daemon.write_config(&cgroup, &after);
     assert_eq!(daemon.lb(&["reload"]).trim(), "config reloaded");
+    // Only the tables whose text changed were parsed: "kept" was not.
+    assert!(daemon.log().contains("tables_parsed=2"), "{}", daemon.log());
 
     let status = daemon.status();
     let names = service_names(&status);
@@ -197,6 +199,20 @@ fn an_invalid_reload_keeps_serving_the_old_config_and_says_so() {
     assert!(daemon.lb(&["status"]).contains("LAST RELOAD FAILED"));
     assert!(inside.alive(open.id()));
     assert_eq!(inside.connect(vip).landed(), "one");
+
+    // Fixed: the next reload reads the whole file (a failed reload may
+    // have applied part of its change) and applies it.
+    let fixed = ServiceBuilder::new("api", vip)
+        .servers(&[one.addr])
+        .check(TCP_EVERY_200MS)
+        .policy(Policy::Spread);
+    daemon.write_config(&cgroup, &fixed.toml());
+    assert_eq!(daemon.lb(&["reload"]).trim(), "config reloaded");
+    assert!(daemon.log().contains("tables_parsed=all"), "{}", daemon.log());
+    let status = daemon.status();
+    assert_eq!(status["config"]["last_reload"]["ok"], true);
+    assert_eq!(status["services"][0]["policy"], "spread");
+    assert!(inside.alive(open.id()));
 }
 
 #[test]
