@@ -514,6 +514,20 @@ impl Daemon {
         env: &[(&str, &str)],
         services_toml: &str,
     ) -> Self {
+        let mut daemon = Self::prepare(name, cgroup, daemon_settings, env, services_toml);
+        daemon.restart();
+        daemon
+    }
+
+    /// As `start_with_env`, without starting `lb run`: for a caller that
+    /// times the start itself ([`Daemon::spawn`]).
+    pub fn prepare(
+        name: &str,
+        cgroup: &TestCgroup,
+        daemon_settings: &str,
+        env: &[(&str, &str)],
+        services_toml: &str,
+    ) -> Self {
         // First: if this panics, nothing else has been made yet.
         let _bpffs_mount = BpffsMount::acquire();
         let tag = format!("lb-test-{}-{name}", std::process::id());
@@ -523,7 +537,7 @@ impl Daemon {
         let bpffs = Path::new(BPFFS_ROOT).join(&tag);
         let config = dir.join("config.toml");
         let env = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
-        let mut daemon = Self {
+        let daemon = Self {
             dir,
             config,
             bpffs,
@@ -533,7 +547,6 @@ impl Daemon {
             _bpffs_mount,
         };
         daemon.write_config(cgroup, services_toml);
-        daemon.restart();
         daemon
     }
 
@@ -561,6 +574,27 @@ impl Daemon {
 
     /// As `restart`, with extra arguments for `lb run`.
     pub fn restart_with(&mut self, args: &[&str]) {
+        self.spawn_with(args);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                self.child = None;
+                panic!("lb run exited with {status}:\n{}", self.log());
+            }
+            if self.try_lb(&["status", "--json"]).is_ok() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "lb run did not answer within 60 s:\n{}",
+                self.log()
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Starts `lb run` (with extra arguments) and returns at once.
+    pub fn spawn_with(&mut self, args: &[&str]) {
         assert!(self.child.is_none(), "daemon already running");
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -579,22 +613,6 @@ impl Daemon {
             .spawn()
             .expect("starting lb run");
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
-                self.child = None;
-                panic!("lb run exited with {status}:\n{}", self.log());
-            }
-            if self.try_lb(&["status", "--json"]).is_ok() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "lb run did not answer within 60 s:\n{}",
-                self.log()
-            );
-            thread::sleep(Duration::from_millis(50));
-        }
     }
 
     /// SIGKILL: the datapath must keep working without the daemon.

@@ -270,6 +270,11 @@ fn rss(pid: i32) -> anyhow::Result<u64> {
 /// line each way, what `lb status --json` asks): cheaper than starting
 /// `lb`, so polls disturb the daemon less.
 fn status(daemon: &Daemon) -> anyhow::Result<Value> {
+    status_received(daemon).map(|(status, _)| status)
+}
+
+/// [`status`], and when its answer had been read (before it was parsed).
+fn status_received(daemon: &Daemon) -> anyhow::Result<(Value, Instant)> {
     let socket = daemon.dir.join("lb.sock");
     let mut stream = UnixStream::connect(&socket)
         .with_context(|| format!("connecting to {}", socket.display()))?;
@@ -277,12 +282,13 @@ fn status(daemon: &Daemon) -> anyhow::Result<Value> {
     stream.write_all(b"{\"command\":\"status\"}\n")?;
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line)?;
+    let received = Instant::now();
     let answer: Value = serde_json::from_str(&line)
         .with_context(|| format!("the daemon's answer is not JSON: {line:.200}"))?;
     if answer["result"] != "status" {
         bail!("the daemon answered a status request with {line:.300}");
     }
-    Ok(answer)
+    Ok((answer, received))
 }
 
 /// The selection of service `name` in the kernel, from `status`.

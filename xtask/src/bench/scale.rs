@@ -14,7 +14,6 @@
 
 use std::{
     net::SocketAddr,
-    panic::AssertUnwindSafe,
     time::{Duration, Instant},
 };
 
@@ -62,43 +61,49 @@ fn services(n: usize, first: SocketAddr, moved: Option<SocketAddr>) -> String {
 }
 
 /// Starts a daemon with `toml` (`n` services) on `cgroup`; returns it and
-/// the times from starting `lb run` to its first status answer and to a
-/// status that lists every service with a selection. A daemon that does not
-/// answer within the harness's 60 s is a figure (`None`), not an error.
+/// the times from starting `lb run` to its first status answer and to the
+/// first answer that lists every service with a selection, as a client
+/// asking the control socket every 10 ms receives them (the time to read an
+/// answer counts, the time to parse it does not). A daemon that does not
+/// answer within 60 s is a figure (`None`), not an error.
 fn start(
     name: &str,
     cgroup: &TestCgroup,
     n: usize,
     toml: &str,
 ) -> anyhow::Result<(Option<Daemon>, Startup)> {
-    let started = Instant::now();
-    // Returns at the first status answer (it polls every 50 ms); panics
-    // after 60 s without one, having taken the daemon down again.
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let daemon = std::panic::catch_unwind(AssertUnwindSafe(|| {
-        Daemon::start_with_env(name, cgroup, "", &[("RUST_LOG", "info")], toml)
-    }));
-    std::panic::set_hook(hook);
+    let mut daemon = Daemon::prepare(name, cgroup, "", &[("RUST_LOG", "info")], toml);
     let mut startup = Startup { services: n, answered: None, ready: None, rss: None };
-    let Ok(daemon) = daemon else {
+    let started = Instant::now();
+    daemon.spawn_with(&[]);
+    poll(Duration::from_secs(90), Duration::from_millis(10), || {
+        if daemon.wait_exit(Duration::ZERO) {
+            bail!("lb run with {n} services exited; its log ends:\n{}", super::tail(&daemon.log()));
+        }
+        let Ok((status, received)) = super::status_received(&daemon) else {
+            // Not answering yet; 60 s without an answer is the figure.
+            return Ok(started.elapsed() > Duration::from_secs(60));
+        };
+        let at = received - started;
+        startup.answered.get_or_insert(at);
+        let services = status["services"].as_array().map_or(&[][..], Vec::as_slice);
+        let ready = services.len() == n
+            && services.iter().all(|s| s["selected"].as_array().is_some_and(|l| !l.is_empty()));
+        if ready {
+            startup.ready = Some(at);
+        }
+        Ok(ready)
+    })?;
+    if startup.answered.is_none() {
         println!("  {}", startup.describe());
         return Ok((None, startup));
-    };
-    startup.answered = Some(started.elapsed());
-    let ready = poll(Duration::from_secs(90), Duration::from_millis(10), || {
-        let status = super::status(&daemon)?;
-        let services = status["services"].as_array().map_or(&[][..], Vec::as_slice);
-        Ok(services.len() == n
-            && services.iter().all(|s| s["selected"].as_array().is_some_and(|l| !l.is_empty())))
-    })?;
-    if !ready {
+    }
+    if startup.ready.is_none() {
         bail!(
             "the daemon with {n} services answered, but did not list them all with selections within 90 s; its log ends:\n{}",
             super::tail(&daemon.log())
         );
     }
-    startup.ready = Some(started.elapsed());
     startup.rss = Some(rss(daemon_pid(&daemon)?)?);
     println!("  {}", startup.describe());
     Ok((Some(daemon), startup))
