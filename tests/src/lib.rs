@@ -634,6 +634,12 @@ impl Daemon {
         exited
     }
 
+    /// The pid of the running `lb run` (`None` once it was killed or
+    /// seen to exit).
+    pub fn pid(&self) -> Option<i32> {
+        self.child.as_ref().and_then(|c| i32::try_from(c.id()).ok())
+    }
+
     /// Sends a signal to the running daemon.
     pub fn signal(&self, signal: i32) {
         let pid = self.child.as_ref().expect("daemon not running").id() as i32;

@@ -3,7 +3,7 @@
 //! once ([`LoadClient`]) and its per-attempt record ([`Attempt`]), a backend
 //! that holds thousands of connections on one thread ([`HoldBackend`]), a
 //! flood of idle connections ([`Flood`]), and what a test reads about the
-//! daemon process from `/proc` ([`daemon_pid`], [`ProcSample`]).
+//! daemon process from `/proc` ([`ProcSample`], of [`Daemon::pid`](crate::Daemon::pid)).
 //!
 //! Like the rest of the harness, everything here cleans up on drop and
 //! every loop is bounded in count and time.
@@ -12,7 +12,6 @@ use std::{
     collections::HashMap,
     io::{BufRead as _, BufReader, Read as _, Write as _},
     net::{SocketAddr, TcpStream},
-    os::unix::ffi::OsStrExt as _,
     path::{Path, PathBuf},
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
     sync::{
@@ -569,29 +568,6 @@ fn is_open(stream: &TcpStream) -> bool {
     let _ = stream.set_nonblocking(false);
     matches!(result, Err(ref e) if e.kind() == std::io::ErrorKind::WouldBlock)
         || matches!(result, Ok(n) if n > 0)
-}
-
-/// The pid of the running `lb run` of `daemon` (the one process whose
-/// command line is `lb run --config <its config> ...`).
-pub fn daemon_pid(daemon: &Daemon) -> Option<i32> {
-    let config = daemon.config.as_os_str().as_bytes().to_vec();
-    let mut found = Vec::new();
-    for pid in std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-    {
-        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-            continue;
-        };
-        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-        if args.get(1) == Some(&&b"run"[..]) && args.contains(&config.as_slice()) {
-            found.push(pid);
-        }
-    }
-    assert!(found.len() <= 1, "more than one `lb run` with {}: {found:?}", daemon.config.display());
-    found.first().copied()
 }
 
 /// What `/proc` says about a process's resources.

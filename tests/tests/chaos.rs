@@ -24,8 +24,8 @@ use std::{
 use lb_tests::{
     Check, Daemon, Policy, ServiceBuilder, TestCgroup, addr,
     load::{
-        Attempt, HoldBackend, LoadClient, Outcome, ProcSample, daemon_pid, files_under, log_len,
-        log_since, panics,
+        Attempt, HoldBackend, LoadClient, Outcome, ProcSample, files_under, log_len, log_since,
+        panics,
     },
     monotonic_ns, privileged, wait_until,
 };
@@ -297,7 +297,7 @@ fn chaos_restarts_reloads_and_server_kills_under_200_connecting_threads() {
         // Wait for the planned time; meanwhile sample the daemon at its age.
         loop {
             if !sampled && started_at.elapsed() >= SAMPLE_AT_AGE {
-                let pid = daemon_pid(&daemon).expect("the daemon is running");
+                let pid = daemon.pid().expect("the daemon is running");
                 log.samples.push(ProcSample::of(pid).expect("the daemon's /proc entry"));
                 sampled = true;
             }
@@ -368,7 +368,7 @@ fn chaos_restarts_reloads_and_server_kills_under_200_connecting_threads() {
         log.s2_out.push((since, u64::MAX));
     }
     std::thread::sleep(Duration::from_millis(500));
-    let pid = daemon_pid(&daemon).expect("the daemon is running");
+    let pid = daemon.pid().expect("the daemon is running");
     let final_sample = ProcSample::of(pid).expect("the daemon's /proc entry");
     std::fs::write(&stop_file, "").unwrap();
     let attempts = chaos.join().expect("the chaos client failed");

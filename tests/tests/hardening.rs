@@ -60,20 +60,6 @@ fn maps(daemon: &Daemon) -> PinnedMaps {
     })
 }
 
-/// The pid of the `lb run` whose command line names `config`.
-fn daemon_pid(config: &Path) -> i32 {
-    let config = config.as_os_str().as_encoded_bytes();
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
-        .find(|pid| {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-            args.contains(&b"run".as_slice()) && args.contains(&config)
-        })
-        .expect("the daemon's process")
-}
-
 /// Issue 10, item 1: a healthy server whose SYN-ACKs to one client never
 /// come, and that client cancels 100 connects in SYN_SENT. Before, each
 /// cancelled connect marked the server failed in the kernel (its next
@@ -382,7 +368,7 @@ fn a_second_daemon_on_the_same_pins_exits_naming_the_first() {
         &cgroup,
         &ServiceBuilder::new("api", vip).servers(&[s1.addr]).toml(),
     );
-    let first = daemon_pid(&daemon.config);
+    let first = daemon.pid().expect("the first daemon runs");
 
     let text = std::fs::read_to_string(&daemon.config).unwrap();
     let second = daemon.dir.join("second.toml");

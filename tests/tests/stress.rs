@@ -16,8 +16,8 @@ use std::{
 use lb_tests::{
     Backend, Check, Client, Connect, Daemon, ServiceBuilder, TestCgroup, addr,
     load::{
-        Flood, HoldBackend, LoadClient, ProcSample, daemon_pid, log_since, raise_nofile, sample,
-        scrape, server_field, timed_status,
+        Flood, HoldBackend, LoadClient, ProcSample, log_since, raise_nofile, sample, scrape,
+        server_field, timed_status,
     },
     privileged, wait_until,
 };
@@ -314,7 +314,7 @@ fn two_thousand_idle_metrics_connections_stop_neither_checks_nor_status_nor_fail
         daemon.log()
     );
     scrape(metrics).expect("a scrape before the flood");
-    let pid = daemon_pid(&daemon).expect("the daemon is running");
+    let pid = daemon.pid().expect("the daemon is running");
     let baseline = ProcSample::of(pid).expect("the daemon's /proc entry");
 
     // Watch the daemon's descriptors every 20 ms while the flood lasts.

@@ -224,23 +224,6 @@ fn output_within(cmd: &mut Command, limit: Duration) -> anyhow::Result<Output> {
     })
 }
 
-/// The running `lb run` of `daemon`: the process whose arguments name its
-/// config file.
-fn daemon_pid(daemon: &Daemon) -> anyhow::Result<i32> {
-    let config = daemon.config.as_os_str().as_encoded_bytes();
-    for entry in std::fs::read_dir("/proc")?.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|p| p.parse::<i32>().ok()) else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
-        let mut args = cmdline.split(|b| *b == 0);
-        if args.clone().any(|a| a == b"run") && args.any(|a| a == config) {
-            return Ok(pid);
-        }
-    }
-    bail!("no lb process runs with {}", daemon.config.display())
-}
-
 /// User + system CPU time of process `pid` so far (all its threads).
 fn cpu_time(pid: i32) -> anyhow::Result<Duration> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;

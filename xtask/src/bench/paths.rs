@@ -42,8 +42,8 @@ pub const VIP_IP: [u8; 4] = [127, 78, 0, 100];
 pub const BULK: u64 = 1 << 30;
 
 /// Debian packages the paths part needs (the stream module is a package of
-/// its own).
-const PACKAGES: [&str; 4] = ["wrk", "haproxy", "nginx", "libnginx-mod-stream"];
+/// its own; bpftool reads the kernel programs' run counts and times).
+const PACKAGES: [&str; 5] = ["wrk", "haproxy", "nginx", "libnginx-mod-stream", "bpftool"];
 
 /// Installs what is missing of [`PACKAGES`], as the tests install what
 /// they need. Only adds packages. The packages' own services are never

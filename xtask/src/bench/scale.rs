@@ -17,11 +17,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::bail;
+use anyhow::{Context as _, bail};
 use lb_tests::{Daemon, ServiceBuilder, TestCgroup};
 
 use super::{
-    Agent, Args, Want, check_stop, daemon_pid, median, ms_between,
+    Agent, Args, Want, check_stop, median, ms_between,
     paths::{Origins, Who},
     poll,
     report::{Results, Scale, Startup},
@@ -104,7 +104,7 @@ fn start(
             super::tail(&daemon.log())
         );
     }
-    startup.rss = Some(rss(daemon_pid(&daemon)?)?);
+    startup.rss = Some(rss(daemon.pid().context("the daemon is not running")?)?);
     println!("  {}", startup.describe());
     Ok((Some(daemon), startup))
 }

@@ -30,7 +30,7 @@ use lb_tests::{Daemon, ServiceBuilder, TestCgroup};
 use serde_json::Value;
 
 use super::{
-    Args, check_stop, cpu_time, daemon_pid, median, output_within,
+    Args, check_stop, cpu_time, median, output_within,
     paths::{BULK, Origins, Route, Servers, VIP_IP, versions},
     report::{Figure, KernelCost, Results, Workload},
 };
@@ -70,7 +70,7 @@ pub fn run(
     if !lb_tests::wait_until(Duration::from_secs(10), || active(&daemon.status())) {
         bail!("the daemon did not make the servers active; its log:\n{}", daemon.log());
     }
-    let pid = daemon_pid(&daemon)?;
+    let pid = daemon.pid().context("the daemon is not running")?;
     let bench = Bench { cgroup: &cgroup.path, rounds: args.rounds as usize };
 
     let duration = args.wrk_seconds;
