@@ -1,8 +1,8 @@
 //! The paths part: every workload over every route, rounds alternated
-//! (round 1 runs each route once, then round 2...) so that a change in the
-//! machine's load hits the routes alike; the median of the rounds is
-//! reported, and as a route's ratio to direct the median of its ratios to
-//! the direct run of the same round.
+//! (round 1 runs each route once, then round 2 each again in the reverse
+//! order...) so that a change in the machine's load hits the routes alike;
+//! the median of the rounds is reported, and as a route's ratio to direct
+//! the median of its ratios to the direct run of the same round.
 //!
 //! - wrk keep-alive and wrk with `Connection: close` (one new connection per
 //!   request) against the nginx origin: req/s and p99 latency (`--latency`);
@@ -203,10 +203,20 @@ impl Bench<'_> {
         mut measure: impl FnMut(Route) -> anyhow::Result<Sample>,
     ) -> anyhow::Result<Vec<(Route, Figure)>> {
         let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); Route::ALL.len()];
-        for _ in 0..rounds {
-            for (route, samples) in Route::ALL.iter().zip(&mut samples) {
+        for round in 0..rounds {
+            // Forwards, then backwards: what drifts during a round (the
+            // machine's load, the TIME_WAIT sockets that each connect
+            // leaves on loopback) favours no route, not even the first.
+            let order: Vec<usize> = if round % 2 == 0 {
+                (0..Route::ALL.len()).collect()
+            } else {
+                (0..Route::ALL.len()).rev().collect()
+            };
+            for i in order {
                 check_stop()?;
-                samples.push(measure(*route).with_context(|| format!("route {}", route.label()))?);
+                let route = Route::ALL[i];
+                samples[i]
+                    .push(measure(route).with_context(|| format!("route {}", route.label()))?);
             }
         }
         let direct = Route::ALL.iter().position(|r| *r == Route::Direct).unwrap_or(0);
