@@ -2,6 +2,8 @@
 //! libFuzzer, on the nightly toolchain), each run for a while on the
 //! project's real parsing and decoding code:
 //! - `config`: `Config::parse` on any text;
+//! - `config_reload`: a reload's parse of only the changed service tables
+//!   against the whole parse, on any old and new text;
 //! - `control_request`: the control socket's request and response lines;
 //! - `state_file`: `servers.json` and the server-list check;
 //! - `kernel_event`: ring-buffer records, counter indexes, and the
@@ -28,7 +30,8 @@ use anyhow::{Context as _, bail};
 use crate::{describe, target_dir, toolchain, workspace};
 
 /// The fuzz targets, as named in `fuzz/Cargo.toml`.
-pub const TARGETS: [&str; 4] = ["config", "control_request", "state_file", "kernel_event"];
+pub const TARGETS: [&str; 5] =
+    ["config", "config_reload", "control_request", "state_file", "kernel_event"];
 /// How long `cargo xtask test` runs each target.
 pub const TEST_SECONDS: u64 = 20;
 /// The cargo-fuzz release these targets are run with.

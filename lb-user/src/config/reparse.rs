@@ -83,7 +83,9 @@ impl Source {
         Self::parse(text, path)
     }
 
-    fn parse(text: String, path: &Path) -> Result<(Config, Self), ConfigError> {
+    /// Parses and validates `text` whole; `path` only names the file in
+    /// errors.
+    pub fn parse(text: String, path: &Path) -> Result<(Config, Self), ConfigError> {
         let (config, starts) = Config::parse_tables(&text, path)?;
         let daemon = config.daemon.clone();
         Ok((config, Self { text, starts, daemon }))
@@ -98,6 +100,16 @@ impl Source {
         running: &[&Service],
     ) -> Result<(Config, Self, Read), ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::unreadable(path, &e))?;
+        self.reread(text, path, running)
+    }
+
+    /// [`Source::reload`] of the file's new `text`.
+    pub fn reread(
+        &self,
+        text: String,
+        path: &Path,
+        running: &[&Service],
+    ) -> Result<(Config, Self, Read), ConfigError> {
         if let Some((services, starts, tables)) = self.reparse(&text, running) {
             let config = Config { daemon: self.daemon.clone(), services };
             let source = Self { text, starts, daemon: self.daemon.clone() };
