@@ -15,7 +15,8 @@ fuzz_target!(|input: &str| {
     let path = Path::new("fuzz.toml");
     let Ok((config, source)) = Source::parse(old.to_owned(), path) else { return };
     let running: Vec<&Service> = config.services.iter().collect();
-    match (source.reread(new.to_owned(), path, &running), Source::parse(new.to_owned(), path)) {
+    let reread = source.reread(new.to_owned(), path, &config.daemon, &running);
+    match (reread, Source::parse(new.to_owned(), path)) {
         (Ok((reread, reread_source, _)), Ok((whole, whole_source))) => {
             assert_eq!(reread, whole, "the reload read another config than the whole parse");
             assert_eq!(reread_source, whole_source, "the reload kept other table starts");

@@ -479,9 +479,14 @@ pub struct ClientPaths {
     pub bpffs: PathBuf,
 }
 
+/// The text of the config file `path`.
+fn read_text(path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path).map_err(|e| ConfigError::unreadable(path, &e))
+}
+
 impl ClientPaths {
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::unreadable(path, &e))?;
+        let text = read_text(path)?;
         let table: toml::Table = text.parse().unwrap_or_default();
         let daemon = table.get("daemon").and_then(|d| d.as_table());
         let get = |key: &str, default: &str| {
@@ -513,7 +518,7 @@ struct Parsed {
 impl Config {
     /// Reads and validates `path`.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::unreadable(path, &e))?;
+        let text = read_text(path)?;
         Self::parse(&text, path)
     }
 

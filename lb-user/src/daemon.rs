@@ -1172,7 +1172,7 @@ impl Daemon {
         // Only the changed services' settings are kept (copied below), and
         // the source, copied here out of the parser's arena.
         let (config, source, read) =
-            parse_config(|| self.source.reload(&self.config_path, &running))?;
+            parse_config(|| self.source.reload(&self.config_path, &self.settings, &running))?;
         let source = source.clone();
         let parsed_in = started.elapsed();
         if config.daemon != self.settings {

@@ -37,6 +37,7 @@ use toml::Spanned;
 
 use super::{
     Config, ConfigError, Daemon, Lines, RawService, Service, check_servers, read_services,
+    read_text,
 };
 
 /// The text a config was read from, and where each of its services'
@@ -46,7 +47,6 @@ use super::{
 pub struct Source {
     text: String,
     starts: Vec<usize>,
-    daemon: Daemon,
 }
 
 /// How much of the file a reload parsed.
@@ -79,7 +79,7 @@ struct Tables {
 impl Source {
     /// Reads and validates `path` whole ([`Config::parse`]).
     pub fn load(path: &Path) -> Result<(Config, Self), ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::unreadable(path, &e))?;
+        let text = read_text(path)?;
         Self::parse(text, path)
     }
 
@@ -87,20 +87,21 @@ impl Source {
     /// errors.
     pub fn parse(text: String, path: &Path) -> Result<(Config, Self), ConfigError> {
         let (config, starts) = Config::parse_tables(&text, path)?;
-        let daemon = config.daemon.clone();
-        Ok((config, Self { text, starts, daemon }))
+        Ok((config, Self { text, starts }))
     }
 
     /// Reads `path` again, for a reload: the config it holds now, what to
-    /// compare the next reload with, and how much was parsed. `running` are
-    /// the services this source was read into, in file order.
+    /// compare the next reload with, and how much was parsed. `settings`
+    /// and `running` are what this source was read into: its `[daemon]`
+    /// settings and its services, in file order.
     pub fn reload(
         &self,
         path: &Path,
+        settings: &Daemon,
         running: &[&Service],
     ) -> Result<(Config, Self, Read), ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::unreadable(path, &e))?;
-        self.reread(text, path, running)
+        let text = read_text(path)?;
+        self.reread(text, path, settings, running)
     }
 
     /// [`Source::reload`] of the file's new `text`.
@@ -108,12 +109,14 @@ impl Source {
         &self,
         text: String,
         path: &Path,
+        settings: &Daemon,
         running: &[&Service],
     ) -> Result<(Config, Self, Read), ConfigError> {
+        // The shortcut reads only service tables: the settings are as they
+        // were.
         if let Some((services, starts, tables)) = self.reparse(&text, running) {
-            let config = Config { daemon: self.daemon.clone(), services };
-            let source = Self { text, starts, daemon: self.daemon.clone() };
-            return Ok((config, source, Read::Tables(tables)));
+            let config = Config { daemon: settings.clone(), services };
+            return Ok((config, Self { text, starts }, Read::Tables(tables)));
         }
         let (config, source) = Self::parse(text, path)?;
         Ok((config, source, Read::Whole))
@@ -242,7 +245,9 @@ mod tests {
             .unwrap_or_else(|e| panic!("the shortcut read a file the whole parse rejects: {e}"));
         assert_eq!(services, whole.services);
         assert_eq!(starts, whole_source.starts);
-        assert_eq!(source.daemon, whole.daemon);
+        // The shortcut keeps the running settings: it must not answer when
+        // they changed.
+        assert_eq!(config.daemon, whole.daemon);
         Some(tables)
     }
 
