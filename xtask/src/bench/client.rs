@@ -2,11 +2,16 @@
 //! that it can start inside a cgroup (every connect of a process in the
 //! attached cgroup goes through lb's programs).
 //!
-//! - `connect ADDR N`: N connects, each waiting for the server to close;
-//!   prints the nanoseconds it took.
-//! - `bulk ADDR BYTES`: reads BYTES from one connection (fewer or more is an
-//!   error); prints the nanoseconds it took.
-//! - `agent`: reads commands on stdin, answers one line each:
+//! `xtask bench-client agent` reads commands on stdin and answers one line
+//! each, so that one process (started once, outside or inside a cgroup)
+//! serves a whole part of the bench; each command is over in bounded time
+//! (every connect and read has a time limit):
+//!   - `connect ADDR N` → `ok NS`: N connects, each waiting for the server
+//!     to close, in NS nanoseconds; or `err WHAT`;
+//!   - `bulk ADDR BYTES` → `ok NS`: BYTES read from one connection (fewer or
+//!     more is an error) in NS nanoseconds; or `err WHAT`;
+//!   - `cgroup DIR` → `ok`: the agent moves itself into cgroup DIR (its
+//!     sockets from then on are that cgroup's); or `err WHAT`;
 //!   - `land ADDR` → `ok NAME` (the greeting line of the server that
 //!     accepted) or `err WHAT`;
 //!   - `until ADDR WANT LIMIT_MS PAUSE_US` (WANT: `=NAME` or `!NAME`) →
@@ -18,19 +23,20 @@
 use std::{
     io::{BufRead as _, BufReader, ErrorKind, Read as _, Write as _},
     net::{SocketAddr, TcpStream},
+    path::Path,
     thread,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, bail};
 
+/// How long one connect, or one read, may take.
+const IO_LIMIT: Duration = Duration::from_secs(2);
+
 pub fn client_main(args: &[String]) -> anyhow::Result<()> {
-    let words: Vec<&str> = args.iter().map(String::as_str).collect();
-    match words.as_slice() {
-        ["connect", addr, n] => timed(|| connects(parse(addr)?, n.parse()?)),
-        ["bulk", addr, bytes] => timed(|| bulk(parse(addr)?, bytes.parse()?)),
-        ["agent"] => agent(),
-        _ => bail!("usage: bench-client connect ADDR N | bulk ADDR BYTES | agent"),
+    match args {
+        [agent] if agent == "agent" => agent_loop(),
+        _ => bail!("usage: bench-client agent (commands on stdin)"),
     }
 }
 
@@ -38,26 +44,36 @@ fn parse(addr: &str) -> anyhow::Result<SocketAddr> {
     addr.parse().with_context(|| format!("bad address {addr}"))
 }
 
-fn timed(work: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Result<()> {
+/// `ok NS` (the nanoseconds `work` took) or `err WHAT`.
+fn timed(work: impl FnOnce() -> anyhow::Result<()>) -> String {
     let started = Instant::now();
-    work()?;
-    println!("{}", started.elapsed().as_nanos());
-    Ok(())
+    match work() {
+        Ok(()) => format!("ok {}", started.elapsed().as_nanos()),
+        Err(e) => format!("err {e:#}"),
+    }
+}
+
+/// A connection to `addr`, its reads limited to [`IO_LIMIT`].
+fn open(addr: SocketAddr) -> anyhow::Result<TcpStream> {
+    let stream =
+        TcpStream::connect_timeout(&addr, IO_LIMIT).with_context(|| format!("connect {addr}"))?;
+    stream.set_read_timeout(Some(IO_LIMIT))?;
+    Ok(stream)
 }
 
 fn connects(addr: SocketAddr, n: u64) -> anyhow::Result<()> {
     let mut buf = [0u8; 512];
     for _ in 0..n {
-        let mut stream = TcpStream::connect(addr).with_context(|| format!("connect {addr}"))?;
+        let mut stream = open(addr)?;
         // The server closes first, so the TIME_WAIT is its own.
-        while stream.read(&mut buf)? > 0 {}
+        while stream.read(&mut buf).with_context(|| format!("reading from {addr}"))? > 0 {}
     }
     Ok(())
 }
 
 fn bulk(addr: SocketAddr, bytes: u64) -> anyhow::Result<()> {
     let mut buf = vec![0u8; 256 << 10];
-    let mut stream = TcpStream::connect(addr).with_context(|| format!("connect {addr}"))?;
+    let mut stream = open(addr)?;
     let mut got = 0u64;
     loop {
         match stream.read(&mut buf) {
@@ -87,12 +103,18 @@ fn greeting(addr: SocketAddr) -> std::io::Result<String> {
     Ok(line.trim().to_owned())
 }
 
-fn agent() -> anyhow::Result<()> {
+fn agent_loop() -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     for line in std::io::stdin().lock().lines() {
         let line = line?;
         let words: Vec<&str> = line.split_whitespace().collect();
         let answer = match words.as_slice() {
+            ["connect", addr, n] => timed(|| connects(parse(addr)?, n.parse()?)),
+            ["bulk", addr, bytes] => timed(|| bulk(parse(addr)?, bytes.parse()?)),
+            ["cgroup", dir] => match std::fs::write(Path::new(dir).join("cgroup.procs"), "0") {
+                Ok(()) => "ok".to_owned(),
+                Err(e) => format!("err moving into {dir}: {e}"),
+            },
             ["land", addr] => match greeting(parse(addr)?) {
                 Ok(name) => format!("ok {name}"),
                 Err(e) => format!("err {e}"),

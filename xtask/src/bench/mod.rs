@@ -67,11 +67,12 @@ use serde_json::Value;
 /// The options of `cargo xtask bench`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct Args {
-    /// Rounds per figure, alternated between routes; the median is reported.
+    /// Rounds per figure, the routes taking turns; more rounds, a steadier
+    /// median (the run's time limit grows with them).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
     pub rounds: u32,
-    /// Seconds per wrk run.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=30))]
+    /// Seconds per wrk run (several runs per route and round).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=30))]
     pub wrk_seconds: u64,
     /// Run only these parts (comma-separated). Default: all.
     #[arg(long, value_delimiter = ',', value_enum)]
@@ -87,12 +88,21 @@ pub enum Part {
     Discovery,
 }
 
-/// The whole run may not take longer than this, whatever happens (each
-/// step has its own, shorter limit; this is the backstop).
-const TIME_LIMIT: Duration = Duration::from_secs(15 * 60);
+impl Args {
+    /// The whole run may not take longer than this, whatever happens (each
+    /// step has its own, shorter limit; this is the backstop): 10 minutes,
+    /// and per round three times what the round's wrk runs take, plus a
+    /// minute for the rest of the round.
+    fn time_limit(&self) -> Duration {
+        let wrk = 2 * paths::Route::ALL.len() as u64 * workloads::WRK_RUNS as u64;
+        let round = 3 * wrk * (self.wrk_seconds + 1) + 60;
+        Duration::from_secs(600 + u64::from(self.rounds) * round)
+    }
+}
 
 static STOP: AtomicBool = AtomicBool::new(false);
 static STARTED: OnceLock<Instant> = OnceLock::new();
+static TIME_LIMIT: OnceLock<Duration> = OnceLock::new();
 
 /// Fails once Ctrl-C was pressed or the run's time limit passed; every
 /// loop of the bench calls it, so the guards clean up promptly.
@@ -100,8 +110,10 @@ fn check_stop() -> anyhow::Result<()> {
     if STOP.load(Ordering::Relaxed) {
         bail!("interrupted");
     }
-    if STARTED.get().is_some_and(|s| s.elapsed() > TIME_LIMIT) {
-        bail!("the bench ran past its time limit of {} s", TIME_LIMIT.as_secs());
+    if let (Some(started), Some(limit)) = (STARTED.get(), TIME_LIMIT.get())
+        && started.elapsed() > *limit
+    {
+        bail!("the bench ran past its time limit of {} s", limit.as_secs());
     }
     Ok(())
 }
@@ -127,6 +139,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     unsafe { std::env::set_var("LB_BIN", crate::target_dir().join("release/lb")) };
     // The time limit and the reported duration start after the build.
     let started = *STARTED.get_or_init(Instant::now);
+    TIME_LIMIT.get_or_init(|| args.time_limit());
     let dir = crate::target_dir().join("bench");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     client_exe()?;
@@ -304,8 +317,10 @@ fn poll(
     }
 }
 
-/// A `bench-client agent` running in a cgroup: connects through VIPs on
-/// request and says where they landed and when (see [`client`]).
+/// A `bench-client agent`, outside or inside a cgroup: connects on request
+/// and says how long they took, or where they landed and when (see
+/// [`client`]). One process serves a whole part, so that no measurement
+/// includes a process start.
 struct Agent {
     child: Child,
     stdin: ChildStdin,
@@ -321,10 +336,18 @@ enum Want<'a> {
 }
 
 impl Agent {
+    /// An agent inside `cgroup`.
     fn start(cgroup: &Path) -> anyhow::Result<Self> {
+        Self::start_in(Some(cgroup))
+    }
+
+    /// An agent inside `cgroup`, or outside any attached one.
+    fn start_in(cgroup: Option<&Path>) -> anyhow::Result<Self> {
         let mut cmd = Command::new(client_exe()?);
         cmd.args(["bench-client", "agent"]).stdin(Stdio::piped()).stdout(Stdio::piped());
-        lb_tests::start_in_cgroup(&mut cmd, cgroup);
+        if let Some(cgroup) = cgroup {
+            lb_tests::start_in_cgroup(&mut cmd, cgroup);
+        }
         let mut child = cmd.spawn().context("starting xtask bench-client agent")?;
         let stdin = child.stdin.take().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());
@@ -343,6 +366,37 @@ impl Agent {
             bail!("the bench agent exited");
         }
         Ok(line.trim().to_owned())
+    }
+
+    /// Moves the agent into `cgroup`: its sockets from now on are that
+    /// cgroup's.
+    fn enter(&mut self, cgroup: &Path) -> anyhow::Result<()> {
+        self.send(&format!("cgroup {}", cgroup.display()))?;
+        match self.answer()?.as_str() {
+            "ok" => Ok(()),
+            answer => bail!("the bench agent: {answer}"),
+        }
+    }
+
+    /// `n` connects to `addr`, each waiting for the server to close: how
+    /// long they took.
+    fn connects(&mut self, addr: SocketAddr, n: u64) -> anyhow::Result<Duration> {
+        self.timed(&format!("connect {addr} {n}"))
+    }
+
+    /// `bytes` read from one connection to `addr` (exactly): how long it
+    /// took.
+    fn bulk(&mut self, addr: SocketAddr, bytes: u64) -> anyhow::Result<Duration> {
+        self.timed(&format!("bulk {addr} {bytes}"))
+    }
+
+    fn timed(&mut self, command: &str) -> anyhow::Result<Duration> {
+        self.send(command)?;
+        let answer = self.answer()?;
+        match answer.strip_prefix("ok ").and_then(|ns| ns.parse().ok()) {
+            Some(ns) => Ok(Duration::from_nanos(ns)),
+            None => bail!("bench-client {command}: {answer}"),
+        }
     }
 
     /// One connect to `addr`: the name of the server that answered.
@@ -388,6 +442,17 @@ impl Drop for Agent {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The cgroup (v2) this process is in: where the bench's own agents start.
+fn own_cgroup() -> anyhow::Result<PathBuf> {
+    let line = std::fs::read_to_string("/proc/self/cgroup").context("reading /proc/self/cgroup")?;
+    let relative = line
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .context("this process is in no cgroup v2 (no 0:: line in /proc/self/cgroup)")?;
+    let root = lb_tests::cgroup2_root().context("finding the cgroup2 mount")?;
+    Ok(root.join(relative.trim_start_matches('/')))
 }
 
 /// A free TCP port on `ip` (bound, then released: the caller binds it

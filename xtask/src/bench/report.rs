@@ -15,19 +15,21 @@ use super::{
     Args, Part, discovery, failover, median,
     paths::{BULK, Route},
     percentile,
-    workloads::{BULK_REPEATS, CONNECT_SLICES, CONNECTS},
+    workloads::{BULK_REPEATS, CONNECT_SLICES, CONNECTS, WRK_RUNS},
 };
 
-/// One route's figure in one workload (medians of the rounds).
+/// One route's figure in one workload (medians of its runs).
 #[derive(Clone, Copy, Debug)]
 pub struct Figure {
     /// Requests/s, connects/s or GB/s.
     pub value: f64,
     /// wrk's 99th percentile latency.
     pub p99_ms: Option<f64>,
-    /// The median of this route's ratios to the direct route, round by
-    /// round.
+    /// The median of this route's ratios to the direct route, run by run
+    /// (each over the direct run of the same round).
     pub ratio: f64,
+    /// The interquartile range of those ratios: how much they moved.
+    pub spread: (f64, f64),
 }
 
 impl Figure {
@@ -171,7 +173,7 @@ impl Results {
     }
 
     /// `route`'s figure over the direct route's, in `workload` (the median
-    /// of the ratios of each round).
+    /// of the paired ratios).
     fn ratio(&self, workload: Workload, route: Route) -> Option<f64> {
         Some(self.figure(workload, route)?.ratio)
     }
@@ -277,19 +279,28 @@ fn tables(r: &Results) -> Vec<Table> {
         let mut headers = vec!["path".to_owned()];
         headers.extend(workloads.iter().map(|w| format!("{} ({})", w.label(), w.unit())));
         let mut t = Table {
-            title: "Throughput by path: × direct (absolute figure; wrk: p99 latency)".to_owned(),
+            title: "Throughput by path: × direct [interquartile range of the paired ratios] (absolute figure; wrk: p99 latency)".to_owned(),
             headers,
             rows: Vec::new(),
         };
         for route in Route::ALL {
             let mut row = vec![route.label().to_owned()];
             for w in &workloads {
-                row.push(match (r.figure(*w, route), r.ratio(*w, route)) {
-                    (Some(f), Some(ratio)) => match f.p99_ms {
-                        Some(p99) => format!("{ratio:.2} ({}, p99 {p99:.2} ms)", rate(*w, f.value)),
-                        None => format!("{ratio:.2} ({})", rate(*w, f.value)),
+                row.push(match r.figure(*w, route) {
+                    Some(f) if route == Route::Direct => match f.p99_ms {
+                        Some(p99) => format!("1 ({}, p99 {p99:.2} ms)", rate(*w, f.value)),
+                        None => format!("1 ({})", rate(*w, f.value)),
                     },
-                    _ => "-".to_owned(),
+                    Some(f) => {
+                        let ratio = format!("{:.2} [{:.2}–{:.2}]", f.ratio, f.spread.0, f.spread.1);
+                        match f.p99_ms {
+                            Some(p99) => {
+                                format!("{ratio} ({}, p99 {p99:.2} ms)", rate(*w, f.value))
+                            }
+                            None => format!("{ratio} ({})", rate(*w, f.value)),
+                        }
+                    }
+                    None => "-".to_owned(),
                 });
             }
             t.row(row);
@@ -453,8 +464,14 @@ fn tables(r: &Results) -> Vec<Table> {
 fn targets(r: &Results) -> Vec<(bool, String)> {
     let mut lines = Vec::new();
     let mut ratio = |what: &str, workload: Workload, route: Route, at_least: f64| {
-        if let Some(ratio) = r.ratio(workload, route) {
-            lines.push((ratio >= at_least, format!("{what} ≥ {at_least:.2} × direct: {ratio:.2}")));
+        if let Some(f) = r.figure(workload, route) {
+            lines.push((
+                f.ratio >= at_least,
+                format!(
+                    "{what} ≥ {at_least:.2} × direct: {:.2} (interquartile {:.2}–{:.2})",
+                    f.ratio, f.spread.0, f.spread.1
+                ),
+            ));
         }
     };
     ratio(
@@ -570,8 +587,9 @@ pub fn write(r: &Results, dir: &Path) -> anyhow::Result<()> {
     let targets = targets(r);
     let machine = machine(r);
     let settings = format!(
-        "release build; medians of {} alternated rounds (a ratio: the median of each round's ratio to direct); wrk -t2 -c16, {} s per run; connect + close: {} connects per round, in {} alternated slices; bulk: {} × {} MiB per round; parts: {}",
+        "release build; {} rounds, the routes in turn, forwards then backwards (a ratio: the median of each run's ratio to the direct run of its round); wrk -t2 -c16, {} × {} s per route and round; connect + close: {} connects per route and round, in {} slices taking turns; bulk: {} × {} MiB per route and round; parts: {}",
         r.rounds,
+        WRK_RUNS,
         r.wrk_seconds,
         count(CONNECTS as usize),
         CONNECT_SLICES,

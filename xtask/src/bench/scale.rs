@@ -133,11 +133,14 @@ fn measure(
     };
 
     let mut rates = [Vec::new(), Vec::new()];
+    // One agent, moving between the two cgroups: only the daemon differs.
+    let mut agent = Agent::start(&cg_one.path)?;
     for _ in 0..args.rounds {
         for (cgroup, rates) in [&cg_one, &cg_many].iter().zip(&mut rates) {
             check_stop()?;
+            agent.enter(&cgroup.path)?;
             let before = origins.sink.accepted();
-            let took = super::workloads::client(Some(&cgroup.path), "connect", vip(0), CONNECTS)?;
+            let took = agent.connects(vip(0), CONNECTS)?;
             let accepted = (origins.sink.accepted() - before) as u64;
             if accepted != CONNECTS {
                 bail!("{CONNECTS} connects through {}, but the sink accepted {accepted}", vip(0));
@@ -151,7 +154,7 @@ fn measure(
         median(&rates[0]),
         median(&rates[1])
     );
-    drop((one, many, cg_one, cg_many));
+    drop((agent, one, many, cg_one, cg_many));
 
     println!("==> scale: 10,000 services, and a reload that changes one");
     let cgroup = TestCgroup::new("bench-10k");

@@ -1,28 +1,35 @@
-//! The paths part: every workload over every route, rounds alternated
-//! (round 1 runs each route once, then round 2 each again in the reverse
-//! order...) so that a change in the machine's load hits the routes alike;
-//! the median of the rounds is reported, and as a route's ratio to direct
-//! the median of its ratios to the direct run of the same round.
+//! The paths part: every workload over every route, in rounds (round 1
+//! runs each route once, round 2 each again in the reverse order...) so
+//! that a change in the machine's load hits the routes alike. A route's
+//! figure is the median of its runs; its ratio to direct is the median of
+//! its paired ratios (each run over the direct run of the same round),
+//! with their interquartile range as the spread. Short runs, many rounds:
+//! what drifts over seconds on a shared machine cancels out of a pair.
 //!
 //! - wrk keep-alive and wrk with `Connection: close` (one new connection per
 //!   request) against the nginx origin: req/s and p99 latency (`--latency`);
-//!   2 threads, 16 connections;
-//! - connect + close: [`CONNECTS`] connects by `bench-client` per round,
-//!   each waiting for the sink to close, in slices alternated between the
-//!   routes; every one must reach the sink;
+//!   2 threads, 16 connections; [`WRK_RUNS`] runs per route and round;
+//! - connect + close: [`CONNECTS`] connects per route and round, each
+//!   waiting for the sink to close, in [`CONNECT_SLICES`] slices that take
+//!   turns between the routes; every one must reach the sink;
 //! - bulk: [`BULK`] bytes from the source on one connection, every byte
 //!   counted; [`BULK_REPEATS`] transfers per route and round, alternated.
 //!
-//! Clients of the cgroup and VIP routes start inside the attached cgroup.
+//! Connects and transfers are made by one `bench-client` agent, started
+//! once, which moves into the cgroup for the cgroup and VIP routes and out
+//! of it for the others: the same process, so that only the route differs
+//! (two processes differ by where the scheduler keeps them, up to 20 % in a
+//! connect loop on this 2-CPU machine). wrk starts inside the cgroup for
+//! those routes.
 //! Also measured: the daemon's CPU time (utime + stime) during the VIP and
 //! in-cgroup connect rounds, and with `bpftool`, one extra round each with
 //! `kernel.bpf_stats_enabled=1` for each lb program's runs and run time.
 
 use std::{
     net::SocketAddr,
-    path::Path,
+    path::{Path, PathBuf},
     process::Command,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use anyhow::{Context as _, bail};
@@ -30,16 +37,19 @@ use lb_tests::{Daemon, ServiceBuilder, TestCgroup};
 use serde_json::Value;
 
 use super::{
-    Args, check_stop, cpu_time, median, output_within,
+    Agent, Args, check_stop, cpu_time, median, output_within,
     paths::{BULK, Origins, Route, Servers, VIP_IP, versions},
+    percentile,
     report::{Figure, KernelCost, Results, Workload},
 };
 
-/// Connects per connect + close round.
+/// Connects per route in a connect + close round.
 pub const CONNECTS: u64 = 10_000;
 /// Slices a connect + close round is cut into, each route taking its turn
-/// per slice.
-pub const CONNECT_SLICES: usize = 4;
+/// per slice (250 connects, a few tens of milliseconds).
+pub const CONNECT_SLICES: usize = 40;
+/// wrk runs per route and round, alternated.
+pub const WRK_RUNS: usize = 3;
 /// Bulk transfers per route and round, alternated between the routes.
 pub const BULK_REPEATS: usize = 3;
 
@@ -72,21 +82,22 @@ pub fn run(
     }
     let pid = daemon.pid().context("the daemon is not running")?;
     let bench = Bench { cgroup: &cgroup.path, rounds: args.rounds as usize };
+    let mut client = Client::start(&cgroup.path)?;
 
     let duration = args.wrk_seconds;
-    println!("==> wrk keep-alive, {duration} s per run, {} rounds", args.rounds);
-    let figures = bench.rounds(|route| {
+    println!("==> wrk keep-alive, {duration} s per run, {} rounds of {WRK_RUNS}", args.rounds);
+    let figures = bench.rounds_of(bench.rounds * WRK_RUNS, |route| {
         wrk(bench.cgroup_of(route), route.target(servers.http, 0), duration, false)
             .map(|w| w.sample())
     })?;
     results.paths.push((Workload::KeepAlive, figures));
 
     println!(
-        "==> wrk, one new connection per request, {duration} s per run, {} rounds",
+        "==> wrk, one new connection per request, {duration} s per run, {} rounds of {WRK_RUNS}",
         args.rounds
     );
     let mut vip_cpu = (Duration::ZERO, 0u64);
-    let figures = bench.rounds(|route| {
+    let figures = bench.rounds_of(bench.rounds * WRK_RUNS, |route| {
         let before = cpu_time(pid)?;
         let w = wrk(bench.cgroup_of(route), route.target(servers.http, 0), duration, true)?;
         if route == Route::Vip {
@@ -107,13 +118,13 @@ pub fn run(
         args.rounds
     );
     let mut cpu = [(Duration::ZERO, 0u64); 2];
-    // Short slices, alternated: a connect loop is the workload most moved
+    // Short slices, taking turns: a connect loop is the workload most moved
     // by whatever else the machine does, so each route's slices sit close
     // in time to the direct route's.
     let slice = CONNECTS / CONNECT_SLICES as u64;
     let figures = bench.rounds_of(bench.rounds * CONNECT_SLICES, |route| {
         let before = (cpu_time(pid)?, origins.sink.accepted());
-        let took = client(bench.cgroup_of(route), "connect", route.target(servers.sink, 1), slice)?;
+        let took = client.of(route)?.connects(route.target(servers.sink, 1), slice)?;
         let accepted = (origins.sink.accepted() - before.1) as u64;
         if accepted != slice {
             bail!("{slice} connects {}, but the sink accepted {accepted}", route.label());
@@ -144,13 +155,13 @@ pub fn run(
     // Each transfer is short (under a second): repeated, alternated, so
     // that one slow moment does not decide a route's figure.
     let figures = bench.rounds_of(bench.rounds * BULK_REPEATS, |route| {
-        let took = client(bench.cgroup_of(route), "bulk", route.target(servers.source, 2), BULK)?;
+        let took = client.of(route)?.bulk(route.target(servers.source, 2), BULK)?;
         Ok(Sample { value: BULK as f64 / took.as_secs_f64() / 1e9, p99_ms: None })
     })?;
     results.paths.push((Workload::Bulk, figures));
 
     println!("==> kernel cost per connect (bpf_stats)");
-    match kernel_cost(&bench, &servers, origins) {
+    match kernel_cost(&bench, &mut client, &servers, origins) {
         Ok(costs) => results.kernel_cost = costs,
         Err(e) => results.notes.push(format!("kernel cost per program not measured: {e:#}")),
     }
@@ -186,17 +197,9 @@ impl Bench<'_> {
         route.in_cgroup().then_some(self.cgroup)
     }
 
-    /// Runs `measure` over every route, round after round; the median of
-    /// each route's figures (and of its p99s), and the median of its ratios
-    /// to the direct route of the same round.
-    fn rounds(
-        &self,
-        measure: impl FnMut(Route) -> anyhow::Result<Sample>,
-    ) -> anyhow::Result<Vec<(Route, Figure)>> {
-        self.rounds_of(self.rounds, measure)
-    }
-
-    /// As [`Self::rounds`], with `rounds` rounds.
+    /// Runs `measure` over every route, `rounds` rounds; the median of each
+    /// route's figures (and of its p99s), and the median and interquartile
+    /// range of its ratios to the direct route of the same round.
     fn rounds_of(
         &self,
         rounds: usize,
@@ -237,6 +240,7 @@ impl Bench<'_> {
                         value: median(&values),
                         p99_ms: (!p99s.is_empty()).then(|| median(&p99s)),
                         ratio: median(&ratios),
+                        spread: (percentile(&ratios, 25.0), percentile(&ratios, 75.0)),
                     },
                 )
             })
@@ -248,28 +252,37 @@ impl Bench<'_> {
     }
 }
 
-/// Runs `xtask bench-client MODE ADDR AMOUNT`, inside `cgroup` if given;
-/// the time it measured.
-pub(super) fn client(
-    cgroup: Option<&Path>,
-    mode: &str,
-    addr: SocketAddr,
-    amount: u64,
-) -> anyhow::Result<Duration> {
-    let mut cmd = Command::new(super::client_exe()?);
-    cmd.args(["bench-client", mode, &addr.to_string(), &amount.to_string()]);
-    if let Some(cgroup) = cgroup {
-        lb_tests::start_in_cgroup(&mut cmd, cgroup);
+/// The bench's agent, which makes every connect and transfer of every
+/// route: one process, so that which CPU a process happens to share with
+/// the server does not differ between routes. It moves into the attached
+/// cgroup for the routes that start there, and back out for the others.
+struct Client {
+    agent: Agent,
+    /// Where it starts: this process's own cgroup.
+    home: PathBuf,
+    cgroup: PathBuf,
+    inside: bool,
+}
+
+impl Client {
+    fn start(cgroup: &Path) -> anyhow::Result<Self> {
+        Ok(Self {
+            agent: Agent::start_in(None)?,
+            home: super::own_cgroup()?,
+            cgroup: cgroup.to_owned(),
+            inside: false,
+        })
     }
-    let out = output_within(&mut cmd, Duration::from_secs(60))?;
-    if !out.status.success() {
-        bail!("bench-client {mode} {addr} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+
+    /// The agent, in the cgroup that `route` starts in.
+    fn of(&mut self, route: Route) -> anyhow::Result<&mut Agent> {
+        if route.in_cgroup() != self.inside {
+            let to = if route.in_cgroup() { &self.cgroup } else { &self.home };
+            self.agent.enter(to)?;
+            self.inside = route.in_cgroup();
+        }
+        Ok(&mut self.agent)
     }
-    let nanos: u64 = String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .parse()
-        .context("bench-client printed no duration")?;
-    Ok(Duration::from_nanos(nanos))
 }
 
 /// What one wrk run reported.
@@ -353,6 +366,7 @@ fn wrk_ms(value: &str) -> anyhow::Result<f64> {
 /// per attached lb program, its runs and run time per connect.
 fn kernel_cost(
     bench: &Bench,
+    client: &mut Client,
     servers: &Servers,
     origins: &Origins,
 ) -> anyhow::Result<Vec<KernelCost>> {
@@ -365,9 +379,9 @@ fn kernel_cost(
     for route in [Route::Vip, Route::Cgroup] {
         check_stop()?;
         let before = program_stats(&programs)?;
-        let started = (Instant::now(), origins.sink.accepted());
-        client(bench.cgroup_of(route), "connect", route.target(servers.sink, 1), CONNECTS)?;
-        let accepted = (origins.sink.accepted() - started.1) as u64;
+        let before_accepted = origins.sink.accepted();
+        client.of(route)?.connects(route.target(servers.sink, 1), CONNECTS)?;
+        let accepted = (origins.sink.accepted() - before_accepted) as u64;
         if accepted != CONNECTS {
             bail!("{CONNECTS} connects {}, but the sink accepted {accepted}", route.label());
         }
