@@ -81,6 +81,15 @@ pub struct KernelCost {
     pub ns_per_connect: f64,
 }
 
+/// All lb programs during one wrk keep-alive run through the VIP, with
+/// `bpf_stats`.
+#[derive(Clone, Copy, Debug)]
+pub struct KeepAliveCost {
+    pub requests: u64,
+    pub runs: u64,
+    pub ns: u64,
+}
+
 /// One daemon start; `None`: no status answer within the harness's 60 s.
 pub struct Startup {
     pub services: usize,
@@ -138,6 +147,7 @@ pub struct Results {
     /// (what, daemon CPU time, connects or requests during it).
     pub daemon_cpu: Vec<(String, Duration, u64)>,
     pub kernel_cost: Vec<KernelCost>,
+    pub keepalive_cost: Option<KeepAliveCost>,
     pub scale: Option<Scale>,
     pub failover: Option<Failover>,
     pub discovery: Option<Discovery>,
@@ -158,6 +168,7 @@ impl Results {
             paths: Vec::new(),
             daemon_cpu: Vec::new(),
             kernel_cost: Vec::new(),
+            keepalive_cost: None,
             scale: None,
             failover: None,
             discovery: None,
@@ -357,6 +368,23 @@ fn tables(r: &Results) -> Vec<Table> {
             row.extend(cell(program, Route::Cgroup));
             t.row(row);
         }
+        tables.push(t);
+    }
+    if let Some(KeepAliveCost { requests, runs, ns }) = r.keepalive_cost {
+        let mut t = Table::new(
+            "Kernel cost of keep-alive requests through the VIP (bpf_stats, one wrk run: its 16 connects and then requests on them)",
+            &["requests", "lb program runs", "run time", "per request"],
+        );
+        t.row(vec![
+            count(requests as usize),
+            count(runs as usize),
+            format!("{:.1} µs", ns as f64 / 1e3),
+            format!(
+                "{:.4} runs, {:.2} ns",
+                runs as f64 / requests as f64,
+                ns as f64 / requests as f64
+            ),
+        ]);
         tables.push(t);
     }
     if let Some(s) = &r.scale {

@@ -40,7 +40,7 @@ use super::{
     Agent, Args, check_stop, cpu_time, median, output_within,
     paths::{BULK, Origins, Route, Servers, VIP_IP, versions},
     percentile,
-    report::{Figure, KernelCost, Results, Workload},
+    report::{Figure, KeepAliveCost, KernelCost, Results, Workload},
 };
 
 /// Connects per route in a connect + close round.
@@ -161,8 +161,11 @@ pub fn run(
     results.paths.push((Workload::Bulk, figures));
 
     println!("==> kernel cost per connect (bpf_stats)");
-    match kernel_cost(&bench, &mut client, &servers, origins) {
-        Ok(costs) => results.kernel_cost = costs,
+    match kernel_cost(&bench, &mut client, &servers, origins, duration) {
+        Ok((costs, keepalive)) => {
+            results.kernel_cost = costs;
+            results.keepalive_cost = Some(keepalive);
+        }
         Err(e) => results.notes.push(format!("kernel cost per program not measured: {e:#}")),
     }
     // The daemon must have kept up: every service still has its server.
@@ -363,13 +366,17 @@ fn wrk_ms(value: &str) -> anyhow::Result<f64> {
 
 /// With `bpftool`: one more connect + close round through the VIP and one
 /// direct from inside the cgroup, each with `kernel.bpf_stats_enabled=1`;
-/// per attached lb program, its runs and run time per connect.
+/// per attached lb program, its runs and run time per connect. And one wrk
+/// keep-alive run of `seconds` through the VIP: its requests, and the runs
+/// and run time of all lb programs during it (after its connects, lb has
+/// nothing to do).
 fn kernel_cost(
     bench: &Bench,
     client: &mut Client,
     servers: &Servers,
     origins: &Origins,
-) -> anyhow::Result<Vec<KernelCost>> {
+    seconds: u64,
+) -> anyhow::Result<(Vec<KernelCost>, KeepAliveCost)> {
     if Command::new("bpftool").arg("version").output().is_err() {
         bail!("bpftool is not installed (Debian package bpftool)");
     }
@@ -395,7 +402,15 @@ fn kernel_cost(
             });
         }
     }
-    Ok(costs)
+    check_stop()?;
+    let before = program_stats(&programs)?;
+    let run = wrk(Some(bench.cgroup), Route::Vip.target(servers.http, 0), seconds, false)?;
+    let after = program_stats(&programs)?;
+    let total = |stats: &[(String, (u64, u64))]| {
+        stats.iter().fold((0, 0), |(runs, ns), (_, (r, n))| (runs + r, ns + n))
+    };
+    let ((runs0, ns0), (runs1, ns1)) = (total(&before), total(&after));
+    Ok((costs, KeepAliveCost { requests: run.requests, runs: runs1 - runs0, ns: ns1 - ns0 }))
 }
 
 /// The programs attached to `cgroup`: (id, name), by `bpftool cgroup show`.
