@@ -10,8 +10,9 @@
 //!   request) against the nginx origin: req/s and p99 latency (`--latency`);
 //!   2 threads, 16 connections; [`WRK_RUNS`] runs per route and round;
 //! - connect + close: [`CONNECTS`] connects per route and round, each
-//!   waiting for the sink to close, in [`CONNECT_SLICES`] slices that take
-//!   turns between the routes; every one must reach the sink;
+//!   waiting for the sink to close, in [`CONNECT_SLICES`] slices, each
+//!   slice right next to a direct one ([`Pairs::Adjacent`]); every connect
+//!   must reach the sink;
 //! - bulk: [`BULK`] bytes from the source on one connection, every byte
 //!   counted; [`BULK_REPEATS`] transfers per route and round, alternated.
 //!
@@ -86,7 +87,7 @@ pub fn run(
 
     let duration = args.wrk_seconds;
     println!("==> wrk keep-alive, {duration} s per run, {} rounds of {WRK_RUNS}", args.rounds);
-    let figures = bench.rounds_of(bench.rounds * WRK_RUNS, |route| {
+    let figures = bench.rounds_of(bench.rounds * WRK_RUNS, Pairs::PerRound, |route| {
         wrk(bench.cgroup_of(route), route.target(servers.http, 0), duration, false)
             .map(|w| w.sample())
     })?;
@@ -97,7 +98,7 @@ pub fn run(
         args.rounds
     );
     let mut vip_cpu = (Duration::ZERO, 0u64);
-    let figures = bench.rounds_of(bench.rounds * WRK_RUNS, |route| {
+    let figures = bench.rounds_of(bench.rounds * WRK_RUNS, Pairs::PerRound, |route| {
         let before = cpu_time(pid)?;
         let w = wrk(bench.cgroup_of(route), route.target(servers.http, 0), duration, true)?;
         if route == Route::Vip {
@@ -118,11 +119,10 @@ pub fn run(
         args.rounds
     );
     let mut cpu = [(Duration::ZERO, 0u64); 2];
-    // Short slices, taking turns: a connect loop is the workload most moved
-    // by whatever else the machine does, so each route's slices sit close
-    // in time to the direct route's.
+    // Short slices, each next to a direct one: a connect loop is the
+    // workload most moved by whatever else the machine does.
     let slice = CONNECTS / CONNECT_SLICES as u64;
-    let figures = bench.rounds_of(bench.rounds * CONNECT_SLICES, |route| {
+    let figures = bench.rounds_of(bench.rounds * CONNECT_SLICES, Pairs::Adjacent, |route| {
         let before = (cpu_time(pid)?, origins.sink.accepted());
         let took = client.of(route)?.connects(route.target(servers.sink, 1), slice)?;
         let accepted = (origins.sink.accepted() - before.1) as u64;
@@ -154,7 +154,7 @@ pub fn run(
     );
     // Each transfer is short (under a second): repeated, alternated, so
     // that one slow moment does not decide a route's figure.
-    let figures = bench.rounds_of(bench.rounds * BULK_REPEATS, |route| {
+    let figures = bench.rounds_of(bench.rounds * BULK_REPEATS, Pairs::PerRound, |route| {
         let took = client.of(route)?.bulk(route.target(servers.source, 2), BULK)?;
         Ok(Sample { value: BULK as f64 / took.as_secs_f64() / 1e9, p99_ms: None })
     })?;
@@ -200,50 +200,73 @@ impl Bench<'_> {
         route.in_cgroup().then_some(self.cgroup)
     }
 
-    /// Runs `measure` over every route, `rounds` rounds; the median of each
-    /// route's figures (and of its p99s), and the median and interquartile
-    /// range of its ratios to the direct route of the same round.
+    /// Runs `measure` over every route, `rounds` rounds, its runs paired
+    /// with direct runs as `pairs` says; the median of each route's figures
+    /// (and of its p99s), and the median and interquartile range of its
+    /// paired ratios to direct.
     fn rounds_of(
         &self,
         rounds: usize,
+        pairs: Pairs,
         mut measure: impl FnMut(Route) -> anyhow::Result<Sample>,
     ) -> anyhow::Result<Vec<(Route, Figure)>> {
+        let direct = Route::ALL.iter().position(|r| *r == Route::Direct).unwrap_or(0);
         let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); Route::ALL.len()];
+        let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); Route::ALL.len()];
+        let mut run = |i: usize| -> anyhow::Result<f64> {
+            check_stop()?;
+            let route = Route::ALL[i];
+            let sample = measure(route).with_context(|| format!("route {}", route.label()))?;
+            samples[i].push(sample);
+            Ok(sample.value)
+        };
         for round in 0..rounds {
             // Forwards, then backwards: what drifts during a round (the
             // machine's load, the TIME_WAIT sockets that each connect
             // leaves on loopback) favours no route, not even the first.
-            let order: Vec<usize> = if round % 2 == 0 {
+            let forwards = round % 2 == 0;
+            let order: Vec<usize> = if forwards {
                 (0..Route::ALL.len()).collect()
             } else {
                 (0..Route::ALL.len()).rev().collect()
             };
-            for i in order {
-                check_stop()?;
-                let route = Route::ALL[i];
-                samples[i]
-                    .push(measure(route).with_context(|| format!("route {}", route.label()))?);
+            match pairs {
+                Pairs::PerRound => {
+                    let mut values = vec![f64::NAN; Route::ALL.len()];
+                    for i in order {
+                        values[i] = run(i)?;
+                    }
+                    for (i, value) in values.iter().enumerate() {
+                        ratios[i].push(value / values[direct]);
+                    }
+                }
+                Pairs::Adjacent => {
+                    for i in order.into_iter().filter(|i| *i != direct) {
+                        let (baseline, value) = if forwards {
+                            (run(direct)?, run(i)?)
+                        } else {
+                            let value = run(i)?;
+                            (run(direct)?, value)
+                        };
+                        ratios[i].push(value / baseline);
+                        ratios[direct].push(1.0);
+                    }
+                }
             }
         }
-        let direct = Route::ALL.iter().position(|r| *r == Route::Direct).unwrap_or(0);
         let figures = Route::ALL
             .iter()
-            .zip(&samples)
-            .map(|(route, mine)| {
+            .zip(samples.iter().zip(&ratios))
+            .map(|(route, (mine, ratios))| {
                 let values: Vec<f64> = mine.iter().map(|f| f.value).collect();
                 let p99s: Vec<f64> = mine.iter().filter_map(|f| f.p99_ms).collect();
-                // Paired with the baseline taken moments before it, a ratio
-                // is spared the machine's slower drifts, which a ratio of
-                // two medians is not.
-                let ratios: Vec<f64> =
-                    mine.iter().zip(&samples[direct]).map(|(f, d)| f.value / d.value).collect();
                 (
                     *route,
                     Figure {
                         value: median(&values),
                         p99_ms: (!p99s.is_empty()).then(|| median(&p99s)),
-                        ratio: median(&ratios),
-                        spread: (percentile(&ratios, 25.0), percentile(&ratios, 75.0)),
+                        ratio: median(ratios),
+                        spread: (percentile(ratios, 25.0), percentile(ratios, 75.0)),
                     },
                 )
             })
@@ -253,6 +276,21 @@ impl Bench<'_> {
         }
         Ok(figures)
     }
+}
+
+/// How [`Bench::rounds_of`] pairs a route's runs with direct runs. Paired
+/// with a baseline taken moments before or after it, a ratio is spared the
+/// machine's slower drifts, which a ratio of two medians is not.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pairs {
+    /// One direct run per round, and every route's run of the round is
+    /// paired with it.
+    PerRound,
+    /// A direct run right next to every run of every other route (before
+    /// it in one round, after it in the next): twice the direct runs, and
+    /// each pair only one run apart, for the workload whose runs are
+    /// shortest and most moved by the machine (connect + close).
+    Adjacent,
 }
 
 /// The bench's agent, which makes every connect and transfer of every
