@@ -46,8 +46,8 @@ use super::{
 
 /// Connects per route in a connect + close round.
 pub const CONNECTS: u64 = 10_000;
-/// Slices a connect + close round is cut into, each route taking its turn
-/// per slice (250 connects, a few tens of milliseconds).
+/// Slices a connect + close round is cut into per route (250 connects, a
+/// few tens of milliseconds each), each paired with a direct slice.
 pub const CONNECT_SLICES: usize = 40;
 /// wrk runs per route and round, alternated.
 pub const WRK_RUNS: usize = 3;
@@ -281,7 +281,7 @@ impl Bench<'_> {
 /// How [`Bench::rounds_of`] pairs a route's runs with direct runs. Paired
 /// with a baseline taken moments before or after it, a ratio is spared the
 /// machine's slower drifts, which a ratio of two medians is not.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Pairs {
     /// One direct run per round, and every route's run of the round is
     /// paired with it.
@@ -520,6 +520,55 @@ impl Drop for BpfStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every route's ratio is its own run over its paired direct run, and
+    /// `Adjacent` runs direct once per other route.
+    #[test]
+    fn rounds_pair_each_run_with_a_direct_one() {
+        let bench = Bench { cgroup: Path::new("/nonexistent"), rounds: 4 };
+        let cost = |route: Route| match route {
+            Route::Direct => 1.0,
+            Route::Cgroup => 0.99,
+            Route::Vip => 0.95,
+            _ => 0.5,
+        };
+        for pairs in [Pairs::PerRound, Pairs::Adjacent] {
+            // A steady machine: every ratio is the route's cost, exactly.
+            let figures = bench
+                .rounds_of(bench.rounds, pairs, |route| {
+                    Ok(Sample { value: cost(route) * 1000.0, p99_ms: None })
+                })
+                .unwrap();
+            for (route, figure) in figures {
+                assert!((figure.ratio - cost(route)).abs() < 1e-12, "{pairs:?} {route:?}");
+                assert!((figure.spread.1 - figure.spread.0).abs() < 1e-12);
+                assert!((figure.value - cost(route) * 1000.0).abs() < 1e-9);
+            }
+            let (mut runs, mut direct_runs) = (0usize, 0usize);
+            // The machine slows down run by run: pairs cancel that out.
+            let figures = bench
+                .rounds_of(bench.rounds, pairs, |route| {
+                    runs += 1;
+                    direct_runs += usize::from(route == Route::Direct);
+                    Ok(Sample { value: cost(route) * 1000.0 / runs as f64, p99_ms: None })
+                })
+                .unwrap();
+            let others = Route::ALL.len() - 1;
+            let expected_direct = if pairs == Pairs::Adjacent { 4 * others } else { 4 };
+            assert_eq!(direct_runs, expected_direct);
+            assert_eq!(runs, 4 * others + expected_direct);
+            for (route, figure) in figures {
+                // A run one or two places from its direct run: within the
+                // drift of those places.
+                let ratio = figure.ratio / cost(route);
+                let drift = if pairs == Pairs::Adjacent { 0.5 } else { 0.9 };
+                assert!(
+                    ratio > 1.0 - drift && ratio < 1.0 / (1.0 - drift),
+                    "{pairs:?} {route:?}: {ratio}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn wrk_output_parses() {
