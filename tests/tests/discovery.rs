@@ -669,6 +669,9 @@ fn dns_options(server: &FakeDns) -> Options {
     }
 }
 
+/// DNS answers for the fake server. Their addresses (10.0.x, fd00::) are
+/// data only: the DNS tests drive the discovery module alone (no daemon, no
+/// kernel), so nothing ever dials them.
 fn ips(list: &[&str]) -> Vec<IpAddr> {
     list.iter().map(|s| s.parse().unwrap()).collect()
 }

@@ -101,8 +101,8 @@ impl Args {
 }
 
 static STOP: AtomicBool = AtomicBool::new(false);
-static STARTED: OnceLock<Instant> = OnceLock::new();
-static TIME_LIMIT: OnceLock<Duration> = OnceLock::new();
+/// When the run started (after the build), and its time limit.
+static STARTED: OnceLock<(Instant, Duration)> = OnceLock::new();
 
 /// Fails once Ctrl-C was pressed or the run's time limit passed; every
 /// loop of the bench calls it, so the guards clean up promptly.
@@ -110,7 +110,7 @@ fn check_stop() -> anyhow::Result<()> {
     if STOP.load(Ordering::Relaxed) {
         bail!("interrupted");
     }
-    if let (Some(started), Some(limit)) = (STARTED.get(), TIME_LIMIT.get())
+    if let Some((started, limit)) = STARTED.get()
         && started.elapsed() > *limit
     {
         bail!("the bench ran past its time limit of {} s", limit.as_secs());
@@ -138,8 +138,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     // SAFETY: single-threaded at this point.
     unsafe { std::env::set_var("LB_BIN", crate::target_dir().join("release/lb")) };
     // The time limit and the reported duration start after the build.
-    let started = *STARTED.get_or_init(Instant::now);
-    TIME_LIMIT.get_or_init(|| args.time_limit());
+    let (started, _) = *STARTED.get_or_init(|| (Instant::now(), args.time_limit()));
     let dir = crate::target_dir().join("bench");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     client_exe()?;
@@ -317,7 +316,7 @@ fn poll(
     }
 }
 
-/// A `bench-client agent`, outside or inside a cgroup: connects on request
+/// A `bench-client agent`, in a cgroup it can leave: connects on request
 /// and says how long they took, or where they landed and when (see
 /// [`client`]). One process serves a whole part, so that no measurement
 /// includes a process start.
@@ -338,16 +337,9 @@ enum Want<'a> {
 impl Agent {
     /// An agent inside `cgroup`.
     fn start(cgroup: &Path) -> anyhow::Result<Self> {
-        Self::start_in(Some(cgroup))
-    }
-
-    /// An agent inside `cgroup`, or outside any attached one.
-    fn start_in(cgroup: Option<&Path>) -> anyhow::Result<Self> {
         let mut cmd = Command::new(client_exe()?);
         cmd.args(["bench-client", "agent"]).stdin(Stdio::piped()).stdout(Stdio::piped());
-        if let Some(cgroup) = cgroup {
-            lb_tests::start_in_cgroup(&mut cmd, cgroup);
-        }
+        lb_tests::start_in_cgroup(&mut cmd, cgroup);
         let mut child = cmd.spawn().context("starting xtask bench-client agent")?;
         let stdin = child.stdin.take().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());

@@ -297,22 +297,17 @@ fn tables(r: &Results) -> Vec<Table> {
         for route in Route::ALL {
             let mut row = vec![route.label().to_owned()];
             for w in &workloads {
-                row.push(match r.figure(*w, route) {
-                    Some(f) if route == Route::Direct => match f.p99_ms {
-                        Some(p99) => format!("1 ({}, p99 {p99:.2} ms)", rate(*w, f.value)),
-                        None => format!("1 ({})", rate(*w, f.value)),
-                    },
-                    Some(f) => {
-                        let ratio = format!("{:.2} [{:.2}–{:.2}]", f.ratio, f.spread.0, f.spread.1);
-                        match f.p99_ms {
-                            Some(p99) => {
-                                format!("{ratio} ({}, p99 {p99:.2} ms)", rate(*w, f.value))
-                            }
-                            None => format!("{ratio} ({})", rate(*w, f.value)),
-                        }
-                    }
-                    None => "-".to_owned(),
-                });
+                let Some(f) = r.figure(*w, route) else {
+                    row.push("-".to_owned());
+                    continue;
+                };
+                let ratio = if route == Route::Direct {
+                    "1".to_owned()
+                } else {
+                    format!("{:.2} [{:.2}–{:.2}]", f.ratio, f.spread.0, f.spread.1)
+                };
+                let p99 = f.p99_ms.map(|p99| format!(", p99 {p99:.2} ms")).unwrap_or_default();
+                row.push(format!("{ratio} ({}{p99})", rate(*w, f.value)));
             }
             t.row(row);
         }

@@ -307,12 +307,8 @@ struct Client {
 
 impl Client {
     fn start(cgroup: &Path) -> anyhow::Result<Self> {
-        Ok(Self {
-            agent: Agent::start_in(None)?,
-            home: super::own_cgroup()?,
-            cgroup: cgroup.to_owned(),
-            inside: false,
-        })
+        let home = super::own_cgroup()?;
+        Ok(Self { agent: Agent::start(&home)?, home, cgroup: cgroup.to_owned(), inside: false })
     }
 
     /// The agent, in the cgroup that `route` starts in.
