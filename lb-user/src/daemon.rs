@@ -273,15 +273,37 @@ fn checks_of(service: &config::Service) -> Checks {
     }
 }
 
-impl KernelView for Datapath {
+/// The kernel as one `lb status` reads it: selections and live counts by
+/// lookup, the failure marks in one pass taken at the start (`FAILED_AT`
+/// holds only the marked servers, so that is a few reads instead of one per
+/// server of every service).
+struct KernelSnapshot<'a> {
+    datapath: &'a Datapath,
+    failure_times: HashMap<SocketAddr, u64>,
+    now_ns: u64,
+}
+
+impl<'a> KernelSnapshot<'a> {
+    fn of(datapath: &'a Datapath) -> Self {
+        Self {
+            datapath,
+            failure_times: datapath.failure_times(),
+            now_ns: datapath::monotonic_now_ns(),
+        }
+    }
+}
+
+impl KernelView for KernelSnapshot<'_> {
     fn selection(&self, vip: SocketAddr) -> Vec<SocketAddr> {
-        Self::selection(self, vip)
+        self.datapath.selection(vip)
     }
     fn connections(&self, vip: SocketAddr, server: SocketAddr) -> i64 {
-        Self::connections(self, vip, server)
+        self.datapath.connections(vip, server)
     }
     fn recently_failed(&self, server: SocketAddr, hold_down: Duration) -> bool {
-        Self::recently_failed(self, server, hold_down)
+        self.failure_times
+            .get(&server)
+            .is_some_and(|&at| datapath::failed_within(at, self.now_ns, hold_down))
     }
 }
 
@@ -1074,6 +1096,7 @@ impl Daemon {
     }
 
     fn status(&self) -> Status {
+        let kernel = KernelSnapshot::of(&self.datapath);
         Status {
             services: self
                 .services
@@ -1083,7 +1106,7 @@ impl Daemon {
                         &s.config,
                         &s.balancer,
                         s.discovery.as_ref().map(|d| &d.status),
-                        &self.datapath,
+                        &kernel,
                     )
                 })
                 .collect(),

@@ -419,6 +419,14 @@ impl Datapath {
         self.maps.recently_failed(server, hold_down)
     }
 
+    /// Every failure mark (`FAILED_AT`): server → when its connect failed
+    /// (`CLOCK_MONOTONIC` ns). One pass over a map that holds only the
+    /// marked servers, for a view of every service at once (`lb status`)
+    /// instead of a lookup per server.
+    pub fn failure_times(&self) -> std::collections::HashMap<SocketAddr, u64> {
+        self.maps.failure_times()
+    }
+
     /// The kernel's decision counters, summed over CPUs, by reason name.
     pub fn counters(&self) -> Vec<(&'static str, u64)> {
         self.maps.counters()
@@ -508,10 +516,18 @@ impl PinnedMaps {
 
     /// Whether a connect to `server` failed less than `hold_down` ago.
     pub fn recently_failed(&self, server: SocketAddr, hold_down: Duration) -> bool {
-        match self.failed_at.get(&Endpoint::from(server), 0) {
-            Ok(at) => monotonic_now_ns().saturating_sub(at) < hold_down.as_nanos() as u64,
-            Err(_) => false,
-        }
+        self.failed_at
+            .get(&Endpoint::from(server), 0)
+            .is_ok_and(|at| failed_within(at, monotonic_now_ns(), hold_down))
+    }
+
+    /// Every failure mark: server → when its connect failed.
+    pub fn failure_times(&self) -> std::collections::HashMap<SocketAddr, u64> {
+        self.failed_at
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(server, at)| (SocketAddr::from(server), at))
+            .collect()
     }
 
     /// Every server with a failure mark in `FAILED_AT`.
@@ -1170,6 +1186,13 @@ fn cgroup2_root_in(mountinfo: &str) -> Option<PathBuf> {
     })
 }
 
+/// Whether a failure mark set at `at_ns` is less than `hold_down` older
+/// than `now_ns` (both `CLOCK_MONOTONIC`, as `bpf_ktime_get_ns`). A mark
+/// from after `now_ns` (set while the caller read the clock) is recent.
+pub fn failed_within(at_ns: u64, now_ns: u64, hold_down: Duration) -> bool {
+    now_ns.saturating_sub(at_ns) < hold_down.as_nanos() as u64
+}
+
 /// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns()`.
 pub fn monotonic_now_ns() -> u64 {
     // SAFETY: clock_gettime fills the struct we pass.
@@ -1182,6 +1205,17 @@ pub fn monotonic_now_ns() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failure_mark_is_recent_for_its_hold_down_only() {
+        let second = 1_000_000_000;
+        let hold_down = Duration::from_secs(5);
+        assert!(failed_within(10 * second, 14 * second, hold_down));
+        assert!(!failed_within(10 * second, 15 * second, hold_down), "hold-down over");
+        assert!(!failed_within(10 * second, 20 * second, hold_down));
+        assert!(failed_within(15 * second, 14 * second, hold_down), "marked after the read");
+        assert!(!failed_within(10 * second, 10 * second, Duration::ZERO), "no hold-down");
+    }
 
     #[test]
     fn finds_cgroup2_in_a_hybrid_layout() {
