@@ -1,6 +1,6 @@
-//! Harness pieces of the hardening tests (`tests/hardening.rs`): a client
-//! that holds, churns and cancels connections inside the test cgroup, and a
-//! server whose SYN-ACKs to one client never come.
+//! Harness pieces of the hardening tests (`tests/hardening.rs`): the test
+//! client's commands that hold, churn and cancel connections inside the
+//! test cgroup, and a server whose SYN-ACKs to one client never come.
 //!
 //! [`SlowToOne`] stands in for netem (not in this kernel): a reuseport
 //! group on the server's address whose classic-BPF program
@@ -14,7 +14,7 @@ use std::{
     io::{BufRead as _, BufReader, Write as _},
     net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream},
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
-    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
+    process::{Command, Stdio},
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, AtomicUsize, Ordering},
@@ -23,64 +23,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::{TestCgroup, start_in_cgroup};
+use crate::{Client, TestCgroup, client_bin, start_in_cgroup};
 
-/// `lb-hardening-client` running inside a cgroup; see that binary for its
-/// commands.
-pub struct HardeningClient {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-}
-
-/// A connection the client holds: its id, what getpeername showed, and the
-/// name of the server that answered.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Held {
-    pub id: u32,
-    pub peer: SocketAddr,
-    pub greeting: String,
-}
-
-/// The client binary: `bin` (`env!("CARGO_BIN_EXE_lb-hardening-client")`
-/// in a test), or `$LB_HARDENING_CLIENT` (a VM's copy of it).
-fn client_bin(bin: &str) -> std::path::PathBuf {
-    std::env::var_os("LB_HARDENING_CLIENT").map_or_else(|| bin.into(), Into::into)
-}
-
-impl HardeningClient {
-    pub fn start(bin: &str, cgroup: &TestCgroup) -> Self {
-        let mut cmd = Command::new(client_bin(bin));
-        cmd.stdin(Stdio::piped()).stdout(Stdio::piped());
-        start_in_cgroup(&mut cmd, &cgroup.path);
-        let mut child =
-            cmd.spawn().unwrap_or_else(|e| panic!("starting {}: {e}", client_bin(bin).display()));
-        let stdin = child.stdin.take().unwrap();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
-        Self { child, stdin, stdout }
-    }
-
-    /// Sends one command; its one-line answer.
-    pub fn ask(&mut self, command: &str) -> String {
-        writeln!(self.stdin, "{command}").expect("lb-hardening-client died");
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).expect("lb-hardening-client died");
-        assert!(!line.is_empty(), "lb-hardening-client exited on {command:?}");
-        line.trim().to_owned()
-    }
-
-    #[track_caller]
-    pub fn hold(&mut self, addr: SocketAddr) -> Held {
-        let answer = self.ask(&format!("hold {addr}"));
-        let mut words = answer.splitn(4, ' ');
-        assert_eq!(words.next(), Some("ok"), "hold {addr}: {answer}");
-        Held {
-            id: words.next().unwrap().parse().unwrap(),
-            peer: words.next().unwrap().parse().unwrap(),
-            greeting: words.next().unwrap_or("").to_owned(),
-        }
-    }
-
+/// The commands of [`Client`] that the hardening tests add (see the
+/// client's documentation).
+impl Client {
     /// getpeername of a held connection, now.
     #[track_caller]
     pub fn peer(&mut self, id: u32) -> SocketAddr {
@@ -92,15 +39,9 @@ impl HardeningClient {
             .unwrap()
     }
 
-    pub fn alive(&mut self, id: u32) -> bool {
-        let answer = self.ask(&format!("alive {id}"));
-        assert!(!answer.starts_with("err"), "{answer}");
-        answer == "alive"
-    }
-
     /// One connect, closed at once: `Ok(server name)` or `Err(message)`.
-    pub fn connect(&mut self, addr: SocketAddr) -> Result<String, String> {
-        let answer = self.ask(&format!("connect {addr}"));
+    pub fn once(&mut self, addr: SocketAddr) -> Result<String, String> {
+        let answer = self.ask(&format!("once {addr}"));
         match answer.strip_prefix("ok ") {
             Some(rest) => Ok(rest.split_once(' ').map_or("", |(_, name)| name).to_owned()),
             None => Err(answer),
@@ -132,22 +73,7 @@ impl HardeningClient {
     }
 }
 
-impl Drop for HardeningClient {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        if let Err(e) = self.child.wait() {
-            crate::leaked(
-                "HardeningClient",
-                &[format!(
-                    "lb-hardening-client (pid {}) could not be reaped: {e}",
-                    self.child.id()
-                )],
-            );
-        }
-    }
-}
-
-/// Runs `lb-hardening-client netns VIP SERVER` inside `cgroup`: in a
+/// Runs `lb-test-client netns VIP SERVER` inside `cgroup`: in a
 /// network namespace of its own, with its own listeners on `vip` (`pod-vip`)
 /// and `server` (`pod-server`), it connects to `vip`. Returns its answer
 /// line (`ok PEER GREETING` or `err ...`). The namespace goes with the

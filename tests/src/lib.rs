@@ -379,9 +379,26 @@ impl Connect {
             Self::Err(e) => panic!("connect failed: {e}"),
         }
     }
+
+    /// The peer the application saw (getpeername), or a panic with the error.
+    #[track_caller]
+    pub fn peer(&self) -> SocketAddr {
+        match self {
+            Self::Ok { peer, .. } => *peer,
+            Self::Err(e) => panic!("connect failed: {e}"),
+        }
+    }
 }
 
-/// `lb-test-client` running in a cgroup (or outside any test cgroup).
+/// The test client binary: `bin` (`env!("CARGO_BIN_EXE_lb-test-client")` in
+/// a test), or `$LB_TEST_CLIENT` (a VM's copy of it).
+pub fn client_bin(bin: &str) -> PathBuf {
+    std::env::var_os("LB_TEST_CLIENT").map_or_else(|| PathBuf::from(bin), PathBuf::from)
+}
+
+/// `lb-test-client` running in a cgroup (or outside any test cgroup): one
+/// process answering one line per command (see the binary for them). The
+/// commands of the load and hardening tests are in `load` and `hardening`.
 pub struct Client {
     child: Child,
     stdin: ChildStdin,
@@ -393,8 +410,7 @@ impl Client {
     /// in a test, overridden by `$LB_TEST_CLIENT`) inside `cgroup`, or in
     /// the test's own cgroup if `None`.
     pub fn start(bin: &str, cgroup: Option<&TestCgroup>) -> Self {
-        let bin =
-            std::env::var_os("LB_TEST_CLIENT").map_or_else(|| PathBuf::from(bin), PathBuf::from);
+        let bin = client_bin(bin);
         let mut cmd = Command::new(&bin);
         cmd.stdin(Stdio::piped()).stdout(Stdio::piped());
         if let Some(cgroup) = cgroup {
@@ -406,7 +422,10 @@ impl Client {
         Self { child, stdin, stdout }
     }
 
-    fn ask(&mut self, command: &str) -> String {
+    /// Sends one command and returns its one-line answer. Every command of
+    /// the client is bounded in time (its own deadlines and 5 s socket
+    /// timeouts), so this cannot hang for ever.
+    pub fn ask(&mut self, command: &str) -> String {
         writeln!(self.stdin, "{command}").expect("client died");
         let mut line = String::new();
         self.stdout.read_line(&mut line).expect("client died");
@@ -455,6 +474,10 @@ impl Client {
 
     pub fn close(&mut self, id: u32) {
         assert_eq!(self.ask(&format!("close {id}")), "closed");
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 }
 

@@ -1,6 +1,7 @@
 //! Helpers of the load, stress and chaos tests (`tests/chaos.rs`,
-//! `tests/stress.rs`): a client process that drives many connections at
-//! once ([`LoadClient`]) and its per-attempt record ([`Attempt`]), a backend
+//! `tests/stress.rs`): the commands of the test client that drive many
+//! connections at once ([`Client::chaos`], [`Client::hold`]) and its
+//! per-attempt record ([`Attempt`]), a backend
 //! that holds thousands of connections on one thread ([`HoldBackend`]), a
 //! flood of idle connections ([`Flood`]), and what a test reads about the
 //! daemon process from `/proc` ([`ProcSample`], of [`Daemon::pid`](crate::Daemon::pid)).
@@ -10,10 +11,9 @@
 
 use std::{
     collections::HashMap,
-    io::{BufRead as _, BufReader, Read as _, Write as _},
+    io::{Read as _, Write as _},
     net::{SocketAddr, TcpStream},
     path::{Path, PathBuf},
-    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
     sync::{
         Arc,
         atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering},
@@ -24,7 +24,7 @@ use std::{
 
 use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _};
 
-use crate::{Daemon, TestCgroup, leaked, start_in_cgroup};
+use crate::{Client, Daemon};
 
 /// Raises this process's limit of open files to at least `want` if it
 /// can (raising the hard limit needs CAP_SYS_RESOURCE, which a container's
@@ -55,45 +55,9 @@ pub fn raise_nofile(want: u64) -> u64 {
     limit.rlim_max
 }
 
-/// `lb-test-client` in a cgroup, for the commands that drive many
-/// connections (`chaos`, `hold`, `held`, `release`; see the client's
-/// documentation). Killed and reaped on drop.
-pub struct LoadClient {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-}
-
-impl LoadClient {
-    /// Starts the client binary `bin` (`env!("CARGO_BIN_EXE_lb-test-client")`,
-    /// overridden by `$LB_TEST_CLIENT`) inside `cgroup`.
-    pub fn start(bin: &str, cgroup: &TestCgroup) -> Self {
-        let bin =
-            std::env::var_os("LB_TEST_CLIENT").map_or_else(|| PathBuf::from(bin), PathBuf::from);
-        let mut cmd = Command::new(&bin);
-        cmd.stdin(Stdio::piped()).stdout(Stdio::piped());
-        start_in_cgroup(&mut cmd, &cgroup.path);
-        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
-        let stdin = child.stdin.take().unwrap();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
-        Self { child, stdin, stdout }
-    }
-
-    /// Sends one command and returns its one-line answer. Every command of
-    /// the client is bounded in time (its own deadlines and 5 s socket
-    /// timeouts), so this cannot hang for ever.
-    pub fn ask(&mut self, command: &str) -> String {
-        writeln!(self.stdin, "{command}").expect("client died");
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).expect("client died");
-        assert!(!line.is_empty(), "client exited on {command:?}");
-        line.trim().to_owned()
-    }
-
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
+/// The commands of [`Client`] that drive many connections at once
+/// (`chaos`, `hold`, `held`, `release`; see the client's documentation).
+impl Client {
     /// `threads` threads (thread `i` on `vips[i % vips.len()]`) connect, read
     /// the greeting and close, in a loop, until `stop_file` exists (at most
     /// `limit`), then once more each. Returns every attempt, read back from
@@ -153,19 +117,7 @@ impl LoadClient {
     }
 }
 
-impl Drop for LoadClient {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        if let Err(e) = self.child.wait() {
-            leaked(
-                "LoadClient",
-                &[format!("lb-test-client (pid {}) could not be reaped: {e}", self.child.id())],
-            );
-        }
-    }
-}
-
-/// The answer to [`LoadClient::hold`].
+/// The answer to [`Client::hold`].
 #[derive(Debug)]
 pub struct Held {
     pub ok: usize,
@@ -204,7 +156,7 @@ fn counts(fields: &HashMap<String, String>, key: &str) -> HashMap<String, usize>
 /// (comparable with [`crate::monotonic_ns`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Attempt {
-    /// Which VIP (its index in the list given to [`LoadClient::chaos`]).
+    /// Which VIP (its index in the list given to [`Client::chaos`]).
     pub vip: usize,
     /// When the thread called `connect`.
     pub start: u64,

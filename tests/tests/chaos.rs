@@ -22,11 +22,8 @@ use std::{
 };
 
 use lb_tests::{
-    Check, Daemon, Policy, ServiceBuilder, TestCgroup, addr,
-    load::{
-        Attempt, HoldBackend, LoadClient, Outcome, ProcSample, files_under, log_len, log_since,
-        panics,
-    },
+    Check, Client, Daemon, Policy, ServiceBuilder, TestCgroup, addr,
+    load::{Attempt, HoldBackend, Outcome, ProcSample, files_under, log_len, log_since, panics},
     monotonic_ns, privileged, wait_until,
 };
 
@@ -270,7 +267,7 @@ fn chaos_restarts_reloads_and_server_kills_under_200_connecting_threads() {
 
     let record = daemon.dir.join("attempts");
     let stop_file = daemon.dir.join("stop");
-    let mut client = LoadClient::start(env!("CARGO_BIN_EXE_lb-test-client"), &cgroup);
+    let mut client = Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(&cgroup));
     let client_pid = client.pid();
     let chaos = {
         let (record, stop_file) = (record.clone(), stop_file.clone());

@@ -35,7 +35,7 @@ use fakes::{
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 use lb_tests::{
     Backend, Client, Connect, Daemon, Policy, ServiceBuilder, TestCgroup, addr,
-    load::{Attempt, LoadClient, Outcome, sample, scrape},
+    load::{Attempt, Outcome, sample, scrape},
     monotonic_ns, privileged, wait_until,
 };
 use serde_json::Value;
@@ -395,7 +395,7 @@ fn metallb_474_rolling_update_with_zero_failed_connects() {
 
     // The client loop: 4 threads, each connecting, reading the greeting
     // and closing, until the stop file exists.
-    let mut load = LoadClient::start(env!("CARGO_BIN_EXE_lb-test-client"), &cgroup);
+    let mut load = Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(&cgroup));
     let stop_path = daemon.dir.join("stop");
     let record = daemon.dir.join("attempts");
     let looper = {

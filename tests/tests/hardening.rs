@@ -16,12 +16,12 @@ use std::{
 
 use lb_tests::{
     Backend, Client, Daemon, ServiceBuilder, TestCgroup, addr,
-    hardening::{HardeningClient, SlowToOne, connect_from_own_netns, run_to_exit},
+    hardening::{SlowToOne, connect_from_own_netns, run_to_exit},
     lb_bin, privileged, wait_until,
 };
 use lb_user::datapath::PinnedMaps;
 
-const CLIENT: &str = env!("CARGO_BIN_EXE_lb-hardening-client");
+const CLIENT: &str = env!("CARGO_BIN_EXE_lb-test-client");
 
 /// Long enough that a failure mark is still "recent" when a test looks.
 const HOLD_DOWN: Duration = Duration::from_secs(60);
@@ -35,8 +35,8 @@ fn quiet() -> std::sync::MutexGuard<'static, ()> {
     QUIET.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-fn client(cgroup: &TestCgroup) -> HardeningClient {
-    HardeningClient::start(CLIENT, cgroup)
+fn client(cgroup: &TestCgroup) -> Client {
+    Client::start(CLIENT, Some(cgroup))
 }
 
 fn server_field(daemon: &Daemon, server: SocketAddr, field: &str) -> serde_json::Value {
@@ -80,9 +80,9 @@ fn a_cancelled_connect_is_no_server_failure() {
     let daemon = Daemon::start("cancel", &cgroup, &config);
     let mut inside = client(&cgroup);
 
-    let held = inside.hold(vip);
+    let held = inside.connect(vip);
     assert_eq!(
-        (held.greeting.as_str(), held.peer),
+        (held.landed(), held.peer()),
         ("s1", vip),
         "the held connection goes to s1 and shows the VIP"
     );
@@ -115,7 +115,7 @@ fn a_cancelled_connect_is_no_server_failure() {
         "s1's state changed:\n{}",
         daemon.log()
     );
-    assert!(inside.alive(held.id), "the held connection to s1 was closed");
+    assert!(inside.alive(held.id()), "the held connection to s1 was closed");
     assert_eq!(
         counter(&daemon, "sockops_connect_failed"),
         0,
@@ -125,17 +125,17 @@ fn a_cancelled_connect_is_no_server_failure() {
     for reason in ["release_cancelled", "sockops_cancelled"] {
         assert!(counter(&daemon, reason) >= 100, "{reason}: {}", counter(&daemon, reason));
     }
-    assert_eq!(inside.connect(vip).as_deref(), Ok("s1"), "new connects still go to s1");
+    assert_eq!(inside.once(vip).as_deref(), Ok("s1"), "new connects still go to s1");
 
     // A real refusal still moves the very next connect, in the kernel.
     let s1 = s1.stop();
-    let refused = inside.connect(vip);
+    let refused = inside.once(vip);
     assert!(
         refused.as_ref().is_err_and(|e| e.contains("refused")),
         "the connect to the stopped s1: {refused:?}"
     );
     let after_refusal = Instant::now();
-    assert_eq!(inside.connect(vip).as_deref(), Ok("s2"), "the connect right after the refusal");
+    assert_eq!(inside.once(vip).as_deref(), Ok("s2"), "the connect right after the refusal");
     eprintln!("the connect after the refusal landed on s2 {:?} later", after_refusal.elapsed());
     assert!(maps(&daemon).failure_marks().contains(&s1), "the refusal marked s1 failed");
     assert_eq!(server_field(&daemon, s1, "recently_failed"), true);
@@ -160,8 +160,8 @@ fn released_sockets_leave_the_socket_table() {
     );
     let mut inside = client(&cgroup);
 
-    let held = inside.hold(vip);
-    assert_eq!(held.greeting, "s1");
+    let held = inside.connect(vip);
+    assert_eq!(held.landed(), "s1");
     assert_eq!(inside.churn("udp", vip, 2000), (2000, 0), "connected UDP through the VIP");
     assert_eq!(inside.churn("tcp", vip, 500), (500, 0), "TCP through the VIP");
 
@@ -180,13 +180,13 @@ fn released_sockets_leave_the_socket_table() {
     );
 
     assert_eq!(daemon.connections("api", s1.addr), 1, "the held connection is still counted");
-    assert_eq!(inside.peer(held.id), vip, "getpeername still shows the VIP");
+    assert_eq!(inside.peer(held.id()), vip, "getpeername still shows the VIP");
     if !daemon.has_feature("sock_destroy") {
         return;
     }
     let closed = daemon.lb(&["close-connections", &s1.addr.to_string()]);
     assert!(
-        wait_until(Duration::from_secs(5), || !inside.alive(held.id)),
+        wait_until(Duration::from_secs(5), || !inside.alive(held.id())),
         "lb close-connections did not close the held connection: {closed}"
     );
     assert!(
@@ -224,7 +224,7 @@ fn a_host_scoped_service_leaves_other_network_namespaces_alone() {
     );
     let mut host = client(&cgroup);
     assert_eq!(
-        host.connect(vip).as_deref(),
+        host.once(vip).as_deref(),
         Ok("s1"),
         "in the daemon's namespace the VIP is rewritten"
     );
@@ -261,7 +261,7 @@ fn a_host_scoped_service_leaves_other_network_namespaces_alone() {
         daemon.log()
     );
     assert_eq!(last, format!("ok {vip} pod-server"), "getpeername shows the VIP there too");
-    assert_eq!(host.connect(vip).as_deref(), Ok("s1"));
+    assert_eq!(host.once(vip).as_deref(), Ok("s1"));
 }
 
 /// Issue 10, item 7, the API the daemon calls: `forget` removes the
@@ -283,11 +283,11 @@ fn forget_removes_what_the_kernel_keeps_about_removed_servers() {
         &ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).toml(),
     );
     let mut inside = client(&cgroup);
-    assert_eq!(inside.connect(vip).as_deref(), Ok("s1"));
+    assert_eq!(inside.once(vip).as_deref(), Ok("s1"));
     let s1 = s1.stop();
-    assert!(inside.connect(vip).is_err(), "the connect that reveals the stopped s1");
-    let held = inside.hold(vip);
-    assert_eq!(held.greeting, "s2");
+    assert!(inside.once(vip).is_err(), "the connect that reveals the stopped s1");
+    let held = inside.connect(vip);
+    assert_eq!(held.landed(), "s2");
 
     let mut maps = maps(&daemon);
     assert!(maps.failure_marks().contains(&s1));
@@ -312,7 +312,7 @@ fn forget_removes_what_the_kernel_keeps_about_removed_servers() {
     // Not configured, but with a live connection: the count stays.
     maps.forget(&[]).expect("forget");
     assert_eq!(maps.connection_counts(), vec![(vip, s2.addr, 1)]);
-    assert!(inside.alive(held.id));
+    assert!(inside.alive(held.id()));
 }
 
 /// Issue 10, item 7, end to end: the daemon forgets a server removed with
@@ -333,10 +333,10 @@ fn removing_a_server_forgets_its_failure_mark() {
         &ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).toml(),
     );
     let mut inside = client(&cgroup);
-    assert_eq!(inside.connect(vip).as_deref(), Ok("s1"));
+    assert_eq!(inside.once(vip).as_deref(), Ok("s1"));
     let s1 = s1.stop();
-    assert!(inside.connect(vip).is_err());
-    assert_eq!(inside.connect(vip).as_deref(), Ok("s2"));
+    assert!(inside.once(vip).is_err());
+    assert_eq!(inside.once(vip).as_deref(), Ok("s2"));
     assert!(maps(&daemon).failure_marks().contains(&s1));
 
     daemon.lb(&["servers", "api", &s2.addr.to_string()]);
@@ -390,11 +390,7 @@ fn a_second_daemon_on_the_same_pins_exits_naming_the_first() {
     );
 
     let mut inside = client(&cgroup);
-    assert_eq!(
-        inside.connect(vip).as_deref(),
-        Ok("s1"),
-        "the first daemon's datapath keeps working"
-    );
+    assert_eq!(inside.once(vip).as_deref(), Ok("s1"), "the first daemon's datapath keeps working");
     assert_eq!(
         daemon.status()["services"][0]["selected"],
         serde_json::json!([s1.addr.to_string()]),
@@ -431,11 +427,11 @@ fn pins_of_another_layout_are_refused_naming_lb_detach() {
         "the message must say why and what to run:\n{output}"
     );
     let mut inside = client(&cgroup);
-    assert_eq!(inside.connect(vip).as_deref(), Ok("s1"), "the refused pins were left working");
+    assert_eq!(inside.once(vip).as_deref(), Ok("s1"), "the refused pins were left working");
 
     daemon.lb(&["detach"]);
     daemon.restart();
-    assert_eq!(inside.connect(vip).as_deref(), Ok("s1"), "after lb detach, a fresh attach");
+    assert_eq!(inside.once(vip).as_deref(), Ok("s1"), "after lb detach, a fresh attach");
 }
 
 /// Issue 10, item 5 (the upgrade half): a daemon that adopts pins whose
@@ -475,14 +471,8 @@ fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
     let summary = std::thread::scope(|scope| {
         // The storm ends when this goes, on every path out of the scope.
         let _stop = StopFile(&stop);
-        let storm = scope.spawn(|| {
-            Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(&cgroup)).storm(
-                vip,
-                200,
-                Duration::from_secs(120),
-                &stop,
-            )
-        });
+        let storm =
+            scope.spawn(|| client(&cgroup).storm(vip, 200, Duration::from_secs(120), &stop));
         assert!(
             wait_until(Duration::from_secs(30), || s1.accepted() > 200),
             "the storm did not start"

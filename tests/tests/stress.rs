@@ -16,8 +16,8 @@ use std::{
 use lb_tests::{
     Backend, Check, Client, Connect, Daemon, ServiceBuilder, TestCgroup, addr,
     load::{
-        Flood, HoldBackend, LoadClient, ProcSample, log_since, raise_nofile, sample, scrape,
-        server_field, timed_status,
+        Flood, HoldBackend, ProcSample, log_since, raise_nofile, sample, scrape, server_field,
+        timed_status,
     },
     privileged, wait_until,
 };
@@ -119,7 +119,7 @@ fn closing_ten_thousand_connections_blocks_neither_status_nor_another_failover()
         serde_json::to_string_pretty(&daemon.status()).unwrap()
     );
 
-    let mut holder = LoadClient::start(env!("CARGO_BIN_EXE_lb-test-client"), &cgroup);
+    let mut holder = Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(&cgroup));
     let opening = Instant::now();
     let held = holder.hold(a_vip, HELD, 8);
     eprintln!("opened {} VIP connections in {:?}: {held:?}", held.ok, opening.elapsed());

@@ -123,7 +123,7 @@ mkdir -m 1777 /run/vmtest/tmp
 export TMPDIR=/run/vmtest/tmp
 B=/run/vmtest/bin
 cp -r "$HOST_BIN" "$B"
-export LB_BIN="$B/lb" LB_TEST_CLIENT="$B/lb-test-client" LB_HARDENING_CLIENT="$B/lb-hardening-client"
+export LB_BIN="$B/lb" LB_TEST_CLIENT="$B/lb-test-client"
 # An https health check without ca_file loads the CA store. Read file by
 # file from /etc/ssl/certs over 9p, that alone takes longer than the tests
 # wait for the daemon to start; the bundle holds the same certificates.

@@ -219,8 +219,7 @@ const HOST_ONLY: [&str; 3] = ["chaos", "stress", "discovery"];
 
 /// The client binaries the tests start inside the guest, and the variable
 /// through which each test finds its copy.
-const CLIENTS: [(&str, &str); 2] =
-    [("lb-test-client", "LB_TEST_CLIENT"), ("lb-hardening-client", "LB_HARDENING_CLIENT")];
+const CLIENTS: [(&str, &str); 1] = [("lb-test-client", "LB_TEST_CLIENT")];
 
 fn build(base: &Path) -> anyhow::Result<Binaries> {
     println!("==> building lb (release) and the integration tests");
@@ -253,8 +252,8 @@ fn build(base: &Path) -> anyhow::Result<Binaries> {
     }
     fs::create_dir_all(&bin).with_context(|| format!("creating {}", bin.display()))?;
     pin(&target_dir().join("release/lb"), &bin.join("lb"))?;
-    // The tests find the clients through `$LB_TEST_CLIENT` and
-    // `$LB_HARDENING_CLIENT` (see the guest script).
+    // The tests find the client through `$LB_TEST_CLIENT` (see the guest
+    // script).
     for (name, _) in CLIENTS {
         let client =
             clients.get(name).with_context(|| format!("cargo reported no {name} binary"))?;
