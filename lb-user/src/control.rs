@@ -4,6 +4,10 @@
 //! subcommands; the server ([`bind`], [`serve`]) hands each request to the
 //! daemon's owner task through a channel of [`Call`]s and writes back the
 //! answer, so this module never needs to know the daemon.
+//!
+//! The requests and answers below are the wire format (and `lb status
+//! --json`); every public item is documented.
+#![warn(missing_docs)]
 
 use std::{
     collections::BTreeMap,
@@ -30,27 +34,37 @@ pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
 /// closes the connection.
 pub const CLIENT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// A request line: `{"command": "status"}` and so on.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "command", rename_all = "snake_case")]
 pub enum Request {
+    /// Every service with its servers and the datapath ([`Status`]).
     Status,
     /// Reset the connections made through a VIP to `server` (of one service
     /// when `service` is set; of every service otherwise).
     CloseConnections {
+        /// The server whose VIP connections are reset.
         server: SocketAddr,
+        /// Only the connections through this service's VIP.
         service: Option<String>,
     },
     /// Replace a service's server list (and default). Unchanged sets are a no-op.
     SetServers {
+        /// The service's name.
         service: String,
+        /// The new list, in order of preference.
         servers: Vec<SocketAddr>,
+        /// The server preferred while healthy (one of `servers`), if any.
         default: Option<SocketAddr>,
     },
     /// Drain a server (no new connections unless nothing else is usable;
     /// existing ones stay), or undo that.
     Drain {
+        /// The service's name.
         service: String,
+        /// One of its servers.
         server: SocketAddr,
+        /// Undo an earlier drain instead.
         undo: bool,
     },
     /// Re-read the config file (as SIGHUP does) and say how it went.
@@ -59,34 +73,52 @@ pub enum Request {
     Shutdown,
 }
 
+/// An answer line: `{"result": "ok"}` and so on.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "result", rename_all = "snake_case")]
 pub enum Response {
+    /// The answer to [`Request::Status`].
     Status(Status),
-    Closed { closed: u64 },
+    /// The answer to [`Request::CloseConnections`], once they are reset.
+    Closed {
+        /// How many connections were reset.
+        closed: u64,
+    },
+    /// The request was carried out.
     Ok,
-    Error { error: String },
+    /// The request was refused or failed; nothing changed.
+    Error {
+        /// What went wrong, for a person.
+        error: String,
+    },
 }
 
 /// `lb status --json`. Fields are only ever added, never changed.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Status {
+    /// Every service, in the config's order.
     pub services: Vec<ServiceStatus>,
+    /// The kernel side: where it is attached, its counters and features.
     #[serde(default)]
     pub datapath: DatapathStatus,
+    /// The config file and its last reload.
     #[serde(default)]
     pub config: ConfigStatus,
 }
 
+/// The config file the daemon runs.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ConfigStatus {
+    /// Its path, as the daemon was given it.
     pub path: String,
     /// The last reload (SIGHUP or `lb reload`), if any.
     pub last_reload: Option<ReloadStatus>,
 }
 
+/// How a reload went.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReloadStatus {
+    /// The new config was applied.
     pub ok: bool,
     /// Why it failed (the old config keeps serving), or `null`.
     pub error: Option<String>,
@@ -94,13 +126,18 @@ pub struct ReloadStatus {
     pub at: u64,
 }
 
+/// One service: the balancer's view and the kernel's, side by side.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServiceStatus {
+    /// Its name in the config.
     pub name: String,
+    /// The address clients connect to.
     pub vip: SocketAddr,
+    /// `failover` or `spread`.
     pub policy: String,
     /// The selection in the kernel, best first.
     pub selected: Vec<SocketAddr>,
+    /// Every server of the service, in the list's order.
     pub servers: Vec<ServerStatus>,
     /// Whose connects are rewritten: `host` (this network namespace) or `all`.
     #[serde(default)]
@@ -124,8 +161,10 @@ pub struct DiscoveryStatus {
     pub truncated: usize,
 }
 
+/// One server of a service.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServerStatus {
+    /// Where its connections go.
     pub address: SocketAddr,
     /// Live connections through the VIP to this server.
     pub connections: i64,
@@ -138,15 +177,19 @@ pub struct ServerStatus {
     pub last_check: Option<String>,
     /// `ready`, `serving` (drained) or `terminating`.
     pub readiness: String,
+    /// It is the service's default (preferred while healthy).
     pub default: bool,
     /// A connect to it through a VIP failed within the hold-down; the
     /// kernel skips it while another server is usable.
     pub recently_failed: bool,
 }
 
+/// The kernel programs and maps.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DatapathStatus {
+    /// The cgroup the programs are attached to.
     pub cgroup: String,
+    /// Where the programs and maps are pinned.
     pub bpffs: String,
     /// The programs were already attached when this daemon started.
     pub adopted: bool,
@@ -160,13 +203,16 @@ pub struct DatapathStatus {
     pub tracked_sockets: TrackedSockets,
 }
 
+/// Sockets in the kernel's socket tables.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TrackedSockets {
+    /// TCP sockets that connected through a VIP and are not closed yet.
     pub tcp: usize,
     /// Connected UDP sockets (tracked apart: they never take TCP's slots).
     pub udp: usize,
 }
 
+/// Optional kernel features.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Features {
     /// getpeername hooks (Linux 5.8+): applications see the VIP as peer.
