@@ -87,18 +87,28 @@ pub const FIRST_ELECTION_WAIT: Duration = Duration::from_secs(10);
 
 /// Server states, in increasing order of preference.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// See the module's table for what each means.
 pub enum State {
+    /// Removed (seen only in logs).
     Invalid,
+    /// Failed its checks, or a confirmed failed connect.
     Failed,
+    /// The default server outside the server list: a last resort.
     Standby,
+    /// Just added, no check result yet.
     Unchecked,
+    /// Passing again since it failed, not yet `rise` in a row.
     Recovering,
+    /// Passes its checks.
     Healthy,
+    /// Recently back or new: first choice in an election.
     Preferred,
+    /// Failover: the one server new connections go to.
     Active,
 }
 
 impl State {
+    /// The name in status, logs and metrics.
     pub const fn name(self) -> &'static str {
         match self {
             Self::Invalid => "invalid",
@@ -179,14 +189,18 @@ pub enum Readiness {
 /// A health check result. Unknown (the check could not run) changes nothing.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Health {
+    /// The check passed.
     Pass,
+    /// The check failed, and why.
     Fail(String),
+    /// The check could not run: it changes nothing.
     Unknown,
 }
 
 /// What the kernel reported about a connection through the VIP.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Connection {
+    /// A connect to a server with a failure mark established: it answers again.
     Established,
     /// Refused, reset or abandoned before establishing.
     ConnectFailed,
@@ -194,14 +208,19 @@ pub enum Connection {
     ConnectTimedOut,
 }
 
+/// Why a server's connections are closed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CloseReason {
+    /// The server left the service.
     Removed,
+    /// The server failed and there is somewhere better to go.
     Failed,
+    /// A server came back to the healthy class: off the last resorts.
     FailBack,
 }
 
 impl CloseReason {
+    /// The name in logs and metrics.
     pub const fn name(self) -> &'static str {
         match self {
             Self::Removed => "removed",
@@ -221,17 +240,35 @@ pub struct Selection {
     pub spread: usize,
 }
 
+/// What the daemon must do after an input.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Effect {
     /// Write this selection to the kernel (emitted only when it changed).
     WriteSelection(Selection),
     /// Reset the connections made through the VIP to `server`.
-    CloseConnections { server: SocketAddr, reason: CloseReason },
+    CloseConnections {
+        /// Whose connections.
+        server: SocketAddr,
+        /// Why, for logs and metrics.
+        reason: CloseReason,
+    },
     /// A server changed state (for logs and metrics).
-    StateChanged { server: SocketAddr, from: State, to: State, why: &'static str },
+    StateChanged {
+        /// Which server.
+        server: SocketAddr,
+        /// Its state before.
+        from: State,
+        /// Its state now.
+        to: State,
+        /// What made it change, in a few words.
+        why: &'static str,
+    },
     /// Check `server` now, out of turn: the kernel reported a failed
     /// connect and the result confirms or clears it.
-    CheckNow { server: SocketAddr },
+    CheckNow {
+        /// Which server.
+        server: SocketAddr,
+    },
 }
 
 /// Health check settings the state machine needs.
@@ -246,13 +283,18 @@ pub struct Checks {
     pub passive_only: bool,
 }
 
+/// One server as the state machine knows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Server {
+    /// Where its connections go.
     pub addr: SocketAddr,
+    /// See [`State`].
     pub state: State,
     /// In the server list (false: the default kept as `standby`).
     pub in_list: bool,
+    /// The service's default (preferred while healthy).
     pub is_default: bool,
+    /// What the endpoint declares (discovery); `Ready` otherwise.
     pub readiness: Readiness,
     /// Last check result: `None` until one is known.
     pub healthy: Option<bool>,
@@ -303,6 +345,7 @@ impl Server {
     }
 }
 
+/// The state machine of one service's servers; see the module.
 #[derive(Clone, Debug)]
 pub struct Balancer {
     policy: Policy,
@@ -347,14 +390,17 @@ impl Balancer {
         (balancer, effects)
     }
 
+    /// The list servers in configured order, then the standby default.
     pub fn servers(&self) -> &[Server] {
         &self.servers
     }
 
+    /// The server at `addr`, if the service has it.
     pub fn server(&self, addr: SocketAddr) -> Option<&Server> {
         self.servers.iter().find(|s| s.addr == addr)
     }
 
+    /// `failover` or `spread`.
     pub const fn policy(&self) -> Policy {
         self.policy
     }
@@ -365,6 +411,7 @@ impl Balancer {
         (list, self.servers.iter().find(|s| s.is_default).map(|s| s.addr))
     }
 
+    /// A reload changed the policy or the check settings.
     pub fn set_policy(&mut self, policy: Policy, checks: Checks, now: Instant) -> Vec<Effect> {
         let mut step = Step::begin(self);
         self.policy = policy;

@@ -19,16 +19,21 @@ pub struct Cli {
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 
+    /// What to do.
     #[command(subcommand)]
     pub command: Command,
 }
 
+/// How log lines are written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
+    /// For people.
     Text,
+    /// One JSON object per line, for log collectors.
     Json,
 }
 
+/// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the daemon in the foreground: attach the datapath (or adopt a

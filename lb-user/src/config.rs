@@ -18,10 +18,15 @@ use toml::Spanned;
 mod reparse;
 pub use reparse::{Read, Source};
 
+/// The config file when `--config` is not given.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/lb/config.toml";
+/// `daemon.bpffs`: where the programs and maps are pinned.
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
+/// `daemon.control_socket`.
 pub const DEFAULT_CONTROL_SOCKET: &str = "/run/lb/lb.sock";
+/// `daemon.state_dir`: server lists set at runtime, kept across restarts.
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/lb";
+/// A service's `hold_down`.
 pub const DEFAULT_HOLD_DOWN: Duration = Duration::from_secs(5);
 /// How long discovery waits for a burst of changes to settle (an apiserver
 /// adds, removes and re-adds itself while it starts): short enough that a
@@ -29,21 +34,28 @@ pub const DEFAULT_HOLD_DOWN: Duration = Duration::from_secs(5);
 pub const DEFAULT_DEBOUNCE: Duration = Duration::from_secs(1);
 /// Bounds of DNS re-resolution: the records' TTL, clamped to these.
 pub const DEFAULT_DNS_REFRESH_MIN: Duration = Duration::from_secs(5);
+/// See [`DEFAULT_DNS_REFRESH_MIN`].
 pub const DEFAULT_DNS_REFRESH_MAX: Duration = Duration::from_secs(300);
 
 /// A validated configuration.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
+    /// The `[daemon]` table.
     pub daemon: Daemon,
+    /// The `[[service]]` tables, in the file's order.
     pub services: Vec<Service>,
 }
 
+/// The `[daemon]` table: where the daemon attaches, pins and listens.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Daemon {
     /// cgroup v2 directory to attach to; `None`: the root of the cgroup2 mount.
     pub cgroup: Option<PathBuf>,
+    /// Where the programs and maps are pinned (on a BPF filesystem).
     pub bpffs: PathBuf,
+    /// The control socket of `lb status` and the other client commands.
     pub control_socket: PathBuf,
+    /// Where server lists set at runtime are kept across restarts.
     pub state_dir: PathBuf,
     /// Where to serve Prometheus metrics; off when `None`.
     pub metrics: Option<SocketAddr>,
@@ -52,6 +64,7 @@ pub struct Daemon {
     pub kubeconfig: Option<PathBuf>,
 }
 
+/// How a service spreads its connections.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
     /// One server at a time: the first usable one.
@@ -69,15 +82,23 @@ impl fmt::Display for Policy {
     }
 }
 
+/// One `[[service]]` table.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Service {
+    /// Unique in the file; names the service in commands, status and metrics.
     pub name: String,
+    /// The address clients connect to.
     pub vip: SocketAddr,
+    /// The servers, in order of preference.
     pub servers: Vec<SocketAddr>,
+    /// The server preferred while healthy, if any (a last resort when it is
+    /// not in `servers`).
     pub default: Option<SocketAddr>,
+    /// How connections spread over the servers.
     pub policy: Policy,
     /// How long the kernel skips a server after a connect to it failed.
     pub hold_down: Duration,
+    /// The `[service.health]` table.
     pub health: HealthConfig,
     /// Where the server list comes from besides `servers` (which are then
     /// the bootstrap list); `None`: only `servers` and `lb servers`.
@@ -111,14 +132,28 @@ impl fmt::Display for Scope {
 pub enum Discovery {
     /// The endpoints of a Kubernetes Service (its EndpointSlices), per
     /// endpoint and its conditions.
-    Kubernetes { namespace: String, service: String, port: PortRef, debounce: Duration },
+    Kubernetes {
+        /// The Service's namespace.
+        namespace: String,
+        /// The Service's name.
+        service: String,
+        /// Which of its ports the servers listen on.
+        port: PortRef,
+        /// How long a burst of changes settles before it applies.
+        debounce: Duration,
+    },
     /// The A (IPv4 VIP) or AAAA (IPv6 VIP) records of `name`, re-resolved
     /// at their TTL clamped to `refresh_min..=refresh_max`.
     Dns {
+        /// The name to resolve.
         name: String,
+        /// The port of every server found.
         port: u16,
+        /// How long a burst of changes settles before it applies.
         debounce: Duration,
+        /// The shortest time between two resolutions.
         refresh_min: Duration,
+        /// The longest time between two resolutions.
         refresh_max: Duration,
     },
 }
@@ -126,10 +161,13 @@ pub enum Discovery {
 /// A Service port, by name (`"https"`) or number.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PortRef {
+    /// The port's name in the Service (and its EndpointSlices).
     Name(String),
+    /// The port number.
     Number(u16),
 }
 
+/// What a health check does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CheckKind {
     /// A TCP connect.
@@ -142,21 +180,32 @@ pub enum CheckKind {
     None,
 }
 
+/// The `[service.health]` table.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HealthConfig {
+    /// What a check does.
     pub check: CheckKind,
+    /// The path an HTTP(S) check gets.
     pub path: String,
+    /// Time between two checks of a server.
     pub interval: Duration,
+    /// How long one check may take before it fails.
     pub timeout: Duration,
+    /// Passes in a row that make a server usable again.
     pub rise: u32,
+    /// Failures in a row that make a server failed.
     pub fall: u32,
     /// Passing HTTP statuses, inclusive.
     pub status: (u16, u16),
+    /// CA bundle to verify HTTPS servers with; the system's when `None`.
     pub ca_file: Option<PathBuf>,
+    /// Client certificate (PEM) for HTTPS checks, with `key_file`.
     pub cert_file: Option<PathBuf>,
+    /// Client key (PEM) of `cert_file`.
     pub key_file: Option<PathBuf>,
     /// TLS server name to verify instead of the server's IP address.
     pub server_name: Option<String>,
+    /// Do not verify HTTPS servers' certificates at all.
     pub insecure_skip_verify: bool,
 }
 
@@ -189,6 +238,7 @@ pub struct Problem {
     /// The key, e.g. `service[0] ("api"): servers[1]`; empty for the file
     /// as a whole.
     pub key: String,
+    /// What is wrong, and what would be right.
     pub what: String,
 }
 
@@ -259,7 +309,9 @@ impl fmt::Display for Key<'_> {
 /// A configuration error: one or more problems in one file.
 #[derive(Debug, thiserror::Error)]
 pub struct ConfigError {
+    /// The config file.
     pub file: PathBuf,
+    /// Everything wrong with it, in the file's order.
     pub problems: Vec<Problem>,
 }
 
@@ -308,22 +360,41 @@ pub enum Slot {
 /// discovered lists: [`check_servers`] is the one place they are decided.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ServerProblem {
+    /// A server without a port.
     #[error("{0} has port 0")]
     PortZero(SocketAddr),
+    /// A server at 0.0.0.0 or `::`.
     #[error("{0} is the unspecified address")]
     Unspecified(SocketAddr),
+    /// The same server twice.
     #[error("{0} is listed twice")]
     Duplicate(SocketAddr),
+    /// A server of the other address family than the VIP.
     #[error(
         "{addr} is {} but the VIP {vip} is {}; a socket dialling the VIP cannot reach it",
         family(addr),
         family(vip)
     )]
-    Family { addr: SocketAddr, vip: SocketAddr },
+    Family {
+        /// The server.
+        addr: SocketAddr,
+        /// The service's VIP.
+        vip: SocketAddr,
+    },
+    /// A server that is some service's VIP.
     #[error("{addr} is the VIP of {owner}; using it as a server would loop")]
-    IsVip { addr: SocketAddr, owner: String },
+    IsVip {
+        /// The server.
+        addr: SocketAddr,
+        /// The service whose VIP it is.
+        owner: String,
+    },
+    /// More servers than the kernel's selection holds.
     #[error("{count} servers (with the default), at most {MAX_SERVERS} are supported")]
-    TooMany { count: usize },
+    TooMany {
+        /// How many there are, with the default.
+        count: usize,
+    },
 }
 
 /// Checks a server list and default for the service at `vip`.
@@ -475,7 +546,9 @@ struct RawHealth {
 /// disk has just been broken (that is when an operator needs them).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClientPaths {
+    /// `daemon.control_socket`, or its default.
     pub control_socket: PathBuf,
+    /// `daemon.bpffs`, or its default.
     pub bpffs: PathBuf,
 }
 
@@ -485,6 +558,8 @@ fn read_text(path: &Path) -> Result<String, ConfigError> {
 }
 
 impl ClientPaths {
+    /// Reads them from the config file at `path`: only an unreadable file
+    /// is an error; anything unparsable gives the defaults.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = read_text(path)?;
         let table: toml::Table = text.parse().unwrap_or_default();

@@ -77,8 +77,11 @@ enum Closing {
     RemovedVips,
 }
 
+/// How `lb run` was started.
 pub struct Options {
+    /// The config file.
     pub config_path: PathBuf,
+    /// Forward the kernel programs' debug log (`--bpf-log`).
     pub bpf_log: bool,
     /// Detach everything on SIGTERM/SIGINT instead of leaving the datapath
     /// working (fail-static).

@@ -108,8 +108,11 @@ pub struct Forgotten {
 /// What one VIP gets in the kernel: its selection and its hold-down.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VipEntry {
+    /// The address clients connect to.
     pub vip: SocketAddr,
+    /// The servers, best first, and the spread.
     pub selection: Selection,
+    /// How long the kernel skips a server after a connect to it failed.
     pub hold_down: Duration,
     /// Whose connects are rewritten: this network namespace's, or all.
     pub scope: Scope,
@@ -121,8 +124,11 @@ pub struct VipEntry {
 /// A live socket that connected through a VIP (from the kernel's table).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct VipSocket {
+    /// The socket's cookie (what SOCK_DESTROY is asked to close).
     pub cookie: u64,
+    /// The VIP it dialled.
     pub vip: SocketAddr,
+    /// The server it was sent to.
     pub server: SocketAddr,
 }
 

@@ -13,6 +13,9 @@
 //!   (the TOML file and the one validation of server lists);
 //! - `sock_destroy` (closing VIP connections), `state` (server lists set at
 //!   runtime, kept across restarts).
+//!
+//! Every public item is documented (`missing_docs`).
+#![warn(missing_docs)]
 
 pub mod balancer;
 pub mod cli;

@@ -5,7 +5,7 @@
 //!
 //! The per-server series (state, health, connections, failures, closings:
 //! 14 series a server) are kept as plain numbers, one small record per
-//! server, and written out at each scrape ([`ServerSeries`]). As labelled
+//! server, and written out at each scrape (`ServerSeries`). As labelled
 //! series in `prometheus-client` families they took about 3 KB a server,
 //! 30 MB with 10,000 services. A server that leaves its service keeps its
 //! counters for [`KEEP_DEPARTED`].
@@ -44,30 +44,42 @@ use tracing::{debug, info, warn};
 
 use crate::balancer::State;
 
+/// Labels of a per-server series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ServerLabels {
+    /// The service's name.
     pub service: String,
+    /// The server's address.
     pub server: String,
 }
 
+/// Labels of a per-service series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ServiceLabels {
+    /// The service's name.
     pub service: String,
 }
 
+/// Labels of `lb_datapath_decisions`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
+    /// The kernel's reason (`lb_common::Reason`'s name).
     pub reason: String,
 }
 
+/// Labels of `lb_config_reloads`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
+    /// `success` or `failure`.
     pub result: String,
 }
 
+/// Labels of `lb_discovery_updates`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DiscoveryLabels {
+    /// The service's name.
     pub service: String,
+    /// `kubernetes` or `dns`.
     pub source: String,
     /// `applied`, `empty` (kept the last list) or `error`.
     pub result: String,
@@ -198,15 +210,26 @@ impl Collector for ServerCollector {
     }
 }
 
+/// The daemon's Prometheus metrics: the families below, and the per-server
+/// series (state, health, connections, closes) kept apart and encoded by a
+/// collector.
 pub struct Metrics {
     registry: Registry,
     servers: Arc<Mutex<Servers>>,
+    /// `lb_selection_changes`: selections written to the kernel.
     pub selection_changes: Family<ServiceLabels, Counter>,
+    /// `lb_health_check_duration_seconds`.
     pub health_check_duration: HistogramFamily,
+    /// `lb_datapath_decisions`: the kernel's counters, by reason.
     pub datapath_decisions: Family<ReasonLabels, Counter>,
+    /// `lb_config_reloads`, by result.
     pub config_reloads: Family<ResultLabels, Counter>,
+    /// `lb_discovery_updates`: lists from discovery sources, by result.
     pub discovery_updates: Family<DiscoveryLabels, Counter>,
+    /// `lb_discovery_last_success_timestamp_seconds`.
     pub discovery_last_success: Family<ServiceLabels, Gauge>,
+    /// `lb_discovery_truncated_endpoints`: endpoints beyond the 16 a
+    /// service holds.
     pub discovery_truncated: Family<ServiceLabels, Gauge>,
     /// Kernel counters as last read, to turn them into counter increments.
     last_decisions: HashMap<&'static str, u64>,
@@ -217,11 +240,13 @@ fn health_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 15))
 }
 
+/// The labels of `server` of `service`.
 pub fn server_labels(service: &str, server: SocketAddr) -> ServerLabels {
     ServerLabels { service: service.to_owned(), server: server.to_string() }
 }
 
 impl Metrics {
+    /// Every family registered, no series yet.
     pub fn new() -> Self {
         let mut registry = Registry::default();
         let servers = Arc::new(Mutex::new(Servers::new()));
@@ -315,6 +340,7 @@ impl Metrics {
         }
     }
 
+    /// The server's state in the balancer.
     pub fn set_state(&self, service: &str, server: SocketAddr, state: State) {
         self.update(service, server, |series| series.state = state);
     }

@@ -15,11 +15,19 @@ use crate::config::Service;
 pub enum Change {
     /// Stop rewriting this service's VIP and close its connections (unless
     /// an added service takes the VIP over).
-    Remove { name: String },
+    Remove {
+        /// The service's name.
+        name: String,
+    },
     /// A new service (or one whose VIP changed, after its `Remove`).
     Add(Service),
     /// A service that stays, with what changed about it.
-    Update { service: Service, what: Update },
+    Update {
+        /// The service as the new config has it.
+        service: Service,
+        /// What about it changed.
+        what: Update,
+    },
 }
 
 /// What changed about a service that stays.

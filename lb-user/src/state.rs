@@ -20,17 +20,23 @@ use tracing::error;
 
 const FILE: &str = "servers.json";
 
+/// The whole state file.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SavedState {
+    /// By service name: the lists set at runtime or discovered.
     pub services: BTreeMap<String, SavedList>,
 }
 
+/// One service's saved list.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SavedList {
+    /// The servers, in order of preference.
     pub servers: Vec<SocketAddr>,
+    /// The default, if any.
     pub default: Option<SocketAddr>,
-    /// The config's list and default when this was saved.
+    /// The config's list when this was saved.
     pub configured: Vec<SocketAddr>,
+    /// The config's default when this was saved.
     pub configured_default: Option<SocketAddr>,
     /// Servers a discovery source declared serving but not ready
     /// (terminating): drained again after a restart.

@@ -543,7 +543,7 @@ impl Daemon {
     }
 
     /// As `start_with_env`, without starting `lb run`: for a caller that
-    /// times the start itself ([`Daemon::spawn`]).
+    /// times the start itself ([`Daemon::spawn_with`]).
     pub fn prepare(
         name: &str,
         cgroup: &TestCgroup,

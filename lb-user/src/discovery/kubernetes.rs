@@ -4,7 +4,7 @@
 //! `kubernetes.io/service-name=<service>` in the namespace (kube-runtime's
 //! watcher: list, then watch from the list's resourceVersion, with
 //! bookmarks), keeps every slice of the service by name, and after each
-//! change merges them ([`endpoints_of`]):
+//! change merges them (`endpoints_of`):
 //! - only slices whose `addressType` is the VIP's family (a dual-stack
 //!   Service has one slice per family), and of each slice the port named
 //!   (or numbered) in the config. A slice lists the endpoints' own
@@ -16,7 +16,7 @@
 //!   but `serving` (nil: as ready) → [`Readiness::Serving`] (terminating,
 //!   drained); not serving → left out. Of an endpoint's addresses only the
 //!   first is used, as kube-proxy does;
-//! - ranked and cut to the best 16 by [`super::rank`].
+//! - ranked and cut to the best 16 by `super::rank`.
 //!
 //! A relist (the first list, a `410 Gone`, any watch failure) replaces the
 //! whole view when it completes: slices that are not in it are gone. A
@@ -29,7 +29,7 @@
 //! ## Reaching the apiserver (k3s 11349)
 //! The client is kube's usual stack (the kubeconfig's or the service
 //! account's TLS settings, server name and credentials, verified) on a
-//! connector of our own, [`Dialer`]. When the Service discovered is the
+//! connector of our own, `Dialer`. When the Service discovered is the
 //! apiservers' own (`default/kubernetes`), or the kubeconfig's server is
 //! this service's VIP or one of its usable servers, each new connection is
 //! dialled to the first server of the daemon's current usable list that

@@ -12,7 +12,7 @@
 //!   apiservers themselves (k3s 11349).
 //! - [`dns`]: the A or AAAA records of a name, re-resolved at their TTL.
 //!
-//! Both sources produce [`Signal`]s; [`forward`] debounces them into
+//! Both sources produce `Signal`s; `forward` debounces them into
 //! [`Update`]s, the same way for both.
 
 pub mod dns;
@@ -43,6 +43,7 @@ pub const DNS_SERVER_ENV: &str = "LB_DNS_SERVER";
 /// One discovered server and what its source says of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Endpoint {
+    /// Where it listens.
     pub addr: SocketAddr,
     /// [`Readiness::Ready`], or [`Readiness::Serving`] for an endpoint that
     /// is terminating but still serving (drained: no new connections while
@@ -53,7 +54,9 @@ pub struct Endpoint {
 /// Where a list came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Source {
+    /// A Kubernetes Service's EndpointSlices.
     Kubernetes,
+    /// DNS A/AAAA records.
     Dns,
 }
 
@@ -76,7 +79,9 @@ impl fmt::Display for Source {
 /// What a discovery task tells the daemon.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Update {
+    /// The service whose list it is.
     pub service: String,
+    /// Where it came from.
     pub source: Source,
     /// The whole list, best first (ready before serving, then by address),
     /// at most [`MAX_SERVERS`]; or why the sync failed (the daemon keeps
