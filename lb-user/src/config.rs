@@ -565,9 +565,11 @@ impl ClientPaths {
     }
 
     /// The `[daemon]` table usually comes first: then only the text before
-    /// the first `[[service]]` is parsed, so that a client command against
-    /// 10,000 services does not wait for the whole file. A cut that does not
-    /// parse, or has no `[daemon]`, falls back to the whole file.
+    /// the first line that opens an array of tables (`[[service]]`) is
+    /// parsed, so that a client command against 10,000 services does not
+    /// wait for the whole file. A head that does not parse (the cut fell
+    /// inside a multi-line value) or has no `[daemon]` falls back to the
+    /// whole file.
     fn of_text(text: &str) -> Self {
         let services_start = text
             .match_indices('\n')
