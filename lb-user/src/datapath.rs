@@ -538,7 +538,7 @@ impl PinnedMaps {
 
     /// Every server with a failure mark in `FAILED_AT`.
     pub fn failure_marks(&self) -> Vec<SocketAddr> {
-        self.failed_at.keys().filter_map(Result::ok).map(SocketAddr::from).collect()
+        self.failure_times().into_keys().collect()
     }
 
     /// Every (VIP, server) pair in `CONNECTIONS`, with its count.

@@ -236,7 +236,8 @@ impl Drop for SlowToOne {
     }
 }
 
-const TCP_SYN_SENT: u8 = 2;
+/// `tcpi_state` of a connect in progress.
+pub const TCP_SYN_SENT: u8 = 2;
 
 fn check(rc: libc::c_int, what: &str) {
     assert!(rc == 0, "{what}: {}", std::io::Error::last_os_error());
@@ -346,7 +347,7 @@ fn nonblocking_connect(from: SocketAddr, to: SocketAddr) -> OwnedFd {
 }
 
 /// `tcpi_state` of a TCP socket (the first byte of `struct tcp_info`).
-fn tcp_state(fd: &OwnedFd) -> Option<u8> {
+pub fn tcp_state(fd: &OwnedFd) -> Option<u8> {
     let mut info = [0u8; 256];
     let mut len = info.len() as libc::socklen_t;
     // SAFETY: a valid socket and an out-buffer of the size we pass.

@@ -1215,7 +1215,7 @@ pub fn in_new_netns<T: Send + 'static>(body: impl FnOnce() -> T + Send + 'static
         );
         let ns = File::open("/proc/thread-self/ns/net").expect("opening /proc/thread-self/ns/net");
         let _ = ns_tx.send(NetnsGuard { ns });
-        set_loopback_up();
+        loopback_up().expect("bringing lo up in the new network namespace");
         body()
     })
     .join();
@@ -1300,23 +1300,29 @@ fn tasks_in_netns(id: (u64, u64)) -> Vec<(i32, i32, String)> {
     tasks
 }
 
-fn set_loopback_up() {
-    // SAFETY: plain socket/ioctl calls on a zeroed, correctly sized ifreq.
+/// Brings up `lo` in this thread's network namespace (a new one starts
+/// with it down).
+pub fn loopback_up() -> std::io::Result<()> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    // SAFETY: plain socket/ioctl calls on a zeroed, correctly sized ifreq;
+    // the new descriptor is owned at once.
     unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0);
-        assert!(fd >= 0);
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let fd = OwnedFd::from_raw_fd(fd);
         let mut ifr: libc::ifreq = std::mem::zeroed();
         for (dst, src) in ifr.ifr_name.iter_mut().zip(b"lo\0") {
             *dst = *src as libc::c_char;
         }
-        assert_eq!(libc::ioctl(fd, libc::SIOCGIFFLAGS, &mut ifr), 0);
+        if libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFFLAGS, &mut ifr) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
         ifr.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
-        assert_eq!(
-            libc::ioctl(fd, libc::SIOCSIFFLAGS, &mut ifr),
-            0,
-            "bringing lo up: {}",
-            std::io::Error::last_os_error()
-        );
-        libc::close(fd);
+        if libc::ioctl(fd.as_raw_fd(), libc::SIOCSIFFLAGS, &mut ifr) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
     }
+    Ok(())
 }

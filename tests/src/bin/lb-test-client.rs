@@ -58,6 +58,11 @@ use std::{
     time::Duration,
 };
 
+use lb_tests::{
+    hardening::{TCP_SYN_SENT, tcp_state},
+    loopback_up, monotonic_ns,
+};
+
 const TIMEOUT: Duration = Duration::from_secs(5);
 
 fn main() {
@@ -232,15 +237,6 @@ fn storm(addr: &str, threads: usize, duration: Duration, stop_file: &str) -> Str
         latest.join(","),
         counts(errors)
     )
-}
-
-/// CLOCK_MONOTONIC in nanoseconds: comparable across processes.
-fn monotonic_ns() -> u64 {
-    // SAFETY: clock_gettime fills the struct we pass.
-    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
-    // SAFETY: valid clock id and out-pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 fn udp(addr: &str) -> Result<(SocketAddr, String), String> {
@@ -449,25 +445,6 @@ fn churn(n: Option<&str>, mut one: impl FnMut() -> Result<(), String>) -> String
     format!("churned ok={ok} failed={failed}")
 }
 
-/// `tcpi_state` of a TCP socket (the first byte of `struct tcp_info`).
-fn tcp_state(fd: &OwnedFd) -> Option<u8> {
-    let mut info = [0u8; 256];
-    let mut len = info.len() as libc::socklen_t;
-    // SAFETY: a valid socket and an out-buffer of the size we pass.
-    let rc = unsafe {
-        libc::getsockopt(
-            fd.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_INFO,
-            info.as_mut_ptr().cast(),
-            &mut len,
-        )
-    };
-    (rc == 0).then_some(info[0])
-}
-
-const TCP_SYN_SENT: u8 = 2;
-
 fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
     // SAFETY: an all-zero sockaddr_storage is valid; we fill one variant.
     let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
@@ -550,7 +527,7 @@ fn netns(vip: &str, server: &str) -> Result<String, String> {
     if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
         return Err(format!("unshare(CLONE_NEWNET): {}", std::io::Error::last_os_error()));
     }
-    loopback_up()?;
+    loopback_up().map_err(|e| format!("bringing lo up: {e}"))?;
     for (addr, name) in [(vip, "pod-vip"), (server, "pod-server")] {
         let listener =
             TcpListener::bind(addr).map_err(|e| format!("bind {addr} in the new netns: {e}"))?;
@@ -565,27 +542,4 @@ fn netns(vip: &str, server: &str) -> Result<String, String> {
     }
     let (_, peer, greeting) = connect(&vip.to_string())?;
     Ok(format!("ok {peer} {greeting}"))
-}
-
-fn loopback_up() -> Result<(), String> {
-    // SAFETY: plain socket/ioctl calls on a zeroed, correctly sized ifreq.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
-        if fd < 0 {
-            return Err(format!("socket: {}", std::io::Error::last_os_error()));
-        }
-        let fd = OwnedFd::from_raw_fd(fd);
-        let mut ifr: libc::ifreq = std::mem::zeroed();
-        for (dst, src) in ifr.ifr_name.iter_mut().zip(b"lo\0") {
-            *dst = *src as libc::c_char;
-        }
-        if libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFFLAGS, &mut ifr) != 0 {
-            return Err(format!("SIOCGIFFLAGS lo: {}", std::io::Error::last_os_error()));
-        }
-        ifr.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
-        if libc::ioctl(fd.as_raw_fd(), libc::SIOCSIFFLAGS, &mut ifr) != 0 {
-            return Err(format!("bringing lo up: {}", std::io::Error::last_os_error()));
-        }
-    }
-    Ok(())
 }
