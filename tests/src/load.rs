@@ -230,9 +230,10 @@ pub struct HoldStats {
 /// so that it can hold tens of thousands, and counts how they end: a
 /// connection reset by the daemon (SOCK_DESTROY aborts the client's socket,
 /// which sends a reset) is told apart from a client's normal close.
-/// [`kill`](Self::kill) closes its listener without resetting the
-/// connections already in its accept queue, so that the only failed
-/// connects a kill causes are refusals.
+/// [`kill`](Self::kill) serves the connections already in its accept
+/// queue before it closes its listener, so that a kill causes refusals and
+/// at most a few resets: of the connections that reach the queue between
+/// its last accept and the close (the kernel resets those).
 pub struct HoldBackend {
     pub name: String,
     pub addr: SocketAddr,

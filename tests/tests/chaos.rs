@@ -47,8 +47,10 @@ const THREADS: usize = 200;
 /// backend's kill serves every connection already in its accept queue
 /// before it closes the listener, so resets (or aborts, when the daemon
 /// closes the dead server's connections) can only hit connects that were
-/// connected to it before it died and had no greeting yet: the few of
-/// the last microseconds. Four per CPU, at least 8: 200 threads share 4
+/// connected to it before it died and had no greeting yet: the few that
+/// reached the queue after its last accept, or had not been greeted, in
+/// the last microseconds (`connect` itself reports the reset when the
+/// connecting thread had not run since the handshake). Four per CPU, at least 8: 200 threads share 4
 /// (spread) or 1 (failover) servers, so a kernel that kept sending to a
 /// dead server, or a daemon that sent traffic back to it, goes far past it.
 fn max_failed_per_kill() -> usize {

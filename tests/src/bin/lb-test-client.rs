@@ -21,8 +21,9 @@
 //!   but every attempt is written to OUTFILE as one line `ADDRINDEX START_NS
 //!   END_NS FINAL OUTCOME` (CLOCK_MONOTONIC; FINAL is 1 for the attempt
 //!   after the stop; OUTCOME is the greeting, or `!refused`, `!reset`
-//!   (reset or EOF before the greeting), `!aborted` (ECONNABORTED before
-//!   the greeting), `!other:WHAT`);
+//!   (reset or EOF before the greeting, `connect` included), `!aborted`
+//!   (ECONNABORTED before the greeting, `connect` included),
+//!   `!other:WHAT`);
 //! - `hold ADDR COUNT THREADS` → `held ok=N failed=N names=NAME:N,...
 //!   errors=WHAT:N,...`: opens COUNT connections (raising RLIMIT_NOFILE as
 //!   needed), reads each greeting and keeps them open;
@@ -270,16 +271,22 @@ fn alive(stream: &TcpStream) -> String {
 
 /// One attempt of `chaos`: connect, ask `who`, read the greeting, close.
 /// The outcome says which server answered, or how it failed.
+///
+/// A reset or an abort counts the same whether `connect` itself or a later
+/// step reports it. `connect` reports one when the handshake completed and
+/// the connection was reset (a listener closed with it in its accept
+/// queue) or destroyed before the connecting thread ran again: on a loaded
+/// machine the handshake runs in ksoftirqd while that thread waits.
 fn chaos_attempt(addr: SocketAddr) -> String {
-    let stream = match TcpStream::connect_timeout(&addr, TIMEOUT) {
-        Ok(stream) => stream,
-        Err(e) if e.kind() == ErrorKind::ConnectionRefused => return "!refused".to_owned(),
-        Err(e) => return format!("!other:connect:{:?}", e.kind()),
-    };
     let failed = |step: &str, e: &std::io::Error| match e.kind() {
         ErrorKind::ConnectionReset | ErrorKind::BrokenPipe => "!reset".to_owned(),
         ErrorKind::ConnectionAborted => "!aborted".to_owned(),
         kind => format!("!other:{step}:{kind:?}"),
+    };
+    let stream = match TcpStream::connect_timeout(&addr, TIMEOUT) {
+        Ok(stream) => stream,
+        Err(e) if e.kind() == ErrorKind::ConnectionRefused => return "!refused".to_owned(),
+        Err(e) => return failed("connect", &e),
     };
     if let Err(e) = stream.set_read_timeout(Some(TIMEOUT)) {
         return failed("timeout", &e);
