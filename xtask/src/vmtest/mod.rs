@@ -204,13 +204,6 @@ pub fn run(kernels: &[KernelSpec]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Builds `lb` and the `lb-tests` binaries and fixes them under
-/// `<base>/bin`.
-///
-/// `lb` is the release build: the guest runs under software emulation,
-/// where the debug build is too slow for the tests' own deadlines (a
-/// daemon must answer within 60 s). The test binaries stay debug builds;
-/// they do little work of their own.
 /// Test binaries that run on the host kernel only: load tests (200
 /// threads, 10,000 connections) that say nothing more about a kernel than
 /// the others do and would take many minutes under software emulation,
@@ -221,6 +214,13 @@ const HOST_ONLY: [&str; 3] = ["chaos", "stress", "discovery"];
 /// through which each test finds its copy.
 const CLIENTS: [(&str, &str); 1] = [("lb-test-client", "LB_TEST_CLIENT")];
 
+/// Builds `lb` and the `lb-tests` binaries and fixes them under
+/// `<base>/bin`.
+///
+/// `lb` is the release build: the guest runs under software emulation,
+/// where the debug build is too slow for the tests' own deadlines (a
+/// daemon must answer within 60 s). The test binaries stay debug builds;
+/// they do little work of their own.
 fn build(base: &Path) -> anyhow::Result<Binaries> {
     println!("==> building lb (release) and the integration tests");
     crate::cargo(&["build", "--release", "--package", "lb-user"])?;
