@@ -8,7 +8,11 @@
 //!
 //! `AYA_BUILD_SKIP=1` skips the eBPF build (host-only builds, docs).
 
-use std::{env, fs, path::PathBuf};
+use std::{
+    env,
+    fs::{self, File},
+    path::{Path, PathBuf},
+};
 
 use anyhow::Context as _;
 use aya_build::{Package, Toolchain};
@@ -53,5 +57,35 @@ fn main() -> anyhow::Result<()> {
     let ebpf_dir = workspace.join("lb-ebpf");
     let ebpf_dir = ebpf_dir.to_str().context("lb-ebpf path is not UTF-8")?;
     let package = Package { name: "lb-ebpf", root_dir: ebpf_dir, ..Default::default() };
-    aya_build::build_ebpf([package], Toolchain::Nightly)
+    build_shared(&target_dir.join("ebpf"), package)
+}
+
+/// Builds the object in `shared` and copies it to this build's `OUT_DIR`.
+///
+/// aya-build builds under `OUT_DIR`, which cargo gives each build of this
+/// script: check, clippy, test, debug and release each have their own. So
+/// each of them compiled `core` and the programs for the BPF target again
+/// (35-45 s each, four times in `cargo xtask test`), although that build
+/// is always the same (release, for the BPF target, the same flags). Here
+/// it runs in one directory they all share, so that only the first does
+/// the work; a lock keeps two concurrent builds (an editor's check and a
+/// build) from copying a half-written object.
+fn build_shared(shared: &Path, package: Package<'_>) -> anyhow::Result<()> {
+    let out_dir = PathBuf::from(env::var_os("OUT_DIR").context("OUT_DIR is not set")?);
+    fs::create_dir_all(shared).with_context(|| format!("creating {}", shared.display()))?;
+    let lock = File::create(shared.join(".lock"))
+        .with_context(|| format!("creating {}", shared.join(".lock").display()))?;
+    lock.lock().with_context(|| format!("locking {}", shared.join(".lock").display()))?;
+    // aya-build takes its directory from OUT_DIR and has no other way to
+    // be told.
+    // SAFETY: as above, nothing reads the environment concurrently.
+    unsafe { env::set_var("OUT_DIR", shared) };
+    let built = aya_build::build_ebpf([package], Toolchain::Nightly);
+    // SAFETY: as above.
+    unsafe { env::set_var("OUT_DIR", &out_dir) };
+    built?;
+    fs::copy(shared.join("lb"), out_dir.join("lb")).with_context(|| {
+        format!("copying {} to {}", shared.join("lb").display(), out_dir.display())
+    })?;
+    Ok(())
 }
