@@ -6,6 +6,9 @@
 //! lb) installs them, once. Without the linker the build fails with one
 //! line saying so.
 //!
+//! The object is built once in `target/ebpf/`, which every profile and
+//! tool (check, clippy, test, debug, release) shares; see `build_shared`.
+//!
 //! `AYA_BUILD_SKIP=1` skips the eBPF build (host-only builds, docs).
 
 use std::{

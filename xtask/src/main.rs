@@ -280,9 +280,10 @@ fn test() -> anyhow::Result<()> {
 
     println!("==> the integration tests on other kernels, in VMs");
     if std::env::var("CI").is_ok_and(|v| v == "true") {
-        // Three kernels take ~10.5 min under software emulation, which on
-        // top of a cold build passes 20 min; CI keeps the oldest and the
-        // newest. `cargo xtask vmtest` runs all three.
+        // A kernel takes 6-7 min under software emulation on the 2-CPU
+        // machine; three, with lb's release build (5.5 min), would take
+        // 25 min of CI's 40. CI keeps the oldest and the newest (19 min).
+        // `cargo xtask vmtest` runs all three.
         println!("CI: Linux 5.10 (bullseye) and 6.12 (trixie); `cargo xtask vmtest` adds 6.1");
         vmtest::run(&[KernelSpec::Release(Release::Bullseye), KernelSpec::Release(Release::Trixie)])
     } else {
