@@ -76,9 +76,10 @@ fn main() -> anyhow::Result<()> {
 fn build_shared(shared: &Path, package: Package<'_>) -> anyhow::Result<()> {
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").context("OUT_DIR is not set")?);
     fs::create_dir_all(shared).with_context(|| format!("creating {}", shared.display()))?;
-    let lock = File::create(shared.join(".lock"))
-        .with_context(|| format!("creating {}", shared.join(".lock").display()))?;
-    lock.lock().with_context(|| format!("locking {}", shared.join(".lock").display()))?;
+    let lock_path = shared.join(".lock");
+    let lock =
+        File::create(&lock_path).with_context(|| format!("creating {}", lock_path.display()))?;
+    lock.lock().with_context(|| format!("locking {}", lock_path.display()))?;
     // aya-build takes its directory from OUT_DIR and has no other way to
     // be told.
     // SAFETY: as above, nothing reads the environment concurrently.
@@ -87,8 +88,8 @@ fn build_shared(shared: &Path, package: Package<'_>) -> anyhow::Result<()> {
     // SAFETY: as above.
     unsafe { env::set_var("OUT_DIR", &out_dir) };
     built?;
-    fs::copy(shared.join("lb"), out_dir.join("lb")).with_context(|| {
-        format!("copying {} to {}", shared.join("lb").display(), out_dir.display())
-    })?;
+    let object = shared.join("lb");
+    fs::copy(&object, out_dir.join("lb"))
+        .with_context(|| format!("copying {} to {}", object.display(), out_dir.display()))?;
     Ok(())
 }

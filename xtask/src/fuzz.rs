@@ -47,9 +47,8 @@ const INPUT_TIMEOUT_SECONDS: u64 = 10;
 /// paths; the one `read_unaligned`, `kernel_event`'s decoding of a record,
 /// sits behind its length check), where AddressSanitizer has no memory
 /// error to find; libFuzzer still catches every panic, overflow, hang and
-/// blow-up. Without it the
-/// targets build in about 6.5 minutes instead of 8 on the 2-CPU machine
-/// and run about twice the inputs per second.
+/// blow-up. Without it the targets build in about 7 minutes instead of 8
+/// on the 2-CPU machine and run 4-5 times the inputs per second.
 const BUILD_ARGS: [&str; 4] = ["--release", "--debug-assertions", "--sanitizer", "none"];
 
 #[derive(clap::Args, Debug)]
