@@ -1340,6 +1340,7 @@ mod tests {
     #[test]
     fn scope_defaults_to_host_for_loopback_vips_only() {
         assert_eq!(parse(GOOD).unwrap().services[0].scope, Scope::Host);
+        // A non-loopback VIP, parsed only (nothing dials it), for its default.
         let cluster = GOOD
             .replace("127.0.0.1:6444", "[fd00::1]:6444")
             .replace("127.0.0.", "[fd00::")
@@ -1394,8 +1395,8 @@ mod tests {
                 "discovery.kubernetes.port: 0 is not a port",
             ),
             (
-                "dns = { name = \"10.0.0.1\", port = 53 }\n",
-                "discovery.dns.name: \"10.0.0.1\" is not a DNS name",
+                "dns = { name = \"127.10.0.1\", port = 53 }\n",
+                "discovery.dns.name: \"127.10.0.1\" is not a DNS name",
             ),
             ("dns = { name = \"x\", port = 70000 }\n", "discovery.dns.port: 70000 is not a port"),
             (

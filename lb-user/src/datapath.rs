@@ -1261,7 +1261,7 @@ mod tests {
     fn forget_takes_only_what_no_service_has() {
         let a = |s: &str| -> SocketAddr { s.parse().unwrap() };
         let (vip1, vip2) = (a("127.0.0.1:80"), a("127.0.0.1:81"));
-        let (s1, s2, s3) = (a("10.0.0.1:80"), a("10.0.0.2:80"), a("10.0.0.3:80"));
+        let (s1, s2, s3) = (a("127.10.0.1:80"), a("127.10.0.2:80"), a("127.10.0.3:80"));
         let pair =
             |vip, server| ConnKey { vip: Endpoint::from(vip), server: Endpoint::from(server) };
         let live = [(vip1, vec![s1]), (vip2, vec![s2])];

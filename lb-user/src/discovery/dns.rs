@@ -232,13 +232,13 @@ mod tests {
                 600,
                 RData::CNAME(CNAME(Name::from_ascii("real.example.").unwrap())),
             ),
-            Record::from_rdata(name.clone(), 60, RData::A(A(Ipv4Addr::new(10, 0, 0, 2)))),
-            Record::from_rdata(name.clone(), 30, RData::A(A(Ipv4Addr::new(10, 0, 0, 1)))),
+            Record::from_rdata(name.clone(), 60, RData::A(A(Ipv4Addr::new(127, 10, 0, 2)))),
+            Record::from_rdata(name.clone(), 30, RData::A(A(Ipv4Addr::new(127, 10, 0, 1)))),
             Record::from_rdata(name.clone(), 5, RData::AAAA(AAAA(Ipv6Addr::LOCALHOST))),
             Record::from_rdata(name.clone(), 5, RData::A(A(Ipv4Addr::UNSPECIFIED))),
         ];
         let (ips, ttl) = addresses(&records, RecordType::A);
-        assert_eq!(ips, [IpAddr::from([10, 0, 0, 2]), IpAddr::from([10, 0, 0, 1])]);
+        assert_eq!(ips, [IpAddr::from([127, 10, 0, 2]), IpAddr::from([127, 10, 0, 1])]);
         assert_eq!(ttl, Some(S(30)));
         let (ips, ttl) = addresses(&records, RecordType::AAAA);
         assert_eq!(ips, [IpAddr::V6(Ipv6Addr::LOCALHOST)]);

@@ -556,10 +556,13 @@ mod tests {
             "web-abc",
             "IPv4",
             vec![port("https", 8443)],
-            vec![endpoint("10.0.0.1", "node-a", READY), endpoint("10.0.0.2", "node-a", NOT_READY)],
+            vec![
+                endpoint("127.10.0.1", "node-a", READY),
+                endpoint("127.10.0.2", "node-a", NOT_READY),
+            ],
         );
         let (list, truncated) = endpoints_of([&s], vip4(), &https());
-        assert_eq!(list, [ep("10.0.0.1:8443", Readiness::Ready)]);
+        assert_eq!(list, [ep("127.10.0.1:8443", Readiness::Ready)]);
         assert_eq!(truncated, 0);
         // And the other way round: a ready endpoint never lifts a not-ready
         // one on its node.
@@ -568,15 +571,15 @@ mod tests {
             "IPv4",
             vec![port("https", 8443)],
             vec![
-                endpoint("10.0.0.2", "node-a", NOT_READY),
-                endpoint("10.0.0.3", "node-a", DRAINING),
-                endpoint("10.0.0.1", "node-a", READY),
+                endpoint("127.10.0.2", "node-a", NOT_READY),
+                endpoint("127.10.0.3", "node-a", DRAINING),
+                endpoint("127.10.0.1", "node-a", READY),
             ],
         );
         let (list, _) = endpoints_of([&s], vip4(), &https());
         assert_eq!(
             list,
-            [ep("10.0.0.1:8443", Readiness::Ready), ep("10.0.0.3:8443", Readiness::Serving)]
+            [ep("127.10.0.1:8443", Readiness::Ready), ep("127.10.0.3:8443", Readiness::Serving)]
         );
     }
 
@@ -586,18 +589,18 @@ mod tests {
             "web-a",
             "IPv4",
             vec![port("https", 8443)],
-            vec![endpoint("10.0.0.1", "n1", READY)],
+            vec![endpoint("127.10.0.1", "n1", READY)],
         );
         let b = slice(
             "web-b",
             "IPv4",
             vec![port("https", 8443)],
-            vec![endpoint("10.0.0.2", "n2", None)],
+            vec![endpoint("127.10.0.2", "n2", None)],
         );
         let (list, _) = endpoints_of([&a, &b], vip4(), &https());
         assert_eq!(
             list,
-            [ep("10.0.0.1:8443", Readiness::Ready), ep("10.0.0.2:8443", Readiness::Ready)]
+            [ep("127.10.0.1:8443", Readiness::Ready), ep("127.10.0.2:8443", Readiness::Ready)]
         );
     }
 
@@ -607,8 +610,10 @@ mod tests {
             "web-v4",
             "IPv4",
             vec![port("https", 8443)],
-            vec![endpoint("10.0.0.1", "n1", READY)],
+            vec![endpoint("127.10.0.1", "n1", READY)],
         );
+        // fd00:: (and every address in these tests) is data only: nothing
+        // here dials it.
         let v6 = slice(
             "web-v6",
             "IPv6",
@@ -622,7 +627,7 @@ mod tests {
             vec![endpoint("web.example", "n1", READY)],
         );
         let (list, _) = endpoints_of([&v4, &v6, &fqdn], vip4(), &https());
-        assert_eq!(list, [ep("10.0.0.1:8443", Readiness::Ready)]);
+        assert_eq!(list, [ep("127.10.0.1:8443", Readiness::Ready)]);
         let (list, _) = endpoints_of([&v4, &v6, &fqdn], "[::1]:6444".parse().unwrap(), &https());
         assert_eq!(list, [ep("[fd00::1]:8443", Readiness::Ready)]);
         // A slice that says IPv4 but carries something else is skipped.
@@ -643,31 +648,31 @@ mod tests {
             "web-old",
             "IPv4",
             vec![port("metrics", 9090), port("https", 8443)],
-            vec![endpoint("10.0.0.1", "n1", READY)],
+            vec![endpoint("127.10.0.1", "n1", READY)],
         );
         let new = slice(
             "web-new",
             "IPv4",
             vec![port("https", 9443)],
-            vec![endpoint("10.0.0.2", "n2", READY)],
+            vec![endpoint("127.10.0.2", "n2", READY)],
         );
         let (list, _) = endpoints_of([&old, &new], vip4(), &https());
         assert_eq!(
             list,
-            [ep("10.0.0.1:8443", Readiness::Ready), ep("10.0.0.2:9443", Readiness::Ready)]
+            [ep("127.10.0.1:8443", Readiness::Ready), ep("127.10.0.2:9443", Readiness::Ready)]
         );
         let (list, _) = endpoints_of([&old, &new], vip4(), &PortRef::Number(9090));
-        assert_eq!(list, [ep("10.0.0.1:9090", Readiness::Ready)]);
+        assert_eq!(list, [ep("127.10.0.1:9090", Readiness::Ready)]);
         // An unnamed port (a Service with one port) is the name "".
         let unnamed = slice(
             "web-u",
             "IPv4",
             vec![EndpointPort { port: Some(6443), ..Default::default() }],
-            vec![endpoint("10.0.0.3", "n3", READY)],
+            vec![endpoint("127.10.0.3", "n3", READY)],
         );
         assert_eq!(
             endpoints_of([&unnamed], vip4(), &PortRef::Name(String::new())).0,
-            [ep("10.0.0.3:6443", Readiness::Ready)]
+            [ep("127.10.0.3:6443", Readiness::Ready)]
         );
         assert_eq!(endpoints_of([&unnamed], vip4(), &https()).0, []);
         // A slice without ports, or a port without a number, gives nothing.
@@ -678,32 +683,35 @@ mod tests {
 
     #[test]
     fn only_the_first_address_of_an_endpoint_counts() {
-        let mut e = endpoint("10.0.0.1", "n1", READY);
-        e.addresses.push("10.0.0.99".into());
+        let mut e = endpoint("127.10.0.1", "n1", READY);
+        e.addresses.push("127.10.0.99".into());
         let s = slice("web", "IPv4", vec![port("https", 8443)], vec![e]);
-        assert_eq!(endpoints_of([&s], vip4(), &https()).0, [ep("10.0.0.1:8443", Readiness::Ready)]);
+        assert_eq!(
+            endpoints_of([&s], vip4(), &https()).0,
+            [ep("127.10.0.1:8443", Readiness::Ready)]
+        );
     }
 
     #[test]
     fn more_than_sixteen_keeps_ready_first_then_by_address() {
         let mut endpoints: Vec<K8sEndpoint> =
-            (1..=12).map(|i| endpoint(&format!("10.0.1.{i}"), "n", DRAINING)).collect();
-        endpoints.extend((1..=12).map(|i| endpoint(&format!("10.0.2.{i}"), "n", READY)));
+            (1..=12).map(|i| endpoint(&format!("127.10.1.{i}"), "n", DRAINING)).collect();
+        endpoints.extend((1..=12).map(|i| endpoint(&format!("127.10.2.{i}"), "n", READY)));
         let s = slice("web", "IPv4", vec![port("https", 443)], endpoints);
         let (list, truncated) = endpoints_of([&s], vip4(), &https());
         assert_eq!(list.len(), 16);
         assert_eq!(truncated, 8);
         assert!(list[..12].iter().all(|e| e.readiness == Readiness::Ready));
-        assert_eq!(list[12], ep("10.0.1.1:443", Readiness::Serving));
-        assert_eq!(list[15], ep("10.0.1.4:443", Readiness::Serving));
+        assert_eq!(list[12], ep("127.10.1.1:443", Readiness::Serving));
+        assert_eq!(list[15], ep("127.10.1.4:443", Readiness::Serving));
     }
 
     #[test]
     fn the_dial_plan_goes_through_usable_servers_only_for_apiservers() {
         let vip = vip4();
-        let a: SocketAddr = "10.0.0.1:6443".parse().unwrap();
-        let b: SocketAddr = "10.0.0.2:6443".parse().unwrap();
-        let elsewhere: SocketAddr = "10.9.9.9:443".parse().unwrap();
+        let a: SocketAddr = "127.10.0.1:6443".parse().unwrap();
+        let b: SocketAddr = "127.10.0.2:6443".parse().unwrap();
+        let elsewhere: SocketAddr = "127.19.9.9:443".parse().unwrap();
         let apiservers = DialRule { vip, apiserver_service: true };
         let app = DialRule { vip, apiserver_service: false };
         // default/kubernetes: the usable servers first, then the kubeconfig.
@@ -728,12 +736,12 @@ mod tests {
     fn uri_addresses() {
         let uri = |s: &str| s.parse::<Uri>().unwrap();
         assert_eq!(
-            socket_addr_of(&uri("https://10.0.0.1:6443/")),
-            Some("10.0.0.1:6443".parse().unwrap())
+            socket_addr_of(&uri("https://127.10.0.1:6443/")),
+            Some("127.10.0.1:6443".parse().unwrap())
         );
         assert_eq!(
-            socket_addr_of(&uri("https://10.0.0.1/")),
-            Some("10.0.0.1:443".parse().unwrap())
+            socket_addr_of(&uri("https://127.10.0.1/")),
+            Some("127.10.0.1:443".parse().unwrap())
         );
         assert_eq!(socket_addr_of(&uri("http://[::1]:8080/")), Some("[::1]:8080".parse().unwrap()));
         assert_eq!(socket_addr_of(&uri("https://kubernetes.default.svc/")), None);

@@ -365,18 +365,18 @@ mod tests {
     #[test]
     fn rank_puts_ready_first_then_orders_by_address() {
         let (list, truncated) = rank([
-            ep("10.0.0.3:80", Readiness::Serving),
-            ready("10.0.0.9:80"),
-            ready("10.0.0.1:80"),
-            ep("10.0.0.2:80", Readiness::Serving),
+            ep("127.10.0.3:80", Readiness::Serving),
+            ready("127.10.0.9:80"),
+            ready("127.10.0.1:80"),
+            ep("127.10.0.2:80", Readiness::Serving),
         ]);
         assert_eq!(
             list,
             [
-                ready("10.0.0.1:80"),
-                ready("10.0.0.9:80"),
-                ep("10.0.0.2:80", Readiness::Serving),
-                ep("10.0.0.3:80", Readiness::Serving)
+                ready("127.10.0.1:80"),
+                ready("127.10.0.9:80"),
+                ep("127.10.0.2:80", Readiness::Serving),
+                ep("127.10.0.3:80", Readiness::Serving)
             ]
         );
         assert_eq!(truncated, 0);
@@ -385,22 +385,22 @@ mod tests {
     #[test]
     fn rank_keeps_one_entry_per_address_with_the_best_readiness() {
         // The same endpoint in two slices (a slice being replaced).
-        let (list, _) = rank([ep("10.0.0.1:80", Readiness::Serving), ready("10.0.0.1:80")]);
-        assert_eq!(list, [ready("10.0.0.1:80")]);
+        let (list, _) = rank([ep("127.10.0.1:80", Readiness::Serving), ready("127.10.0.1:80")]);
+        assert_eq!(list, [ready("127.10.0.1:80")]);
     }
 
     #[test]
     fn rank_keeps_the_best_sixteen_and_counts_the_rest() {
         // 10 serving with low addresses, 10 ready with high ones: the 10
         // ready stay, then the 6 lowest serving.
-        let serving = (1..=10).map(|i| ep(&format!("10.0.0.{i}:80"), Readiness::Serving));
-        let readies = (101..=110).map(|i| ready(&format!("10.0.0.{i}:80")));
+        let serving = (1..=10).map(|i| ep(&format!("127.10.0.{i}:80"), Readiness::Serving));
+        let readies = (101..=110).map(|i| ready(&format!("127.10.0.{i}:80")));
         let (list, truncated) = rank(serving.chain(readies));
         assert_eq!(list.len(), MAX_SERVERS);
         assert_eq!(truncated, 4);
         assert!(list[..10].iter().all(|e| e.readiness == Readiness::Ready));
-        assert_eq!(list[10], ep("10.0.0.1:80", Readiness::Serving));
-        assert_eq!(list[15], ep("10.0.0.6:80", Readiness::Serving));
+        assert_eq!(list[10], ep("127.10.0.1:80", Readiness::Serving));
+        assert_eq!(list[15], ep("127.10.0.6:80", Readiness::Serving));
         // Stable: the same input in another order gives the same list.
         let again: Vec<_> = list.iter().rev().copied().collect();
         assert_eq!(rank(again).0, list);
@@ -481,8 +481,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn add_remove_readd_within_the_window_is_one_update() {
         let mut h = harness();
-        let a = ready("10.0.0.1:443");
-        let b = ready("10.0.0.2:443");
+        let a = ready("127.10.0.1:443");
+        let b = ready("127.10.0.2:443");
         h.send(list(&[a], true)).await;
         assert_eq!(h.next().await.0, ok(&[a]));
 
@@ -502,8 +502,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_change_undone_within_the_window_sends_nothing() {
         let mut h = harness();
-        let a = ready("10.0.0.1:443");
-        let b = ready("10.0.0.2:443");
+        let a = ready("127.10.0.1:443");
+        let b = ready("127.10.0.2:443");
         h.send(list(&[a], true)).await;
         h.next().await;
         h.send(list(&[a, b], false)).await;
@@ -515,7 +515,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_unchanged_list_is_not_resent_unless_confirmed() {
         let mut h = harness();
-        let a = ready("10.0.0.1:443");
+        let a = ready("127.10.0.1:443");
         h.send(list(&[a], true)).await;
         h.next().await;
         h.send(list(&[a], false)).await;
@@ -529,7 +529,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_failure_goes_out_at_once_and_the_next_success_is_always_sent() {
         let mut h = harness();
-        let a = ready("10.0.0.1:443");
+        let a = ready("127.10.0.1:443");
         h.send(list(&[a], true)).await;
         h.next().await;
         h.send(Signal::Failed("boom".into())).await;
@@ -552,7 +552,7 @@ mod tests {
         // one window after the change that opened it.
         let mut updates = 0;
         for i in 1..=8u16 {
-            h.send(list(&[ready(&format!("10.0.0.{i}:443"))], false)).await;
+            h.send(list(&[ready(&format!("127.10.0.{i}:443"))], false)).await;
             tokio::time::sleep(Duration::from_millis(400)).await;
             while let Ok(u) = h.updates.try_recv() {
                 assert!(u.result.is_ok());
@@ -566,7 +566,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn truncation_is_reported() {
         let mut h = harness();
-        let a = ready("10.0.0.1:443");
+        let a = ready("127.10.0.1:443");
         h.send(Signal::List { endpoints: vec![a], truncated: 3, confirm: true }).await;
         let (update, _) = h.next().await;
         assert_eq!(update.truncated, 3);
