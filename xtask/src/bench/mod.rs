@@ -363,10 +363,20 @@ impl Agent {
     /// Moves the agent into `cgroup`: its sockets from now on are that
     /// cgroup's.
     fn enter(&mut self, cgroup: &Path) -> anyhow::Result<()> {
-        self.send(&format!("cgroup {}", cgroup.display()))?;
+        self.expect_ok(&format!("cgroup {}", cgroup.display()))
+    }
+
+    /// Pins the agent to `cpu` ([`connect_cpu`]), or with `None` lets it
+    /// run on every CPU it could when it started.
+    fn pin(&mut self, cpu: Option<usize>) -> anyhow::Result<()> {
+        self.expect_ok(&cpu.map_or_else(|| "cpu all".to_owned(), |cpu| format!("cpu {cpu}")))
+    }
+
+    fn expect_ok(&mut self, command: &str) -> anyhow::Result<()> {
+        self.send(command)?;
         match self.answer()?.as_str() {
             "ok" => Ok(()),
-            answer => bail!("the bench agent: {answer}"),
+            answer => bail!("the bench agent, {command}: {answer}"),
         }
     }
 
@@ -447,6 +457,56 @@ fn own_cgroup() -> anyhow::Result<PathBuf> {
     Ok(root.join(relative.trim_start_matches('/')))
 }
 
+/// The CPUs the calling thread may run on.
+fn affinity() -> std::io::Result<Vec<usize>> {
+    // SAFETY: a zeroed cpu_set_t is an empty set; the kernel fills it.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid cpu_set_t of the size passed; 0 is this thread.
+    if unsafe { libc::sched_getaffinity(0, size_of_val(&set), &raw mut set) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let bits = 8 * size_of_val(&set);
+    // SAFETY: CPU_ISSET reads the set; every index is below its size.
+    Ok((0..bits).filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) }).collect())
+}
+
+/// Lets the calling thread run only on `cpus`.
+fn set_affinity(cpus: &[usize]) -> std::io::Result<()> {
+    set_affinity_of(0, cpus)
+}
+
+/// Lets thread `tid` (0: the calling one) run only on `cpus`.
+fn set_affinity_of(tid: i32, cpus: &[usize]) -> std::io::Result<()> {
+    // SAFETY: as in `affinity`.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for &cpu in cpus {
+        // SAFETY: CPU_SET ignores an index beyond the set's size.
+        unsafe { libc::CPU_SET(cpu, &mut set) };
+    }
+    // SAFETY: `set` is a valid cpu_set_t of the size passed.
+    if unsafe { libc::sched_setaffinity(tid, size_of_val(&set), &raw const set) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The one CPU on which the connect + close workloads run, their client
+/// and their server alike: the last one this process may use.
+///
+/// Why one CPU: a connect + close loop wakes the server and then the
+/// client once per connect. Left to the scheduler, the two share a CPU
+/// after a pause (55,000 connects/s on this development VM) and are spread
+/// over both after some 20 ms of running (13,000/s: most of each connect is
+/// then the wake-up of a halted virtual CPU, which the host does, not the
+/// guest; the CPUs are 60 % idle). Which of the two a run gets depended on
+/// what came before it (a pause, the agent's move between cgroups), and a
+/// ratio of two runs measured the scheduler. On one CPU every run does all
+/// of a connect's work itself, so the rate is the CPU time a connect costs,
+/// which is what lb adds to.
+fn connect_cpu() -> anyhow::Result<usize> {
+    affinity().context("reading this process's CPU affinity")?.last().copied().context("no CPU")
+}
+
 /// A free TCP port on `ip` (bound, then released: the caller binds it
 /// again soon after).
 fn free_port(ip: [u8; 4]) -> anyhow::Result<u16> {
@@ -464,4 +524,26 @@ fn tail(log: &str) -> String {
 /// Milliseconds between two CLOCK_MONOTONIC readings.
 fn ms_between(from_ns: u64, to_ns: u64) -> f64 {
     to_ns.saturating_sub(from_ns) as f64 / 1e6
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A thread pinned to [`connect_cpu`] runs there alone, and is let go
+    /// to every CPU again.
+    #[test]
+    fn a_thread_pins_to_the_connect_cpu_and_back() {
+        thread::spawn(|| {
+            let all = affinity().unwrap();
+            let cpu = connect_cpu().unwrap();
+            assert_eq!(all.last(), Some(&cpu));
+            set_affinity(&[cpu]).unwrap();
+            assert_eq!(affinity().unwrap(), [cpu]);
+            set_affinity(&all).unwrap();
+            assert_eq!(affinity().unwrap(), all);
+        })
+        .join()
+        .unwrap();
+    }
 }

@@ -134,7 +134,8 @@ impl Origins {
     }
 }
 
-/// Accepts connections and closes them at once, counting them.
+/// Accepts connections and closes them at once, counting them; on the
+/// connect + close workloads' one CPU ([`super::connect_cpu`]).
 pub struct Sink {
     pub addr: SocketAddr,
     accepted: Arc<AtomicUsize>,
@@ -147,14 +148,21 @@ impl Sink {
         let addr = listener.local_addr()?;
         let accepted = Arc::new(AtomicUsize::new(0));
         let count = accepted.clone();
+        let cpu = super::connect_cpu()?;
+        let (pinned_tx, pinned) = std::sync::mpsc::channel();
         // Ends with the process.
         thread::spawn(move || {
+            let _ = pinned_tx.send(super::set_affinity(&[cpu]));
             for stream in listener.incoming() {
                 if stream.is_ok() {
                     count.fetch_add(1, Ordering::Relaxed);
                 }
             }
         });
+        pinned
+            .recv()
+            .context("the sink's thread ended")?
+            .with_context(|| format!("pinning the sink to CPU {cpu}"))?;
         Ok(Self { addr, accepted })
     }
 
@@ -315,6 +323,36 @@ impl Proc {
     }
 }
 
+/// Lets every thread of every process in process group `group` run only
+/// on `cpus` (a process or thread that exits meanwhile is skipped).
+fn pin_group(group: i32, cpus: &[usize]) -> anyhow::Result<()> {
+    for entry in std::fs::read_dir("/proc").context("listing /proc")? {
+        let Some(pid) = entry?.file_name().to_str().and_then(|name| name.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        // The process group is the third field after "pid (comm) ".
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        let pgrp = stat.rsplit_once(") ").and_then(|(_, rest)| rest.split_whitespace().nth(2));
+        if pgrp != Some(group.to_string().as_str()) {
+            continue;
+        }
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { continue };
+        for task in tasks {
+            let Some(tid) = task?.file_name().to_str().and_then(|name| name.parse().ok()) else {
+                continue;
+            };
+            match super::set_affinity_of(tid, cpus) {
+                Err(e) if e.raw_os_error() != Some(libc::ESRCH) => {
+                    return Err(e).with_context(|| format!("pinning thread {tid} of {pid}"));
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
 impl Drop for Proc {
     fn drop(&mut self) {
         let group = self.child.id() as i32;
@@ -342,6 +380,22 @@ pub struct Servers {
 }
 
 impl Servers {
+    /// Lets every thread of every server process (the nginx origin and the
+    /// proxies) run only on `cpu`, or with `None` on every CPU this process
+    /// may use: the proxies of a connect + close run on its one CPU
+    /// ([`super::connect_cpu`]), as its client and the sink do.
+    pub fn pin(&self, cpu: Option<usize>) -> anyhow::Result<()> {
+        let cpus = match cpu {
+            Some(cpu) => vec![cpu],
+            None => super::affinity().context("reading this process's CPU affinity")?,
+        };
+        for proc in &self._procs {
+            pin_group(proc.child.id() as i32, &cpus)
+                .with_context(|| format!("pinning {} to CPUs {cpus:?}", proc.name))?;
+        }
+        Ok(())
+    }
+
     /// Starts the nginx origin, then haproxy and nginx in front of the
     /// three origins.
     pub fn start(dir: &Path, origins: &Origins) -> anyhow::Result<Self> {

@@ -12,7 +12,9 @@
 //! - connect + close: [`CONNECTS`] connects per route and round, each
 //!   waiting for the sink to close, in [`CONNECT_SLICES`] slices, each
 //!   slice right next to a direct one ([`Pairs::Adjacent`]); every connect
-//!   must reach the sink;
+//!   must reach the sink; the client, the proxies and the sink on one CPU
+//!   (`connect_cpu`: otherwise the scheduler's placement, not the route,
+//!   decides the rate);
 //! - bulk: [`BULK`] bytes from the source on one connection, every byte
 //!   counted; [`BULK_REPEATS`] transfers per route and round, alternated.
 //!
@@ -122,6 +124,10 @@ pub fn run(
     // Short slices, each next to a direct one: a connect loop is the
     // workload most moved by whatever else the machine does.
     let slice = CONNECTS / CONNECT_SLICES as u64;
+    // The client, the proxies and the sink on one CPU (see `connect_cpu`).
+    let one_cpu = super::connect_cpu()?;
+    client.agent.pin(Some(one_cpu))?;
+    servers.pin(Some(one_cpu))?;
     let figures = bench.rounds_of(bench.rounds * CONNECT_SLICES, Pairs::Adjacent, |route| {
         let before = (cpu_time(pid)?, origins.sink.accepted());
         let took = client.of(route)?.connects(route.target(servers.sink, 1), slice)?;
@@ -139,6 +145,8 @@ pub fn run(
         }
         Ok(Sample { value: slice as f64 / took.as_secs_f64(), p99_ms: None })
     })?;
+    client.agent.pin(None)?;
+    servers.pin(None)?;
     results.paths.push((Workload::Connect, figures));
     results.daemon_cpu.push(("connect + close through the VIP".to_owned(), cpu[0].0, cpu[0].1));
     results.daemon_cpu.push((
