@@ -12,8 +12,8 @@
 //!     more is an error) in NS nanoseconds; or `err WHAT`;
 //!   - `cgroup DIR` → `ok`: the agent moves itself into cgroup DIR (its
 //!     sockets from then on are that cgroup's); or `err WHAT`;
-//!   - `cpu N` → `ok`: the agent runs only on CPU N from then on; `cpu all`:
-//!     on every CPU it could when it started; or `err WHAT`;
+//!   - `cpu N` → `ok`: the agent runs only on CPU N from then on; or
+//!     `err WHAT`;
 //!   - `land ADDR` → `ok NAME` (the greeting line of the server that
 //!     accepted) or `err WHAT`;
 //!   - `until ADDR WANT LIMIT_MS PAUSE_US` (WANT: `=NAME` or `!NAME`) →
@@ -106,7 +106,6 @@ fn greeting(addr: SocketAddr) -> std::io::Result<String> {
 }
 
 fn agent_loop() -> anyhow::Result<()> {
-    let started_on = super::affinity().context("reading the agent's CPU affinity")?;
     let mut out = std::io::stdout().lock();
     for line in std::io::stdin().lock().lines() {
         let line = line?;
@@ -118,16 +117,10 @@ fn agent_loop() -> anyhow::Result<()> {
                 Ok(()) => "ok".to_owned(),
                 Err(e) => format!("err moving into {dir}: {e}"),
             },
-            ["cpu", which] => {
-                let cpus = match *which {
-                    "all" => Ok(started_on.clone()),
-                    cpu => cpu.parse().map(|cpu| vec![cpu]).map_err(anyhow::Error::from),
-                };
-                match cpus.and_then(|cpus| Ok(super::set_affinity(&cpus)?)) {
-                    Ok(()) => "ok".to_owned(),
-                    Err(e) => format!("err cpu {which}: {e}"),
-                }
-            }
+            ["cpu", cpu] => match super::set_affinity(&[cpu.parse()?]) {
+                Ok(()) => "ok".to_owned(),
+                Err(e) => format!("err cpu {cpu}: {e}"),
+            },
             ["land", addr] => match greeting(parse(addr)?) {
                 Ok(name) => format!("ok {name}"),
                 Err(e) => format!("err {e}"),

@@ -48,7 +48,7 @@ mod workloads;
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
     net::SocketAddr,
-    os::unix::net::UnixStream,
+    os::unix::{net::UnixStream, process::CommandExt as _},
     path::{Path, PathBuf},
     process::{Child, ChildStdin, ChildStdout, Command, Output, Stdio},
     sync::{
@@ -366,10 +366,9 @@ impl Agent {
         self.expect_ok(&format!("cgroup {}", cgroup.display()))
     }
 
-    /// Pins the agent to `cpu` ([`connect_cpu`]), or with `None` lets it
-    /// run on every CPU it could when it started.
-    fn pin(&mut self, cpu: Option<usize>) -> anyhow::Result<()> {
-        self.expect_ok(&cpu.map_or_else(|| "cpu all".to_owned(), |cpu| format!("cpu {cpu}")))
+    /// Lets the agent run only on `cpu` ([`paths_cpu`]).
+    fn pin(&mut self, cpu: usize) -> anyhow::Result<()> {
+        self.expect_ok(&format!("cpu {cpu}"))
     }
 
     fn expect_ok(&mut self, command: &str) -> anyhow::Result<()> {
@@ -470,40 +469,45 @@ fn affinity() -> std::io::Result<Vec<usize>> {
     Ok((0..bits).filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) }).collect())
 }
 
-/// Lets the calling thread run only on `cpus`.
+/// Lets the calling thread run only on `cpus`. Async-signal-safe (no
+/// allocation): [`start_on_cpu`] calls it between fork and exec.
 fn set_affinity(cpus: &[usize]) -> std::io::Result<()> {
-    set_affinity_of(0, cpus)
-}
-
-/// Lets thread `tid` (0: the calling one) run only on `cpus`.
-fn set_affinity_of(tid: i32, cpus: &[usize]) -> std::io::Result<()> {
     // SAFETY: as in `affinity`.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     for &cpu in cpus {
         // SAFETY: CPU_SET ignores an index beyond the set's size.
         unsafe { libc::CPU_SET(cpu, &mut set) };
     }
-    // SAFETY: `set` is a valid cpu_set_t of the size passed.
-    if unsafe { libc::sched_setaffinity(tid, size_of_val(&set), &raw const set) } != 0 {
+    // SAFETY: `set` is a valid cpu_set_t of the size passed; 0 is this thread.
+    if unsafe { libc::sched_setaffinity(0, size_of_val(&set), &raw const set) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
 }
 
-/// The one CPU on which the connect + close workloads run, their client
-/// and their server alike: the last one this process may use.
+/// Makes `cmd` start on `cpu` only (its threads and children inherit it).
+fn start_on_cpu(cmd: &mut Command, cpu: usize) {
+    // SAFETY: between fork and exec only `set_affinity`, which is
+    // async-signal-safe.
+    unsafe { cmd.pre_exec(move || set_affinity(&[cpu])) };
+}
+
+/// The one CPU on which the paths part runs: its clients (the agent and
+/// wrk), the origins and the proxies. The last one this process may use.
 ///
-/// Why one CPU: a connect + close loop wakes the server and then the
-/// client once per connect. Left to the scheduler, the two share a CPU
-/// after a pause (55,000 connects/s on this development VM) and are spread
-/// over both after some 20 ms of running (13,000/s: most of each connect is
-/// then the wake-up of a halted virtual CPU, which the host does, not the
-/// guest; the CPUs are 60 % idle). Which of the two a run gets depended on
-/// what came before it (a pause, the agent's move between cgroups), and a
-/// ratio of two runs measured the scheduler. On one CPU every run does all
-/// of a connect's work itself, so the rate is the CPU time a connect costs,
-/// which is what lb adds to.
-fn connect_cpu() -> anyhow::Result<usize> {
+/// Why one: a request or a connect wakes the server and then the client.
+/// Left to the scheduler, the two share a CPU after a pause and are spread
+/// over both CPUs after some 20 ms of running; a connect + close loop then
+/// ran at 55,000/s or at 13,000/s on the development VM (in the second
+/// case most of each connect is the wake-up of a halted virtual CPU, which
+/// the host does, and the CPUs are 60 % idle), and wrk keep-alive read
+/// anything from 0.82 to 1.26 × direct through a VIP that runs no code per
+/// request. Which case a run got depended on what came before it (a
+/// pause, the agent's move between cgroups), so a ratio measured the
+/// scheduler. On one CPU every run does all of its work itself: a rate is
+/// the CPU time that a request, a connect or a byte costs, which is what
+/// lb (or a proxy) adds to.
+fn paths_cpu() -> anyhow::Result<usize> {
     affinity().context("reading this process's CPU affinity")?.last().copied().context("no CPU")
 }
 
@@ -530,13 +534,13 @@ fn ms_between(from_ns: u64, to_ns: u64) -> f64 {
 mod tests {
     use super::*;
 
-    /// A thread pinned to [`connect_cpu`] runs there alone, and is let go
+    /// A thread pinned to [`paths_cpu`] runs there alone, and is let go
     /// to every CPU again.
     #[test]
-    fn a_thread_pins_to_the_connect_cpu_and_back() {
+    fn a_thread_pins_to_the_paths_cpu_and_back() {
         thread::spawn(|| {
             let all = affinity().unwrap();
-            let cpu = connect_cpu().unwrap();
+            let cpu = paths_cpu().unwrap();
             assert_eq!(all.last(), Some(&cpu));
             set_affinity(&[cpu]).unwrap();
             assert_eq!(affinity().unwrap(), [cpu]);

@@ -134,8 +134,7 @@ impl Origins {
     }
 }
 
-/// Accepts connections and closes them at once, counting them; on the
-/// connect + close workloads' one CPU ([`super::connect_cpu`]).
+/// Accepts connections and closes them at once, counting them.
 pub struct Sink {
     pub addr: SocketAddr,
     accepted: Arc<AtomicUsize>,
@@ -148,21 +147,13 @@ impl Sink {
         let addr = listener.local_addr()?;
         let accepted = Arc::new(AtomicUsize::new(0));
         let count = accepted.clone();
-        let cpu = super::connect_cpu()?;
-        let (pinned_tx, pinned) = std::sync::mpsc::channel();
-        // Ends with the process.
-        thread::spawn(move || {
-            let _ = pinned_tx.send(super::set_affinity(&[cpu]));
+        spawn_on_paths_cpu("the sink", move || {
             for stream in listener.incoming() {
                 if stream.is_ok() {
                     count.fetch_add(1, Ordering::Relaxed);
                 }
             }
-        });
-        pinned
-            .recv()
-            .context("the sink's thread ended")?
-            .with_context(|| format!("pinning the sink to CPU {cpu}"))?;
+        })?;
         Ok(Self { addr, accepted })
     }
 
@@ -176,7 +167,8 @@ fn start_source() -> anyhow::Result<SocketAddr> {
     let listener =
         TcpListener::bind(SocketAddr::from((ORIGIN_IP, 0))).context("binding the source")?;
     let addr = listener.local_addr()?;
-    thread::spawn(move || {
+    // Each connection's thread inherits the listener thread's CPU.
+    spawn_on_paths_cpu("the source", move || {
         for mut stream in listener.incoming().filter_map(Result::ok) {
             thread::spawn(move || {
                 let chunk = vec![0x5au8; 256 << 10];
@@ -190,8 +182,28 @@ fn start_source() -> anyhow::Result<SocketAddr> {
                 }
             });
         }
-    });
+    })?;
     Ok(addr)
+}
+
+/// Runs `serve` on a thread of its own, on the paths part's one CPU
+/// ([`super::paths_cpu`]); the threads it starts inherit that CPU. The
+/// thread ends with the process.
+fn spawn_on_paths_cpu(what: &str, serve: impl FnOnce() + Send + 'static) -> anyhow::Result<()> {
+    let cpu = super::paths_cpu()?;
+    let (pinned_tx, pinned) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        let pinning = super::set_affinity(&[cpu]);
+        let pinned = pinning.is_ok();
+        let _ = pinned_tx.send(pinning);
+        if pinned {
+            serve();
+        }
+    });
+    pinned
+        .recv()
+        .with_context(|| format!("{what}'s thread ended"))?
+        .with_context(|| format!("pinning {what} to CPU {cpu}"))
 }
 
 /// A server that answers every connection with its name (one line) and
@@ -271,7 +283,10 @@ pub struct Proc {
 }
 
 impl Proc {
+    /// Starts `cmd` on the paths part's one CPU (its threads and worker
+    /// processes inherit it).
     fn spawn(name: &str, cmd: &mut Command, log: &Path) -> anyhow::Result<Self> {
+        super::start_on_cpu(cmd, super::paths_cpu()?);
         let file =
             std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
         let child = cmd
@@ -323,36 +338,6 @@ impl Proc {
     }
 }
 
-/// Lets every thread of every process in process group `group` run only
-/// on `cpus` (a process or thread that exits meanwhile is skipped).
-fn pin_group(group: i32, cpus: &[usize]) -> anyhow::Result<()> {
-    for entry in std::fs::read_dir("/proc").context("listing /proc")? {
-        let Some(pid) = entry?.file_name().to_str().and_then(|name| name.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        // The process group is the third field after "pid (comm) ".
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-        let pgrp = stat.rsplit_once(") ").and_then(|(_, rest)| rest.split_whitespace().nth(2));
-        if pgrp != Some(group.to_string().as_str()) {
-            continue;
-        }
-        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { continue };
-        for task in tasks {
-            let Some(tid) = task?.file_name().to_str().and_then(|name| name.parse().ok()) else {
-                continue;
-            };
-            match super::set_affinity_of(tid, cpus) {
-                Err(e) if e.raw_os_error() != Some(libc::ESRCH) => {
-                    return Err(e).with_context(|| format!("pinning thread {tid} of {pid}"));
-                }
-                _ => {}
-            }
-        }
-    }
-    Ok(())
-}
-
 impl Drop for Proc {
     fn drop(&mut self) {
         let group = self.child.id() as i32;
@@ -380,22 +365,6 @@ pub struct Servers {
 }
 
 impl Servers {
-    /// Lets every thread of every server process (the nginx origin and the
-    /// proxies) run only on `cpu`, or with `None` on every CPU this process
-    /// may use: the proxies of a connect + close run on its one CPU
-    /// ([`super::connect_cpu`]), as its client and the sink do.
-    pub fn pin(&self, cpu: Option<usize>) -> anyhow::Result<()> {
-        let cpus = match cpu {
-            Some(cpu) => vec![cpu],
-            None => super::affinity().context("reading this process's CPU affinity")?,
-        };
-        for proc in &self._procs {
-            pin_group(proc.child.id() as i32, &cpus)
-                .with_context(|| format!("pinning {} to CPUs {cpus:?}", proc.name))?;
-        }
-        Ok(())
-    }
-
     /// Starts the nginx origin, then haproxy and nginx in front of the
     /// three origins.
     pub fn start(dir: &Path, origins: &Origins) -> anyhow::Result<Self> {

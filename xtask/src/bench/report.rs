@@ -610,7 +610,7 @@ pub fn write(r: &Results, dir: &Path) -> anyhow::Result<()> {
     let targets = targets(r);
     let machine = machine(r);
     let settings = format!(
-        "release build; {} rounds, the routes in turn, forwards then backwards (a ratio: the median of each run's ratio to the direct run of its round); wrk -t2 -c16, {} × {} s per route and round; connect + close: {} connects per route and round, in {} slices, each next to a direct slice, client, proxy and server on one CPU; bulk: {} × {} MiB per route and round; parts: {}",
+        "release build; every client, origin and proxy on one CPU; {} rounds, the routes in turn, forwards then backwards (a ratio: the median of each run's ratio to the direct run of its round); wrk -t2 -c16, {} × {} s per route and round; connect + close: {} connects per route and round, in {} slices, each next to a direct slice; bulk: {} × {} MiB per route and round; parts: {}",
         r.rounds,
         WRK_RUNS,
         r.wrk_seconds,

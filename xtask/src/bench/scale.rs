@@ -135,8 +135,8 @@ fn measure(
     let mut rates = [Vec::new(), Vec::new()];
     // One agent, moving between the two cgroups: only the daemon differs.
     let mut agent = Agent::start(&cg_one.path)?;
-    // On the sink's CPU, as the paths part's connect + close.
-    agent.pin(Some(super::connect_cpu()?))?;
+    // On the sink's CPU, as in the paths part (`paths_cpu`).
+    agent.pin(super::paths_cpu()?)?;
     for _ in 0..args.rounds {
         for (cgroup, rates) in [&cg_one, &cg_many].iter().zip(&mut rates) {
             check_stop()?;

@@ -12,9 +12,7 @@
 //! - connect + close: [`CONNECTS`] connects per route and round, each
 //!   waiting for the sink to close, in [`CONNECT_SLICES`] slices, each
 //!   slice right next to a direct one ([`Pairs::Adjacent`]); every connect
-//!   must reach the sink; the client, the proxies and the sink on one CPU
-//!   (`connect_cpu`: otherwise the scheduler's placement, not the route,
-//!   decides the rate);
+//!   must reach the sink;
 //! - bulk: [`BULK`] bytes from the source on one connection, every byte
 //!   counted; [`BULK_REPEATS`] transfers per route and round, alternated.
 //!
@@ -23,7 +21,8 @@
 //! of it for the others: the same process, so that only the route differs
 //! (two processes differ by where the scheduler keeps them, up to 20 % in a
 //! connect loop on this 2-CPU machine). wrk starts inside the cgroup for
-//! those routes.
+//! those routes. Every client, origin and proxy runs on one CPU
+//! (`paths_cpu` says why).
 //! Also measured: the daemon's CPU time (utime + stime) during the VIP and
 //! in-cgroup connect rounds, and with `bpftool`, one extra round each with
 //! `kernel.bpf_stats_enabled=1` for each lb program's runs and run time.
@@ -124,10 +123,6 @@ pub fn run(
     // Short slices, each next to a direct one: a connect loop is the
     // workload most moved by whatever else the machine does.
     let slice = CONNECTS / CONNECT_SLICES as u64;
-    // The client, the proxies and the sink on one CPU (see `connect_cpu`).
-    let one_cpu = super::connect_cpu()?;
-    client.agent.pin(Some(one_cpu))?;
-    servers.pin(Some(one_cpu))?;
     let figures = bench.rounds_of(bench.rounds * CONNECT_SLICES, Pairs::Adjacent, |route| {
         let before = (cpu_time(pid)?, origins.sink.accepted());
         let took = client.of(route)?.connects(route.target(servers.sink, 1), slice)?;
@@ -145,8 +140,6 @@ pub fn run(
         }
         Ok(Sample { value: slice as f64 / took.as_secs_f64(), p99_ms: None })
     })?;
-    client.agent.pin(None)?;
-    servers.pin(None)?;
     results.paths.push((Workload::Connect, figures));
     results.daemon_cpu.push(("connect + close through the VIP".to_owned(), cpu[0].0, cpu[0].1));
     results.daemon_cpu.push((
@@ -316,7 +309,9 @@ struct Client {
 impl Client {
     fn start(cgroup: &Path) -> anyhow::Result<Self> {
         let home = super::own_cgroup()?;
-        Ok(Self { agent: Agent::start(&home)?, home, cgroup: cgroup.to_owned(), inside: false })
+        let mut agent = Agent::start(&home)?;
+        agent.pin(super::paths_cpu()?)?;
+        Ok(Self { agent, home, cgroup: cgroup.to_owned(), inside: false })
     }
 
     /// The agent, in the cgroup that `route` starts in.
@@ -362,6 +357,7 @@ fn wrk(
     if let Some(cgroup) = cgroup {
         lb_tests::start_in_cgroup(&mut cmd, cgroup);
     }
+    super::start_on_cpu(&mut cmd, super::paths_cpu()?);
     let out = output_within(&mut cmd, Duration::from_secs(seconds + 20))?;
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
