@@ -11,10 +11,11 @@
 //! The proxies are configured as node-local proxies in front of an
 //! apiserver are (kubespray's haproxy and nginx-proxy: tcp mode, least
 //! connections, an upstream per port, no health checks here), with the
-//! packages' defaults otherwise (threads / workers: one per CPU). Each runs
-//! in the foreground (`haproxy -db`, nginx `daemon off`) with its config,
-//! pid, logs and temp files under `target/bench/`, in a process group of
-//! its own, and is stopped by its guard ([`Proc`]).
+//! packages' defaults otherwise. Each runs in the foreground (`haproxy
+//! -db`, nginx `daemon off`) on the paths part's one CPU (`paths_cpu`;
+//! haproxy then starts one thread, nginx still its two workers) with its
+//! config, pid, logs and temp files under `target/bench/`, in a process
+//! group of its own, and is stopped by its guard ([`Proc`]).
 
 use std::{
     io::Write as _,
