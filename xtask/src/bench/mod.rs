@@ -475,7 +475,11 @@ fn set_affinity(cpus: &[usize]) -> std::io::Result<()> {
     // SAFETY: as in `affinity`.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     for &cpu in cpus {
-        // SAFETY: CPU_SET ignores an index beyond the set's size.
+        // CPU_SET would index out of the set (and panic) beyond its size.
+        if cpu >= 8 * size_of_val(&set) {
+            return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        // SAFETY: `cpu` is within the set, checked above.
         unsafe { libc::CPU_SET(cpu, &mut set) };
     }
     // SAFETY: `set` is a valid cpu_set_t of the size passed; 0 is this thread.
@@ -546,6 +550,8 @@ mod tests {
             assert_eq!(affinity().unwrap(), [cpu]);
             set_affinity(&all).unwrap();
             assert_eq!(affinity().unwrap(), all);
+            // A CPU beyond what a set can hold is an error, not a panic.
+            assert!(set_affinity(&[1 << 20]).is_err());
         })
         .join()
         .unwrap();
