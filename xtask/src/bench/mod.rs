@@ -464,9 +464,10 @@ fn affinity() -> std::io::Result<Vec<usize>> {
     if unsafe { libc::sched_getaffinity(0, size_of_val(&set), &raw mut set) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    let bits = 8 * size_of_val(&set);
     // SAFETY: CPU_ISSET reads the set; every index is below its size.
-    Ok((0..bits).filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) }).collect())
+    Ok((0..libc::CPU_SETSIZE as usize)
+        .filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) })
+        .collect())
 }
 
 /// Lets the calling thread run only on `cpus`. Async-signal-safe (no
@@ -476,7 +477,7 @@ fn set_affinity(cpus: &[usize]) -> std::io::Result<()> {
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     for &cpu in cpus {
         // CPU_SET would index out of the set (and panic) beyond its size.
-        if cpu >= 8 * size_of_val(&set) {
+        if cpu >= libc::CPU_SETSIZE as usize {
             return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
         }
         // SAFETY: `cpu` is within the set, checked above.

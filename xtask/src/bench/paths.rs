@@ -195,9 +195,9 @@ fn spawn_on_paths_cpu(what: &str, serve: impl FnOnce() + Send + 'static) -> anyh
     let (pinned_tx, pinned) = std::sync::mpsc::channel();
     thread::spawn(move || {
         let pinning = super::set_affinity(&[cpu]);
-        let pinned = pinning.is_ok();
+        let ok = pinning.is_ok();
         let _ = pinned_tx.send(pinning);
-        if pinned {
+        if ok {
             serve();
         }
     });
