@@ -410,7 +410,11 @@ fn try_release(ctx: &SockContext) -> Reason {
         // SAFETY: the helper only reads the socket behind the context.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
         // Most UDP sockets never connected to a VIP: the miss is normal.
-        return if SOCKETS_UDP.remove(cookie).is_ok() {
+        // Looked up first: a lookup takes no lock, a removal takes the
+        // bucket's lock even when it finds nothing.
+        // SAFETY: only tested for presence.
+        let tracked = unsafe { SOCKETS_UDP.get(cookie) }.is_some();
+        return if tracked && SOCKETS_UDP.remove(cookie).is_ok() {
             Reason::ReleaseUdp
         } else {
             Reason::ReleaseUntouched
