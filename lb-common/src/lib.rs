@@ -22,8 +22,9 @@ pub const MAX_SERVERS: usize = 16;
 
 /// Map capacities. The daemon refuses configurations that would not fit.
 pub const MAX_SERVICES: u32 = 16_384;
-/// TCP sockets connected through a VIP (`SOCKETS`): more than one source
-/// address has ephemeral ports for one server (28,232 by default). Not
+/// TCP sockets connected through a VIP (`SOCKETS`): more than the
+/// ephemeral ports one source address has for one server (28,232 by
+/// default). Not
 /// larger: every TCP connect in the cgroup, to a VIP or not, touches a
 /// random bucket of this table, and at 262,144 entries (4 MB of buckets)
 /// those touches missed the CPU's caches: about 150 ns more program time
