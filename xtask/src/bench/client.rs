@@ -19,8 +19,9 @@
 //!   - `until ADDR WANT LIMIT_MS PAUSE_US` (WANT: `=NAME` or `!NAME`) →
 //!     connects in a loop, pausing PAUSE_US between attempts, until one is
 //!     answered by server NAME (or any but NAME); then `ok AT_NS ATTEMPTS
-//!     FAILED` (AT_NS: CLOCK_MONOTONIC when that greeting arrived), or
-//!     `timeout ATTEMPTS LAST` after LIMIT_MS.
+//!     FAILED FAILED_NS` (AT_NS: CLOCK_MONOTONIC when that greeting
+//!     arrived; FAILED_NS: when the last failed attempt returned, 0 if none
+//!     failed), or `timeout ATTEMPTS LAST` after LIMIT_MS.
 
 use std::{
     io::{BufRead as _, BufReader, ErrorKind, Read as _, Write as _},
@@ -153,17 +154,18 @@ fn until(
     pause: Duration,
 ) -> String {
     let deadline = Instant::now() + limit;
-    let (mut attempts, mut failed) = (0u64, 0u64);
+    let (mut attempts, mut failed, mut failed_ns) = (0u64, 0u64, 0u64);
     let mut last = String::from("-");
     while Instant::now() < deadline {
         attempts += 1;
         match greeting(addr) {
             Ok(name) if accept(&name) => {
-                return format!("ok {} {attempts} {failed}", lb_tests::monotonic_ns());
+                return format!("ok {} {attempts} {failed} {failed_ns}", lb_tests::monotonic_ns());
             }
             Ok(name) => last = name,
             Err(e) => {
                 failed += 1;
+                failed_ns = lb_tests::monotonic_ns();
                 last = e.kind().to_string().replace(' ', "_");
             }
         }

@@ -96,7 +96,7 @@ pub fn run(dir: &Path, results: &mut Results) -> anyhow::Result<()> {
         let changed = lb_tests::monotonic_ns();
         api.apply("web", &[ip(to)], port);
         let landed =
-            agent.until_done().with_context(|| format!("EndpointSlice change {}", i + 1))?;
+            agent.until_done().with_context(|| format!("EndpointSlice change {}", i + 1))?.at_ns;
         latencies.push(ms_between(changed, landed));
     }
     discovery.latency_ms = latencies;

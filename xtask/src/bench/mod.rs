@@ -427,15 +427,28 @@ impl Agent {
         self.send(&format!("until {addr} {want} {} {}", limit.as_millis(), pause.as_micros()))
     }
 
-    /// CLOCK_MONOTONIC (ns) at which the awaited connect was answered.
-    fn until_done(&mut self) -> anyhow::Result<u64> {
+    /// When the awaited connect was answered, and what failed before it.
+    fn until_done(&mut self) -> anyhow::Result<Landed> {
         let answer = self.answer()?;
-        let mut words = answer.split_whitespace();
-        match (words.next(), words.next().and_then(|t| t.parse().ok())) {
-            (Some("ok"), Some(at)) => Ok(at),
+        let numbers: Option<Vec<u64>> =
+            answer.strip_prefix("ok ").and_then(|r| r.split(' ').map(|n| n.parse().ok()).collect());
+        match numbers.as_deref() {
+            Some(&[at_ns, _attempts, failed, failed_ns]) => {
+                Ok(Landed { at_ns, failed, last_failed_ns: (failed > 0).then_some(failed_ns) })
+            }
             _ => bail!("waiting for a connect through the VIP to land as expected: {answer}"),
         }
     }
+}
+
+/// The end of an agent's `until` loop.
+struct Landed {
+    /// CLOCK_MONOTONIC (ns) at which the awaited connect was answered.
+    at_ns: u64,
+    /// Attempts of the loop that failed (refused, reset, timed out).
+    failed: u64,
+    /// CLOCK_MONOTONIC (ns) at which the last failed attempt returned.
+    last_failed_ns: Option<u64>,
 }
 
 impl Drop for Agent {

@@ -12,7 +12,7 @@ use plotters::{
 };
 
 use super::{
-    Args, Part, discovery, failover, median,
+    Args, Part, discovery, median,
     paths::{BULK, Route},
     percentile,
     workloads::{BULK_REPEATS, CONNECT_SLICES, CONNECTS, WRK_RUNS},
@@ -127,7 +127,12 @@ pub struct Scale {
 }
 
 pub struct Failover {
+    /// Kernel path: from the kill to a connect answered elsewhere.
     pub kernel_ms: Vec<f64>,
+    /// Kernel path: from the refused connect's return to that answer.
+    pub reaction_ms: Vec<f64>,
+    /// Kernel path: the most connects that failed in one kill.
+    pub failed_max: u64,
     pub daemon_ms: Vec<f64>,
 }
 
@@ -425,18 +430,17 @@ fn tables(r: &Results) -> Vec<Table> {
     }
     if let Some(f) = &r.failover {
         let mut t = Table::new(
-            &format!(
-                "Failover: server killed (listener closed) → first connect elsewhere, {} kills each",
-                failover::KILLS
-            ),
-            &["path", "p50", "p99", "max"],
+            "Failover: server killed (listener closed) → first connect elsewhere",
+            &["path", "kills", "p50", "p99", "max"],
         );
         for (what, samples) in [
             ("kernel (refused connect marks the server; checks every 60 s)", &f.kernel_ms),
+            ("kernel: from the refused connect's return", &f.reaction_ms),
             ("daemon (TCP checks every 100 ms; until status' selection changes)", &f.daemon_ms),
         ] {
             t.row(vec![
                 what.to_owned(),
+                samples.len().to_string(),
                 millis(median(samples)),
                 millis(percentile(samples, 99.0)),
                 millis(percentile(samples, 100.0)),
@@ -555,8 +559,14 @@ fn targets(r: &Results) -> Vec<(bool, String)> {
         }
     }
     if let Some(f) = &r.failover {
-        let p99 = percentile(&f.kernel_ms, 99.0);
-        lines.push((p99 < 10.0, format!("a refused connect moves the next connect within milliseconds (read here as kernel path p99 < 10 ms): {p99:.2} ms")));
+        let p99 = percentile(&f.reaction_ms, 99.0);
+        lines.push((
+            p99 < 10.0 && f.failed_max <= 2,
+            format!(
+                "a refused connect moves the next connect within milliseconds (read here as: p99 < 10 ms from the refusal to a connect answered elsewhere, and at most 2 failed connects per kill, the refused one and one reset in the closing listener's queue): {p99:.2} ms, at most {} failed",
+                f.failed_max
+            ),
+        ));
     }
     lines
 }

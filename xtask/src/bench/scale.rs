@@ -219,7 +219,7 @@ fn reloads(
                 );
             }
         };
-        reloads.push(ms_between(sent, landed));
+        reloads.push(ms_between(sent, landed.at_ns));
         if reloads[i] > 5_000.0 {
             break;
         }
