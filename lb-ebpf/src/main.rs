@@ -4,7 +4,8 @@
 //! - `lb_connect4` / `lb_connect6` (cgroup/connect4, cgroup/connect6): if the
 //!   destination is a VIP, pick a server from the service's selection
 //!   (`lb_common::choose`, tested on the host) and rewrite the destination.
-//!   Track the socket by cookie.
+//!   Track the socket by cookie, and mark a TCP one for sock_ops
+//!   (`mark_tracked`).
 //! - `lb_getpeername4` / `lb_getpeername6`: a tracked socket reports the VIP
 //!   as its peer, so the application sees the address it dialled.
 //! - `lb_sock_ops`: for tracked TCP sockets, count live connections per
@@ -32,7 +33,10 @@ use aya_ebpf::{
         BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE,
         BPF_TCP_ESTABLISHED, BPF_TCP_SYN_SENT,
     },
-    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns},
+    helpers::{
+        bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_getsockopt,
+        bpf_ktime_get_ns, bpf_setsockopt,
+    },
     macros::{cgroup_sock, cgroup_sock_addr, map, sock_ops},
     maps::{Array, HashMap, PerCpuArray, PerCpuHashMap, RingBuf},
     programs::{SockAddrContext, SockContext, SockOpsContext},
@@ -84,6 +88,13 @@ static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_BYTES, 0);
 #[map]
 static SCRATCH: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
 
+/// 1 once a connect program found that this kernel does not let it set a
+/// socket's sock_ops callback flags (`mark_tracked`, Linux 6.12+): sock_ops
+/// then looks every connecting socket up in `SOCKETS`, as it must.
+/// Kernel-only, never pinned: a new daemon's programs find out again.
+#[map]
+static UNMARKED: Array<u32> = Array::with_max_entries(1, 0);
+
 /// Per-CPU counters of every decision, indexed by `lb_common::Reason`.
 #[map]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Reason::COUNT as u32, 0);
@@ -99,6 +110,11 @@ const IPPROTO_UDP: u32 = 17;
 
 /// `E2BIG`: a hash map update failed because the map is full.
 const E2BIG: i32 = 7;
+
+/// `bpf_setsockopt` level and option for a TCP socket's sock_ops callback
+/// flags (`include/uapi/linux/bpf.h`, Linux 6.12+).
+const SOL_TCP: i32 = 6;
+const TCP_BPF_SOCK_OPS_CB_FLAGS: i32 = 1008;
 
 /// TCP states as `bpf_sock::state` holds them (`include/net/tcp_states.h`).
 const TCP_SYN_SENT: u32 = 2;
@@ -292,10 +308,40 @@ fn try_connect(
     let (table, full) = sockets_of(protocol);
     if table.insert(cookie, entry, u64::from(BPF_ANY)).is_err() {
         count(full);
+    } else if protocol == IPPROTO_TCP {
+        mark_tracked(ctx);
     }
     count(Reason::ConnectRewritten);
     debug!(ctx, "connect rewritten to server {}", index);
     Ok(Some(server))
+}
+
+/// Sets the retransmission-timeout flag among the socket's sock_ops
+/// callback flags, which `on_connect` reads as "tracked": so sock_ops skips
+/// every other connecting socket of the cgroup without looking it up (a
+/// lookup that misses, some 150 ns, on every connect that is not to a
+/// VIP). The flag is one the socket wants anyway, and its callback cannot
+/// come before the SYN is sent, after `on_connect`. A kernel that refuses
+/// (before 6.12) is noted in `UNMARKED`, before this socket's own
+/// `on_connect` runs.
+#[inline(always)]
+fn mark_tracked(ctx: &SockAddrContext) {
+    let mut flags: i32 = 0;
+    // Every access goes through this pointer: the helpers write and read
+    // `flags` behind the compiler's back.
+    let flags = &raw mut flags;
+    // SAFETY: the helpers read and write the 4 bytes of `flags` and the
+    // socket behind the context, whose lock the connect hook holds.
+    let marked = unsafe {
+        bpf_getsockopt(ctx.as_ptr(), SOL_TCP, TCP_BPF_SOCK_OPS_CB_FLAGS, flags.cast(), 4) == 0 && {
+            flags.write(flags.read() | BPF_SOCK_OPS_RTO_CB_FLAG as i32);
+            bpf_setsockopt(ctx.as_ptr(), SOL_TCP, TCP_BPF_SOCK_OPS_CB_FLAGS, flags.cast(), 4) == 0
+        }
+    };
+    if !marked && let Some(unmarked) = UNMARKED.get_ptr_mut(0) {
+        // SAFETY: a single word, only ever set to 1.
+        unsafe { core::ptr::write_volatile(unmarked, 1) };
+    }
 }
 
 #[cgroup_sock_addr(getpeername4)]
@@ -481,8 +527,14 @@ fn tracked(ctx: &SockOpsContext) -> Option<(u64, *mut SockEntry)> {
 
 /// A tracked connect is about to send its SYN: ask for state changes (to see
 /// it establish, fail or close) and retransmission timeouts (to see a SYN go
-/// unanswered).
+/// unanswered). A socket that connect4 did not mark is not tracked, unless
+/// this kernel cannot mark (`mark_tracked`).
 fn on_connect(ctx: &SockOpsContext) {
+    // SAFETY: a single word, read whole.
+    let unmarked = UNMARKED.get_ptr(0).is_some_and(|u| unsafe { core::ptr::read_volatile(u) } != 0);
+    if ctx.cb_flags() & BPF_SOCK_OPS_RTO_CB_FLAG == 0 && !unmarked {
+        return;
+    }
     if tracked(ctx).is_some() {
         let flags = ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG;
         if ctx.set_cb_flags(flags as i32).is_err() {

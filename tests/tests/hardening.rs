@@ -197,6 +197,57 @@ fn released_sockets_leave_the_socket_table() {
     assert!(wait_until(Duration::from_secs(5), || daemon.connections("api", s1.addr) == 0));
 }
 
+/// Issue 12: connect4 marks each TCP socket it tracks (a sock_ops callback
+/// flag, set with `bpf_setsockopt`, Linux 6.12+), so that sock_ops looks up
+/// no other connecting socket of the cgroup. An older kernel refuses the
+/// mark; then every connecting socket is looked up, as before. Tracking is
+/// the same either way.
+#[test]
+fn sock_ops_looks_up_only_the_sockets_connect4_marked() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("marks");
+    let s1 = Backend::start("s1", addr(68, 1, 0));
+    let vip = addr(68, 100, 6444);
+    let daemon = Daemon::start(
+        "marks",
+        &cgroup,
+        &ServiceBuilder::new("api", vip).servers(&[s1.addr]).toml(),
+    );
+    let mut inside = client(&cgroup);
+
+    // Through the VIP first: on an older kernel this connect is where the
+    // programs find out that they cannot mark.
+    let held = inside.connect(vip);
+    assert_eq!(held.landed(), "s1");
+    assert!(
+        wait_until(Duration::from_secs(5), || daemon.connections("api", s1.addr) == 1),
+        "the connection through the VIP is counted"
+    );
+
+    let before = counter(&daemon, "sockops_untracked");
+    assert_eq!(inside.churn("tcp", s1.addr, 50), (50, 0), "straight to the server");
+    let looked_up = counter(&daemon, "sockops_untracked") - before;
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap().trim().to_owned();
+    let version: Vec<u32> =
+        release.split(['.', '-']).take(2).map(|n| n.parse().unwrap_or(0)).collect();
+    if version >= vec![6, 12] {
+        assert_eq!(looked_up, 0, "Linux {release}: connects not to a VIP were looked up");
+    } else {
+        assert_eq!(looked_up, 50, "Linux {release}: every connect is looked up without marks");
+    }
+
+    assert_eq!(daemon.connections("api", s1.addr), 1, "the held connection is still counted");
+    assert_eq!(inside.peer(held.id()), vip, "getpeername still shows the VIP");
+    inside.close(held.id());
+    assert!(
+        wait_until(Duration::from_secs(5), || daemon.connections("api", s1.addr) == 0),
+        "its close is counted"
+    );
+    assert_eq!(maps(&daemon).tracked_sockets(), (0, 0));
+}
+
 /// Issue 10, item 2: a process in the attached cgroup but in a network
 /// namespace of its own, with its own listener on the VIP's address,
 /// reaches that listener while the service is `host`-scoped (the default
