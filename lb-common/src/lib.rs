@@ -24,13 +24,14 @@ pub const MAX_SERVERS: usize = 16;
 pub const MAX_SERVICES: u32 = 16_384;
 /// TCP sockets connected through a VIP (`SOCKETS`): more than the
 /// ephemeral ports one source address has for one server (28,232 by
-/// default). Not
-/// larger: every TCP connect in the cgroup, to a VIP or not, touches a
-/// random bucket of this table, and at 262,144 entries (4 MB of buckets)
-/// those touches missed the CPU's caches: about 150 ns more program time
-/// per connect, VIP or not (`bpf_stats`, 1.2 µs against 1.05 µs through a
-/// VIP). A connect beyond it is still balanced, only not tracked
-/// (`connect_untracked`: no live count, no failure mark, no getpeername).
+/// default). Not larger: each connect through a VIP touches a random
+/// bucket of this table (and, where connect4 cannot mark sockets, every
+/// TCP connect in the cgroup does), and at 262,144 entries (4 MB of
+/// buckets) those touches missed the CPU's caches: about 150 ns more
+/// program time per connect (`bpf_stats`). A connect beyond it is still
+/// balanced, only not tracked (`connect_untracked`: no live count, no
+/// failure mark, no getpeername). A datapath adopted from pins keeps the
+/// size it was created with.
 pub const MAX_TRACKED_SOCKETS: u32 = 65_536;
 /// Connected UDP sockets through a VIP (`SOCKETS_UDP`), apart from TCP so
 /// that a churn of UDP sockets never takes a TCP connection's slot. Small
@@ -93,6 +94,12 @@ pub mod maps {
     pub const SOCKETS_UDP: &str = "SOCKETS_UDP";
     /// The layout version (`LAYOUT_VERSION`), an array of u32.
     pub const META: &str = "META";
+    /// Kernel-only, not pinned: 1 makes sock_ops look every connecting
+    /// socket up, not only those connect4 marked. The programs set it when
+    /// the kernel refuses the mark (before Linux 6.12); the daemon sets it
+    /// in programs that replace running ones, whose tracked sockets carry
+    /// no mark.
+    pub const UNMARKED: &str = "UNMARKED";
     /// Every map the daemon pins, in one list so attach, adopt and detach agree.
     pub const ALL: [&str; 8] =
         [SERVICES, FAILED_AT, SOCKETS, CONNECTIONS, EVENTS, COUNTERS, SOCKETS_UDP, META];
@@ -379,8 +386,9 @@ reasons! {
     SockopsConnectTimeout = 12 => "sockops_connect_timeout",
     /// sock_ops: a tracked, established connection closed.
     SockopsClosed = 13 => "sockops_closed",
-    /// sock_ops: a TCP connect (or a callback) from a socket that is not
-    /// tracked; ignored.
+    /// sock_ops: a socket looked up in the socket table and not found
+    /// (a connect where connect4 cannot mark the sockets it tracks, or a
+    /// callback of an untracked socket); ignored.
     SockopsUntracked = 14 => "sockops_untracked",
     /// sock_ops: the event ring buffer was full; the event was dropped
     /// (counts and failure marks are still updated).

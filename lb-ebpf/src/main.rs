@@ -89,9 +89,11 @@ static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_BYTES, 0);
 static SCRATCH: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
 
 /// 1 once a connect program found that this kernel does not let it set a
-/// socket's sock_ops callback flags (`mark_tracked`, Linux 6.12+): sock_ops
-/// then looks every connecting socket up in `SOCKETS`, as it must.
-/// Kernel-only, never pinned: a new daemon's programs find out again.
+/// socket's sock_ops callback flags (`mark_tracked`, Linux 6.12+), or set
+/// by the daemon in programs that replace running ones, whose tracked
+/// sockets carry no mark: sock_ops then looks every connecting socket up in
+/// `SOCKETS`, as it must. Kernel-only, never pinned
+/// (`lb_common::maps::UNMARKED`).
 #[map]
 static UNMARKED: Array<u32> = Array::with_max_entries(1, 0);
 

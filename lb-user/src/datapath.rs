@@ -754,6 +754,17 @@ fn replace_programs(bpffs: &Path, bpf_log: bool) -> anyhow::Result<Option<Kernel
     } else {
         None
     };
+    // The sockets the running programs track carry no mark of these
+    // programs (a connect may also run connect4 under the old programs and
+    // its sock_ops under the new ones; with TCP Fast Open, the first send
+    // is that much later): the new programs look every connecting socket
+    // up, as on a kernel that refuses the mark. Until the next fresh attach.
+    let unmarked = ebpf
+        .map_mut(maps::UNMARKED)
+        .with_context(|| format!("map {} missing from the eBPF object", maps::UNMARKED))?;
+    Array::<_, u32>::try_from(unmarked)
+        .and_then(|mut unmarked| unmarked.set(0, 1, 0))
+        .with_context(|| format!("writing map {}", maps::UNMARKED))?;
     let links = links_dir(bpffs);
     let pinned: Vec<(&str, PathBuf)> = programs::ALL
         .iter()

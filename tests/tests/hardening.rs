@@ -567,6 +567,23 @@ fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
             "a connect during the replacement failed other than by a timeout: {error} in {summary}"
         );
     }
+
+    // Every connection of the storm, tracked by the old programs or the
+    // new ones, left the socket table and the counts when it closed.
+    let mut tracked = (usize::MAX, usize::MAX);
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            tracked = maps(&daemon).tracked_sockets();
+            tracked == (0, 0)
+        }),
+        "the socket tables still hold (TCP, UDP) = {tracked:?} after the storm"
+    );
+    assert_eq!(daemon.connections("api", s1.addr), 0);
+    // The replacing programs look every connecting socket up: sockets the
+    // old ones tracked carry none of their marks.
+    let before = counter(&daemon, "sockops_untracked");
+    assert_eq!(client(&cgroup).churn("tcp", s1.addr, 20), (20, 0));
+    assert_eq!(counter(&daemon, "sockops_untracked") - before, 20);
 }
 
 /// Creates its file when dropped: tells a storm to stop.

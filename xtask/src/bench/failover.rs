@@ -13,11 +13,11 @@
 //!   answer (lb's reaction: the refusal marks the server failed in the
 //!   kernel, the next connect skips it). They differ by how long the
 //!   refused connect itself took: a SYN that meets the listener while it
-//!   closes is refused only some 8–16 ms later in a few kills in a hundred,
-//!   with no lb anywhere (a client and a listener on loopback alone show
-//!   the same). Between kills, the hold-down (100 ms) is let pass, so each
-//!   kill starts from a kernel with no failure marks. 200 kills, so that
-//!   the p99 is not simply the largest.
+//!   closes is refused only some 8–16 ms later in a few kills in a hundred
+//!   (checked by hand: a client and a listener on loopback alone, no lb
+//!   anywhere, show the same). Between kills, the hold-down (100 ms) is
+//!   let pass, so each kill starts from a kernel with no failure marks.
+//!   200 kills, so that the p99 is not simply the largest.
 //! - daemon path (service `fo-daemon`, TCP checks every 100 ms, no client
 //!   traffic): the time from the kill until the daemon's status shows
 //!   another server first in the kernel's selection and the killed one
