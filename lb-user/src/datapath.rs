@@ -811,25 +811,51 @@ pub fn pinned_program_ids(bpffs: &Path) -> anyhow::Result<Vec<(&'static str, u32
         if !link.exists() {
             continue;
         }
-        let fd = bpf_obj_get(&link)
-            .with_context(|| format!("opening pinned link {}", link.display()))?;
-        // struct bpf_link_info starts with: __u32 type, id, prog_id.
-        let mut info = [0u32; 16];
-        let mut attr = BpfAttr::default();
-        attr.set_u32(0, fd.as_raw_fd() as u32);
-        attr.set_u32(4, size_of_val(&info) as u32);
-        attr.set_u64(8, info.as_mut_ptr() as u64);
-        bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)
-            .with_context(|| format!("reading the info of link {}", link.display()))?;
-        ids.push((name, info[2]));
+        ids.push((name, pinned_link_ids(&link)?.program));
     }
     Ok(ids)
+}
+
+/// The ids of a pinned link and of the program it runs.
+struct LinkIds {
+    link: u32,
+    program: u32,
+}
+
+fn pinned_link_ids(link: &Path) -> anyhow::Result<LinkIds> {
+    let fd =
+        bpf_obj_get(link).with_context(|| format!("opening pinned link {}", link.display()))?;
+    // struct bpf_link_info starts with: __u32 type, id, prog_id.
+    let mut info = [0u32; 16];
+    let mut attr = BpfAttr::default();
+    attr.set_u32(0, fd.as_raw_fd() as u32);
+    attr.set_u32(4, size_of_val(&info) as u32);
+    attr.set_u64(8, info.as_mut_ptr() as u64);
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)
+        .with_context(|| format!("reading the info of link {}", link.display()))?;
+    Ok(LinkIds { link: info[1], program: info[2] })
+}
+
+/// Whether the bpf link `id` still exists (anyone may hold it open). An
+/// error other than "no such link" is read as gone: nothing to wait for.
+fn link_exists(id: u32) -> bool {
+    let mut attr = BpfAttr::default();
+    attr.set_u32(0, id);
+    match bpf(BPF_LINK_GET_FD_BY_ID, &mut attr) {
+        Ok(fd) => {
+            // SAFETY: the kernel just returned this descriptor to us.
+            drop(unsafe { OwnedFd::from_raw_fd(fd as i32) });
+            true
+        }
+        Err(_) => false,
+    }
 }
 
 // The bpf(2) commands aya 0.14 does not expose for pinned links.
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_UPDATE: libc::c_long = 29;
+const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
 
 /// A `union bpf_attr`, zeroed, written by byte offset (the layouts are the
 /// kernel's UAPI, `include/uapi/linux/bpf.h`). The kernel reads as much of
@@ -1115,17 +1141,22 @@ pub fn detach(bpffs: &Path) -> anyhow::Result<Vec<PathBuf>> {
 /// As [`detach`], but keeps `bpffs` itself (a daemon holds it locked).
 fn remove_pins(bpffs: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
+    let mut links = Vec::new();
     for name in programs::ALL {
         let path = links_dir(bpffs).join(name);
         if !path.exists() {
             continue;
         }
+        let ids = pinned_link_ids(&path)?;
         let link = PinnedLink::from_pin(&path)
             .with_context(|| format!("opening pinned link {}", path.display()))?;
-        // Unpinning drops the last reference (we hold no other): detached.
+        // Unpinning and closing drop our references; the link detaches
+        // when the last one goes.
         drop(link.unpin().with_context(|| format!("unpinning {}", path.display()))?);
+        links.push((name, ids.link));
         removed.push(path);
     }
+    wait_links_gone(&links);
     for path in maps::ALL.iter().map(|m| maps_dir(bpffs).join(m)) {
         match std::fs::remove_file(&path) {
             Ok(()) => removed.push(path),
@@ -1141,6 +1172,32 @@ fn remove_pins(bpffs: &Path) -> anyhow::Result<Vec<PathBuf>> {
         }
     }
     Ok(removed)
+}
+
+/// Waits (up to 2 s) until no link of `links` (program name, link id)
+/// exists any more, so that a detach is over when it returns: the kernel
+/// may drop a link's last reference after the close that released ours
+/// (seen on Linux 5.10, where a connect right after `lb detach` was still
+/// rewritten). A link someone else holds open stays; it is named.
+fn wait_links_gone(links: &[(&str, u32)]) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        let left: Vec<_> = links.iter().filter(|(_, id)| link_exists(*id)).collect();
+        if left.is_empty() {
+            return;
+        }
+        if std::time::Instant::now() >= deadline {
+            for (name, id) in left {
+                warn!(
+                    program = name,
+                    link = id,
+                    "the link is unpinned but still held open by a process (see `bpftool link show id {id}`); its program stays attached until that process closes it"
+                );
+            }
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// Makes sure `bpffs` is on a BPF filesystem, mounting one at
