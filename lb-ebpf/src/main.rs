@@ -532,9 +532,11 @@ fn tracked(ctx: &SockOpsContext) -> Option<(u64, *mut SockEntry)> {
 /// unanswered). A socket that connect4 did not mark is not tracked, unless
 /// this kernel cannot mark (`mark_tracked`).
 fn on_connect(ctx: &SockOpsContext) {
+    // `UNMARKED` is read only for a socket without the mark.
     // SAFETY: a single word, read whole.
-    let unmarked = UNMARKED.get_ptr(0).is_some_and(|u| unsafe { core::ptr::read_volatile(u) } != 0);
-    if ctx.cb_flags() & BPF_SOCK_OPS_RTO_CB_FLAG == 0 && !unmarked {
+    let unmarked =
+        || UNMARKED.get_ptr(0).is_some_and(|u| unsafe { core::ptr::read_volatile(u) } != 0);
+    if ctx.cb_flags() & BPF_SOCK_OPS_RTO_CB_FLAG == 0 && !unmarked() {
         return;
     }
     if tracked(ctx).is_some() {

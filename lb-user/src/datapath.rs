@@ -1148,11 +1148,9 @@ fn remove_pins(bpffs: &Path) -> anyhow::Result<Vec<PathBuf>> {
             continue;
         }
         let ids = pinned_link_ids(&path)?;
-        let link = PinnedLink::from_pin(&path)
-            .with_context(|| format!("opening pinned link {}", path.display()))?;
-        // Unpinning and closing drop our references; the link detaches
-        // when the last one goes.
-        drop(link.unpin().with_context(|| format!("unpinning {}", path.display()))?);
+        // Removing the pin drops its reference; the link detaches when the
+        // last one goes.
+        std::fs::remove_file(&path).with_context(|| format!("unpinning {}", path.display()))?;
         links.push((name, ids.link));
         removed.push(path);
     }
