@@ -197,35 +197,53 @@ pub enum Health {
     Unknown,
 }
 
-/// What the kernel reported about a connection through the VIP.
+/// What the kernel reported about a connect through the VIP (its
+/// `lb_common::EventKind`, decoded).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Connection {
+pub enum KernelReport {
     /// A connect to a server with a failure mark established: it answers again.
     Established,
-    /// Refused, reset or abandoned before establishing.
+    /// Refused or reset before establishing.
     ConnectFailed,
     /// The SYN went unanswered for a retransmission timeout.
-    ConnectTimedOut,
+    ConnectTimeout,
 }
 
-/// Why a server's connections are closed.
+impl From<lb_common::EventKind> for KernelReport {
+    fn from(kind: lb_common::EventKind) -> Self {
+        match kind {
+            lb_common::EventKind::Established => Self::Established,
+            lb_common::EventKind::ConnectFailed => Self::ConnectFailed,
+            lb_common::EventKind::ConnectTimeout => Self::ConnectTimeout,
+        }
+    }
+}
+
+/// Why a server's connections are closed. The discriminants are the
+/// positions in [`CloseReason::ALL`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CloseReason {
-    /// The server left the service.
-    Removed,
     /// The server failed and there is somewhere better to go.
-    Failed,
+    Failed = 0,
     /// A server came back to the healthy class: off the last resorts.
-    FailBack,
+    FailBack = 1,
+    /// The server left the service.
+    Removed = 2,
+    /// `lb close-connections` asked (never a balancer's effect).
+    Manual = 3,
 }
 
 impl CloseReason {
+    /// Every reason, in the order metrics list them.
+    pub const ALL: [Self; 4] = [Self::Failed, Self::FailBack, Self::Removed, Self::Manual];
+
     /// The name in logs and metrics.
     pub const fn name(self) -> &'static str {
         match self {
             Self::Removed => "removed",
             Self::Failed => "failed",
             Self::FailBack => "fail_back",
+            Self::Manual => "manual",
         }
     }
 }
@@ -240,11 +258,29 @@ pub struct Selection {
     pub spread: usize,
 }
 
+/// What the kernel holds for a service, as one value: the selection and,
+/// beside it, the state of each selected server ([`State::code`], in the
+/// selection's order), which a restarted daemon starts from.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KernelValue {
+    /// The servers, best first, and the spread.
+    pub selection: Selection,
+    /// The state code of each server of `selection`.
+    pub states: Vec<u8>,
+}
+
 /// What the daemon must do after an input.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Effect {
-    /// Write this selection to the kernel (emitted only when it changed).
-    WriteSelection(Selection),
+    /// Write this value to the kernel, one whole-value update (emitted
+    /// only when it changed).
+    WriteSelection {
+        /// The service's whole kernel value.
+        value: KernelValue,
+        /// The selection itself changed (not only the states beside it):
+        /// connects go elsewhere from now on.
+        reordered: bool,
+    },
     /// Reset the connections made through the VIP to `server`.
     CloseConnections {
         /// Whose connections.
@@ -352,7 +388,8 @@ pub struct Balancer {
     checks: Checks,
     /// List servers in configured order, then the standby default if any.
     servers: Vec<Server>,
-    written: Option<Selection>,
+    /// What the kernel holds for this service, as far as the balancer knows.
+    written: Option<KernelValue>,
     /// When the balancer was made, and whether an active server was ever
     /// elected: the first election waits for better-ranked first results.
     created: Instant,
@@ -592,26 +629,26 @@ impl Balancer {
         self.settle(step, now)
     }
 
-    /// A connection report from the kernel for `addr`.
-    pub fn on_connection(
+    /// A report from the kernel about a connect through the VIP to `addr`.
+    pub fn on_kernel_report(
         &mut self,
         addr: SocketAddr,
-        event: Connection,
+        report: KernelReport,
         now: Instant,
     ) -> Vec<Effect> {
         let Some(i) = self.index(addr) else { return Vec::new() };
         let mut step = Step::begin(self);
-        match event {
+        match report {
             // The kernel reports only the first establishment after failures
             // (see `EventKind::Established`): with no check, that is the
             // server passing, whatever `rise` (the config allows only 1).
-            Connection::Established if self.checks.passive_only => {
+            KernelReport::Established if self.checks.passive_only => {
                 let server = &mut self.servers[i];
                 server.failures = 0;
                 server.passes = server.passes.saturating_add(1).max(self.checks.rise);
                 self.on_pass(i, "a connection through the VIP established", now, &mut step.effects);
             }
-            Connection::Established => {
+            KernelReport::Established => {
                 if self.servers[i].state == State::Failed {
                     self.transition(
                         i,
@@ -622,8 +659,8 @@ impl Balancer {
                     );
                 }
             }
-            Connection::ConnectFailed | Connection::ConnectTimedOut => {
-                let why = if event == Connection::ConnectFailed {
+            KernelReport::ConnectFailed | KernelReport::ConnectTimeout => {
+                let why = if report == KernelReport::ConnectFailed {
                     "connects through the VIP failed (confirmed by `fall` reports in a row)"
                 } else {
                     "connects through the VIP timed out (confirmed by `fall` reports in a row)"
@@ -729,7 +766,7 @@ impl Balancer {
                 }
             }
         }
-        self.written = Some(selection);
+        self.written = Some(KernelValue { selection, states: states.to_vec() });
         self.hold_writes_until = Some(now + FIRST_ELECTION_WAIT);
         self.settle(step, now)
     }
@@ -740,10 +777,34 @@ impl Balancer {
         servers.iter().map(|addr| self.server(*addr).map_or(0, |s| s.state.code())).collect()
     }
 
-    /// The selection the kernel holds as far as this balancer knows (the
-    /// last one written), unless an adopted selection is still held.
-    pub fn written(&self) -> Option<&Selection> {
-        if self.hold_writes_until.is_some() { None } else { self.written.as_ref() }
+    /// The kernel's value for this service as it follows from the states
+    /// now: the selection and its servers' states.
+    pub fn kernel_value(&self) -> KernelValue {
+        let selection = self.selection();
+        let states = self.state_codes(&selection.servers);
+        KernelValue { selection, states }
+    }
+
+    /// The value the kernel holds for this service as far as the balancer
+    /// knows: the last one it had written, or the one it adopted (which
+    /// stays while it is held, unwritten).
+    pub fn written(&self) -> Option<&KernelValue> {
+        self.written.as_ref()
+    }
+
+    /// When [`Self::on_tick`] next has something to do, if ever: a
+    /// `preferred` server ages into `healthy`, the first election stops
+    /// waiting, or an adopted selection stops being held. The daemon
+    /// sleeps until then instead of sweeping every service.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let aging = self
+            .servers
+            .iter()
+            .filter(|s| s.state == State::Preferred)
+            .map(|s| s.since + PREFERRED_FOR);
+        let election = (!self.elected_once && self.policy == Policy::Failover)
+            .then(|| self.created + FIRST_ELECTION_WAIT);
+        aging.chain(election).chain(self.hold_writes_until).min()
     }
 
     /// The selection for the kernel, as it follows from the states now.
@@ -900,17 +961,19 @@ impl Balancer {
                 self.hold_writes_until = None;
             }
         }
-        let selection = self.selection();
-        if self.hold_writes_until.is_none() && self.written.as_ref() != Some(&selection) {
-            self.written = Some(selection.clone());
-            step.effects.push(Effect::WriteSelection(selection));
+        let value = self.kernel_value();
+        if self.hold_writes_until.is_none() && self.written.as_ref() != Some(&value) {
+            let reordered =
+                self.written.as_ref().is_none_or(|written| written.selection != value.selection);
+            self.written = Some(value.clone());
+            step.effects.push(Effect::WriteSelection { value, reordered });
         }
         // The new selection must be in the kernel before connections are
         // closed: a client that reconnects at once must not land on the
         // server it was just moved off.
         step.effects.sort_by_key(|e| match e {
             Effect::StateChanged { .. } => 0,
-            Effect::WriteSelection(_) => 1,
+            Effect::WriteSelection { .. } => 1,
             Effect::CloseConnections { .. } => 2,
             Effect::CheckNow { .. } => 3,
         });

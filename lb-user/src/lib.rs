@@ -2,13 +2,15 @@
 //! of the repository is the map; in short, top floor first (each module
 //! uses only those below it):
 //! - `client`: the subcommands that talk to a running daemon;
-//! - `daemon`: `lb run`, the owner loop, the one place that mutates
-//!   balancer state and writes the maps;
-//! - `datapath` (loading, attaching, pinning and adopting the eBPF programs;
-//!   map reads and writes), `metrics` (Prometheus), `health` (tcp, http,
-//!   https checks), `status` (the status view and its table);
+//! - `daemon/`: `lb run`, the owner loop, the one place that mutates
+//!   balancer state and writes the maps (a folder: the loop and dispatch
+//!   in `mod.rs`, one file per job beside it);
+//! - `datapath/` (loading, attaching, pinning, adopting and upgrading the
+//!   eBPF programs; map reads and writes), `metrics` (Prometheus), `health`
+//!   (tcp, http, https checks), `discovery/` (EndpointSlices, DNS),
+//!   `status` (the status view and its table);
 //! - `balancer` (the server state machine: sans-I/O, simulated-time tests),
-//!   `cli` (the command line), `reload` (what a new config changes);
+//!   `cli` (the command line), `reload` (a reload's plan: pure);
 //! - `control` (the control socket protocol, client and server), `config`
 //!   (the TOML file and the one validation of server lists);
 //! - `sock_destroy` (closing VIP connections), `state` (server lists set at

@@ -42,7 +42,7 @@ use prometheus_client::{
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tracing::{debug, info, warn};
 
-use crate::balancer::State;
+use crate::balancer::{CloseReason, State};
 
 /// Labels of a per-server series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -86,8 +86,9 @@ pub struct DiscoveryLabels {
 }
 
 /// Reasons the daemon closes connections, as `lb_connections_closed_total`
-/// labels them; every server has each series from the start, at zero.
-const CLOSE_REASONS: [&str; 4] = ["failed", "fail_back", "removed", "manual"];
+/// labels them (indexed by `CloseReason as usize`); every server has each
+/// series from the start, at zero.
+const CLOSE_REASONS: [CloseReason; 4] = CloseReason::ALL;
 
 const STATES: [State; 7] = [
     State::Active,
@@ -202,7 +203,7 @@ impl Collector for ServerCollector {
         for (service, server, series) in &rows {
             for (reason, count) in CLOSE_REASONS.iter().zip(series.closed) {
                 let labels =
-                    [("service", *service), ("server", server.as_str()), ("reason", *reason)];
+                    [("service", *service), ("server", server.as_str()), ("reason", reason.name())];
                 ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
             }
         }
@@ -360,13 +361,9 @@ impl Metrics {
         self.update(service, server, |series| series.connect_failures += 1);
     }
 
-    /// The daemon closed `n` VIP connections to `server`, for `reason` (one
-    /// of `failed`, `fail_back`, `removed`, `manual`).
-    pub fn count_closed(&self, service: &str, server: SocketAddr, reason: &str, n: u64) {
-        let Some(i) = CLOSE_REASONS.iter().position(|r| *r == reason) else {
-            warn!(reason, "not a reason lb_connections_closed_total counts");
-            return;
-        };
+    /// The daemon closed `n` VIP connections to `server`, for `reason`.
+    pub fn count_closed(&self, service: &str, server: SocketAddr, reason: CloseReason, n: u64) {
+        let i = reason as usize;
         self.update(service, server, |series| series.closed[i] += n);
     }
 
@@ -530,7 +527,7 @@ mod tests {
         metrics.set_healthy("api", server, Some(true));
         metrics.set_connections("api", server, 3);
         metrics.count_connect_failure("api", server);
-        metrics.count_closed("api", server, "manual", 2);
+        metrics.count_closed("api", server, CloseReason::Manual, 2);
         metrics.record_decisions(&[("connect_rewritten", 5)]);
         metrics.record_decisions(&[("connect_rewritten", 7)]);
         let text = metrics.encode();
@@ -552,7 +549,7 @@ mod tests {
         // while and still count (the connections closed because it left).
         let left = Instant::now();
         metrics.server_left("api", server, left);
-        metrics.count_closed("api", server, "removed", 4);
+        metrics.count_closed("api", server, CloseReason::Removed, 4);
         let text = metrics.encode();
         assert!(
             !text.contains(r#"lb_server_state{service="api",server="127.0.0.1:6443""#),

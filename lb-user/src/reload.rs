@@ -1,12 +1,17 @@
 //! Reloading the config: what changed between the running services and the
-//! new file's, as a list of changes for the daemon to apply. Pure: the
-//! daemon owns the state and carries the changes out.
+//! new file's, as a [`Plan`] for the daemon to carry out: the changes, the
+//! kernel values to write and the VIPs to remove. Pure: the daemon owns the
+//! state and only executes the plan.
 //!
 //! A service is known by its name. Same name and VIP: updated in place (its
 //! servers keep their state and connections). Same name, new VIP: removed
 //! and added again, since the kernel knows a service by its VIP.
 
-use std::{borrow::Borrow, collections::HashMap};
+use std::{
+    borrow::Borrow,
+    collections::{HashMap, HashSet},
+    net::SocketAddr,
+};
 
 use crate::config::Service;
 
@@ -44,10 +49,59 @@ pub struct Update {
     pub discovery: bool,
 }
 
-/// The changes that turn `old` into `new`: removals first, then additions
-/// and updates in the new file's order. Unchanged services are left out.
-/// `old` may be borrowed: the running services are not copied.
-pub fn plan<S: Borrow<Service>>(old: &[S], new: &[Service]) -> Vec<Change> {
+/// What a reload does, decided before anything is touched.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// The changes that turn the running services into the new file's:
+    /// removals first, then additions and updates in the new file's order.
+    /// Unchanged services are left out.
+    pub changes: Vec<Change>,
+    /// The services whose kernel value the reload writes, once each after
+    /// every change is applied (added or updated), by name. The daemon is
+    /// the only writer of the other entries, which hold what it wrote
+    /// (10,000 services need not be read back to change one).
+    pub writes: Vec<String>,
+    /// VIPs that no service has any more: the kernel stops rewriting them
+    /// and their connections are closed. A VIP that a removed service gave
+    /// up and another service takes is not among them.
+    pub removed_vips: Vec<SocketAddr>,
+    /// A server list changed or a service left: the kernel's maps are
+    /// cleaned of servers that no service has.
+    pub lists_changed: bool,
+}
+
+/// The plan that turns `old` into `new` (see [`Plan`]). `old` may be
+/// borrowed: the running services are not copied.
+pub fn plan<S: Borrow<Service>>(old: &[S], new: &[Service]) -> Plan {
+    let changes = changes(old, new);
+    let writes = changes
+        .iter()
+        .filter_map(|c| match c {
+            Change::Add(s) | Change::Update { service: s, .. } => Some(s.name.clone()),
+            Change::Remove { .. } => None,
+        })
+        .collect();
+    let lists_changed = changes.iter().any(|c| match c {
+        Change::Remove { .. } => true,
+        Change::Update { what, .. } => what.servers,
+        Change::Add(_) => false,
+    });
+    let kept: HashSet<SocketAddr> = new.iter().map(|s| s.vip).collect();
+    let removed: HashSet<&str> = changes
+        .iter()
+        .filter_map(|c| if let Change::Remove { name } = c { Some(name.as_str()) } else { None })
+        .collect();
+    let removed_vips = old
+        .iter()
+        .map(Borrow::borrow)
+        .filter(|s| removed.contains(s.name.as_str()) && !kept.contains(&s.vip))
+        .map(|s| s.vip)
+        .collect();
+    Plan { changes, writes, removed_vips, lists_changed }
+}
+
+/// The changes that turn `old` into `new` ([`Plan::changes`]).
+fn changes<S: Borrow<Service>>(old: &[S], new: &[Service]) -> Vec<Change> {
     let before: HashMap<&str, &Service> =
         old.iter().map(|s| (s.borrow().name.as_str(), s.borrow())).collect();
     let after: HashMap<&str, &Service> = new.iter().map(|s| (s.name.as_str(), s)).collect();
@@ -111,7 +165,7 @@ mod tests {
     #[test]
     fn the_same_config_changes_nothing() {
         let config = vec![service("a", 1), service("b", 2)];
-        assert_eq!(plan(&config, &config), vec![]);
+        assert_eq!(plan(&config, &config), Plan::default());
     }
 
     #[test]
@@ -119,7 +173,7 @@ mod tests {
         let old = vec![service("a", 1), service("b", 2)];
         let new = vec![service("b", 2), service("c", 3)];
         assert_eq!(
-            plan(&old, &new),
+            plan(&old, &new).changes,
             vec![Change::Remove { name: "a".into() }, Change::Add(service("c", 3))]
         );
     }
@@ -129,7 +183,7 @@ mod tests {
         let old = vec![service("a", 1)];
         let new = vec![service("a", 9)];
         assert_eq!(
-            plan(&old, &new),
+            plan(&old, &new).changes,
             vec![Change::Remove { name: "a".into() }, Change::Add(service("a", 9))]
         );
     }
@@ -140,7 +194,7 @@ mod tests {
         let update = |edit: fn(&mut Service)| {
             let mut new = service("a", 1);
             edit(&mut new);
-            match plan(&old, &[new]).as_slice() {
+            match plan(&old, &[new]).changes.as_slice() {
                 [Change::Update { what, .. }] => *what,
                 other => panic!("expected one update, got {other:?}"),
             }
@@ -179,11 +233,32 @@ mod tests {
     }
 
     #[test]
+    fn the_plan_names_what_to_write_and_what_to_remove() {
+        let old = vec![service("a", 1), service("b", 2), service("c", 3)];
+        let mut b = service("b", 2);
+        b.hold_down = Duration::from_secs(1);
+        // "c" gives VIP 3 to the new "d"; "a" and its VIP go.
+        let new = vec![b, service("d", 3)];
+        let plan = plan(&old, &new);
+        assert_eq!(plan.writes, ["b", "d"]);
+        assert_eq!(plan.removed_vips, [SocketAddr::from(([127, 0, 0, 1], 1))]);
+        assert!(plan.lists_changed, "services left");
+        let mut c = service("c", 3);
+        c.hold_down = Duration::from_secs(1);
+        let kernel_only = super::plan(&old[2..], &[c]);
+        assert_eq!(
+            (kernel_only.writes.as_slice(), kernel_only.lists_changed),
+            (&["c".to_owned()][..], false)
+        );
+        assert!(kernel_only.removed_vips.is_empty());
+    }
+
+    #[test]
     fn a_vip_moving_between_services_is_removed_before_it_is_added() {
         let old = vec![service("a", 1), service("b", 2)];
         let new = vec![service("b", 1)];
         assert_eq!(
-            plan(&old, &new),
+            plan(&old, &new).changes,
             vec![
                 Change::Remove { name: "a".into() },
                 Change::Remove { name: "b".into() },

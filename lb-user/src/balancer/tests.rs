@@ -55,8 +55,8 @@ impl Sim {
         &self.effects
     }
 
-    fn kernel(&mut self, server: SocketAddr, event: Connection) -> &[Effect] {
-        self.effects = self.lb.on_connection(server, event, self.now);
+    fn kernel(&mut self, server: SocketAddr, event: KernelReport) -> &[Effect] {
+        self.effects = self.lb.on_kernel_report(server, event, self.now);
         &self.effects
     }
 
@@ -89,8 +89,18 @@ fn closed(effects: &[Effect]) -> Vec<SocketAddr> {
         .collect()
 }
 
+/// How many new selections `effects` write (a write of the servers'
+/// states alone sends no connect elsewhere).
 fn writes(effects: &[Effect]) -> usize {
-    effects.iter().filter(|e| matches!(e, Effect::WriteSelection(_))).count()
+    effects.iter().filter(|e| matches!(e, Effect::WriteSelection { reordered: true, .. })).count()
+}
+
+/// The selection `effects` write last, if any.
+fn written(effects: &[Effect]) -> Option<&Selection> {
+    effects.iter().rev().find_map(|e| match e {
+        Effect::WriteSelection { value, .. } => Some(&value.selection),
+        _ => None,
+    })
 }
 
 #[test]
@@ -113,14 +123,14 @@ fn state_transition_table() {
         s.fail(x);
     };
     let refused: Input = |s, x| {
-        s.kernel(x, Connection::ConnectFailed);
+        s.kernel(x, KernelReport::ConnectFailed);
     };
     let refused_then_fail: Input = |s, x| {
-        s.kernel(x, Connection::ConnectFailed);
+        s.kernel(x, KernelReport::ConnectFailed);
         s.fail(x);
     };
     let established: Input = |s, x| {
-        s.kernel(x, Connection::Established);
+        s.kernel(x, KernelReport::Established);
     };
     let unknown: Input = |s, x| {
         s.effects = s.lb.on_health(x, Health::Unknown, s.now);
@@ -191,6 +201,22 @@ fn preferred_ages_into_healthy() {
 }
 
 #[test]
+fn the_next_deadline_is_when_a_tick_has_something_to_do() {
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    sim.pass(a(1));
+    sim.pass(a(2));
+    assert_eq!(sim.state(a(2)), State::Preferred);
+    let deadline = sim.lb.next_deadline().expect("a preferred server ages");
+    assert_eq!(deadline, sim.now + PREFERRED_FOR);
+    sim.advance(PREFERRED_FOR - Duration::from_millis(1));
+    assert!(sim.effects.is_empty(), "{:?}", sim.effects);
+    assert_eq!(sim.state(a(2)), State::Preferred);
+    sim.advance(Duration::from_millis(1));
+    assert_eq!(sim.state(a(2)), State::Healthy);
+    assert_eq!(sim.lb.next_deadline(), None, "nothing left to age, the election is over");
+}
+
+#[test]
 fn behaviour_1_never_black_hole_failed_servers_are_a_last_resort() {
     // k3s 10240: every health check fails, yet connects must still go somewhere.
     let mut sim = Sim::failover(&[a(1), a(2)]);
@@ -214,7 +240,7 @@ fn behaviour_2_a_removed_server_is_never_selected_again_and_its_connections_clos
     assert_eq!(sim.target(), Some(a(2)));
     // Late reports about the removed server change nothing.
     assert!(sim.pass(a(1)).is_empty());
-    assert!(sim.kernel(a(1), Connection::Established).is_empty());
+    assert!(sim.kernel(a(1), KernelReport::Established).is_empty());
 }
 
 #[test]
@@ -250,7 +276,7 @@ fn connections_close_only_after_the_new_selection_is_written() {
     for effects in [sim.fail(a(1)).to_vec(), sim.set(&[a(1)], None).to_vec()] {
         let write = effects
             .iter()
-            .position(|e| matches!(e, Effect::WriteSelection(_)))
+            .position(|e| matches!(e, Effect::WriteSelection { .. }))
             .expect("a new selection");
         let close = effects
             .iter()
@@ -282,18 +308,18 @@ fn behaviour_4_a_failed_connect_is_confirmed_at_once_then_moves_everything() {
     let mut sim = Sim::new(Policy::Failover, checks, &[a(1), a(2)], None);
     sim.pass(a(1));
     sim.pass(a(2));
-    assert_eq!(sim.kernel(a(1), Connection::ConnectFailed), [Effect::CheckNow { server: a(1) }]);
+    assert_eq!(sim.kernel(a(1), KernelReport::ConnectFailed), [Effect::CheckNow { server: a(1) }]);
     assert_eq!(sim.state(a(1)), State::Active, "one report is not yet a failure");
-    assert_eq!(sim.kernel(a(1), Connection::ConnectFailed), [], "already being checked");
+    assert_eq!(sim.kernel(a(1), KernelReport::ConnectFailed), [], "already being checked");
     let effects = sim.fail(a(1)).to_vec();
     assert_eq!(sim.state(a(1)), State::Failed, "the check confirmed it, fall = 3 notwithstanding");
-    assert!(
-        effects
-            .contains(&Effect::WriteSelection(Selection { servers: vec![a(2), a(1)], spread: 1 })),
+    assert_eq!(
+        written(&effects),
+        Some(&Selection { servers: vec![a(2), a(1)], spread: 1 }),
         "{effects:?}"
     );
     assert_eq!(closed(&effects), [a(1)]);
-    sim.kernel(a(2), Connection::ConnectTimedOut);
+    sim.kernel(a(2), KernelReport::ConnectTimeout);
     assert_eq!(sim.state(a(2)), State::Active);
     sim.fail(a(2));
     assert_eq!(sim.state(a(2)), State::Failed);
@@ -307,14 +333,14 @@ fn behaviour_4_one_ambiguous_report_never_resets_a_healthy_server() {
     sim.pass(a(1));
     sim.pass(a(2));
     for _ in 0..100 {
-        let effects = sim.kernel(a(1), Connection::ConnectTimedOut).to_vec();
+        let effects = sim.kernel(a(1), KernelReport::ConnectTimeout).to_vec();
         assert!(closed(&effects).is_empty() && writes(&effects) == 0, "{effects:?}");
     }
     sim.pass(a(1));
     assert_eq!(sim.state(a(1)), State::Active);
     assert!(!sim.lb.server(a(1)).unwrap().suspect, "a passing check clears the report");
     assert_eq!(
-        sim.kernel(a(1), Connection::ConnectFailed),
+        sim.kernel(a(1), KernelReport::ConnectFailed),
         [Effect::CheckNow { server: a(1) }],
         "a new report asks again"
     );
@@ -409,16 +435,16 @@ fn adopting_restores_the_previous_daemons_failed_and_active_servers() {
 fn passive_only_needs_fall_reports_in_a_row() {
     let checks = Checks { rise: 1, fall: 2, passive_only: true };
     let mut sim = Sim::new(Policy::Failover, checks, &[a(1), a(2)], None);
-    sim.kernel(a(1), Connection::ConnectFailed);
+    sim.kernel(a(1), KernelReport::ConnectFailed);
     assert_eq!(sim.state(a(1)), State::Active);
-    sim.kernel(a(1), Connection::Established);
-    sim.kernel(a(1), Connection::ConnectFailed);
+    sim.kernel(a(1), KernelReport::Established);
+    sim.kernel(a(1), KernelReport::ConnectFailed);
     assert_eq!(
         sim.state(a(1)),
         State::Active,
         "an established connection in between resets the count"
     );
-    sim.kernel(a(1), Connection::ConnectTimedOut);
+    sim.kernel(a(1), KernelReport::ConnectTimeout);
     assert_eq!(sim.state(a(1)), State::Failed);
     assert_eq!(sim.target(), Some(a(2)));
 }
@@ -490,7 +516,7 @@ fn behaviour_6_recovers_from_a_total_outage_without_a_restart() {
         sim.pass(a(1));
         sim.pass(a(2));
         assert!(sim.lb.servers().iter().any(|s| s.state == State::Active), "round {round}");
-        sim.kernel(a(1), Connection::ConnectFailed);
+        sim.kernel(a(1), KernelReport::ConnectFailed);
         sim.fail(a(1));
         sim.fail(a(2));
         assert!(sim.lb.servers().iter().all(|s| s.state == State::Failed), "round {round}");
@@ -566,9 +592,9 @@ fn passive_only_uses_kernel_reports_as_health() {
     let checks = Checks { rise: 1, fall: 1, passive_only: true };
     let mut sim = Sim::new(Policy::Failover, checks, &[a(1), a(2)], None);
     assert_eq!(sim.state(a(1)), State::Active);
-    sim.kernel(a(1), Connection::ConnectFailed);
+    sim.kernel(a(1), KernelReport::ConnectFailed);
     assert_eq!(sim.target(), Some(a(2)), "fall = 1: one report is enough");
-    sim.kernel(a(1), Connection::Established);
+    sim.kernel(a(1), KernelReport::Established);
     assert_eq!(sim.state(a(1)), State::Preferred);
 }
 
@@ -663,8 +689,8 @@ proptest! {
                 Op::Pass(n) => lb.on_health(a(*n), Health::Pass, now),
                 Op::Fail(n) => lb.on_health(a(*n), Health::Fail("x".into()), now),
                 Op::Unknown(n) => lb.on_health(a(*n), Health::Unknown, now),
-                Op::Refused(n) => lb.on_connection(a(*n), Connection::ConnectFailed, now),
-                Op::Established(n) => lb.on_connection(a(*n), Connection::Established, now),
+                Op::Refused(n) => lb.on_kernel_report(a(*n), KernelReport::ConnectFailed, now),
+                Op::Established(n) => lb.on_kernel_report(a(*n), KernelReport::Established, now),
                 Op::Readiness(n, r) => {
                     let r = [Readiness::Terminating, Readiness::Serving, Readiness::Ready][*r as usize];
                     lb.set_readiness(a(*n), r, now)
@@ -706,8 +732,13 @@ proptest! {
                         prop_assert_eq!(s.state, State::Active, "active {} replaced after {:?}", before, op);
                     }
             // The selection written is the one in effect; writing is idempotent.
-            if let Some(Effect::WriteSelection(written)) = effects.iter().rev().find(|e| matches!(e, Effect::WriteSelection(_))) {
+            if let Some(written) = written(&effects) {
                 prop_assert_eq!(written, &selection);
+            }
+            // Ticks before the next deadline have nothing to do (the daemon
+            // sleeps until it instead of ticking every service).
+            if lb.next_deadline().is_none_or(|deadline| now < deadline) {
+                prop_assert_eq!(lb.clone().on_tick(now), Vec::new(), "a tick before the deadline {:?} acted", lb.next_deadline());
             }
             let _ = lb.on_tick(now);
             prop_assert_eq!(lb.on_tick(now), Vec::new(), "a repeated input had effects again");

@@ -1,0 +1,149 @@
+//! Closing VIP connections: the sockets are picked from the kernel's table
+//! (only those made through a VIP), destroyed with netlink `SOCK_DESTROY`
+//! on a blocking thread, and the outcome comes back to the owner loop as a
+//! message to log, count and answer.
+
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    net::SocketAddr,
+};
+
+use tokio::sync::oneshot;
+use tracing::{error, info};
+
+use super::{Daemon, Message};
+use crate::{balancer::CloseReason, control::Response, sock_destroy};
+
+/// How many VIP connections were closed, per (VIP, server).
+pub(super) type Counts = BTreeMap<(SocketAddr, SocketAddr), u64>;
+
+/// A close: why it is done, which says what to do with its outcome.
+pub(super) enum Close {
+    /// One step of a service's balancer moved traffic off these servers.
+    Moved { service: String, vip: SocketAddr, servers: Vec<(SocketAddr, CloseReason)> },
+    /// `lb close-connections`: the client waits for the total.
+    Requested { server: SocketAddr, reply: oneshot::Sender<Response> },
+    /// A reload removed these VIPs.
+    RemovedVips,
+}
+
+/// Why nothing can be closed on this kernel.
+const NO_SOCK_DESTROY: &str = "this kernel cannot destroy sockets (it lacks CONFIG_INET_DIAG_DESTROY, or the tcp_diag module is not loaded)";
+
+impl Daemon {
+    /// Resets, in the background, the VIP connections that
+    /// `wanted(vip, server)` picks; `close` says what to do with the
+    /// outcome ([`Self::close_done`]). The netlink socket dump and the
+    /// destroys run on a blocking thread: with thousands of connections
+    /// they take a while, and the owner loop must keep answering kernel
+    /// reports, checks and `lb status` meanwhile. The sockets are picked
+    /// here, from the `SOCKETS` map, after the new selection is written.
+    ///
+    /// Without socket destroy (said once at start) a balancer's closes are
+    /// dropped quietly (the connections end on their own); a request is
+    /// answered with the reason.
+    pub(super) fn close(&self, wanted: impl Fn(SocketAddr, SocketAddr) -> bool, close: Close) {
+        if !self.sock_destroy {
+            if let Close::Requested { .. } = close {
+                self.close_done(close, Err(NO_SOCK_DESTROY.to_owned()));
+            }
+            return;
+        }
+        let sockets: HashMap<u64, (SocketAddr, SocketAddr)> = self
+            .datapath
+            .maps()
+            .vip_sockets()
+            .filter(|s| wanted(s.vip, s.server))
+            .map(|s| (s.cookie, (s.vip, s.server)))
+            .collect();
+        let tx = self.tx.clone();
+        tokio::task::spawn_blocking(move || {
+            let cookies = sockets.keys().copied().collect();
+            let result = sock_destroy::destroy(&cookies)
+                .map(|destroyed| {
+                    let mut counts = Counts::new();
+                    for cookie in destroyed {
+                        *counts.entry(sockets[&cookie]).or_default() += 1;
+                    }
+                    counts
+                })
+                .map_err(|e| format!("destroying sockets with netlink SOCK_DESTROY: {e}"));
+            let _ = tx.blocking_send(Message::CloseDone { close, result });
+        });
+    }
+
+    /// Closes what one balancer step moved traffic away from
+    /// ([`Close::Moved`]: its VIP's connections to those servers).
+    pub(super) fn close_moved(&self, close: Close) {
+        if let Close::Moved { vip, servers, .. } = &close {
+            let (vip, servers): (SocketAddr, HashSet<SocketAddr>) =
+                (*vip, servers.iter().map(|(s, _)| *s).collect());
+            self.close(|v, server| v == vip && servers.contains(&server), close);
+        }
+    }
+
+    /// `lb close-connections`: resets the connections made through a VIP
+    /// (of `service`, or of any service) to `server`, and answers with how
+    /// many once done. Direct connections to it are left alone. Counted
+    /// with reason `manual`.
+    pub(super) fn close_on_request(
+        &self,
+        server: SocketAddr,
+        service: Option<&str>,
+        reply: oneshot::Sender<Response>,
+    ) {
+        let vip = match service
+            .map(|name| self.index(name).map(|i| self.services[i].config.vip))
+            .transpose()
+        {
+            Ok(vip) => vip,
+            Err(e) => return drop(reply.send(Response::Error { error: format!("{e:#}") })),
+        };
+        self.close(
+            |v, s| s == server && vip.is_none_or(|vip| vip == v),
+            Close::Requested { server, reply },
+        );
+    }
+
+    /// A background close is done: log it, count it, answer who asked.
+    pub(super) fn close_done(&self, close: Close, result: Result<Counts, String>) {
+        match (close, result) {
+            (Close::Moved { service, vip, servers }, Ok(counts)) => {
+                for (server, reason) in servers {
+                    let n = counts.get(&(vip, server)).copied().unwrap_or(0);
+                    info!(service = %service, %server, closed = n, reason = reason.name(), "closed VIP connections");
+                    self.metrics.count_closed(&service, server, reason, n);
+                }
+            }
+            (Close::Moved { service, .. }, Err(e)) => {
+                error!(service = %service, "closing connections failed: {e}");
+            }
+            (Close::Requested { server, reply }, result) => {
+                let response = match result {
+                    Ok(counts) => {
+                        for (&(vip, server), &n) in &counts {
+                            if let Some(&i) = self.by_vip.get(&vip) {
+                                let service = &self.services[i].config.name;
+                                self.metrics.count_closed(service, server, CloseReason::Manual, n);
+                            }
+                        }
+                        let total = counts.values().sum();
+                        info!(%server, closed = total, "closed VIP connections on request");
+                        Response::Closed { closed: total }
+                    }
+                    Err(e) => {
+                        Response::Error { error: format!("closing connections to {server}: {e}") }
+                    }
+                };
+                let _ = reply.send(response);
+            }
+            (Close::RemovedVips, Ok(counts)) => info!(
+                closed = counts.values().sum::<u64>(),
+                "closed the connections of removed VIPs"
+            ),
+            (Close::RemovedVips, Err(e)) => {
+                error!("closing the connections of removed VIPs failed: {e}");
+            }
+        }
+    }
+}

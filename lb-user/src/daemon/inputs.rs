@@ -1,0 +1,78 @@
+//! Inputs to the balancers: kernel reports, health check results and
+//! deadlines. Each becomes one balancer step whose effects `apply` carries
+//! out.
+
+use std::{net::SocketAddr, time::Duration, time::Instant};
+
+use lb_common::{Event, EventKind};
+use tracing::{debug, warn};
+
+use super::Daemon;
+use crate::{
+    balancer::{Health, KernelReport},
+    metrics::server_labels,
+};
+
+impl Daemon {
+    /// A report from the kernel's ring buffer.
+    pub(super) fn on_kernel_event(&mut self, event: &Event) {
+        let vip = SocketAddr::from(event.vip);
+        let server = SocketAddr::from(event.server);
+        if event.time_ns < self.started_ns {
+            return debug!(%vip, %server, kind = event.kind, "ignoring a kernel event from before this daemon started");
+        }
+        let report = match EventKind::try_from(event.kind).map(KernelReport::from) {
+            Ok(report) => report,
+            Err(e) => return warn!("ignoring a kernel event: {e}"),
+        };
+        match report {
+            KernelReport::Established => debug!(%vip, %server, "connection established"),
+            KernelReport::ConnectFailed => {
+                warn!(%vip, %server, "connect through the VIP failed; the kernel skips this server for its hold-down");
+            }
+            KernelReport::ConnectTimeout => {
+                warn!(%vip, %server, "connect through the VIP got no answer yet; the kernel skips this server for its hold-down");
+            }
+        }
+        let Some(&i) = self.by_vip.get(&vip) else { return };
+        if report != KernelReport::Established {
+            self.metrics.count_connect_failure(&self.services[i].config.name, server);
+        }
+        let effects = self.services[i].balancer.on_kernel_report(server, report, Instant::now());
+        self.apply(i, effects);
+    }
+
+    /// A health check result.
+    pub(super) fn on_health(
+        &mut self,
+        service: &str,
+        server: SocketAddr,
+        result: Health,
+        took: Duration,
+    ) {
+        let Ok(i) = self.index(service) else { return };
+        debug!(service, %server, ?result, ?took, "health check");
+        let effects = self.services[i].balancer.on_health(server, result, Instant::now());
+        self.apply(i, effects);
+        if let Some(s) = self.services[i].balancer.server(server) {
+            self.metrics.set_healthy(service, server, s.healthy);
+            self.metrics
+                .health_check_duration
+                .get_or_create(&server_labels(service, server))
+                .observe(took.as_secs_f64());
+        }
+    }
+
+    /// The deadlines due at `now`: each of those balancers gets its tick.
+    pub(super) fn on_deadlines(&mut self, now: Instant) {
+        for name in self.timers.take_due(now) {
+            let Ok(i) = self.index(&name) else { continue };
+            let effects = self.services[i].balancer.on_tick(now);
+            self.apply(i, effects);
+            // `apply` set the next deadline if the tick had effects; a tick
+            // without any (a deadline that another input made moot) still
+            // leaves the balancer's own next one to keep.
+            self.timers.set(&name, self.services[i].balancer.next_deadline());
+        }
+    }
+}

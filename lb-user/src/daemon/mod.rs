@@ -1,0 +1,255 @@
+//! `lb run`: the daemon's owner loop. One task owns every service's
+//! balancer and the datapath, and is the only writer of the maps; kernel
+//! reports, health results, control requests, timers and signals reach it
+//! as messages, and it carries out what the pure code decides.
+//!
+//! Rooms: this file is the select loop and the dispatch of messages;
+//! - `startup`: the config to keep, the saved lists, adoption of a running
+//!   datapath, memory tuning;
+//! - `service`: one service's parts (config, balancer, tasks);
+//! - `inputs`: kernel reports, health results and deadlines to balancers;
+//! - `apply`: a balancer's effects carried out (one write per change);
+//! - `discovered`: discovered lists to server lists;
+//! - `closing`: VIP connections closed in the background;
+//! - `requests`: control requests and metrics scrapes;
+//! - `reload`: a reload's plan (`crate::reload::plan`) executed;
+//! - `tasks`: the check loops and the kernel's event and log readers;
+//! - `timers`: when each balancer next needs its clock.
+//!
+//! What it decides with lives below: the state machine in `balancer`,
+//! what a reload changes in `reload`, the status view in `status`, the
+//! socket protocol in `control`.
+
+mod apply;
+mod closing;
+mod discovered;
+mod inputs;
+mod reload;
+mod requests;
+mod service;
+mod startup;
+mod tasks;
+mod timers;
+
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use lb_common::Event;
+use tokio::{
+    signal::unix::{SignalKind, signal},
+    sync::{mpsc, oneshot},
+};
+use tracing::info;
+
+use self::{closing::Close, service::Service, startup::Started, timers::Timers};
+use crate::{
+    balancer::Health,
+    config,
+    control::{ReloadStatus, Request, Response},
+    datapath::{self, Datapath},
+    discovery,
+    metrics::Metrics,
+    state::SavedState,
+};
+
+/// How `lb run` was started.
+pub struct Options {
+    /// The config file.
+    pub config_path: PathBuf,
+    /// Forward the kernel programs' debug log (`--bpf-log`).
+    pub bpf_log: bool,
+    /// Detach everything on SIGTERM/SIGINT instead of leaving the datapath
+    /// working (fail-static).
+    pub detach_on_exit: bool,
+}
+
+/// What reaches the owner task from the kernel, the health checks and its
+/// own background work. (Control requests come on their own channel, as
+/// `control::Call`s; discovered lists on theirs.)
+enum Message {
+    Kernel(Event),
+    Health {
+        service: String,
+        server: SocketAddr,
+        result: Health,
+        took: Duration,
+    },
+    /// A background close is done ([`Daemon::close`]).
+    CloseDone {
+        close: Close,
+        result: Result<closing::Counts, String>,
+    },
+}
+
+/// Why the owner loop ended.
+enum Exit {
+    Signal(&'static str),
+    /// `lb detach` (or a control client) asked; answered once the daemon
+    /// has done what exiting means.
+    Requested(oneshot::Sender<Response>),
+}
+
+struct Daemon {
+    /// The running config's `[daemon]` settings (the services are in
+    /// `services`).
+    settings: config::Daemon,
+    config_path: PathBuf,
+    /// The text the running config was read from: a reload parses only
+    /// the service tables that changed since.
+    source: config::Source,
+    cgroup: PathBuf,
+    datapath: Datapath,
+    /// In the config's order.
+    services: Vec<Service>,
+    /// Where each service is in `services`, by name and by VIP: with
+    /// thousands of services, every lookup (a kernel report, a check
+    /// result, a request) must not walk them all.
+    by_name: HashMap<String, usize>,
+    by_vip: HashMap<SocketAddr, usize>,
+    saved: SavedState,
+    tx: mpsc::Sender<Message>,
+    /// Where discovery tasks send their lists.
+    discovered: mpsc::Sender<discovery::Update>,
+    /// Work that discovered lists call for, done once for a burst of them
+    /// ([`Self::after_discovered`]).
+    after_discovery: discovered::After,
+    /// When each balancer next needs its clock ([`Self::on_deadlines`]).
+    timers: Timers,
+    metrics: Metrics,
+    last_reload: Option<ReloadStatus>,
+    /// Netlink SOCK_DESTROY works on this kernel (probed once at start).
+    sock_destroy: bool,
+    /// `CLOCK_MONOTONIC` when this daemon started: kernel events from
+    /// before (left in the ring buffer by a previous daemon) are history,
+    /// not news; the kernel has already acted on them.
+    started_ns: u64,
+}
+
+/// Runs the daemon until SIGTERM/SIGINT or a shutdown request. The datapath
+/// stays pinned and working after it returns (fail-static) unless
+/// `detach_on_exit`.
+pub async fn run(options: Options) -> anyhow::Result<()> {
+    let detach_on_exit = options.detach_on_exit;
+    let Started { mut daemon, mut messages, mut calls, mut discoveries, mut scrapes } =
+        startup::start(options).await?;
+    let socket_path = daemon.settings.control_socket.clone();
+    let bpffs = daemon.settings.bpffs.clone();
+
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut hangup = signal(SignalKind::hangup())?;
+    // Housekeeping (metrics of departed servers, the watchdog); balancers
+    // get their clock from `timers`, only when one needs it.
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    // systemd's WatchdogSec: pinged from the owner loop's tick, so a loop
+    // that stops turning (not only a dead process) gets the daemon restarted.
+    let watchdog = sd_notify::watchdog_enabled();
+    if let Some(every) = watchdog {
+        info!(?every, "systemd watchdog enabled; pinging every second");
+    }
+    let exit = loop {
+        let deadline = daemon.timers.next().map(tokio::time::Instant::from_std);
+        tokio::select! {
+            _ = terminate.recv() => break Exit::Signal("SIGTERM"),
+            _ = interrupt.recv() => break Exit::Signal("SIGINT"),
+            _ = hangup.recv() => { let _ = daemon.reload(); }
+            Some(scrape) = scrapes.recv() => { let _ = scrape.send(daemon.scrape()); }
+            () = sleep_until(deadline) => daemon.on_deadlines(Instant::now()),
+            _ = tick.tick() => {
+                daemon.metrics.expire(Instant::now());
+                if watchdog.is_some() {
+                    let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+                }
+            }
+            Some((request, reply)) = calls.recv() => match request {
+                Request::Shutdown => break Exit::Requested(reply),
+                Request::CloseConnections { server, service } => {
+                    daemon.close_on_request(server, service.as_deref(), reply);
+                }
+                Request::Status => { let _ = reply.send(Response::Status(daemon.status())); }
+                Request::SetServers { service, servers, default } => {
+                    answer(reply, daemon.set_servers(&service, &servers, default));
+                }
+                Request::Drain { service, server, undo } => {
+                    answer(reply, daemon.drain(&service, server, undo));
+                }
+                Request::Reload => answer(reply, daemon.reload()),
+            },
+            Some(update) = discoveries.recv() => {
+                // A burst (1,000 services changed at once) is applied in
+                // one go, then saved and cleaned up once.
+                daemon.on_discovered(update);
+                while let Ok(update) = discoveries.try_recv() {
+                    daemon.on_discovered(update);
+                }
+                daemon.after_discovered();
+            }
+            Some(message) = messages.recv() => match message {
+                Message::Kernel(event) => daemon.on_kernel_event(&event),
+                Message::Health { service, server, result, took } => {
+                    daemon.on_health(&service, server, result, took);
+                }
+                Message::CloseDone { close, result } => daemon.close_done(close, result),
+            },
+        }
+    };
+    // The same way out for a signal and a request: tell systemd, free the
+    // socket path, detach if asked, and only then answer the requester.
+    match &exit {
+        Exit::Signal(name) => info!("{name}: exiting"),
+        Exit::Requested(_) => info!("shutdown requested: exiting"),
+    }
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+    let _ = std::fs::remove_file(&socket_path);
+    drop(daemon);
+    if detach_on_exit {
+        let removed = datapath::detach(&bpffs)?;
+        info!(pins = removed.len(), "--detach-on-exit: detached everything");
+    } else {
+        info!("the datapath stays attached and keeps serving the last selections");
+    }
+    if let Exit::Requested(reply) = exit {
+        let _ = reply.send(Response::Ok);
+    }
+    Ok(())
+}
+
+/// Sleeps until `deadline`, or for ever without one.
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Answers a control request that succeeds with `Ok` or fails with an error.
+fn answer(reply: oneshot::Sender<Response>, result: anyhow::Result<()>) {
+    let response = match result {
+        Ok(()) => Response::Ok,
+        Err(e) => Response::Error { error: format!("{e:#}") },
+    };
+    let _ = reply.send(response);
+}
+
+impl Daemon {
+    fn index(&self, name: &str) -> anyhow::Result<usize> {
+        self.by_name.get(name).copied().with_context(|| format!("no service named {name:?}"))
+    }
+
+    /// Rebuilds `by_name` and `by_vip` after `services` changed shape.
+    fn reindex(&mut self) {
+        self.by_name =
+            self.services.iter().enumerate().map(|(i, s)| (s.config.name.clone(), i)).collect();
+        self.by_vip = self.services.iter().enumerate().map(|(i, s)| (s.config.vip, i)).collect();
+    }
+
+    /// Names the service whose VIP `addr` is, for server-list checks.
+    fn vip_owner(&self, addr: SocketAddr) -> Option<String> {
+        self.by_vip.get(&addr).map(|&i| format!("service {:?}", self.services[i].config.name))
+    }
+}

@@ -1,0 +1,400 @@
+//! The kernel side as the daemon sees it: load and attach the programs, pin
+//! and adopt them, write selections, read counts and counters, detach.
+//!
+//! Pinned layout under the configured bpffs directory:
+//! `links/<program>` (one cgroup link per program) and `maps/<MAP>`. While
+//! those pins exist the datapath keeps working with nobody running
+//! (fail-static); a starting daemon that finds them all adopts them instead
+//! of attaching again, so there is no window without the programs.
+//!
+//! Guards, both checked before anything is touched:
+//! - one daemon per pin directory: [`Datapath::open`] takes an exclusive
+//!   `flock` on it, held for the `Datapath`'s life; a second daemon fails
+//!   naming the first;
+//! - one map layout: `maps/META` holds `lb_common::LAYOUT_VERSION`; pins of
+//!   another layout (or from before layouts were versioned) are refused
+//!   with the command that removes them (`lb detach`).
+//!
+//! Upgrades: `META` also holds a fingerprint of the attached programs. A
+//! daemon that adopts pins of its layout but finds other programs (an older
+//! or newer lb) loads its own on the pinned maps and swaps each pinned link
+//! to them with `BPF_LINK_UPDATE`: every connect runs either the old or the
+//! new program, never none.
+//!
+//! Rooms: this file is the lifecycle (open: adopt or attach; the object's
+//! loading; selections written); `maps` reads and writes the pinned maps,
+//! `pins` holds the pin directory's layout, its lock and `detach`,
+//! `upgrade` the `META` map and the programs' replacement, `sys` the raw
+//! system calls aya does not offer.
+
+mod maps;
+mod pins;
+mod sys;
+mod upgrade;
+
+use std::{fs::File, net::SocketAddr, path::Path};
+
+use anyhow::{Context as _, bail};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{MapData, RingBuf},
+    programs::{
+        CgroupAttachMode, CgroupSock, CgroupSockAddr, SockOps,
+        links::{FdLink, PinnedLink},
+    },
+};
+use lb_common::{NETNS_ANY, maps as map_names, programs};
+use tracing::{info, warn};
+
+use self::{
+    maps::open_pinned_map,
+    pins::{
+        PinLock, ensure_bpffs, has_getpeername, links_dir, maps_dir, remove_pins, required_pins,
+    },
+    sys::host_netns_cookie,
+    upgrade::{check_layout, replace_programs, stamp_meta},
+};
+pub use self::{
+    maps::{Forgotten, PinnedMaps, VipEntry, VipSocket, failed_within},
+    pins::detach,
+    sys::{cgroup2_root, monotonic_now_ns},
+    upgrade::{
+        pinned_program_ids, programs_fingerprint, read_layout_version, read_program_fingerprint,
+        write_program_fingerprint,
+    },
+};
+
+/// Forwards the kernel programs' aya-log records to `log` (and so to tracing).
+pub type KernelLogger = aya_log::EbpfLogger<&'static dyn log::Log>;
+
+/// The eBPF object, built by `build.rs` from `lb-ebpf`.
+static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
+
+/// The attached datapath: handles to its maps, and the pin directory's lock.
+pub struct Datapath {
+    maps: PinnedMaps,
+    events: Option<RingBuf<MapData>>,
+    /// Whether the programs were already attached when we started.
+    pub adopted: bool,
+    /// The getpeername hooks are attached (optional, Linux 5.8+).
+    pub getpeername: bool,
+    /// `host`-scoped services are rewritten only in this daemon's network
+    /// namespace. False when this kernel cannot say which namespace that is
+    /// (no `SO_NETNS_COOKIE`, Linux 5.14+, and the daemon is not in the
+    /// initial namespace): then `host` acts as `all` (warned at start).
+    pub netns_scope: bool,
+    /// What `Scope::Host` writes into a service value (`Service::netns_cookie`).
+    host_netns: u64,
+    /// Reader of the kernel programs' logs when `--bpf-log` is on.
+    logger: Option<KernelLogger>,
+    /// The exclusive lock on the pin directory: released when the
+    /// `Datapath` is dropped (or the process dies).
+    _lock: PinLock,
+}
+
+impl Datapath {
+    /// Adopts the pinned datapath under `bpffs` if it is complete (its maps
+    /// untouched: `initial` is not written); otherwise loads the programs,
+    /// writes `initial` selections, attaches to `cgroup` and pins everything.
+    ///
+    /// Fails, touching nothing, if another daemon holds the pin directory,
+    /// or if the pins there have another map layout (the message names
+    /// `lb detach`).
+    pub fn open(
+        bpffs: &Path,
+        cgroup: &Path,
+        initial: &[VipEntry],
+        bpf_log: bool,
+    ) -> anyhow::Result<Self> {
+        ensure_bpffs(bpffs)?;
+        let lock = PinLock::acquire(bpffs)?;
+        let (host_netns, netns_scope) = match host_netns_cookie() {
+            Some(cookie) => (cookie, true),
+            None => {
+                warn!(
+                    "this kernel cannot tell lb which network namespace is its own (SO_NETNS_COOKIE needs Linux \
+                     5.14, and lb does not run in the initial network namespace): services with scope = \"host\" \
+                     are rewritten in every network namespace of the cgroup, as with scope = \"all\""
+                );
+                (NETNS_ANY, false)
+            }
+        };
+        let any_link = programs::ALL.iter().any(|p| links_dir(bpffs).join(p).exists());
+        let any_map = map_names::ALL.iter().any(|m| maps_dir(bpffs).join(m).exists());
+        if any_link {
+            // Programs are attached: refuse a layout we cannot read or
+            // write before touching anything.
+            check_layout(bpffs, read_layout_version(bpffs)?)?;
+            let present = required_pins(bpffs).filter(|p| p.exists()).count();
+            if present == programs::REQUIRED.len() + map_names::ALL.len() {
+                let mut datapath = Self::adopt(bpffs, lock, host_netns, netns_scope)?;
+                if read_program_fingerprint(bpffs)? != Some(programs_fingerprint()) {
+                    match replace_programs(bpffs, bpf_log) {
+                        Ok(logger) => {
+                            datapath.logger = logger;
+                            info!(
+                                "the pinned programs differed from this lb's: replaced them (one atomic link update each)"
+                            );
+                            if let Err(e) = write_program_fingerprint(bpffs, programs_fingerprint())
+                            {
+                                // The next start replaces them again: harmless.
+                                warn!("recording the new programs' fingerprint: {e:#}");
+                            }
+                        }
+                        // Same layout: the old programs keep serving correctly.
+                        Err(e) => warn!(
+                            "keeping the pinned programs, which differ from this lb's: replacing them failed: {e:#}"
+                        ),
+                    }
+                } else if bpf_log {
+                    warn!(
+                        "--bpf-log has no effect on an adopted datapath; run `lb detach` and start again to enable it"
+                    );
+                }
+                // The daemon writes an adopted datapath's selections itself,
+                // starting from what the kernel holds (see `daemon::adopt`).
+                return Ok(datapath);
+            }
+        }
+        if any_link || any_map || has_getpeername(bpffs) {
+            warn!(bpffs = %bpffs.display(), "found an incomplete pinned datapath (interrupted attach?); removing it and attaching afresh");
+            // Keep the directory itself: it is what we hold locked.
+            remove_pins(bpffs)?;
+        }
+        Self::attach(bpffs, cgroup, initial, bpf_log, lock, host_netns, netns_scope).inspect_err(
+            |_| {
+                // Leave nothing half-attached behind.
+                if let Err(e) = detach(bpffs) {
+                    warn!("cleaning up after a failed attach: {e:#}");
+                }
+            },
+        )
+    }
+
+    fn adopt(
+        bpffs: &Path,
+        lock: PinLock,
+        host_netns: u64,
+        netns_scope: bool,
+    ) -> anyhow::Result<Self> {
+        info!(bpffs = %bpffs.display(), "adopting the pinned datapath; programs stay attached");
+        let map = |name: &str| open_pinned_map(bpffs, name);
+        let events = RingBuf::try_from(map(map_names::EVENTS)?).context("pinned map EVENTS")?;
+        Ok(Self {
+            maps: PinnedMaps::from_maps(map)?,
+            events: Some(events),
+            adopted: true,
+            getpeername: has_getpeername(bpffs),
+            netns_scope,
+            host_netns,
+            logger: None,
+            _lock: lock,
+        })
+    }
+
+    fn attach(
+        bpffs: &Path,
+        cgroup: &Path,
+        initial: &[VipEntry],
+        bpf_log: bool,
+        lock: PinLock,
+        host_netns: u64,
+        netns_scope: bool,
+    ) -> anyhow::Result<Self> {
+        let (mut ebpf, logger) = load_object(EbpfLoader::new(), bpf_log)?;
+
+        // The layout version goes in before anything is pinned, so no pin
+        // set of this layout is ever without it.
+        stamp_meta(&mut ebpf)?;
+        let maps_dir = maps_dir(bpffs);
+        std::fs::create_dir_all(&maps_dir)
+            .with_context(|| format!("creating {}", maps_dir.display()))?;
+        for name in map_names::ALL {
+            let map = ebpf
+                .map(name)
+                .with_context(|| format!("map {name} missing from the eBPF object"))?;
+            let path = maps_dir.join(name);
+            map.pin(&path).with_context(|| format!("pinning map {name} at {}", path.display()))?;
+        }
+        let mut take = |name: &str| {
+            ebpf.take_map(name).with_context(|| format!("map {name} missing from the eBPF object"))
+        };
+        let events = RingBuf::try_from(take(map_names::EVENTS)?).context("map EVENTS")?;
+        let maps = PinnedMaps::from_maps(take)?;
+        let mut datapath = Self {
+            maps,
+            events: Some(events),
+            adopted: false,
+            getpeername: false,
+            netns_scope,
+            host_netns,
+            logger,
+            _lock: lock,
+        };
+        // Selections go in before the programs attach: the first connect
+        // already finds its service.
+        datapath.reconcile(initial)?;
+        datapath.getpeername = load_and_attach(&mut ebpf, bpffs, cgroup)?;
+        info!(cgroup = %cgroup.display(), bpffs = %bpffs.display(), "datapath attached and pinned");
+        Ok(datapath)
+    }
+
+    /// Makes the `SERVICES` map equal `desired`, writing only what changed.
+    /// Returns how many entries were written or removed.
+    pub fn reconcile(&mut self, desired: &[VipEntry]) -> anyhow::Result<usize> {
+        self.maps.reconcile(desired, self.host_netns)
+    }
+
+    /// Writes one VIP's entry (one whole-value update) unless it is unchanged.
+    pub fn write(&mut self, entry: &VipEntry) -> anyhow::Result<()> {
+        self.maps.write(entry, self.host_netns)
+    }
+
+    /// Stops rewriting connects to `vip` (removes its entry, if any).
+    pub fn remove(&mut self, vip: SocketAddr) -> anyhow::Result<()> {
+        self.maps.remove(vip)
+    }
+
+    /// The pinned maps, to read (the daemon writes through [`Self::write`],
+    /// [`Self::reconcile`] and [`Self::remove`], which know this daemon's
+    /// network namespace).
+    pub fn maps(&self) -> &PinnedMaps {
+        &self.maps
+    }
+
+    /// Removes what the kernel keeps about servers and pairs that are gone
+    /// ([`PinnedMaps::forget`]).
+    pub fn forget(&mut self, live: &[(SocketAddr, Vec<SocketAddr>)]) -> anyhow::Result<Forgotten> {
+        self.maps.forget(live)
+    }
+
+    /// The kernel log reader (only with `--bpf-log`); can be taken once.
+    pub fn take_logger(&mut self) -> Option<KernelLogger> {
+        self.logger.take()
+    }
+
+    /// The ring buffer of connection events; can be taken once.
+    pub fn take_events(&mut self) -> Option<RingBuf<MapData>> {
+        self.events.take()
+    }
+}
+
+/// The kernel's log level for the programs (aya-log): every statement on
+/// with `--bpf-log`, none without (each is then a no-op).
+const LOG_ALL: u8 = 0xff;
+const LOG_NONE: u8 = 0;
+
+/// Loads the embedded eBPF object with `loader` (which may reuse pinned
+/// maps), its log level set from `bpf_log`, and sets up the reader of its
+/// log when `bpf_log` is on.
+fn load_object(
+    mut loader: EbpfLoader<'_>,
+    bpf_log: bool,
+) -> anyhow::Result<(Ebpf, Option<KernelLogger>)> {
+    if EBPF_OBJECT.is_empty() {
+        bail!(
+            "this lb was built with AYA_BUILD_SKIP=1 and carries no eBPF programs; rebuild without it"
+        );
+    }
+    loader.override_global("AYA_LOG_LEVEL", if bpf_log { &LOG_ALL } else { &LOG_NONE }, false);
+    let mut ebpf = loader
+        .load(EBPF_OBJECT)
+        .context("loading the eBPF object (is this kernel 5.10 or newer, with BTF?)")?;
+    let logger = if bpf_log {
+        Some(aya_log::EbpfLogger::init(&mut ebpf).context("setting up --bpf-log")?)
+    } else {
+        None
+    };
+    Ok((ebpf, logger))
+}
+
+/// Loads and attaches every program and pins its link. Returns whether the
+/// optional getpeername hooks are attached; a missing required program is
+/// an error.
+fn load_and_attach(ebpf: &mut Ebpf, bpffs: &Path, cgroup: &Path) -> anyhow::Result<bool> {
+    let cgroup_dir =
+        File::open(cgroup).with_context(|| format!("opening cgroup {}", cgroup.display()))?;
+    let links = links_dir(bpffs);
+    std::fs::create_dir_all(&links).with_context(|| format!("creating {}", links.display()))?;
+    let mut getpeername = true;
+    for name in programs::ALL {
+        match attach_one(ebpf, name, &cgroup_dir, cgroup, &links) {
+            Ok(()) => {}
+            Err(e) if programs::OPTIONAL.contains(&name) => {
+                if getpeername {
+                    warn!(
+                        "this kernel cannot attach the getpeername hooks (Linux 5.8+): applications will see the \
+                         server's address instead of the VIP ({e:#})"
+                    );
+                }
+                getpeername = false;
+            }
+            Err(e) => {
+                return Err(e.context("this kernel lacks a feature lb needs (cgroup connect hooks, sock_ops and sock_release, Linux 5.10+)"));
+            }
+        }
+    }
+    if !getpeername {
+        // All or nothing: a lone getpeername4 would make IPv4 and IPv6 differ.
+        for name in programs::OPTIONAL {
+            let _ = PinnedLink::from_pin(links.join(name)).map(PinnedLink::unpin);
+        }
+    }
+    Ok(getpeername)
+}
+
+fn attach_one(
+    ebpf: &mut Ebpf,
+    name: &str,
+    cgroup_dir: &File,
+    cgroup: &Path,
+    links: &Path,
+) -> anyhow::Result<()> {
+    let program = ebpf
+        .program_mut(name)
+        .with_context(|| format!("program {name} missing from the eBPF object"))?;
+    // A bpf_link attachment always coexists with other programs on the
+    // cgroup (systemd, a CNI); the kernel refuses attach flags on links.
+    let mode = CgroupAttachMode::Single;
+    let link: FdLink = if name == programs::SOCK_OPS {
+        let program: &mut SockOps = program.try_into()?;
+        program.load().with_context(|| format!("loading {name}"))?;
+        let id = program
+            .attach(cgroup_dir, mode)
+            .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+        program.take_link(id)?.try_into()?
+    } else if name == programs::SOCK_RELEASE {
+        let program: &mut CgroupSock = program.try_into()?;
+        program.load().with_context(|| format!("loading {name}"))?;
+        let id = program
+            .attach(cgroup_dir, mode)
+            .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+        program.take_link(id)?.try_into()?
+    } else {
+        let program: &mut CgroupSockAddr = program.try_into()?;
+        program.load().with_context(|| format!("loading {name}"))?;
+        let id = program
+            .attach(cgroup_dir, mode)
+            .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+        program.take_link(id)?.try_into()?
+    };
+    let path = links.join(name);
+    // Dropping the pinned handle closes our fd; the pin keeps the link.
+    link.pin(&path).with_context(|| format!("pinning link {}", path.display()))?;
+    Ok(())
+}
+
+/// Loads (verifies) program `name` of `ebpf`, of the type its name says.
+fn load_program(ebpf: &mut Ebpf, name: &str) -> anyhow::Result<()> {
+    let program = ebpf
+        .program_mut(name)
+        .with_context(|| format!("program {name} missing from the eBPF object"))?;
+    let loaded = if name == programs::SOCK_OPS {
+        <&mut SockOps>::try_from(program)?.load()
+    } else if name == programs::SOCK_RELEASE {
+        <&mut CgroupSock>::try_from(program)?.load()
+    } else {
+        <&mut CgroupSockAddr>::try_from(program)?.load()
+    };
+    loaded.with_context(|| format!("loading {name}"))
+}

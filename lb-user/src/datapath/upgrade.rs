@@ -1,0 +1,201 @@
+//! The `META` map (the pins' layout version and the attached programs'
+//! fingerprint) and upgrades: programs of another lb replaced in place on
+//! the pinned maps, one `BPF_LINK_UPDATE` per link.
+
+use std::{
+    os::fd::AsFd as _,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, bail};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, MapData},
+};
+use lb_common::{
+    LAYOUT_VERSION, META_LAYOUT_VERSION, META_PROGRAMS_HIGH, META_PROGRAMS_LOW, maps, programs,
+};
+
+use super::{
+    EBPF_OBJECT, KernelLogger, load_object, load_program,
+    maps::open_pinned_map,
+    pins::{links_dir, maps_dir},
+    sys::{bpf_link_update, bpf_obj_get, pinned_link_ids},
+};
+
+/// Writes this lb's layout version and programs' fingerprint into the
+/// `META` map of a freshly loaded object, before anything is pinned: no pin
+/// set of this layout is ever without them.
+pub(super) fn stamp_meta(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    let meta = ebpf.map_mut(maps::META).context("map META missing from the eBPF object")?;
+    let mut meta: Array<&mut MapData, u32> = Array::try_from(meta).context("map META")?;
+    meta.set(META_LAYOUT_VERSION, LAYOUT_VERSION, 0)
+        .context("writing the layout version to META")?;
+    let fingerprint = programs_fingerprint();
+    meta.set(META_PROGRAMS_LOW, fingerprint as u32, 0)
+        .context("writing the programs' fingerprint to META")?;
+    meta.set(META_PROGRAMS_HIGH, (fingerprint >> 32) as u32, 0)
+        .context("writing the programs' fingerprint to META")?;
+    Ok(())
+}
+
+/// The pinned `META` map, if there is one.
+fn pinned_meta(bpffs: &Path) -> anyhow::Result<Option<Array<MapData, u32>>> {
+    let path = maps_dir(bpffs).join(maps::META);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let meta = Array::try_from(open_pinned_map(bpffs, maps::META)?)
+        .with_context(|| format!("pinned map {} is not an array of u32", path.display()))?;
+    Ok(Some(meta))
+}
+
+/// The layout version pinned under `bpffs`: `None` if there is no `META`
+/// map (pins of an lb from before layouts were versioned, or none at all).
+pub fn read_layout_version(bpffs: &Path) -> anyhow::Result<Option<u32>> {
+    let Some(meta) = pinned_meta(bpffs)? else { return Ok(None) };
+    let version = meta
+        .get(&META_LAYOUT_VERSION, 0)
+        .with_context(|| format!("reading the layout version under {}", bpffs.display()))?;
+    Ok(Some(version))
+}
+
+/// The fingerprint of the programs attached under `bpffs` (see
+/// [`programs_fingerprint`]), if there is a `META` map.
+pub fn read_program_fingerprint(bpffs: &Path) -> anyhow::Result<Option<u64>> {
+    let Some(meta) = pinned_meta(bpffs)? else { return Ok(None) };
+    let read = |i| {
+        meta.get(&i, 0)
+            .with_context(|| format!("reading the programs' fingerprint under {}", bpffs.display()))
+    };
+    Ok(Some(u64::from(read(META_PROGRAMS_LOW)?) | (u64::from(read(META_PROGRAMS_HIGH)?) << 32)))
+}
+
+/// Records `fingerprint` as that of the programs attached under `bpffs`.
+/// The daemon writes its own after replacing them; a test writes another
+/// to make the next daemon replace them, as an upgrade would.
+pub fn write_program_fingerprint(bpffs: &Path, fingerprint: u64) -> anyhow::Result<()> {
+    let mut meta = pinned_meta(bpffs)?
+        .with_context(|| format!("no META map pinned under {}", bpffs.display()))?;
+    let what = || format!("writing the programs' fingerprint under {}", bpffs.display());
+    meta.set(META_PROGRAMS_LOW, fingerprint as u32, 0).with_context(what)?;
+    meta.set(META_PROGRAMS_HIGH, (fingerprint >> 32) as u32, 0).with_context(what)?;
+    Ok(())
+}
+
+/// A fingerprint of this lb's programs: FNV-1a (64 bits) of the embedded
+/// eBPF object. Stable across runs and builds of the same object; two
+/// objects that differ get different fingerprints (barring a collision,
+/// which would only skip one replacement).
+pub fn programs_fingerprint() -> u64 {
+    static FINGERPRINT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *FINGERPRINT.get_or_init(|| {
+        EBPF_OBJECT.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+            (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3)
+        })
+    })
+}
+
+/// Loads this lb's programs on the maps pinned under `bpffs` (reused, not
+/// created) and points every pinned link at them, one `BPF_LINK_UPDATE`
+/// each: the cgroup's program is swapped in place, so each connect runs
+/// either the old program or the new one. All programs are loaded before
+/// the first link moves, so a kernel that refuses one leaves all the old
+/// ones in place. Only the programs whose links are pinned are replaced
+/// (the optional getpeername hooks may be absent).
+pub(super) fn replace_programs(
+    bpffs: &Path,
+    bpf_log: bool,
+) -> anyhow::Result<Option<KernelLogger>> {
+    let pins: Vec<(&str, PathBuf)> =
+        maps::ALL.iter().map(|m| (*m, maps_dir(bpffs).join(m))).collect();
+    let mut loader = EbpfLoader::new();
+    for (name, path) in &pins {
+        // Reuse the pinned map (of the same layout: checked before).
+        loader.map_pin_path(name, path.as_path());
+    }
+    let (mut ebpf, logger) =
+        load_object(loader, bpf_log).context("loading the eBPF object on the pinned maps")?;
+    // The sockets the running programs track carry no mark of these
+    // programs (a connect may also run connect4 under the old programs and
+    // its sock_ops under the new ones; with TCP Fast Open, the first send
+    // is that much later): the new programs look every connecting socket
+    // up, as on a kernel that refuses the mark. Until the next fresh attach.
+    let unmarked = ebpf
+        .map_mut(maps::UNMARKED)
+        .with_context(|| format!("map {} missing from the eBPF object", maps::UNMARKED))?;
+    Array::<_, u32>::try_from(unmarked)
+        .and_then(|mut unmarked| unmarked.set(0, 1, 0))
+        .with_context(|| format!("writing map {}", maps::UNMARKED))?;
+    let links = links_dir(bpffs);
+    let pinned: Vec<(&str, PathBuf)> = programs::ALL
+        .iter()
+        .map(|p| (*p, links.join(p)))
+        .filter(|(_, link)| link.exists())
+        .collect();
+    for (name, _) in &pinned {
+        load_program(&mut ebpf, name)?;
+    }
+    for (name, link) in &pinned {
+        let program = ebpf
+            .program(name)
+            .with_context(|| format!("program {name} missing from the eBPF object"))?;
+        let program = program.fd().with_context(|| format!("program {name}"))?;
+        let link_fd =
+            bpf_obj_get(link).with_context(|| format!("opening pinned link {}", link.display()))?;
+        bpf_link_update(link_fd.as_fd(), program.as_fd())
+            .with_context(|| format!("updating link {} to the new {name}", link.display()))?;
+    }
+    Ok(logger)
+}
+
+/// The ids of the programs the links pinned under `bpffs` run, by program
+/// name (only pinned links are listed).
+pub fn pinned_program_ids(bpffs: &Path) -> anyhow::Result<Vec<(&'static str, u32)>> {
+    let mut ids = Vec::new();
+    for name in programs::ALL {
+        let link = links_dir(bpffs).join(name);
+        if !link.exists() {
+            continue;
+        }
+        ids.push((name, pinned_link_ids(&link)?.program));
+    }
+    Ok(ids)
+}
+
+/// Refuses pins of another layout than this lb's, saying what to run.
+pub(super) fn check_layout(bpffs: &Path, found: Option<u32>) -> anyhow::Result<()> {
+    if found == Some(LAYOUT_VERSION) {
+        return Ok(());
+    }
+    let found = match found {
+        Some(version) => format!("map layout version {version}"),
+        None => {
+            "no map layout version (they were made by an lb from before layouts were versioned)"
+                .to_owned()
+        }
+    };
+    bail!(
+        "refusing to adopt the datapath pinned under {}: its maps have {found}, and this lb uses version \
+         {LAYOUT_VERSION}. Run `lb detach --config <this config>` to remove it, then start lb again \
+         (until then connects to VIPs are not rewritten; established connections are not touched)",
+        bpffs.display()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_pins_of_this_layout_are_adopted() {
+        let bpffs = Path::new("/sys/fs/bpf/lb");
+        assert!(check_layout(bpffs, Some(LAYOUT_VERSION)).is_ok());
+        for found in [None, Some(1), Some(LAYOUT_VERSION + 1)] {
+            let error = format!("{:#}", check_layout(bpffs, found).unwrap_err());
+            assert!(error.contains("/sys/fs/bpf/lb") && error.contains("`lb detach"), "{error}");
+        }
+        let old = format!("{:#}", check_layout(bpffs, None).unwrap_err());
+        assert!(old.contains("before layouts were versioned"), "{old}");
+    }
+}
