@@ -5,6 +5,7 @@
 //! cgroup link per program) and `maps/<MAP>`.
 
 use std::{
+    collections::HashMap,
     fs::File,
     io,
     os::{fd::AsRawFd as _, unix::fs::MetadataExt as _},
@@ -14,9 +15,11 @@ use std::{
 
 use anyhow::{Context as _, bail};
 use lb_common::{maps, programs};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
-use super::sys::{BPF_FS_MAGIC, fs_type, link_exists, mount_bpffs, pinned_link_ids};
+use super::sys::{
+    BPF_FS_MAGIC, LinkIds, cgroup_program_ids, find_cgroup, fs_type, mount_bpffs, pinned_link_ids,
+};
 
 pub(super) fn links_dir(bpffs: &Path) -> PathBuf {
     bpffs.join("links")
@@ -128,10 +131,10 @@ pub(super) fn remove_pins(bpffs: &Path) -> anyhow::Result<Vec<PathBuf>> {
         // Removing the pin drops its reference; the link detaches when the
         // last one goes.
         std::fs::remove_file(&path).with_context(|| format!("unpinning {}", path.display()))?;
-        links.push((name, ids.link));
+        links.push((name, ids));
         removed.push(path);
     }
-    wait_links_gone(&links);
+    wait_detached(&links);
     for path in maps::ALL.iter().map(|m| maps_dir(bpffs).join(m)) {
         match std::fs::remove_file(&path) {
             Ok(()) => removed.push(path),
@@ -149,24 +152,54 @@ pub(super) fn remove_pins(bpffs: &Path) -> anyhow::Result<Vec<PathBuf>> {
     Ok(removed)
 }
 
-/// Waits (up to 2 s) until no link of `links` (program name, link id)
-/// exists any more, so that a detach is over when it returns: the kernel
-/// may drop a link's last reference after the close that released ours
-/// (seen on Linux 5.10, where a connect right after `lb detach` was still
-/// rewritten). A link someone else holds open stays; it is named.
-fn wait_links_gone(links: &[(&str, u32)]) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+/// Waits (up to 2 s) until the programs of the unpinned `links` (program
+/// name, ids) are no longer attached to their cgroups, so that a detach is
+/// over when it returns. The link's id is no witness: it stops resolving
+/// as soon as the last reference goes, and the kernel detaches the program
+/// later, from a work queue (a connect right after `lb detach` was still
+/// rewritten, on 5.10 and on a loaded 6.18). So the cgroup is asked
+/// (`BPF_PROG_QUERY`, CAP_NET_ADMIN). A link that someone else holds open
+/// stays attached; it is named.
+fn wait_detached(links: &[(&str, LinkIds)]) {
+    // (name, link id, program id, cgroup, attach type) of each cgroup link
+    // whose cgroup is found.
+    let mut waiting = Vec::new();
+    let mut cgroups: HashMap<u64, Option<File>> = HashMap::new();
+    for (name, ids) in links {
+        let Some((cgroup_id, attach_type)) = ids.cgroup else { continue };
+        let cgroup = cgroups.entry(cgroup_id).or_insert_with(|| {
+            find_cgroup(cgroup_id, CGROUPS_WALKED).and_then(|dir| File::open(dir).ok())
+        });
+        match cgroup {
+            Some(_) => waiting.push((*name, ids.link, ids.program, cgroup_id, attach_type)),
+            None => warn!(
+                program = name,
+                cgroup_id, "cannot find the link's cgroup to confirm its detach"
+            ),
+        }
+    }
+    let started = std::time::Instant::now();
+    let deadline = started + Duration::from_secs(2);
     loop {
-        let left: Vec<_> = links.iter().filter(|(_, id)| link_exists(*id)).collect();
-        if left.is_empty() {
-            return;
+        waiting.retain(|(name, _, program, cgroup_id, attach_type)| {
+            let Some(Some(cgroup)) = cgroups.get(cgroup_id) else { return false };
+            match cgroup_program_ids(cgroup, *attach_type) {
+                Ok(ids) => ids.contains(program),
+                Err(e) => {
+                    warn!(program = name, "cannot confirm the program's detach (BPF_PROG_QUERY needs CAP_NET_ADMIN): {e}");
+                    false
+                }
+            }
+        });
+        if waiting.is_empty() {
+            return debug!(waited = ?started.elapsed(), "the unpinned links' programs are detached");
         }
         if std::time::Instant::now() >= deadline {
-            for (name, id) in left {
+            for (name, link, ..) in waiting {
                 warn!(
                     program = name,
-                    link = id,
-                    "the link is unpinned but still held open by a process (see `bpftool link show id {id}`); its program stays attached until that process closes it"
+                    link,
+                    "the link is unpinned but its program is still attached: a process holds the link open (see `bpftool link show id {link}`); it stays attached until that process closes it"
                 );
             }
             return;
@@ -174,6 +207,9 @@ fn wait_links_gone(links: &[(&str, u32)]) {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// How many cgroup directories a detach walks to find its links' cgroup.
+const CGROUPS_WALKED: usize = 100_000;
 
 /// Makes sure `bpffs` is on a BPF filesystem, mounting one at
 /// `/sys/fs/bpf` when that is where it should be and nothing is mounted.

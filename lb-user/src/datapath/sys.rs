@@ -5,6 +5,7 @@
 
 use std::{
     ffi::CString,
+    fs::File,
     io,
     os::{
         fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
@@ -24,12 +25,16 @@ pub(super) const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 pub(super) struct LinkIds {
     pub(super) link: u32,
     pub(super) program: u32,
+    /// For a cgroup link: the cgroup's id (its inode number in cgroup2)
+    /// and the attach type.
+    pub(super) cgroup: Option<(u64, u32)>,
 }
 
 pub(super) fn pinned_link_ids(link: &Path) -> anyhow::Result<LinkIds> {
     let fd =
         bpf_obj_get(link).with_context(|| format!("opening pinned link {}", link.display()))?;
-    // struct bpf_link_info starts with: __u32 type, id, prog_id.
+    // struct bpf_link_info: __u32 type, id, prog_id, then a union whose
+    // cgroup member (at byte 16) is __u64 cgroup_id, __u32 attach_type.
     let mut info = [0u32; 16];
     let mut attr = BpfAttr::default();
     attr.set_u32(0, fd.as_raw_fd() as u32);
@@ -37,29 +42,62 @@ pub(super) fn pinned_link_ids(link: &Path) -> anyhow::Result<LinkIds> {
     attr.set_u64(8, info.as_mut_ptr() as u64);
     bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)
         .with_context(|| format!("reading the info of link {}", link.display()))?;
-    Ok(LinkIds { link: info[1], program: info[2] })
+    let cgroup = (info[0] == BPF_LINK_TYPE_CGROUP)
+        .then(|| (u64::from(info[4]) | (u64::from(info[5]) << 32), info[6]));
+    Ok(LinkIds { link: info[1], program: info[2], cgroup })
 }
 
-/// Whether the bpf link `id` still exists (anyone may hold it open). An
-/// error other than "no such link" is read as gone: nothing to wait for.
-pub(super) fn link_exists(id: u32) -> bool {
+/// The ids of the programs attached directly to `cgroup` for
+/// `attach_type` (`BPF_PROG_QUERY`; CAP_NET_ADMIN).
+pub(super) fn cgroup_program_ids(cgroup: &File, attach_type: u32) -> io::Result<Vec<u32>> {
+    let mut ids = [0u32; 64];
     let mut attr = BpfAttr::default();
-    attr.set_u32(0, id);
-    match bpf(BPF_LINK_GET_FD_BY_ID, &mut attr) {
-        Ok(fd) => {
-            // SAFETY: the kernel just returned this descriptor to us.
-            drop(unsafe { OwnedFd::from_raw_fd(fd as i32) });
-            true
-        }
-        Err(_) => false,
+    // query: target_fd, attach_type, query_flags, attach_flags,
+    // prog_ids (__aligned_u64), prog_cnt.
+    attr.set_u32(0, cgroup.as_raw_fd() as u32);
+    attr.set_u32(4, attach_type);
+    attr.set_u64(16, ids.as_mut_ptr() as u64);
+    attr.set_u32(24, ids.len() as u32);
+    match bpf(BPF_PROG_QUERY, &mut attr) {
+        // ENOSPC: more than fit; the first ones are there.
+        Err(e) if e.raw_os_error() != Some(libc::ENOSPC) => return Err(e),
+        _ => {}
     }
+    let count = u32::from_ne_bytes(attr.0[24..28].try_into().unwrap_or_default()) as usize;
+    Ok(ids[..count.min(ids.len())].to_vec())
+}
+
+/// The directory of the cgroup whose id is `id`, found by walking the
+/// cgroup2 hierarchy (at most `limit` directories).
+pub(super) fn find_cgroup(id: u64, limit: usize) -> Option<PathBuf> {
+    let mut queue = std::collections::VecDeque::from([cgroup2_root().ok()?]);
+    let mut seen = 0;
+    while let Some(dir) = queue.pop_front() {
+        if std::fs::metadata(&dir).is_ok_and(|m| m.ino() == id) {
+            return Some(dir);
+        }
+        seen += 1;
+        if seen >= limit {
+            return None;
+        }
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        queue.extend(
+            entries
+                .filter_map(Result::ok)
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path()),
+        );
+    }
+    None
 }
 
 // The bpf(2) commands aya 0.14 does not expose for pinned links.
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_UPDATE: libc::c_long = 29;
-const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
+const BPF_PROG_QUERY: libc::c_long = 16;
+/// `bpf_link_info::type` of a cgroup link (`BPF_LINK_TYPE_CGROUP`).
+const BPF_LINK_TYPE_CGROUP: u32 = 3;
 
 /// A `union bpf_attr`, zeroed, written by byte offset (the layouts are the
 /// kernel's UAPI, `include/uapi/linux/bpf.h`). The kernel reads as much of
