@@ -1,7 +1,10 @@
 //! The raw system calls and `/proc` reads that aya 0.14 does not offer:
-//! `bpf(2)` for pinned links (get, info, update, lookup by id), the network
-//! namespace's cookie, the bpffs mount, the cgroup2 mount point, the
-//! monotonic clock the kernel programs stamp with.
+//! `bpf(2)` for pinned links (an fd to pass to `BPF_LINK_UPDATE`, which aya
+//! lacks; a cgroup link's cgroup and attach type, which aya's
+//! `FdLink::info()` leaves out: it gives the link and program ids only;
+//! the programs a cgroup runs, `BPF_PROG_QUERY`, crate-private in aya),
+//! the network namespace's cookie, the bpffs mount, the cgroup2 mount
+//! point, the monotonic clock the kernel programs stamp with.
 
 use std::{
     ffi::CString,
@@ -91,7 +94,7 @@ pub(super) fn find_cgroup(id: u64, limit: usize) -> Option<PathBuf> {
     None
 }
 
-// The bpf(2) commands aya 0.14 does not expose for pinned links.
+// The bpf(2) commands used here (see the module's doc for why not aya's).
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_UPDATE: libc::c_long = 29;
