@@ -11,7 +11,7 @@
 use std::{
     collections::BTreeMap,
     net::SocketAddr,
-    os::unix::fs::{FileTypeExt as _, PermissionsExt as _},
+    os::unix::fs::{DirBuilderExt as _, FileTypeExt as _, PermissionsExt as _},
     path::Path,
     time::Duration,
 };
@@ -258,6 +258,10 @@ pub type Call = (Request, oneshot::Sender<Response>);
 /// A live socket there means another daemon runs: an error naming it. A
 /// stale socket is replaced; anything that is not a socket is left alone
 /// and refused, so a mistyped path can never delete a file.
+///
+/// The socket is bound in a private (0700) staging directory beside
+/// `path`, made private, and only then renamed into place: under a loose
+/// umask it is never reachable at `path` with a mode that lets others in.
 pub async fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -277,10 +281,29 @@ pub async fn bind(path: &Path) -> anyhow::Result<UnixListener> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(e).with_context(|| format!("inspecting {}", path.display())),
     }
-    let listener = UnixListener::bind(path)
-        .with_context(|| format!("binding control socket {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("making {} private (mode 0600)", path.display()))?;
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let staging = dir.join(format!(".lb-control-{}", std::process::id()));
+    // A directory left by a crashed daemon of the same pid (a restart in a
+    // new pid namespace) goes first.
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&staging)
+        .with_context(|| format!("creating {}", staging.display()))?;
+    let bound = bind_private(&staging.join("lb.sock"), path);
+    let _ = std::fs::remove_dir_all(&staging);
+    bound
+}
+
+/// Binds at `staging`, makes the socket private (0600) and renames it to
+/// `path`.
+fn bind_private(staging: &Path, path: &Path) -> anyhow::Result<UnixListener> {
+    let listener = UnixListener::bind(staging)
+        .with_context(|| format!("binding control socket {}", staging.display()))?;
+    std::fs::set_permissions(staging, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("making {} private (mode 0600)", staging.display()))?;
+    std::fs::rename(staging, path)
+        .with_context(|| format!("moving the control socket to {}", path.display()))?;
     Ok(listener)
 }
 
@@ -412,6 +435,22 @@ mod tests {
         let err = bind(&path).await.unwrap_err();
         assert!(format!("{err:#}").contains("is not a socket"), "{err:#}");
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "precious");
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_socket_is_private_when_it_appears_and_nothing_is_left_beside_it() {
+        let path = socket_path("private");
+        answering(&path).await;
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        assert!(meta.file_type().is_socket());
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        let beside: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(beside, [std::ffi::OsString::from("lb.sock")], "the staging directory must go");
+        assert_eq!(call(&path, &Request::Reload).await.unwrap(), Response::Ok);
         std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
     }
 
