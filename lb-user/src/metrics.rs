@@ -53,6 +53,16 @@ pub struct ServerLabels {
     pub server: String,
 }
 
+/// Labels of `lb_discovery_dropped_endpoints`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DroppedLabels {
+    /// The service's name.
+    pub service: String,
+    /// Why: `unspecified`, `loopback`, `link_local`, `multicast`,
+    /// `broadcast` or `vip`.
+    pub reason: String,
+}
+
 /// Labels of a per-service series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ServiceLabels {
@@ -232,6 +242,9 @@ pub struct Metrics {
     /// `lb_discovery_truncated_endpoints`: endpoints beyond the 16 a
     /// service holds.
     pub discovery_truncated: Family<ServiceLabels, Gauge>,
+    /// `lb_discovery_dropped_endpoints`: discovered addresses that can
+    /// never be a server (and a VIP's own), left out, by reason.
+    pub discovery_dropped: Family<DroppedLabels, Counter>,
     /// Kernel counters as last read, to turn them into counter increments.
     last_decisions: HashMap<&'static str, u64>,
 }
@@ -290,6 +303,12 @@ impl Metrics {
             "Endpoints a discovery source listed beyond the 16 a service holds (left out)",
             discovery_truncated.clone(),
         );
+        let discovery_dropped = Family::default();
+        registry.register(
+            "lb_discovery_dropped_endpoints",
+            "Discovered addresses left out because they can never be a server, by reason",
+            discovery_dropped.clone(),
+        );
         Self {
             registry,
             servers,
@@ -300,6 +319,7 @@ impl Metrics {
             discovery_updates,
             discovery_last_success,
             discovery_truncated,
+            discovery_dropped,
             last_decisions: HashMap::new(),
         }
     }

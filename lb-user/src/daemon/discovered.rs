@@ -4,7 +4,7 @@
 //! readiness, kept in the state file, and the discovery tasks started.
 
 use std::{
-    net::SocketAddr,
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     time::{Instant, SystemTime, UNIX_EPOCH},
 };
 
@@ -17,7 +17,7 @@ use crate::{
     config,
     control::DiscoveryStatus,
     discovery::{self, Endpoint},
-    metrics::{DiscoveryLabels, ServiceLabels},
+    metrics::{DiscoveryLabels, DroppedLabels, ServiceLabels},
     state::SavedList,
 };
 
@@ -41,6 +41,87 @@ impl Outcome {
             Self::Error => "error",
         }
     }
+}
+
+/// Why a discovered address was left out: it can never be a server of
+/// this service.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Dropped {
+    /// `0.0.0.0` or `::`.
+    Unspecified,
+    /// A loopback address, for a VIP that is not on loopback: it would be
+    /// the node itself.
+    Loopback,
+    /// `169.254.0.0/16` or `fe80::/10` (among them the cloud metadata
+    /// address `169.254.169.254`).
+    LinkLocal,
+    /// A multicast address.
+    Multicast,
+    /// `255.255.255.255`.
+    Broadcast,
+    /// The VIP of a service: connects to it would loop.
+    Vip,
+}
+
+impl Dropped {
+    const fn name(self) -> &'static str {
+        match self {
+            Self::Unspecified => "unspecified",
+            Self::Loopback => "loopback",
+            Self::LinkLocal => "link_local",
+            Self::Multicast => "multicast",
+            Self::Broadcast => "broadcast",
+            Self::Vip => "vip",
+        }
+    }
+}
+
+/// Why `addr`, discovered for the service at `vip`, can never be one of
+/// its servers, if so; `is_vip` says whether an address is any service's
+/// VIP.
+pub(super) fn why_dropped(
+    addr: SocketAddr,
+    vip: SocketAddr,
+    is_vip: impl Fn(SocketAddr) -> bool,
+) -> Option<Dropped> {
+    let ip = addr.ip().to_canonical();
+    let link_local = match ip {
+        IpAddr::V4(ip) => ip.is_link_local(),
+        IpAddr::V6(ip) => ip.is_unicast_link_local(),
+    };
+    if ip.is_unspecified() {
+        Some(Dropped::Unspecified)
+    } else if ip.is_loopback() && !vip.ip().to_canonical().is_loopback() {
+        Some(Dropped::Loopback)
+    } else if link_local {
+        Some(Dropped::LinkLocal)
+    } else if ip.is_multicast() {
+        Some(Dropped::Multicast)
+    } else if ip == IpAddr::V4(Ipv4Addr::BROADCAST) {
+        Some(Dropped::Broadcast)
+    } else if is_vip(addr) {
+        Some(Dropped::Vip)
+    } else {
+        None
+    }
+}
+
+/// Leaves out of `endpoints` the addresses that can never be a server
+/// ([`why_dropped`]) and says which, and why.
+pub(super) fn screen(
+    endpoints: &mut Vec<Endpoint>,
+    vip: SocketAddr,
+    is_vip: impl Fn(SocketAddr) -> bool,
+) -> Vec<(SocketAddr, Dropped)> {
+    let mut dropped = Vec::new();
+    endpoints.retain(|e| match why_dropped(e.addr, vip, &is_vip) {
+        Some(why) => {
+            dropped.push((e.addr, why));
+            false
+        }
+        None => true,
+    });
+    dropped
 }
 
 /// Work that applied lists call for, done once for a burst of them
@@ -98,7 +179,7 @@ impl Daemon {
         info!(service = %service.config.name, source = name.name(), "following the discovery source");
         let status =
             DiscoveryStatus { source: name.name().to_owned(), ..DiscoveryStatus::default() };
-        service.discovery = Some(Box::new(Discovery { task, usable, status }));
+        service.discovery = Some(Box::new(Discovery { task, usable, status, dropped: Vec::new() }));
     }
 
     /// A list from a discovery source. Applied like `lb servers` (same
@@ -108,7 +189,13 @@ impl Daemon {
         let Ok(i) = self.index(&update.service) else { return };
         let source = update.source.name();
         let name = update.service;
-        let result = list_to_apply(update.result).and_then(|list| {
+        let mut result = update.result;
+        if let Ok(endpoints) = &mut result {
+            let vip = self.services[i].config.vip;
+            let dropped = screen(endpoints, vip, |addr| self.by_vip.contains_key(&addr));
+            self.count_dropped(i, &dropped);
+        }
+        let result = list_to_apply(result).and_then(|list| {
             self.apply_discovered(i, &list, update.truncated).map_err(|e| (Outcome::Error, e))
         });
         let outcome = result.as_ref().map_or_else(|(outcome, _)| *outcome, |()| Outcome::Applied);
@@ -135,6 +222,26 @@ impl Daemon {
                 self.metrics.discovery_truncated.get_or_create(&labels).set(truncated);
             }
             Err((_, error)) => discovery.status.last_error = Some(error),
+        }
+    }
+
+    /// Counts the addresses dropped from a list of service `i`, and logs them
+    /// when they differ from the last list's (a source repeats its list at
+    /// every sync).
+    fn count_dropped(&mut self, i: usize, dropped: &[(SocketAddr, Dropped)]) {
+        let service = &mut self.services[i];
+        let name = &service.config.name;
+        for (_, why) in dropped {
+            let labels = DroppedLabels { service: name.clone(), reason: why.name().to_owned() };
+            self.metrics.discovery_dropped.get_or_create(&labels).inc();
+        }
+        let Some(discovery) = &mut service.discovery else { return };
+        let addrs: Vec<SocketAddr> = dropped.iter().map(|(addr, _)| *addr).collect();
+        if addrs != discovery.dropped {
+            for (addr, why) in dropped {
+                warn!(service = %name, %addr, reason = why.name(), "left a discovered address out: it can never be a server of this service");
+            }
+            discovery.dropped = addrs;
         }
     }
 
@@ -220,6 +327,50 @@ impl Daemon {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn addresses_that_can_never_be_a_server_are_dropped_alone() {
+        let a = |s: &str| -> SocketAddr { s.parse().unwrap() };
+        let vip = a("198.18.1.100:443");
+        let other_vip = a("198.18.1.101:443");
+        let is_vip = |addr: SocketAddr| addr == vip || addr == other_vip;
+        let why = |addr: &str| why_dropped(a(addr), vip, is_vip);
+        assert_eq!(why("198.18.2.2:443"), None);
+        assert_eq!(why("[2001:db8::1]:443"), None);
+        assert_eq!(why("0.0.0.0:443"), Some(Dropped::Unspecified));
+        assert_eq!(why("[::]:443"), Some(Dropped::Unspecified));
+        assert_eq!(why("127.0.0.1:443"), Some(Dropped::Loopback));
+        assert_eq!(why("[::1]:443"), Some(Dropped::Loopback));
+        assert_eq!(why("169.254.169.254:80"), Some(Dropped::LinkLocal));
+        assert_eq!(why("[fe80::1]:443"), Some(Dropped::LinkLocal));
+        assert_eq!(why("[::ffff:169.254.169.254]:80"), Some(Dropped::LinkLocal));
+        assert_eq!(why("224.0.0.1:443"), Some(Dropped::Multicast));
+        assert_eq!(why("[ff02::1]:443"), Some(Dropped::Multicast));
+        assert_eq!(why("255.255.255.255:443"), Some(Dropped::Broadcast));
+        assert_eq!(why("198.18.1.101:443"), Some(Dropped::Vip));
+        // A loopback VIP (the node-local case) takes loopback servers.
+        assert_eq!(why_dropped(a("127.10.0.1:443"), a("127.0.0.1:6443"), is_vip), None);
+
+        let endpoint = |addr: &str| Endpoint { addr: a(addr), readiness: Readiness::Ready };
+        let mut list = vec![
+            endpoint("198.18.2.2:443"),
+            endpoint("198.18.1.101:443"),
+            endpoint("169.254.169.254:80"),
+        ];
+        let dropped = screen(&mut list, vip, is_vip);
+        assert_eq!(list, [endpoint("198.18.2.2:443")], "the good endpoint stays");
+        assert_eq!(
+            dropped,
+            [(a("198.18.1.101:443"), Dropped::Vip), (a("169.254.169.254:80"), Dropped::LinkLocal)]
+        );
+        let mut only_bad = vec![endpoint("169.254.169.254:80")];
+        screen(&mut only_bad, vip, is_vip);
+        assert_eq!(
+            list_to_apply(Ok(only_bad)).unwrap_err().0,
+            Outcome::Empty,
+            "keeps the last list"
+        );
+    }
 
     #[test]
     fn an_empty_or_failed_answer_keeps_the_last_list() {

@@ -30,6 +30,9 @@ pub(super) struct Discovery {
     /// through (a watch of the apiservers goes through a usable one).
     pub(super) usable: watch::Sender<Vec<SocketAddr>>,
     pub(super) status: DiscoveryStatus,
+    /// The addresses the last list had that can never be a server (logged
+    /// when they change).
+    pub(super) dropped: Vec<SocketAddr>,
 }
 
 /// One service: its config, its state machine, its health check tasks and
