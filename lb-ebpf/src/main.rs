@@ -45,8 +45,8 @@ use aya_log_ebpf::debug;
 use lb_common::{
     ConnKey, EVENTS_BYTES, Endpoint, Event, EventKind, MAX_FAILED_SERVERS, MAX_SERVER_PAIRS,
     MAX_SERVERS, MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS, META_SLOTS, NETNS_ANY,
-    NETNS_INITIAL, Reason, SOCK_ESTABLISHED, SOCK_FAILURE_REPORTED, SOCK_UNCOUNTED, Service,
-    SockEntry,
+    NETNS_INITIAL, Reason, SOCK_CONNECT_STARTED, SOCK_ESTABLISHED, SOCK_FAILURE_REPORTED,
+    SOCK_UNCOUNTED, Service, SockEntry,
     choose::{Choice, choose_from_mask, usable_mask},
 };
 
@@ -479,9 +479,15 @@ fn try_release(ctx: &SockContext) -> Reason {
     // SAFETY: as above.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let Some(entry) = SOCKETS.get_ptr_mut(cookie) else { return Reason::ReleaseUntouched };
-    if state == TCP_CLOSE {
-        // TCP is done with it (its connect never sent a SYN): no callback
-        // will come. Ignoring the error is right: it was just found.
+    // SAFETY: the entry is this socket's; its connect callback, the only
+    // writer of this flag, cannot run concurrently with its release.
+    let started =
+        unsafe { core::ptr::read_volatile(&raw const (*entry).flags) } & SOCK_CONNECT_STARTED != 0;
+    if state == TCP_CLOSE || !started {
+        // TCP is done with it, or its connect never sent a SYN (a
+        // `TCP_FASTOPEN_CONNECT` socket closed before its first send: no
+        // state callback was ever asked for): no callback will come.
+        // Ignoring the error is right: it was just found.
         let _ = SOCKETS.remove(cookie);
         return Reason::ReleaseCancelled;
     }
@@ -539,7 +545,11 @@ fn on_connect(ctx: &SockOpsContext) {
     if ctx.cb_flags() & BPF_SOCK_OPS_RTO_CB_FLAG == 0 && !unmarked() {
         return;
     }
-    if tracked(ctx).is_some() {
+    if let Some((_, entry)) = tracked(ctx) {
+        // SAFETY: the entry is this socket's; its callbacks run under the
+        // socket lock, and sock_release (the only other writer) writes
+        // `released` alone.
+        unsafe { (*entry).flags |= SOCK_CONNECT_STARTED };
         let flags = ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG;
         if ctx.set_cb_flags(flags as i32).is_err() {
             count(Reason::MapError);
