@@ -26,7 +26,10 @@ use std::{
     net::SocketAddr,
     path::{Path, PathBuf},
     pin::Pin,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
     task::{Context, Poll},
     time::Duration,
 };
@@ -38,9 +41,11 @@ use hyper::{
     service::service_fn,
 };
 use hyper_util::rt::TokioIo;
+/// The objects the fake serves, as its callers build them.
+pub use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 use k8s_openapi::{
     List,
-    api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
+    api::discovery::v1::{EndpointConditions, EndpointPort},
     apimachinery::pkg::apis::meta::v1::{ListMeta, ObjectMeta, Status, WatchEvent},
 };
 use tokio::{
@@ -57,8 +62,11 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub struct RequestLog {
     /// The listener (apiserver) that answered.
     pub via: SocketAddr,
+    /// A watch (`watch=true`), not a list.
     pub watch: bool,
+    /// Its `resourceVersion` parameter.
     pub resource_version: Option<String>,
+    /// Its `labelSelector` parameter.
     pub label_selector: Option<String>,
     /// Answered with 410 Gone.
     pub gone: bool,
@@ -93,12 +101,40 @@ struct State {
     /// Open streams hold their events back (a slow watch cache).
     paused: bool,
     requests: Vec<RequestLog>,
+    /// The open watch streams: what each watches, and how to wake it when
+    /// a slice in its scope changes.
+    watches: Vec<WatchScope>,
+}
+
+/// What one open watch stream watches. A change to a slice wakes only
+/// the streams whose scope it is in (with a thousand watches, waking every
+/// one on every change would make the fake, not the client, the
+/// bottleneck).
+struct WatchScope {
+    namespace: String,
+    wanted: Vec<(String, String)>,
+    wake: watch::Sender<()>,
+}
+
+impl State {
+    /// Wakes the watch streams whose scope `slice` is in; forgets closed ones.
+    fn wake_watchers_of(&mut self, slice: &EndpointSlice) {
+        self.watches.retain(|w| !w.wake.is_closed());
+        for w in &self.watches {
+            if in_scope(slice, &w.namespace, &w.wanted) {
+                w.wake.send_replace(());
+            }
+        }
+    }
 }
 
 struct Shared {
     state: Mutex<State>,
-    /// Pinged on every change, bookmark or expiry.
+    /// Pinged on every bookmark, expiry or resume: what concerns every
+    /// open watch (a change to a slice wakes only the watches of its scope).
     changed: watch::Sender<()>,
+    /// Watch streams open now.
+    watching: AtomicUsize,
 }
 
 struct Listener {
@@ -117,15 +153,21 @@ impl FakeApiServer {
     /// Starts with one listener on `127.0.0.1`, an empty store at
     /// resourceVersion 1.
     pub async fn start() -> Self {
+        Self::start_at("127.0.0.1:0".parse().unwrap()).await
+    }
+
+    /// As [`Self::start`], the first listener at `addr` (port 0: any).
+    pub async fn start_at(addr: SocketAddr) -> Self {
         let server = Self {
             shared: Arc::new(Shared {
                 state: Mutex::new(State { rv: 1, compacted: 1, ..State::default() }),
                 changed: watch::channel(()).0,
+                watching: AtomicUsize::new(0),
             }),
             listeners: Mutex::new(HashMap::new()),
             order: Mutex::new(Vec::new()),
         };
-        server.listen("127.0.0.1:0".parse().unwrap()).await;
+        server.listen(addr).await;
         server
     }
 
@@ -180,9 +222,8 @@ impl FakeApiServer {
         let key = (namespace, name);
         let kind = if state.slices.contains_key(&key) { Kind::Modified } else { Kind::Added };
         state.slices.insert(key, slice.clone());
+        state.wake_watchers_of(&slice);
         state.history.push(Change { rv, kind, slice });
-        drop(state);
-        self.shared.changed.send_replace(());
         rv
     }
 
@@ -193,9 +234,8 @@ impl FakeApiServer {
         state.rv += 1;
         let rv = state.rv;
         slice.metadata.resource_version = Some(rv.to_string());
+        state.wake_watchers_of(&slice);
         state.history.push(Change { rv, kind: Kind::Deleted, slice });
-        drop(state);
-        self.shared.changed.send_replace(());
         Some(rv)
     }
 
@@ -235,6 +275,7 @@ impl FakeApiServer {
         self.shared.state.lock().unwrap().paused = true;
     }
 
+    /// Open watches deliver again, everything they held back first.
     pub fn resume_watches(&self) {
         self.shared.state.lock().unwrap().paused = false;
         self.shared.changed.send_replace(());
@@ -302,6 +343,11 @@ impl FakeApiServer {
     pub fn resource_version(&self) -> u64 {
         self.shared.state.lock().unwrap().rv
     }
+
+    /// Watch streams open now (on every listener).
+    pub fn watching(&self) -> usize {
+        self.shared.watching.load(Ordering::Relaxed)
+    }
 }
 
 impl Drop for FakeApiServer {
@@ -334,7 +380,7 @@ async fn accept_loop(
 }
 
 /// A response body: chunks from a channel, ended when the sender is dropped.
-pub struct ChannelBody(mpsc::Receiver<Bytes>);
+struct ChannelBody(mpsc::Receiver<Bytes>);
 
 impl hyper::body::Body for ChannelBody {
     type Data = Bytes;
@@ -494,7 +540,17 @@ async fn stream_watch(
         return;
     }
     let mut changed = shared.changed.subscribe();
-    let mut bookmarks = shared.state.lock().unwrap().bookmarks;
+    let (wake, mut woken) = watch::channel(());
+    let mut bookmarks = {
+        let mut state = shared.state.lock().unwrap();
+        state.watches.push(WatchScope {
+            namespace: namespace.clone(),
+            wanted: wanted.clone(),
+            wake,
+        });
+        state.bookmarks
+    };
+    let _open = Open::count(&shared.watching);
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let mut out = Vec::new();
@@ -517,7 +573,9 @@ async fn stream_watch(
                 }
             }
             if !end && !state.paused {
-                for change in state.history.iter().filter(|c| c.rv > cursor) {
+                // The history is in resourceVersion order.
+                let first = state.history.partition_point(|c| c.rv <= cursor);
+                for change in &state.history[first..] {
                     if in_scope(&change.slice, &namespace, &wanted) {
                         let slice = change.slice.clone();
                         out.push(line(&match change.kind {
@@ -544,10 +602,28 @@ async fn stream_watch(
         }
         tokio::select! {
             r = changed.changed() => if r.is_err() { return },
+            r = woken.changed() => if r.is_err() { return },
             () = tx.closed() => return,
             // The apiserver's timeoutSeconds: the stream ends cleanly.
             () = tokio::time::sleep_until(deadline) => return,
         }
+    }
+}
+
+/// One open watch stream, counted in [`FakeApiServer::watching`] while
+/// it lives.
+struct Open<'a>(&'a AtomicUsize);
+
+impl<'a> Open<'a> {
+    fn count(watching: &'a AtomicUsize) -> Self {
+        watching.fetch_add(1, Ordering::Relaxed);
+        Self(watching)
+    }
+}
+
+impl Drop for Open<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -652,6 +728,7 @@ impl Kubeconfig {
         Self { path }
     }
 
+    /// The kubeconfig file.
     pub fn path(&self) -> &Path {
         &self.path
     }
