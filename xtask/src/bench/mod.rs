@@ -154,7 +154,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             Part::Paths => workloads::run(args, &dir, &origins, &mut results)?,
             Part::Scale => scale::run(args, &origins, &mut results)?,
             Part::Failover => failover::run(&mut results)?,
-            Part::Discovery => discovery::run(&dir, &mut results)?,
+            Part::Discovery => discovery::run(&mut results)?,
         }
         println!("    ({:?} took {:.0} s)", part, part_started.elapsed().as_secs_f64());
     }
