@@ -17,7 +17,7 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-use crate::{is_root, lb_bin, target_dir};
+use crate::cmd::{is_root, lb_bin, target_dir};
 
 const VIP: &str = "127.0.0.1:6444";
 const BACKENDS: [&str; 3] = ["127.0.0.1:16441", "127.0.0.1:16442", "127.0.0.1:16443"];

@@ -34,10 +34,13 @@ use lb_tests::{
 };
 
 use super::{
-    Agent, Want, check_stop, median, ms_between,
+    agent::{Agent, Want},
+    host::free_port,
+    limits::{check_stop, poll},
     paths::Who,
-    poll,
-    report::{Discovery, Results},
+    results::{Discovery, Results},
+    stats::{median, ms_between},
+    status::{status, tail},
 };
 
 pub const CHANGES: usize = 200;
@@ -130,7 +133,7 @@ pub fn run(results: &mut Results) -> anyhow::Result<()> {
         Daemon::start_with_env("bench-disc-1k", &cgroup, &settings, &[("RUST_LOG", "info")], &toml);
     // How many services the kernel shows with the endpoints of `wave`.
     let showing = |wave: usize| -> anyhow::Result<usize> {
-        let status = super::status(&daemon)?;
+        let status = status(&daemon)?;
         let services = status["services"].as_array().map_or(&[][..], Vec::as_slice);
         Ok(services
             .iter()
@@ -160,7 +163,7 @@ pub fn run(results: &mut Results) -> anyhow::Result<()> {
     if !poll(Duration::from_secs(90), Duration::from_millis(20), || all_show(0))? {
         bail!(
             "{SERVICES} discovered services did not all get their {ENDPOINTS} endpoints within 90 s; the daemon's log:\n{}",
-            super::tail(&daemon.log())
+            tail(&daemon.log())
         );
     }
     discovery.initial_sync = Some(started.elapsed());
@@ -180,7 +183,7 @@ pub fn run(results: &mut Results) -> anyhow::Result<()> {
             bail!(
                 "wave {wave}: {SERVICES} changes did not all reach the kernel within 60 s: {} did; the daemon's log ends:\n{}",
                 showing(wave)?,
-                super::tail(&daemon.log())
+                tail(&daemon.log())
             );
         }
         rates.push(SERVICES as f64 / started.elapsed().as_secs_f64());
@@ -215,7 +218,7 @@ fn discovered(name: &str, vip: SocketAddr) -> String {
 /// A port free on every one of `ips` (endpoints of a slice share its port).
 fn shared_port(ips: &[[u8; 4]]) -> anyhow::Result<u16> {
     for _ in 0..50 {
-        let port = super::free_port(ips[0])?;
+        let port = free_port(ips[0])?;
         let held: Vec<_> =
             ips.iter().map(|ip| TcpListener::bind(SocketAddr::from((*ip, port)))).collect();
         if held.iter().all(Result::is_ok) {
