@@ -20,7 +20,7 @@ use cmd::{describe, output_of, run_cmd, target_dir, workspace};
 use vmtest::{KernelSpec, Release};
 
 use crate::{
-    cargo::cargo,
+    cargo::{cargo, cargo_command},
     cmd::{is_root, lb_bin},
 };
 
@@ -49,7 +49,7 @@ enum Task {
         #[arg(long, default_value_t = 0)]
         exit_after: u64,
     },
-    /// Run every check and test: formatting and clippy, host tests, each
+    /// Run every check and test: formatting, clippy and rustdoc, host tests, each
     /// fuzz target briefly, the privileged integration tests on this
     /// kernel, a demo smoke run, then
     /// the integration tests in VMs on other kernels (`vmtest`).
@@ -181,8 +181,9 @@ fn test() -> anyhow::Result<()> {
 
 /// Formatting and lints, before any test runs: `cargo fmt --check` over
 /// the workspace, clippy with warnings as errors over the host crates
-/// (a real build: lb-user embeds the eBPF object), and clippy over the
-/// eBPF crate for the BPF target.
+/// (a real build: lb-user embeds the eBPF object), their docs with
+/// rustdoc's warnings as errors, and clippy over the eBPF crate for the
+/// BPF target.
 fn style_checks() -> anyhow::Result<()> {
     toolchain::ensure_lint_tools()?;
     println!("==> formatting (cargo fmt --all --check)");
@@ -202,6 +203,15 @@ fn style_checks() -> anyhow::Result<()> {
         "-D",
         "warnings",
     ])?;
+
+    // Broken intra-doc links, bare URLs, unclosed HTML in doc comments.
+    // lb-ebpf only builds for the BPF target. (Not with AYA_BUILD_SKIP:
+    // that would swap lb-user's embedded object for an empty one, shared
+    // with the builds of the steps after this one.)
+    println!("==> docs, host crates (cargo doc --no-deps, warnings denied)");
+    let mut doc = cargo_command(&["doc", "--no-deps", "--workspace", "--exclude", "lb-ebpf"])?;
+    doc.env("RUSTDOCFLAGS", "-D warnings");
+    run_cmd(&mut doc)?;
 
     // lb-ebpf as lb-user/build.rs (aya-build) builds it: the nightly, the
     // BPF target, core built from source, the target architecture's cfg.
