@@ -23,7 +23,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::{Client, TestCgroup, client_bin, start_in_cgroup};
+use crate::{
+    cgroup::{TestCgroup, start_in_cgroup},
+    client::Client,
+    env::client_bin,
+};
 
 /// The commands of [`Client`] that the hardening tests add (see the
 /// client's documentation).

@@ -13,7 +13,7 @@ use std::{
     collections::HashMap,
     io::{Read as _, Write as _},
     net::{SocketAddr, TcpStream},
-    path::{Path, PathBuf},
+    path::Path,
     sync::{
         Arc,
         atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering},
@@ -24,7 +24,7 @@ use std::{
 
 use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _};
 
-use crate::{Client, Daemon};
+use crate::{client::Client, daemon::Daemon, wait::monotonic_ns};
 
 /// Raises this process's limit of open files to at least `want` if it
 /// can (raising the hard limit needs CAP_SYS_RESOURCE, which a container's
@@ -330,7 +330,7 @@ impl HoldBackend {
             let _ = kill.send(());
         }
         let _ = self.listener_closed.recv_timeout(Duration::from_secs(5));
-        let closed = crate::monotonic_ns();
+        let closed = monotonic_ns();
         wait_until_quick(Duration::from_secs(2), || self.pending.load(Ordering::Relaxed) == 0);
         (self.addr, closed)
     }
@@ -549,24 +549,6 @@ impl ProcSample {
             threads: usize::try_from(field("Threads:")?).ok()?,
         })
     }
-}
-
-/// Every file below `dir` (e.g. pins on bpffs), relative to it, sorted.
-pub fn files_under(dir: &Path) -> Vec<PathBuf> {
-    let mut files = Vec::new();
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(next) = todo.pop() {
-        for entry in std::fs::read_dir(&next).into_iter().flatten().flatten() {
-            let path = entry.path();
-            if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                todo.push(path);
-            } else {
-                files.push(path.strip_prefix(dir).unwrap_or(&path).to_path_buf());
-            }
-        }
-    }
-    files.sort();
-    files
 }
 
 /// `GET /metrics` from the daemon's metrics endpoint: the body, or why not.

@@ -22,8 +22,8 @@ use std::{
 };
 
 use lb_tests::{
-    Check, Client, Daemon, Policy, ServiceBuilder, TestCgroup, addr,
-    load::{Attempt, HoldBackend, Outcome, ProcSample, files_under, log_len, log_since, panics},
+    Check, Client, Daemon, Policy, ServiceBuilder, TestCgroup, addr, files_under,
+    load::{Attempt, HoldBackend, Outcome, ProcSample, log_len, log_since, panics},
     monotonic_ns, privileged, wait_until,
 };
 

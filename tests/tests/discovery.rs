@@ -10,10 +10,8 @@ use std::{
     time::Duration,
 };
 
-mod fakes;
-
-use fakes::{
-    apiserver::{Condition, FakeApiServer, Kubeconfig, endpoint, endpoint_slice},
+use lb_tests::fakes::{
+    apiserver::{Condition, FakeApiServer, Kubeconfig, RequestLog, endpoint, endpoint_slice},
     dns::{FakeDns, Mode},
 };
 use lb_user::{
@@ -148,11 +146,7 @@ fn closed_port() -> u16 {
 }
 
 /// Waits until the fake apiserver logged a request that `pred` accepts.
-async fn until_request(
-    api: &FakeApiServer,
-    what: &str,
-    pred: impl Fn(&fakes::apiserver::RequestLog) -> bool,
-) {
+async fn until_request(api: &FakeApiServer, what: &str, pred: impl Fn(&RequestLog) -> bool) {
     let deadline = Instant::now() + WAIT;
     while Instant::now() < deadline {
         if api.requests().iter().any(&pred) {

@@ -25,16 +25,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-#[path = "fakes/mod.rs"]
-mod fakes;
-
-use fakes::{
-    apiserver::{Condition, FakeApiServer, Kubeconfig, endpoint, endpoint_slice},
-    dns::{FakeDns, Mode},
-};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 use lb_tests::{
     Backend, Client, Connect, Daemon, Policy, ServiceBuilder, TestCgroup, addr,
+    fakes::{
+        apiserver::{Condition, FakeApiServer, Kubeconfig, endpoint, endpoint_slice},
+        dns::{FakeDns, Mode},
+        runtime,
+    },
     load::{Attempt, Outcome, sample, scrape},
     monotonic_ns, privileged, wait_until,
 };
@@ -46,17 +44,6 @@ const WAIT: Duration = Duration::from_secs(20);
 
 fn client(cgroup: &TestCgroup) -> Client {
     Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(cgroup))
-}
-
-/// A runtime for the fakes (they run on the tokio runtime that starts
-/// them); the test's own thread stays blocking. Declared before the fakes
-/// so that it is dropped after them.
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("a tokio runtime")
 }
 
 /// A port that is free, for TCP and UDP (a [`Backend`] binds both), on

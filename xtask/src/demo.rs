@@ -3,8 +3,8 @@
 //! `lb-demo`. Everything is removed on exit, also after Ctrl-C.
 
 use std::{
-    io::{Read as _, Write as _},
-    net::{TcpListener, TcpStream},
+    io::{ErrorKind, Read as _, Write as _},
+    net::{Shutdown, TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::{
@@ -17,7 +17,7 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-use crate::{is_root, lb_bin, target_dir};
+use crate::cmd::{is_root, lb_bin, target_dir};
 
 const VIP: &str = "127.0.0.1:6444";
 const BACKENDS: [&str; 3] = ["127.0.0.1:16441", "127.0.0.1:16442", "127.0.0.1:16443"];
@@ -248,22 +248,82 @@ fn start_backend(
                 continue;
             }
             match l.accept() {
-                Ok((mut stream, _)) => {
-                    let _ = stream.set_nonblocking(false);
-                    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-                    let mut request = [0u8; 1024];
-                    let _ = stream.read(&mut request);
-                    let _ = write!(
-                        stream,
-                        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                        body.len()
-                    );
-                }
+                Ok((stream, _)) => answer(stream, &body),
                 Err(_) => thread::sleep(Duration::from_millis(10)),
             }
         }
     });
     Ok(())
+}
+
+/// The most a demo backend reads of one request's head.
+const MAX_REQUEST: usize = 8 * 1024;
+/// How long a demo backend waits for a whole request.
+const REQUEST_TIME: Duration = Duration::from_secs(2);
+/// How long a demo backend waits, after its answer, for the client to close.
+const DRAIN_TIME: Duration = Duration::from_millis(500);
+
+/// Serves one connection of a demo backend: reads the whole request (its
+/// head, to the blank line; a GET has no body), answers in one write, then
+/// closes its sending side and reads until the client closes. Closing with
+/// part of a request unread would make the kernel reset the connection,
+/// and the client could see "broken pipe" or "connection reset" instead of
+/// the answer. A connection that sends no whole request (a TCP health
+/// check, a client that gives up) is closed without an answer.
+fn answer(mut stream: TcpStream, body: &str) {
+    let _ = stream.set_nonblocking(false);
+    if read_request(&mut stream).is_err() {
+        return;
+    }
+    let response = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    if stream.write_all(response.as_bytes()).is_err() {
+        return;
+    }
+    let _ = stream.shutdown(Shutdown::Write);
+    drain(&mut stream);
+}
+
+/// Reads a request's head, up to and with the blank line that ends it (at
+/// most [`MAX_REQUEST`] bytes, within [`REQUEST_TIME`]).
+fn read_request(stream: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let deadline = Instant::now() + REQUEST_TIME;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        if head.len() > MAX_REQUEST {
+            return Err(ErrorKind::InvalidData.into());
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ErrorKind::TimedOut.into());
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut buf)? {
+            0 => return Err(ErrorKind::UnexpectedEof.into()),
+            n => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    Ok(head)
+}
+
+/// Reads and drops whatever the client still sends until it closes (at
+/// most [`DRAIN_TIME`]), so that closing the socket sends no reset.
+fn drain(stream: &mut TcpStream) {
+    let deadline = Instant::now() + DRAIN_TIME;
+    let mut buf = [0u8; 1024];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+    }
 }
 
 fn bind(name: &str, addr: &str) -> anyhow::Result<TcpListener> {
@@ -304,10 +364,63 @@ pub fn get(addr: &str) -> anyhow::Result<()> {
     let mut stream = TcpStream::connect_timeout(&target, Duration::from_secs(2))
         .with_context(|| format!("connect {addr}"))?;
     stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    write!(stream, "GET / HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+    // The whole request in one write: the backend answers once it has read
+    // the blank line that ends it.
+    let request = format!("GET / HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream
+        .write_all(request.as_bytes())
+        .with_context(|| format!("sending the request to {addr}"))?;
     let mut response = String::new();
-    stream.read_to_string(&mut response)?;
+    stream
+        .read_to_string(&mut response)
+        .with_context(|| format!("reading the answer from {addr}"))?;
     let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b);
     print!("{body}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request that arrives in pieces is read whole before the answer,
+    /// and the answer ends with a close, not a reset.
+    #[test]
+    fn a_backend_reads_the_whole_request_before_it_answers() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            answer(stream, "b1\n");
+        });
+        let mut client = TcpStream::connect(addr).unwrap();
+        client.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        client.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n").unwrap();
+        thread::sleep(Duration::from_millis(100));
+        client.write_all(b"Connection: close\r\n\r\n").unwrap();
+        let mut response = String::new();
+        client.read_to_string(&mut response).unwrap();
+        assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+        assert!(response.ends_with("\r\n\r\nb1\n"), "{response}");
+        drop(client);
+        server.join().unwrap();
+    }
+
+    /// A connection that sends no whole request gets no answer.
+    #[test]
+    fn a_backend_closes_a_connection_without_a_request() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            answer(stream, "b1\n");
+        });
+        let mut client = TcpStream::connect(addr).unwrap();
+        client.write_all(b"GET / HTTP/1.1\r\n").unwrap();
+        client.shutdown(Shutdown::Write).unwrap();
+        let mut response = String::new();
+        client.read_to_string(&mut response).unwrap();
+        assert_eq!(response, "");
+        server.join().unwrap();
+    }
 }

@@ -4,19 +4,25 @@
 //! ([`toolchain::ensure`]), so each works on a fresh machine.
 
 mod bench;
+mod cargo;
+mod cmd;
 mod demo;
 mod fuzz;
 mod toolchain;
 mod vmtest;
 
-use std::{
-    path::{Path, PathBuf},
-    process::{Command, ExitCode, Stdio},
-};
+use std::process::{Command, ExitCode};
 
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
+// fuzz.rs imports these from the crate root.
+use cmd::{describe, output_of, run_cmd, target_dir, workspace};
 use vmtest::{KernelSpec, Release};
+
+use crate::{
+    cargo::{cargo, cargo_command},
+    cmd::{is_root, lb_bin},
+};
 
 #[derive(Parser)]
 #[command(name = "cargo xtask")]
@@ -43,7 +49,7 @@ enum Task {
         #[arg(long, default_value_t = 0)]
         exit_after: u64,
     },
-    /// Run every check and test: formatting and clippy, host tests, each
+    /// Run every check and test: formatting, clippy and rustdoc, host tests, each
     /// fuzz target briefly, the privileged integration tests on this
     /// kernel, a demo smoke run, then
     /// the integration tests in VMs on other kernels (`vmtest`).
@@ -129,124 +135,6 @@ fn run(task: Task) -> anyhow::Result<()> {
     }
 }
 
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| workspace().join("target"), PathBuf::from)
-}
-
-fn lb_bin() -> PathBuf {
-    target_dir().join("debug/lb")
-}
-
-/// `cargo ARGS` in the workspace, with the installed bpf-linker first on
-/// `PATH` (see [`toolchain::path_with_linker`]).
-fn cargo_command(args: &[&str]) -> anyhow::Result<Command> {
-    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-    cmd.args(args).current_dir(workspace()).env("PATH", toolchain::path_with_linker()?);
-    remove_package_env(&mut cmd);
-    Ok(cmd)
-}
-
-/// Removes the variables `cargo run` set for xtask itself
-/// (`CARGO_MANIFEST_DIR`, `CARGO_PKG_NAME`, ...) from a cargo child's
-/// environment. Build scripts that watch them (ring's does) would
-/// otherwise see them change between `cargo xtask ...` and a plain
-/// `cargo build`, and rebuild each time.
-fn remove_package_env(cmd: &mut Command) {
-    for (key, _) in std::env::vars_os() {
-        let key_text = key.to_string_lossy();
-        if key_text.starts_with("CARGO_PKG_")
-            || key_text.starts_with("CARGO_MANIFEST_")
-            || ["CARGO_CRATE_NAME", "CARGO_BIN_NAME", "CARGO_PRIMARY_PACKAGE"].contains(&&*key_text)
-        {
-            cmd.env_remove(&key);
-        }
-    }
-}
-
-/// Runs `cargo ARGS` in the workspace (see [`cargo_command`]).
-fn cargo(args: &[&str]) -> anyhow::Result<()> {
-    run_cmd(&mut cargo_command(args)?)
-}
-
-/// A command as one would type it, for messages.
-fn describe(cmd: &Command) -> String {
-    std::iter::once(cmd.get_program())
-        .chain(cmd.get_args())
-        .map(|a| a.to_string_lossy())
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-/// Runs `cmd` with its output on the terminal; an unsuccessful exit is an
-/// error naming the command.
-fn run_cmd(cmd: &mut Command) -> anyhow::Result<()> {
-    let status = cmd.status().with_context(|| format!("running {}", describe(cmd)))?;
-    if !status.success() {
-        bail!("{} failed ({status})", describe(cmd));
-    }
-    Ok(())
-}
-
-/// Installs whichever of the Debian `packages` are missing (apt-get, as
-/// root). Only adds packages; the package lists are updated first only if
-/// an install fails, as they may be absent or stale on a fresh machine.
-fn install_missing_packages(packages: &[&str]) -> anyhow::Result<()> {
-    let missing: Vec<&str> = packages.iter().copied().filter(|p| !dpkg_installed(p)).collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    println!("==> installing {}", missing.join(" "));
-    let install = || {
-        Command::new("apt-get")
-            .args(["install", "-y", "-qq", "--no-install-recommends"])
-            .args(&missing)
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !install() {
-        run_cmd(
-            Command::new("apt-get")
-                .args(["update", "-qq"])
-                .env("DEBIAN_FRONTEND", "noninteractive"),
-        )?;
-        if !install() {
-            bail!("apt-get install {} failed", missing.join(" "));
-        }
-    }
-    Ok(())
-}
-
-fn dpkg_installed(package: &str) -> bool {
-    Command::new("dpkg-query")
-        .args(["-W", "-f=${Status}", package])
-        .stderr(Stdio::null())
-        .output()
-        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains("install ok installed"))
-}
-
-/// Runs `cmd` and returns its standard output (its standard error goes to
-/// the terminal); an unsuccessful exit is an error naming the command.
-fn output_of(cmd: &mut Command) -> anyhow::Result<String> {
-    let out = cmd
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("running {}", describe(cmd)))?;
-    if !out.status.success() {
-        bail!("{} failed ({})", describe(cmd), out.status);
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
 /// `cargo xtask test`: the style checks, then every tier of tests (see
 /// the README). Expects [`toolchain::ensure`] to have run.
 fn test() -> anyhow::Result<()> {
@@ -293,8 +181,9 @@ fn test() -> anyhow::Result<()> {
 
 /// Formatting and lints, before any test runs: `cargo fmt --check` over
 /// the workspace, clippy with warnings as errors over the host crates
-/// (a real build: lb-user embeds the eBPF object), and clippy over the
-/// eBPF crate for the BPF target.
+/// (a real build: lb-user embeds the eBPF object), their docs with
+/// rustdoc's warnings as errors, and clippy over the eBPF crate for the
+/// BPF target.
 fn style_checks() -> anyhow::Result<()> {
     toolchain::ensure_lint_tools()?;
     println!("==> formatting (cargo fmt --all --check)");
@@ -314,6 +203,15 @@ fn style_checks() -> anyhow::Result<()> {
         "-D",
         "warnings",
     ])?;
+
+    // Broken intra-doc links, bare URLs, unclosed HTML in doc comments.
+    // lb-ebpf only builds for the BPF target. (Not with AYA_BUILD_SKIP:
+    // that would swap lb-user's embedded object for an empty one, shared
+    // with the builds of the steps after this one.)
+    println!("==> docs, host crates (cargo doc --no-deps, warnings denied)");
+    let mut doc = cargo_command(&["doc", "--no-deps", "--workspace", "--exclude", "lb-ebpf"])?;
+    doc.env("RUSTDOCFLAGS", "-D warnings");
+    run_cmd(&mut doc)?;
 
     // lb-ebpf as lb-user/build.rs (aya-build) builds it: the nightly, the
     // BPF target, core built from source, the target architecture's cfg.

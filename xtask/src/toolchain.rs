@@ -18,7 +18,7 @@ use std::{
 
 use anyhow::Context as _;
 
-use crate::{output_of, remove_package_env, run_cmd, target_dir};
+use crate::cmd::{output_of, remove_package_env, run_cmd, target_dir};
 
 /// The bpf-linker release known to build against the nightly's LLVM 22.
 const BPF_LINKER_VERSION: &str = "0.13.0";

@@ -33,6 +33,8 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
+use super::host::set_affinity;
+
 /// How long one connect, or one read, may take.
 const IO_LIMIT: Duration = Duration::from_secs(2);
 
@@ -118,7 +120,7 @@ fn agent_loop() -> anyhow::Result<()> {
                 Ok(()) => "ok".to_owned(),
                 Err(e) => format!("err moving into {dir}: {e}"),
             },
-            ["cpu", cpu] => match super::set_affinity(&[cpu.parse()?]) {
+            ["cpu", cpu] => match set_affinity(&[cpu.parse()?]) {
                 Ok(()) => "ok".to_owned(),
                 Err(e) => format!("err cpu {cpu}: {e}"),
             },

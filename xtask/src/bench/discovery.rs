@@ -13,36 +13,34 @@
 //!   [`WAVES`] waves, or of fewer when one takes over 5 s). Also the initial sync: from `lb run` until every service has
 //!   its 10 endpoints.
 //!
-//! The API server is [`FakeApiServer`] below: a minimal copy of the serving
-//! part of the tests' fake (`tests/tests/fakes/apiserver.rs`, which is
-//! test-only), on plain threads: list and watch of `discovery.k8s.io/v1`
-//! EndpointSlices by label selector, chunked watch streams, resourceVersions,
-//! no 410s or bookmarks. Loopback only (`127.78.6.1`).
+//! The API server is the tests' fake ([`FakeApiServer`] of
+//! `lb_tests::fakes`), on a runtime of its own, listening on `127.78.6.1`
+//! only.
 
 use std::{
-    collections::HashMap,
-    io::{BufRead as _, BufReader, Write as _},
-    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
-    os::fd::AsRawFd as _,
-    path::Path,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, AtomicUsize, Ordering},
-        mpsc,
-    },
-    thread::{self, JoinHandle},
+    net::{Ipv4Addr, SocketAddr, TcpListener},
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, bail};
-use lb_tests::{Daemon, ServiceBuilder, TestCgroup};
-use serde_json::{Value, json};
+use lb_tests::{
+    Daemon, ServiceBuilder, TestCgroup,
+    fakes::{
+        apiserver::{
+            Condition, EndpointSlice, FakeApiServer, Kubeconfig, endpoint, endpoint_slice,
+        },
+        runtime,
+    },
+};
 
 use super::{
-    Agent, Want, check_stop, median, ms_between,
+    agent::{Agent, Want},
+    host::free_port,
+    limits::{check_stop, poll},
     paths::Who,
-    poll,
-    report::{Discovery, Results},
+    results::{Discovery, Results},
+    stats::{median, ms_between},
+    status::{status, tail},
 };
 
 pub const CHANGES: usize = 200;
@@ -53,11 +51,12 @@ const WAVES: usize = 3;
 /// `check = "none"` and no client).
 const PORT: u16 = 8443;
 
-pub fn run(dir: &Path, results: &mut Results) -> anyhow::Result<()> {
-    let api = FakeApiServer::start(SocketAddr::from(([127, 78, 6, 1], 0)))?;
-    let kubeconfig = dir.join("kubeconfig.yaml");
-    std::fs::write(&kubeconfig, kubeconfig_text(&format!("http://{}", api.addr)))?;
-    let settings = format!("kubeconfig = {kubeconfig:?}\n");
+pub fn run(results: &mut Results) -> anyhow::Result<()> {
+    // Declared before the fake, so that it is dropped after it.
+    let rt = runtime();
+    let api = rt.block_on(FakeApiServer::start_at(SocketAddr::from(([127, 78, 6, 1], 0))));
+    let kubeconfig = Kubeconfig::write(&api.url());
+    let settings = format!("kubeconfig = {:?}\n", kubeconfig.path());
     let mut discovery = Discovery::default();
 
     println!("==> discovery: {CHANGES} EndpointSlice changes to the kernel's selection");
@@ -70,7 +69,7 @@ pub fn run(dir: &Path, results: &mut Results) -> anyhow::Result<()> {
         SocketAddr::V4(a) => *a.ip(),
         SocketAddr::V6(_) => unreachable!("IPv4 servers"),
     };
-    api.apply("web", &[ip(&servers[0])], port);
+    api.apply(slice("web", &[ip(&servers[0])], port));
     let vip = SocketAddr::from(([127, 78, 6, 100], 443));
     let cgroup = TestCgroup::new("bench-disc");
     let daemon = Daemon::start_with_env(
@@ -94,7 +93,7 @@ pub fn run(dir: &Path, results: &mut Results) -> anyhow::Result<()> {
             Duration::from_micros(200),
         )?;
         let changed = lb_tests::monotonic_ns();
-        api.apply("web", &[ip(to)], port);
+        api.apply(slice("web", &[ip(to)], port));
         let landed =
             agent.until_done().with_context(|| format!("EndpointSlice change {}", i + 1))?.at_ns;
         latencies.push(ms_between(changed, landed));
@@ -118,7 +117,7 @@ pub fn run(dir: &Path, results: &mut Results) -> anyhow::Result<()> {
             .collect()
     };
     for i in 0..SERVICES {
-        api.apply(&format!("svc-{i}"), &endpoints(i, 0), PORT);
+        api.apply(slice(&format!("svc-{i}"), &endpoints(i, 0), PORT));
     }
     let toml: String = (0..SERVICES)
         .map(|i| {
@@ -134,7 +133,7 @@ pub fn run(dir: &Path, results: &mut Results) -> anyhow::Result<()> {
         Daemon::start_with_env("bench-disc-1k", &cgroup, &settings, &[("RUST_LOG", "info")], &toml);
     // How many services the kernel shows with the endpoints of `wave`.
     let showing = |wave: usize| -> anyhow::Result<usize> {
-        let status = super::status(&daemon)?;
+        let status = status(&daemon)?;
         let services = status["services"].as_array().map_or(&[][..], Vec::as_slice);
         Ok(services
             .iter()
@@ -164,7 +163,7 @@ pub fn run(dir: &Path, results: &mut Results) -> anyhow::Result<()> {
     if !poll(Duration::from_secs(90), Duration::from_millis(20), || all_show(0))? {
         bail!(
             "{SERVICES} discovered services did not all get their {ENDPOINTS} endpoints within 90 s; the daemon's log:\n{}",
-            super::tail(&daemon.log())
+            tail(&daemon.log())
         );
     }
     discovery.initial_sync = Some(started.elapsed());
@@ -178,13 +177,13 @@ pub fn run(dir: &Path, results: &mut Results) -> anyhow::Result<()> {
         check_stop()?;
         let started = Instant::now();
         for i in 0..SERVICES {
-            api.apply(&format!("svc-{i}"), &endpoints(i, wave), PORT);
+            api.apply(slice(&format!("svc-{i}"), &endpoints(i, wave), PORT));
         }
         if !poll(Duration::from_secs(60), Duration::from_millis(20), || all_show(wave))? {
             bail!(
                 "wave {wave}: {SERVICES} changes did not all reach the kernel within 60 s: {} did; the daemon's log ends:\n{}",
                 showing(wave)?,
-                super::tail(&daemon.log())
+                tail(&daemon.log())
             );
         }
         rates.push(SERVICES as f64 / started.elapsed().as_secs_f64());
@@ -216,18 +215,10 @@ fn discovered(name: &str, vip: SocketAddr) -> String {
         .toml()
 }
 
-fn kubeconfig_text(server: &str) -> String {
-    format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: bench\n  cluster:\n    server: {server}\n\
-         contexts:\n- name: bench\n  context:\n    cluster: bench\n    user: bench\n    namespace: default\n\
-         current-context: bench\nusers:\n- name: bench\n  user: {{}}\n"
-    )
-}
-
 /// A port free on every one of `ips` (endpoints of a slice share its port).
 fn shared_port(ips: &[[u8; 4]]) -> anyhow::Result<u16> {
     for _ in 0..50 {
-        let port = super::free_port(ips[0])?;
+        let port = free_port(ips[0])?;
         let held: Vec<_> =
             ips.iter().map(|ip| TcpListener::bind(SocketAddr::from((*ip, port)))).collect();
         if held.iter().all(Result::is_ok) {
@@ -238,272 +229,15 @@ fn shared_port(ips: &[[u8; 4]]) -> anyhow::Result<u16> {
 }
 
 /// The EndpointSlice `<service>-1` of a Service: IPv4, port `https`, every
-/// endpoint ready.
-fn slice(service: &str, ips: &[Ipv4Addr], port: u16, rv: u64) -> Value {
-    json!({
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": format!("{service}-1"),
-            "namespace": "default",
-            "resourceVersion": rv.to_string(),
-            "labels": { "kubernetes.io/service-name": service },
-        },
-        "addressType": "IPv4",
-        "ports": [{ "name": "https", "port": port, "protocol": "TCP" }],
-        "endpoints": ips.iter().map(|ip| json!({
-            "addresses": [ip.to_string()],
-            "conditions": { "ready": true, "serving": true, "terminating": false },
-        })).collect::<Vec<_>>(),
-    })
-}
-
-#[derive(Default)]
-struct Service {
-    /// The one slice, as last applied.
-    slice: Option<Value>,
-    /// Watch event lines by resourceVersion (the last few), for watches
-    /// that start from an older resourceVersion than the newest.
-    history: Vec<(u64, String)>,
-    watchers: Vec<mpsc::Sender<String>>,
-}
-
-#[derive(Default)]
-struct State {
-    rv: u64,
-    services: HashMap<String, Service>,
-}
-
-struct Shared {
-    state: Mutex<State>,
-    stop: AtomicBool,
-    watching: AtomicUsize,
-    /// Every open connection, to be shut down on drop.
-    connections: Mutex<Vec<TcpStream>>,
-}
-
-/// The fake API server (see the module's documentation). Dropping it
-/// closes the listener and every connection.
-struct FakeApiServer {
-    addr: SocketAddr,
-    shared: Arc<Shared>,
-    listener_fd: i32,
-    accept: Option<JoinHandle<()>>,
-}
-
-impl FakeApiServer {
-    fn start(addr: SocketAddr) -> anyhow::Result<Self> {
-        let listener = TcpListener::bind(addr).context("binding the fake API server")?;
-        let addr = listener.local_addr()?;
-        let shared = Arc::new(Shared {
-            state: Mutex::new(State { rv: 1, ..State::default() }),
-            stop: AtomicBool::new(false),
-            watching: AtomicUsize::new(0),
-            connections: Mutex::new(Vec::new()),
-        });
-        let listener_fd = listener.as_raw_fd();
-        let accepting = shared.clone();
-        let accept = thread::spawn(move || {
-            for stream in listener.incoming() {
-                if accepting.stop.load(Ordering::Relaxed) {
-                    break;
-                }
-                let Ok(stream) = stream else { continue };
-                if let Ok(clone) = stream.try_clone() {
-                    accepting.connections.lock().unwrap().push(clone);
-                }
-                let shared = accepting.clone();
-                // Many watches at once: small stacks.
-                let _ = thread::Builder::new().stack_size(128 << 10).spawn(move || {
-                    let _ = serve(&shared, stream);
-                });
-            }
-        });
-        Ok(Self { addr, shared, listener_fd, accept: Some(accept) })
-    }
-
-    /// Creates or replaces the slice of `service`; the change goes to its
-    /// open watches at once.
-    fn apply(&self, service: &str, ips: &[Ipv4Addr], port: u16) {
-        let mut state = self.shared.state.lock().unwrap();
-        state.rv += 1;
-        let rv = state.rv;
-        let object = slice(service, ips, port, rv);
-        let entry = state.services.entry(service.to_owned()).or_default();
-        let kind = if entry.slice.is_some() { "MODIFIED" } else { "ADDED" };
-        let line = json!({ "type": kind, "object": object }).to_string() + "\n";
-        entry.slice = Some(object);
-        entry.history.push((rv, line.clone()));
-        if entry.history.len() > 16 {
-            entry.history.remove(0);
-        }
-        entry.watchers.retain(|w| w.send(line.clone()).is_ok());
-    }
-
-    /// Watch streams open now.
-    fn watching(&self) -> usize {
-        self.shared.watching.load(Ordering::Relaxed)
-    }
-}
-
-impl Drop for FakeApiServer {
-    fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::Relaxed);
-        // SAFETY: the listener the accept thread still owns; shutting it
-        // down wakes its accept.
-        unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };
-        if let Some(accept) = self.accept.take() {
-            let _ = accept.join();
-        }
-        for conn in self.shared.connections.lock().unwrap().drain(..) {
-            let _ = conn.shutdown(std::net::Shutdown::Both);
-        }
-        // Watches end at their next wake-up (at most 100 ms).
-        let deadline = Instant::now() + Duration::from_secs(2);
-        while self.watching() > 0 && Instant::now() < deadline {
-            thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-/// One connection: requests until the client closes it; a watch keeps it
-/// until the stream ends.
-fn serve(shared: &Shared, stream: TcpStream) -> anyhow::Result<()> {
-    let mut reader = BufReader::new(stream.try_clone()?);
-    let mut out = stream;
-    loop {
-        let mut request = String::new();
-        if reader.read_line(&mut request)? == 0 {
-            return Ok(());
-        }
-        // The headers: nothing in them matters here.
-        loop {
-            let mut header = String::new();
-            if reader.read_line(&mut header)? == 0 || header.trim().is_empty() {
-                break;
-            }
-        }
-        let target = request.split_whitespace().nth(1).unwrap_or("/").to_owned();
-        let (path, query) = target.split_once('?').unwrap_or((&target, ""));
-        let query: HashMap<String, String> = query
-            .split('&')
-            .filter(|p| !p.is_empty())
-            .map(|p| {
-                let (k, v) = p.split_once('=').unwrap_or((p, ""));
-                (decode(k), decode(v))
-            })
-            .collect();
-        if path != "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices" {
-            let body = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404}).to_string();
-            write!(
-                out,
-                "HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
-            )?;
-            continue;
-        }
-        let service = query
-            .get("labelSelector")
-            .and_then(|s| s.strip_prefix("kubernetes.io/service-name="))
-            .unwrap_or("")
-            .to_owned();
-        if query.get("watch").is_some_and(|w| w == "true" || w == "1") {
-            let from: u64 =
-                query.get("resourceVersion").and_then(|rv| rv.parse().ok()).unwrap_or(0);
-            let timeout = Duration::from_secs(
-                query.get("timeoutSeconds").and_then(|t| t.parse().ok()).unwrap_or(290),
-            );
-            return watch(shared, out, &service, from, timeout);
-        }
-        let state = shared.state.lock().unwrap();
-        let items: Vec<Value> =
-            state.services.get(&service).and_then(|s| s.slice.clone()).into_iter().collect();
-        let body = json!({
-            "apiVersion": "discovery.k8s.io/v1",
-            "kind": "EndpointSliceList",
-            "metadata": { "resourceVersion": state.rv.to_string() },
-            "items": items,
+/// endpoint ready (and on no node).
+fn slice(service: &str, ips: &[Ipv4Addr], port: u16) -> EndpointSlice {
+    let endpoints = ips
+        .iter()
+        .map(|ip| {
+            let mut endpoint = endpoint(&ip.to_string(), "", Condition::Ready);
+            endpoint.node_name = None;
+            endpoint
         })
-        .to_string();
-        drop(state);
-        write!(
-            out,
-            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )?;
-    }
-}
-
-/// A watch stream: every change after `from`, then changes as they come,
-/// one JSON event per line, chunked, until `timeout` or the server stops.
-fn watch(
-    shared: &Shared,
-    mut out: TcpStream,
-    service: &str,
-    from: u64,
-    timeout: Duration,
-) -> anyhow::Result<()> {
-    let (tx, rx) = mpsc::channel();
-    {
-        let mut state = shared.state.lock().unwrap();
-        let entry = state.services.entry(service.to_owned()).or_default();
-        for (rv, line) in &entry.history {
-            if *rv > from {
-                let _ = tx.send(line.clone());
-            }
-        }
-        entry.watchers.push(tx);
-    }
-    write!(
-        out,
-        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
-    )?;
-    shared.watching.fetch_add(1, Ordering::Relaxed);
-    let deadline = Instant::now() + timeout;
-    let result = (|| {
-        while !shared.stop.load(Ordering::Relaxed) && Instant::now() < deadline {
-            match rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(line) => write!(out, "{:x}\r\n{line}\r\n", line.len())?,
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => break,
-            }
-        }
-        write!(out, "0\r\n\r\n")?;
-        anyhow::Ok(())
-    })();
-    shared.watching.fetch_sub(1, Ordering::Relaxed);
-    result
-}
-
-/// Percent-decoding of a query component (`+` is a space).
-fn decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'%' if i + 2 < bytes.len() => match u8::from_str_radix(
-                std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("zz"),
-                16,
-            ) {
-                Ok(b) => {
-                    out.push(b);
-                    i += 3;
-                }
-                Err(_) => {
-                    out.push(b'%');
-                    i += 1;
-                }
-            },
-            b'+' => {
-                out.push(b' ');
-                i += 1;
-            }
-            b => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+        .collect();
+    endpoint_slice(&format!("{service}-1"), service, "IPv4", &[("https", port)], endpoints)
 }

@@ -37,11 +37,12 @@ use lb_tests::{Check, Daemon, ServiceBuilder, TestCgroup};
 use serde_json::Value;
 
 use super::{
-    Agent, Want, check_stop, ms_between,
+    agent::{Agent, Want},
+    limits::{check_stop, poll},
     paths::Who,
-    poll,
-    report::{Failover, Results},
-    selected,
+    results::{Failover, Results},
+    stats::ms_between,
+    status::{selected, status},
 };
 
 pub const KERNEL_KILLS: usize = 200;
@@ -70,7 +71,7 @@ pub fn run(results: &mut Results) -> anyhow::Result<()> {
     let daemon =
         Daemon::start_with_env("bench-failover", &cgroup, "", &[("RUST_LOG", "info")], &services);
     if !poll(Duration::from_secs(10), Duration::from_millis(20), || {
-        let status = super::status(&daemon)?;
+        let status = status(&daemon)?;
         Ok(all_healthy(&status, "fo-kernel") && all_healthy(&status, "fo-daemon"))
     })? {
         bail!(
@@ -121,7 +122,7 @@ pub fn run(results: &mut Results) -> anyhow::Result<()> {
         let mut first = String::new();
         let mut since = (String::new(), Instant::now());
         if !poll(Duration::from_secs(10), Duration::from_millis(5), || {
-            let status = super::status(&daemon)?;
+            let status = status(&daemon)?;
             let lead = selected(&status, "fo-daemon").first().cloned().unwrap_or_default();
             if lead != since.0 {
                 since = (lead.clone(), Instant::now());
@@ -148,7 +149,7 @@ pub fn run(results: &mut Results) -> anyhow::Result<()> {
         let mut moved = 0;
         // Moved: the dead server no longer leads and the daemon says why.
         if !poll(Duration::from_secs(5), Duration::from_millis(2), || {
-            let status = super::status(&daemon)?;
+            let status = status(&daemon)?;
             moved = lb_tests::monotonic_ns();
             let lead = selected(&status, "fo-daemon").first().cloned().unwrap_or_default();
             Ok(lead != first && server_field(&status, "fo-daemon", &first, "healthy") == false)

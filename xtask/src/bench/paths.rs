@@ -33,7 +33,10 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-use super::{check_stop, free_port};
+use super::{
+    host::{free_port, paths_cpu, set_affinity, start_on_cpu},
+    limits::check_stop,
+};
 
 pub const ORIGIN_IP: [u8; 4] = [127, 78, 0, 1];
 const HAPROXY_IP: [u8; 4] = [127, 78, 0, 2];
@@ -50,7 +53,7 @@ const PACKAGES: [&str; 5] = ["wrk", "haproxy", "nginx", "libnginx-mod-stream", "
 /// they need. Only adds packages. The packages' own services are never
 /// used (nor started by the bench): it runs its own processes.
 pub fn ensure_packages() -> anyhow::Result<()> {
-    crate::install_missing_packages(&PACKAGES)
+    crate::cmd::install_missing_packages(&PACKAGES)
 }
 
 /// `haproxy -v`, `nginx -v`, `wrk -v`: the first line each prints.
@@ -188,13 +191,13 @@ fn start_source() -> anyhow::Result<SocketAddr> {
 }
 
 /// Runs `serve` on a thread of its own, on the paths part's one CPU
-/// ([`super::paths_cpu`]); the threads it starts inherit that CPU. The
+/// ([`paths_cpu`]); the threads it starts inherit that CPU. The
 /// thread ends with the process.
 fn spawn_on_paths_cpu(what: &str, serve: impl FnOnce() + Send + 'static) -> anyhow::Result<()> {
-    let cpu = super::paths_cpu()?;
+    let cpu = paths_cpu()?;
     let (pinned_tx, pinned) = std::sync::mpsc::channel();
     thread::spawn(move || {
-        let pinning = super::set_affinity(&[cpu]);
+        let pinning = set_affinity(&[cpu]);
         let ok = pinning.is_ok();
         let _ = pinned_tx.send(pinning);
         if ok {
@@ -287,7 +290,7 @@ impl Proc {
     /// Starts `cmd` on the paths part's one CPU (its threads and worker
     /// processes inherit it).
     fn spawn(name: &str, cmd: &mut Command, log: &Path) -> anyhow::Result<Self> {
-        super::start_on_cpu(cmd, super::paths_cpu()?);
+        start_on_cpu(cmd, paths_cpu()?);
         let file =
             std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
         let child = cmd
@@ -296,7 +299,7 @@ impl Proc {
             .stdout(file.try_clone()?)
             .stderr(file)
             .spawn()
-            .with_context(|| format!("starting {}", crate::describe(cmd)))?;
+            .with_context(|| format!("starting {}", crate::cmd::describe(cmd)))?;
         Ok(Self { name: name.to_owned(), child, log: log.to_owned() })
     }
 
@@ -323,9 +326,10 @@ impl Proc {
     /// Whether the process has exited (left as a zombie, not reaped, so its
     /// id and group id stay ours until [`Drop`]).
     fn exited(&self) -> bool {
-        // SAFETY: waitid fills the zeroed struct we pass; WNOWAIT leaves the
-        // child to be reaped later.
+        // SAFETY: siginfo_t is plain data, for which all zeroes is valid.
         let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid fills the struct we pass; WNOWAIT leaves the child
+        // to be reaped later.
         let rc = unsafe {
             libc::waitid(
                 libc::P_PID,

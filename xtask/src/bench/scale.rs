@@ -21,11 +21,15 @@ use anyhow::{Context as _, bail};
 use lb_tests::{Daemon, ServiceBuilder, TestCgroup};
 
 use super::{
-    Agent, Args, Want, check_stop, median, ms_between,
+    agent::{Agent, Want},
+    args::Args,
+    format::millis,
+    host::{paths_cpu, rss},
+    limits::{check_stop, poll},
     paths::{Origins, Who},
-    poll,
-    report::{Results, Scale, Startup},
-    rss,
+    results::{Results, Scale, Startup},
+    stats::{median, ms_between},
+    status::{status, status_received, tail},
     workloads::CONNECTS,
 };
 
@@ -78,9 +82,9 @@ fn start(
     daemon.spawn_with(&[]);
     poll(Duration::from_secs(90), Duration::from_millis(10), || {
         if daemon.wait_exit(Duration::ZERO) {
-            bail!("lb run with {n} services exited; its log ends:\n{}", super::tail(&daemon.log()));
+            bail!("lb run with {n} services exited; its log ends:\n{}", tail(&daemon.log()));
         }
-        let Ok((status, received)) = super::status_received(&daemon) else {
+        let Ok((status, received)) = status_received(&daemon) else {
             // Not answering yet; 60 s without an answer is the figure.
             return Ok(started.elapsed() > Duration::from_secs(60));
         };
@@ -101,7 +105,7 @@ fn start(
     if startup.ready.is_none() {
         bail!(
             "the daemon with {n} services answered, but did not list them all with selections within 90 s; its log ends:\n{}",
-            super::tail(&daemon.log())
+            tail(&daemon.log())
         );
     }
     startup.rss = Some(rss(daemon.pid().context("the daemon is not running")?)?);
@@ -136,7 +140,7 @@ fn measure(
     // One agent, moving between the two cgroups: only the daemon differs.
     let mut agent = Agent::start(&cg_one.path)?;
     // On the sink's CPU, as in the paths part (`paths_cpu`).
-    agent.pin(super::paths_cpu()?)?;
+    agent.pin(paths_cpu()?)?;
     for _ in 0..args.rounds {
         for (cgroup, rates) in [&cg_one, &cg_many].iter().zip(&mut rates) {
             check_stop()?;
@@ -209,13 +213,13 @@ fn reloads(
         let landed = match agent.until_done() {
             Ok(at) => at,
             Err(e) => {
-                let reload = super::status(daemon)
+                let reload = status(daemon)
                     .map(|s| s["config"]["last_reload"].to_string())
                     .unwrap_or_else(|e| e.to_string());
                 bail!(
                     "reload {} of 10,000 services: {e:#}; last reload in status: {reload}; the daemon's log ends:\n{}",
                     i + 1,
-                    super::tail(&daemon.log())
+                    tail(&daemon.log())
                 );
             }
         };
@@ -224,13 +228,13 @@ fn reloads(
             break;
         }
     }
-    let status = super::status(daemon)?;
+    let status = status(daemon)?;
     if status["config"]["last_reload"]["ok"] != true {
         bail!("the last reload did not take: {}", status["config"]["last_reload"]);
     }
     println!(
         "  reload changing one service of 10,000: median {} (of {})",
-        super::report::millis(median(&reloads)),
+        millis(median(&reloads)),
         reloads.len()
     );
     Ok(reloads)

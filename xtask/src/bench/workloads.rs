@@ -39,10 +39,14 @@ use lb_tests::{Daemon, ServiceBuilder, TestCgroup};
 use serde_json::Value;
 
 use super::{
-    Agent, Args, check_stop, cpu_time, median, output_within,
+    agent::Agent,
+    args::Args,
+    host::{cpu_time, own_cgroup, paths_cpu, start_on_cpu},
+    limits::{check_stop, output_within},
     paths::{BULK, Origins, Route, Servers, VIP_IP, versions},
-    percentile,
-    report::{Figure, KeepAliveCost, KernelCost, Results, Workload},
+    results::{Figure, KeepAliveCost, KernelCost, Results, Workload},
+    stats::{median, percentile},
+    status::status,
 };
 
 /// Connects per route in a connect + close round.
@@ -170,7 +174,7 @@ pub fn run(
         Err(e) => results.notes.push(format!("kernel cost per program not measured: {e:#}")),
     }
     // The daemon must have kept up: every service still has its server.
-    let status = super::status(&daemon)?;
+    let status = status(&daemon)?;
     for i in 0..3 {
         if status["services"][i]["selected"].as_array().is_none_or(Vec::is_empty) {
             bail!(
@@ -308,9 +312,9 @@ struct Client {
 
 impl Client {
     fn start(cgroup: &Path) -> anyhow::Result<Self> {
-        let home = super::own_cgroup()?;
+        let home = own_cgroup()?;
         let mut agent = Agent::start(&home)?;
-        agent.pin(super::paths_cpu()?)?;
+        agent.pin(paths_cpu()?)?;
         Ok(Self { agent, home, cgroup: cgroup.to_owned(), inside: false })
     }
 
@@ -357,7 +361,7 @@ fn wrk(
     if let Some(cgroup) = cgroup {
         lb_tests::start_in_cgroup(&mut cmd, cgroup);
     }
-    super::start_on_cpu(&mut cmd, super::paths_cpu()?);
+    start_on_cpu(&mut cmd, paths_cpu()?);
     let out = output_within(&mut cmd, Duration::from_secs(seconds + 20))?;
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {

@@ -4,13 +4,13 @@
 use std::{
     fmt::Write as _,
     fs,
-    path::Path,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
 };
 
 use anyhow::{Context as _, bail};
 
-use super::{Binaries, kernels::Kernel, tools::Vng};
+use super::{kernels::Kernel, tools::Vng};
 
 /// One test binary inside the guest. Software emulation (no KVM here) is
 /// slow; a hanging binary is killed and the others still run.
@@ -37,6 +37,13 @@ const BLACKLIST: &str = "modprobe.blacklist=floppy,parport,parport_pc,ppdev,pcsp
                          lpc_ich,iTCO_wdt,iTCO_vendor_support,i6300esb,watchdog,powernow_k8,acpi_cpufreq,pcc_cpufreq,\
                          crct10dif_pclmul,crc32_pclmul,crc32c_intel,ghash_clmulni_intel,aesni_intel,sha1_ssse3,\
                          sha256_ssse3,sha512_ssse3,polyval_clmulni,polyval_generic";
+
+/// What the guest runs: `lb`, `lb-test-client` and the test executables,
+/// all in one directory, the test executables under their target names.
+pub struct Binaries {
+    pub dir: PathBuf,
+    pub tests: Vec<String>,
+}
 
 /// Boots `kernel` once with the guest script, which runs every test binary
 /// and leaves their output in `results` (emptied first). `Ok` once the

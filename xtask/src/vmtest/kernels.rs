@@ -11,7 +11,7 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-use crate::{output_of, run_cmd};
+use crate::cmd::{output_of, run_cmd};
 
 /// Used when the machine's own sources name no Debian mirror.
 const DEFAULT_MIRROR: &str = "http://deb.debian.org/debian";

@@ -46,8 +46,16 @@ use std::{
 use anyhow::{Context as _, bail};
 
 pub use self::kernels::{KernelSpec, Release};
-use self::{guest::BINARY_TIMEOUT_SECS, kernels::Kernel, libtest::TestResult, tools::Vng};
-use crate::target_dir;
+use self::{
+    guest::{BINARY_TIMEOUT_SECS, Binaries},
+    kernels::Kernel,
+    libtest::TestResult,
+    tools::Vng,
+};
+use crate::{
+    cargo::{cargo, cargo_command},
+    cmd::{output_of, target_dir},
+};
 
 /// `cargo xtask vmtest`'s command line. With neither option, every
 /// [`Release`] is tested.
@@ -82,13 +90,6 @@ struct TestBinary {
     /// The cargo target name (`datapath`), also used for file names.
     name: String,
     path: PathBuf,
-}
-
-/// What the guest runs: `lb`, `lb-test-client` and the test executables,
-/// all in one directory, the test executables under their target names.
-struct Binaries {
-    dir: PathBuf,
-    tests: Vec<String>,
 }
 
 /// What one kernel's run came to.
@@ -223,8 +224,8 @@ const CLIENTS: [(&str, &str); 1] = [("lb-test-client", "LB_TEST_CLIENT")];
 /// they do little work of their own.
 fn build(base: &Path) -> anyhow::Result<Binaries> {
     println!("==> building lb (release) and the integration tests");
-    crate::cargo(&["build", "--release", "--package", "lb-user"])?;
-    let out = crate::output_of(&mut crate::cargo_command(&[
+    cargo(&["build", "--release", "--package", "lb-user"])?;
+    let out = output_of(&mut cargo_command(&[
         "test",
         "--package",
         "lb-tests",

@@ -12,7 +12,7 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-use crate::run_cmd;
+use crate::cmd::{install_missing_packages, run_cmd};
 
 /// The virtme-ng release this was verified with, installed into a Python
 /// virtual environment of its own under `target/vmtest/`.
@@ -35,7 +35,7 @@ pub struct Vng {
 /// into its own virtual environment under `base`. Only ever adds packages;
 /// the machine's apt sources and Python packages are not changed.
 pub fn ensure(base: &Path) -> anyhow::Result<Vng> {
-    crate::install_missing_packages(&HOST_PACKAGES)?;
+    install_missing_packages(&HOST_PACKAGES)?;
     let venv = base.join(format!("virtme-ng-{VIRTME_NG_VERSION}"));
     let bin = venv.join("bin");
     // Written last: an interrupted install is never mistaken for a

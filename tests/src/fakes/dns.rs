@@ -30,7 +30,9 @@ use tokio::{
 pub enum Mode {
     /// From the table: the records, or NXDOMAIN for a name not in it.
     Answer,
+    /// SERVFAIL to every query.
     ServFail,
+    /// NXDOMAIN to every query.
     NxDomain,
     /// No answer at all.
     Drop,
@@ -76,6 +78,7 @@ impl FakeDns {
         Self { addr, state, tasks: vec![udp_task, tcp_task] }
     }
 
+    /// Where it listens, UDP and TCP.
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
@@ -91,6 +94,7 @@ impl FakeDns {
         self.state.lock().unwrap().records.remove(&key(name));
     }
 
+    /// How it answers from now on.
     pub fn set_mode(&self, mode: Mode) {
         self.state.lock().unwrap().mode = mode;
     }

@@ -1,0 +1,267 @@
+//! A fake Kubernetes API server for discovery tests: EndpointSlices only,
+//! over plain HTTP/1.1 on loopback, speaking the real list and watch
+//! protocol, with JSON built from `k8s-openapi` types.
+//!
+//! - `GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices?labelSelector=k=v`
+//!   lists (an `EndpointSliceList` with `metadata.resourceVersion`);
+//! - the same with `watch=true&resourceVersion=N` streams, chunked, one
+//!   `{"type":"ADDED|MODIFIED|DELETED|BOOKMARK|ERROR","object":...}` per line:
+//!   first every change after `N`, then changes as the test makes them.
+//!
+//! The test drives it step by step: [`FakeApiServer::apply`],
+//! [`FakeApiServer::delete`], [`FakeApiServer::bookmark`],
+//! [`FakeApiServer::expire`] (compaction: watches from before it get
+//! `410 Gone`, as an `ERROR` event or, with [`FakeApiServer::set_gone_as_http`],
+//! as an HTTP 410, and open streams are ended with it),
+//! [`FakeApiServer::cut_streams`] (connections dropped mid-stream), and
+//! [`FakeApiServer::stop_listener`] / [`FakeApiServer::restart_listener`]
+//! (one apiserver of several dies and comes back: several listeners on
+//! different loopback ports serve the same store, like apiservers sharing
+//! etcd). [`FakeApiServer::requests`] says who asked what.
+//!
+//! It runs on the tokio runtime of the test that starts it.
+
+mod objects;
+mod serve;
+mod store;
+
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+/// The objects the fake serves, as its callers build them.
+pub use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
+pub use objects::{Condition, Kubeconfig, SERVICE_NAME_LABEL, endpoint, endpoint_slice};
+use serve::accept_loop;
+pub use store::RequestLog;
+use store::{Change, Kind, Shared, State};
+use tokio::{
+    net::TcpListener,
+    sync::watch,
+    task::{JoinHandle, JoinSet},
+};
+
+struct Listener {
+    accept: JoinHandle<()>,
+    connections: Arc<Mutex<JoinSet<()>>>,
+}
+
+/// The fake API server. Dropping it stops every listener.
+pub struct FakeApiServer {
+    shared: Arc<Shared>,
+    listeners: Mutex<HashMap<SocketAddr, Listener>>,
+    order: Mutex<Vec<SocketAddr>>,
+}
+
+impl FakeApiServer {
+    /// Starts with one listener on `127.0.0.1`, an empty store at
+    /// resourceVersion 1.
+    pub async fn start() -> Self {
+        Self::start_at("127.0.0.1:0".parse().unwrap()).await
+    }
+
+    /// As [`Self::start`], the first listener at `addr` (port 0: any).
+    pub async fn start_at(addr: SocketAddr) -> Self {
+        let server = Self {
+            shared: Arc::new(Shared {
+                state: Mutex::new(State { rv: 1, compacted: 1, ..State::default() }),
+                changed: watch::channel(()).0,
+                watching: AtomicUsize::new(0),
+            }),
+            listeners: Mutex::new(HashMap::new()),
+            order: Mutex::new(Vec::new()),
+        };
+        server.listen(addr).await;
+        server
+    }
+
+    /// Adds a listener (another apiserver on the same store) at `addr`
+    /// (port 0: any); returns its address.
+    pub async fn listen(&self, addr: SocketAddr) -> SocketAddr {
+        // A listener just stopped at the same address is closed by its
+        // aborted task a moment later: retry briefly on "in use".
+        let mut tries = 0;
+        let listener = loop {
+            match TcpListener::bind(addr).await {
+                Ok(listener) => break listener,
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 50 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => panic!("fake apiserver: bind {addr}: {e}"),
+            }
+        };
+        let addr = listener.local_addr().unwrap();
+        let connections = Arc::new(Mutex::new(JoinSet::new()));
+        let accept =
+            tokio::spawn(accept_loop(listener, addr, self.shared.clone(), connections.clone()));
+        self.listeners.lock().unwrap().insert(addr, Listener { accept, connections });
+        let mut order = self.order.lock().unwrap();
+        if !order.contains(&addr) {
+            order.push(addr);
+        }
+        addr
+    }
+
+    /// The first listener's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.order.lock().unwrap()[0]
+    }
+
+    /// `http://ADDR` of the first listener.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr())
+    }
+
+    /// Creates or replaces a slice (namespace `default` when unset);
+    /// returns the new resourceVersion.
+    pub fn apply(&self, mut slice: EndpointSlice) -> u64 {
+        let mut state = self.shared.state.lock().unwrap();
+        state.rv += 1;
+        let rv = state.rv;
+        let namespace =
+            slice.metadata.namespace.get_or_insert_with(|| "default".to_owned()).clone();
+        let name = slice.metadata.name.clone().expect("an EndpointSlice needs a name");
+        slice.metadata.resource_version = Some(rv.to_string());
+        let key = (namespace, name);
+        let kind = if state.slices.contains_key(&key) { Kind::Modified } else { Kind::Added };
+        state.slices.insert(key, slice.clone());
+        state.wake_watchers_of(&slice);
+        state.history.push(Change { rv, kind, slice });
+        rv
+    }
+
+    /// Deletes a slice; returns the new resourceVersion (`None`: no such slice).
+    pub fn delete(&self, namespace: &str, name: &str) -> Option<u64> {
+        let mut state = self.shared.state.lock().unwrap();
+        let mut slice = state.slices.remove(&(namespace.to_owned(), name.to_owned()))?;
+        state.rv += 1;
+        let rv = state.rv;
+        slice.metadata.resource_version = Some(rv.to_string());
+        state.wake_watchers_of(&slice);
+        state.history.push(Change { rv, kind: Kind::Deleted, slice });
+        Some(rv)
+    }
+
+    /// Sends a BOOKMARK (the current resourceVersion) on every open watch.
+    pub fn bookmark(&self) {
+        self.shared.state.lock().unwrap().bookmarks += 1;
+        self.shared.changed.send_replace(());
+    }
+
+    /// Compacts the history: the resourceVersion moves on (other objects
+    /// changed in etcd), every watch from an older resourceVersion gets
+    /// `410 Gone`, and open watches that had not caught up end with it (an
+    /// `ERROR` event; with [`Self::set_gone_as_http`], the stream ends and
+    /// the re-watch is answered 410). Only a relist recovers.
+    pub fn expire(&self) {
+        let mut state = self.shared.state.lock().unwrap();
+        state.rv += 1;
+        state.compacted = state.rv;
+        state.history.clear();
+        state.expiries += 1;
+        drop(state);
+        self.shared.changed.send_replace(());
+    }
+
+    /// The resourceVersion moves on with no change to a slice (other
+    /// objects changed); returns it. A [`Self::bookmark`] then carries it.
+    pub fn advance(&self) -> u64 {
+        let mut state = self.shared.state.lock().unwrap();
+        state.rv += 1;
+        state.rv
+    }
+
+    /// Open watches deliver nothing until [`Self::resume_watches`] (a
+    /// watch cache that fell behind): changes made meanwhile reach a
+    /// watcher only by a relist once [`Self::expire`] compacts them away.
+    pub fn pause_watches(&self) {
+        self.shared.state.lock().unwrap().paused = true;
+    }
+
+    /// Open watches deliver again, everything they held back first.
+    pub fn resume_watches(&self) {
+        self.shared.state.lock().unwrap().paused = false;
+        self.shared.changed.send_replace(());
+    }
+
+    /// `true`: 410 Gone is an HTTP status answering the watch request;
+    /// `false` (default): an `ERROR` event in a 200 stream, as apiservers
+    /// usually do.
+    pub fn set_gone_as_http(&self, http: bool) {
+        self.shared.state.lock().unwrap().gone_as_http = http;
+    }
+
+    /// Drops every open connection, mid-stream, on every listener; they
+    /// keep accepting.
+    pub fn cut_streams(&self) {
+        for listener in self.listeners.lock().unwrap().values() {
+            listener.connections.lock().unwrap().abort_all();
+        }
+    }
+
+    /// The apiserver at `addr` dies: its connections drop and connects are
+    /// refused.
+    pub fn stop_listener(&self, addr: SocketAddr) {
+        if let Some(listener) = self.listeners.lock().unwrap().remove(&addr) {
+            listener.accept.abort();
+            listener.connections.lock().unwrap().abort_all();
+        }
+    }
+
+    /// The apiserver at `addr` comes back on the same address.
+    pub async fn restart_listener(&self, addr: SocketAddr) {
+        self.stop_listener(addr);
+        // The aborted accept task lets go of the socket when it is dropped.
+        for _ in 0..50 {
+            if TcpListener::bind(addr).await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.listen(addr).await;
+    }
+
+    /// Every apiserver dies.
+    pub fn stop(&self) {
+        let addrs: Vec<SocketAddr> = self.listeners.lock().unwrap().keys().copied().collect();
+        for addr in addrs {
+            self.stop_listener(addr);
+        }
+    }
+
+    /// Every apiserver that was started comes back.
+    pub async fn restart(&self) {
+        let addrs = self.order.lock().unwrap().clone();
+        for addr in addrs {
+            self.restart_listener(addr).await;
+        }
+    }
+
+    /// The requests answered so far.
+    pub fn requests(&self) -> Vec<RequestLog> {
+        self.shared.state.lock().unwrap().requests.clone()
+    }
+
+    /// The current resourceVersion.
+    pub fn resource_version(&self) -> u64 {
+        self.shared.state.lock().unwrap().rv
+    }
+
+    /// Watch streams open now (on every listener).
+    pub fn watching(&self) -> usize {
+        self.shared.watching.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for FakeApiServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

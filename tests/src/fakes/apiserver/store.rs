@@ -1,0 +1,102 @@
+//! The store the fake's listeners share: the slices, their history of
+//! changes with resourceVersions, the open watches and the request log.
+
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    sync::{Mutex, atomic::AtomicUsize},
+};
+
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use tokio::sync::watch;
+
+/// One request the server answered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestLog {
+    /// The listener (apiserver) that answered.
+    pub via: SocketAddr,
+    /// A watch (`watch=true`), not a list.
+    pub watch: bool,
+    /// Its `resourceVersion` parameter.
+    pub resource_version: Option<String>,
+    /// Its `labelSelector` parameter.
+    pub label_selector: Option<String>,
+    /// Answered with 410 Gone.
+    pub gone: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kind {
+    Added,
+    Modified,
+    Deleted,
+}
+
+pub(super) struct Change {
+    pub(super) rv: u64,
+    pub(super) kind: Kind,
+    pub(super) slice: EndpointSlice,
+}
+
+#[derive(Default)]
+pub(super) struct State {
+    pub(super) rv: u64,
+    pub(super) slices: BTreeMap<(String, String), EndpointSlice>,
+    /// Changes after `compacted`.
+    pub(super) history: Vec<Change>,
+    /// Watches from a resourceVersion older than this get 410 Gone.
+    pub(super) compacted: u64,
+    pub(super) gone_as_http: bool,
+    /// Bumped by `bookmark()`.
+    pub(super) bookmarks: u64,
+    /// Bumped by `expire()`: open streams end with 410.
+    pub(super) expiries: u64,
+    /// Open streams hold their events back (a slow watch cache).
+    pub(super) paused: bool,
+    pub(super) requests: Vec<RequestLog>,
+    /// The open watch streams: what each watches, and how to wake it when
+    /// a slice in its scope changes.
+    pub(super) watches: Vec<WatchScope>,
+}
+
+/// What one open watch stream watches. A change to a slice wakes only
+/// the streams whose scope it is in (with a thousand watches, waking every
+/// one on every change would make the fake, not the client, the
+/// bottleneck).
+pub(super) struct WatchScope {
+    pub(super) namespace: String,
+    pub(super) wanted: Vec<(String, String)>,
+    pub(super) wake: watch::Sender<()>,
+}
+
+impl State {
+    /// Wakes the watch streams whose scope `slice` is in; forgets closed ones.
+    pub(super) fn wake_watchers_of(&mut self, slice: &EndpointSlice) {
+        self.watches.retain(|w| !w.wake.is_closed());
+        for w in &self.watches {
+            if in_scope(slice, &w.namespace, &w.wanted) {
+                w.wake.send_replace(());
+            }
+        }
+    }
+}
+
+pub(super) struct Shared {
+    pub(super) state: Mutex<State>,
+    /// Pinged on every bookmark, expiry or resume: what concerns every
+    /// open watch (a change to a slice wakes only the watches of its scope).
+    pub(super) changed: watch::Sender<()>,
+    /// Watch streams open now.
+    pub(super) watching: AtomicUsize,
+}
+
+pub(super) fn in_scope(
+    slice: &EndpointSlice,
+    namespace: &str,
+    wanted: &[(String, String)],
+) -> bool {
+    slice.metadata.namespace.as_deref() == Some(namespace)
+        && wanted
+            .iter()
+            .all(|(k, v)| slice.metadata.labels.as_ref().and_then(|l| l.get(k)) == Some(v))
+}

@@ -1,0 +1,197 @@
+//! What the bench measured: plain data that the measurement modules fill
+//! in and [`report`](super::report) writes out.
+
+use std::time::Duration;
+
+use super::{
+    args::{Args, Part},
+    format::{ms, services},
+    paths::Route,
+};
+
+/// One route's figure in one workload (medians of its runs).
+#[derive(Clone, Copy, Debug)]
+pub struct Figure {
+    /// Requests/s, connects/s or GB/s.
+    pub value: f64,
+    /// wrk's 99th percentile latency.
+    pub p99_ms: Option<f64>,
+    /// The median of this route's ratios to the direct route, run by run
+    /// (each over the direct run of the same round).
+    pub ratio: f64,
+    /// The interquartile range of those ratios: how much they moved.
+    pub spread: (f64, f64),
+}
+
+impl Figure {
+    pub fn describe(&self) -> String {
+        let value = if self.value >= 1000.0 {
+            format!("{:.1}k", self.value / 1000.0)
+        } else {
+            format!("{:.2}", self.value)
+        };
+        match self.p99_ms {
+            Some(p99) => format!("{value:>8}  p99 {p99:.2} ms"),
+            None => format!("{value:>8}"),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Workload {
+    KeepAlive,
+    NewConnection,
+    Connect,
+    Bulk,
+}
+
+impl Workload {
+    pub const fn label(self) -> &'static str {
+        match self {
+            Self::KeepAlive => "wrk keep-alive",
+            Self::NewConnection => "wrk new conn. per request",
+            Self::Connect => "connect + close",
+            Self::Bulk => "bulk 1 GiB",
+        }
+    }
+
+    pub const fn unit(self) -> &'static str {
+        match self {
+            Self::KeepAlive | Self::NewConnection => "req/s",
+            Self::Connect => "conn/s",
+            Self::Bulk => "GB/s",
+        }
+    }
+}
+
+/// One lb program's cost per connect on one route.
+pub struct KernelCost {
+    pub route: Route,
+    pub program: String,
+    pub runs_per_connect: f64,
+    pub ns_per_connect: f64,
+}
+
+/// All lb programs during one wrk keep-alive run through the VIP, with
+/// `bpf_stats`.
+#[derive(Clone, Copy, Debug)]
+pub struct KeepAliveCost {
+    pub requests: u64,
+    pub runs: u64,
+    pub ns: u64,
+}
+
+/// One daemon start; `None`: no status answer within the harness's 60 s.
+pub struct Startup {
+    pub services: usize,
+    /// From starting `lb run` to its first status answer.
+    pub answered: Option<Duration>,
+    /// From starting `lb run` to a status listing every service with a selection.
+    pub ready: Option<Duration>,
+    /// VmRSS then, bytes.
+    pub rss: Option<u64>,
+}
+
+impl Startup {
+    pub fn describe(&self) -> String {
+        match (self.answered, self.ready, self.rss) {
+            (Some(answered), Some(ready), Some(rss)) => {
+                format!(
+                    "{}: first status answer {}, all listed with selections {}, RSS {:.0} MB",
+                    services(self.services),
+                    ms(answered),
+                    ms(ready),
+                    rss as f64 / 1e6
+                )
+            }
+            _ => format!("{}: no status answer within 60 s", services(self.services)),
+        }
+    }
+}
+
+#[derive(Default)]
+pub struct Scale {
+    pub startups: Vec<Startup>,
+    /// Connects/s through one VIP: (1 service, 1,000 services).
+    pub connects: Option<(f64, f64)>,
+    pub reload_ms: Vec<f64>,
+}
+
+pub struct Failover {
+    /// Kernel path: from the kill to a connect answered elsewhere.
+    pub kernel_ms: Vec<f64>,
+    /// Kernel path: from the refused connect's return to that answer.
+    pub reaction_ms: Vec<f64>,
+    /// Kernel path: the most connects that failed in one kill.
+    pub failed_max: u64,
+    pub daemon_ms: Vec<f64>,
+}
+
+#[derive(Default)]
+pub struct Discovery {
+    pub latency_ms: Vec<f64>,
+    pub initial_sync: Option<Duration>,
+    pub updates_per_second: Option<f64>,
+}
+
+pub struct Results {
+    pub rounds: u32,
+    pub wrk_seconds: u64,
+    pub parts: Vec<Part>,
+    pub versions: Vec<(String, String)>,
+    pub paths: Vec<(Workload, Vec<(Route, Figure)>)>,
+    /// (what, daemon CPU time, connects or requests during it).
+    pub daemon_cpu: Vec<(String, Duration, u64)>,
+    pub kernel_cost: Vec<KernelCost>,
+    pub keepalive_cost: Option<KeepAliveCost>,
+    pub scale: Option<Scale>,
+    pub failover: Option<Failover>,
+    pub discovery: Option<Discovery>,
+    pub notes: Vec<String>,
+    pub duration: Duration,
+    /// The 1-minute load average when the run started: other work on the
+    /// machine shows in the figures.
+    pub load_at_start: String,
+}
+
+impl Results {
+    pub fn new(args: &Args, parts: &[Part]) -> Self {
+        Self {
+            rounds: args.rounds,
+            wrk_seconds: args.wrk_seconds,
+            parts: parts.to_vec(),
+            versions: Vec::new(),
+            paths: Vec::new(),
+            daemon_cpu: Vec::new(),
+            kernel_cost: Vec::new(),
+            keepalive_cost: None,
+            scale: None,
+            failover: None,
+            discovery: None,
+            notes: Vec::new(),
+            duration: Duration::ZERO,
+            load_at_start: load_average(),
+        }
+    }
+
+    pub fn figure(&self, workload: Workload, route: Route) -> Option<Figure> {
+        let (_, figures) = self.paths.iter().find(|(w, _)| *w == workload)?;
+        figures.iter().find(|(r, _)| *r == route).map(|(_, f)| *f)
+    }
+
+    /// `route`'s figure over the direct route's, in `workload` (the median
+    /// of the paired ratios).
+    pub fn ratio(&self, workload: Workload, route: Route) -> Option<f64> {
+        Some(self.figure(workload, route)?.ratio)
+    }
+}
+
+/// The 1-minute load average now.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .next()
+        .unwrap_or("?")
+        .to_owned()
+}
