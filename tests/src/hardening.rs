@@ -65,6 +65,19 @@ impl Client {
         (field("ok="), field("failed="))
     }
 
+    /// `fastopen`: how many of `n` `TCP_FASTOPEN_CONNECT` sockets, closed
+    /// before their first write, were in SYN_SENT when closed. They are made
+    /// in a network namespace of the client's own (where Fast Open needs no
+    /// cookie), so the VIP's service must have `scope = "all"`.
+    #[track_caller]
+    pub fn fastopen(&mut self, addr: SocketAddr, n: usize) -> usize {
+        let answer = self.ask(&format!("fastopen {addr} {n}"));
+        answer
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("syn_sent=")?.parse().ok())
+            .unwrap_or_else(|| panic!("fastopen: {answer}"))
+    }
+
     /// `cancel`: how many of `n` connects were still in SYN_SENT when the
     /// client closed them.
     #[track_caller]

@@ -145,6 +145,39 @@ fn a_cancelled_connect_is_no_server_failure() {
 /// leaves the socket tables holding exactly the live sockets, and a held
 /// connection is still counted, still shows the VIP, and can still be
 /// closed. Before, UDP sockets stayed in the (LRU) table until evicted.
+/// Trust #23, item 4: a `TCP_FASTOPEN_CONNECT` socket is in SYN_SENT after
+/// its connect, with no SYN sent and no sock_ops callback asked for; closed
+/// before its first write, it must still leave `SOCKETS` (it stayed there
+/// for good), and it is no failure of the server.
+#[test]
+fn fast_open_sockets_closed_before_a_write_leave_the_socket_table() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("tfo");
+    let s1 = Backend::start("s1", addr(62, 1, 0));
+    let vip = addr(62, 100, 6444);
+    // The client's fast-open sockets are in a network namespace of their
+    // own (see `Client::fastopen`).
+    let service = ServiceBuilder::new("api", vip).servers(&[s1.addr]).raw("scope = \"all\"");
+    let daemon = Daemon::start("tfo", &cgroup, &service.toml());
+    let mut inside = client(&cgroup);
+    let n = 200;
+    assert_eq!(inside.fastopen(vip, n), n, "precondition: each socket was in SYN_SENT at close");
+    let mut tracked = (usize::MAX, usize::MAX);
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            tracked = maps(&daemon).tracked_sockets();
+            tracked == (0, 0)
+        }),
+        "the socket tables hold (TCP, UDP) = {tracked:?} after {n} fast-open sockets closed"
+    );
+    assert!(maps(&daemon).failure_marks().is_empty(), "no failure mark for s1");
+    assert_eq!(daemon.status()["services"][0]["servers"][0]["state"], "active", "not failed");
+    assert!(counter(&daemon, "release_cancelled") >= n as u64, "each left at its release");
+    assert_eq!(inside.connect(vip).landed(), "s1");
+}
+
 #[test]
 fn released_sockets_leave_the_socket_table() {
     if !privileged() {

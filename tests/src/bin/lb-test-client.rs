@@ -42,6 +42,12 @@
 //!   port), all closed by the application WAIT_MS after the last started;
 //!   `syn_sent` counts those still in SYN_SENT then (connects the
 //!   application gave up on).
+//! - `fastopen ADDR N` → `fastopen total=N syn_sent=S`: N sockets with
+//!   `TCP_FASTOPEN_CONNECT` connected to ADDR and closed without writing,
+//!   from a thread in a network namespace of its own that allows Fast Open
+//!   without a cookie (`net.ipv4.tcp_fastopen = 5` there), so each
+//!   connect sends nothing until the first write; `syn_sent` counts those
+//!   in SYN_SENT at the close.
 //!
 //! And one job from the command line, in a network namespace of its own:
 //! `lb-test-client netns VIP SERVER` unshares a new network namespace,
@@ -149,6 +155,9 @@ fn main() {
                     }
                     _ => "err usage: cancel ADDR SOURCE N WAIT_MS".to_owned(),
                 }
+            }
+            (Some("fastopen"), Some(addr)) => {
+                fastopen(addr, words.next()).unwrap_or_else(|e| format!("err {e}"))
             }
             (Some("exit"), _) => break,
             _ => format!("err bad command {line:?}"),
@@ -522,6 +531,68 @@ fn cancel(addr: &str, source: &str, n: &str, wait_ms: &str) -> Result<String, St
     // The application gives up: close() in SYN_SENT.
     drop(sockets);
     Ok(format!("cancelled total={n} syn_sent={syn_sent} other={}", n - syn_sent))
+}
+
+/// N `TCP_FASTOPEN_CONNECT` connects that never write: connect() returns
+/// at once with the socket in SYN_SENT and no SYN sent; then close().
+fn fastopen(addr: &str, n: Option<&str>) -> Result<String, String> {
+    let addr: SocketAddr = addr.parse().map_err(|e| format!("bad address: {e}"))?;
+    let n: usize =
+        n.ok_or("usage: fastopen ADDR N")?.parse().map_err(|e| format!("bad count: {e}"))?;
+    // A network namespace is a thread's own: the rest of this client stays
+    // in its namespace.
+    std::thread::spawn(move || {
+        // SAFETY: unshare takes no pointers; it moves only this thread.
+        if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+            return Err(format!("unshare(CLONE_NEWNET): {}", std::io::Error::last_os_error()));
+        }
+        loopback_up().map_err(|e| format!("bringing lo up: {e}"))?;
+        // Client Fast Open without a cookie, in this namespace only: the
+        // connect is deferred to the first write.
+        std::fs::write("/proc/sys/net/ipv4/tcp_fastopen", "5")
+            .map_err(|e| format!("net.ipv4.tcp_fastopen: {e}"))?;
+        fastopen_connects(addr, n)
+    })
+    .join()
+    .map_err(|_| "the fast-open thread panicked".to_owned())?
+}
+
+/// See [`fastopen`]: the connects, in the current network namespace.
+fn fastopen_connects(addr: SocketAddr, n: usize) -> Result<String, String> {
+    let mut sockets = Vec::with_capacity(n);
+    for _ in 0..n {
+        let family = if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+        // SAFETY: plain socket call.
+        let fd = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(format!("socket: {}", std::io::Error::last_os_error()));
+        }
+        // SAFETY: we own the new descriptor.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let on: libc::c_int = 1;
+        // SAFETY: a valid socket and an int option of the size passed.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_FASTOPEN_CONNECT,
+                (&raw const on).cast(),
+                size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(format!("TCP_FASTOPEN_CONNECT: {}", std::io::Error::last_os_error()));
+        }
+        let (remote, remote_len) = sockaddr(addr);
+        // SAFETY: a valid socket and address of the given length.
+        if unsafe { libc::connect(fd.as_raw_fd(), (&raw const remote).cast(), remote_len) } != 0 {
+            return Err(format!("connect {addr}: {}", std::io::Error::last_os_error()));
+        }
+        sockets.push(fd);
+    }
+    let syn_sent = sockets.iter().filter(|fd| tcp_state(fd) == Some(TCP_SYN_SENT)).count();
+    drop(sockets);
+    Ok(format!("fastopen total={n} syn_sent={syn_sent}"))
 }
 
 /// In a network namespace of its own: listeners on `vip` and `server`,
