@@ -143,6 +143,26 @@ pub enum Discovery {
     },
 }
 
+impl Discovery {
+    /// The source's key in `[service.discovery]` (`kubernetes`, `dns`),
+    /// which is also the name of the cargo feature that builds it into lb.
+    pub const fn feature(&self) -> &'static str {
+        match self {
+            Self::Kubernetes { .. } => "kubernetes",
+            Self::Dns { .. } => "dns",
+        }
+    }
+
+    /// Whether this build of lb can follow the source: its feature
+    /// ([`Discovery::feature`]) was on.
+    pub const fn is_built(&self) -> bool {
+        match self {
+            Self::Kubernetes { .. } => cfg!(feature = "kubernetes"),
+            Self::Dns { .. } => cfg!(feature = "dns"),
+        }
+    }
+}
+
 /// A Service port, by name (`"https"`) or number.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PortRef {

@@ -33,8 +33,29 @@ pub(super) fn parse_duration(
     None
 }
 
-/// `[service.discovery]` (`at`: its table's key).
+/// `[service.discovery]` (`at`: its table's key). A source that this
+/// build of lb lacks is read and checked like any other (every build runs
+/// the same checks), then refused by name.
 pub(super) fn parse_discovery(
+    raw: RawDiscovery,
+    line: Option<usize>,
+    at: Key,
+    problems: &mut Vec<Problem>,
+) -> Option<Discovery> {
+    let discovery = read_discovery(raw, line, at, problems)?;
+    if !discovery.is_built() {
+        let feature = discovery.feature();
+        problems.push(Problem::new(
+            line,
+            at.at(feature),
+            format!("lb was built without the `{feature}` feature"),
+        ));
+    }
+    Some(discovery)
+}
+
+/// [`parse_discovery`], whichever sources this build has.
+fn read_discovery(
     raw: RawDiscovery,
     line: Option<usize>,
     at: Key,
@@ -300,6 +321,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(all(feature = "kubernetes", feature = "dns"))]
     fn discovery_sources_parse_with_defaults() {
         let k8s = "[[service]]\nname = \"api\"\nvip = \"127.0.0.1:6444\"\n[service.discovery]\nkubernetes = { namespace = \"default\", service = \"kubernetes\", port = \"https\" }\n";
         let service = &parse(k8s).unwrap().services[0];
@@ -369,5 +391,36 @@ mod tests {
             ),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn a_source_this_build_lacks_is_named() {
+        for (source, built, table) in [
+            (
+                "kubernetes",
+                cfg!(feature = "kubernetes"),
+                "kubernetes = { namespace = \"default\", service = \"kubernetes\", port = \"https\" }",
+            ),
+            (
+                "dns",
+                cfg!(feature = "dns"),
+                "dns = { name = \"api.example.internal\", port = 2379 }",
+            ),
+        ] {
+            let result = parse(&format!("{GOOD}[service.discovery]\n{table}\n"));
+            if built {
+                assert_eq!(
+                    result.unwrap().services[0].discovery.as_ref().unwrap().feature(),
+                    source
+                );
+            } else {
+                assert_eq!(
+                    result.unwrap_err().to_string(),
+                    format!(
+                        "test.toml:11: service[0] (\"api\"): discovery.{source}: lb was built without the `{source}` feature"
+                    )
+                );
+            }
+        }
     }
 }
