@@ -222,7 +222,7 @@ pub fn spawn_with(
             // as a failed sync, once.
             #[cfg(not(all(feature = "kubernetes", feature = "dns")))]
             built_out => {
-                // What the missing source would have followed.
+                // Only the missing source would have used these.
                 let _ = (vip, options, usable);
                 let feature = built_out.feature();
                 let update = Update {
@@ -304,5 +304,42 @@ mod tests {
         assert_eq!(delays, [250, 500, 1000, 2000, 4000, 5000, 5000]);
         b.reset();
         assert_eq!(b.next_delay(), Duration::from_millis(250));
+    }
+
+    #[tokio::test]
+    #[cfg(not(all(feature = "kubernetes", feature = "dns")))]
+    async fn a_source_this_build_lacks_is_one_failed_sync() {
+        let sources = [
+            config::Discovery::Kubernetes {
+                namespace: "default".into(),
+                service: "kubernetes".into(),
+                port: config::PortRef::Name("https".into()),
+                debounce: Duration::from_secs(1),
+            },
+            config::Discovery::Dns {
+                name: "api.example.internal".into(),
+                port: 6443,
+                debounce: Duration::from_secs(1),
+                refresh_min: Duration::from_secs(5),
+                refresh_max: Duration::from_secs(300),
+            },
+        ];
+        for discovery in sources.into_iter().filter(|d| !d.is_built()) {
+            let feature = discovery.feature();
+            let source = Source::from(&discovery);
+            let (tx, mut updates) = mpsc::channel(4);
+            let (_usable, usable_rx) = watch::channel(Vec::new());
+            let vip = "127.0.0.1:6444".parse().unwrap();
+            let task = spawn_with("api".into(), vip, discovery, Options::default(), usable_rx, tx);
+            task.await.unwrap();
+            let expected = Update {
+                service: "api".into(),
+                source,
+                result: Err(format!("lb was built without the `{feature}` feature")),
+                truncated: 0,
+            };
+            assert_eq!(updates.recv().await, Some(expected));
+            assert_eq!(updates.recv().await, None, "one update, then the task ends");
+        }
     }
 }
