@@ -1,6 +1,6 @@
 //! What the kernel hands the daemon, from any bytes: a ring-buffer record
-//! decoded as the daemon decodes it (`read_unaligned` of a whole `Event`),
-//! its kind, its endpoints as socket addresses; a `COUNTERS` index as a
+//! decoded as the daemon decodes it (`Event::from_bytes`), its kind, its
+//! endpoints as socket addresses; a `COUNTERS` index as a
 //! `Reason`; and the kernel's own choice of server (`choose_server`) for a
 //! service of any shape, which must never index past its selection.
 #![no_main]
@@ -19,14 +19,12 @@ fuzz_target!(|data: &[u8]| {
     choice(data);
 });
 
-/// The record as `daemon.rs` reads it off the ring buffer.
+/// The record as the daemon reads it off the ring buffer.
 fn event(data: &[u8]) {
-    if data.len() < size_of::<Event>() {
+    let Some(event) = Event::from_bytes(data) else {
+        assert!(data.len() < size_of::<Event>(), "{} bytes hold a record", data.len());
         return;
-    }
-    // SAFETY: `data` holds at least one `Event`, a `#[repr(C)]` struct of
-    // integers for which every bit pattern is valid.
-    let event = unsafe { std::ptr::read_unaligned(data.as_ptr().cast::<Event>()) };
+    };
     match event.kind() {
         Ok(kind) => {
             assert_eq!(u32::from(kind), event.kind);

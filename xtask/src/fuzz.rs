@@ -10,7 +10,8 @@
 //!   kernel's `choose_server` for a service of any shape.
 //!
 //! The targets build once (into `target/fuzz/`, lb-user with
-//! `AYA_BUILD_SKIP=1`: the fuzzed code never loads programs), then each
+//! `AYA_BUILD_SKIP=1` and without its discovery features: the fuzzed code
+//! never loads programs nor follows a source), then each
 //! runs for `--seconds`. libFuzzer reads the seed corpus in git
 //! (`fuzz/corpus/<target>/`, kept small) and writes what it finds to a
 //! working corpus under `target/fuzz/corpus/`, so a run never changes the
@@ -44,11 +45,12 @@ const INPUT_TIMEOUT_SECONDS: u64 = 10;
 /// when they differ): release with debug assertions and overflow checks,
 /// and no sanitizer. The code the targets reach is safe Rust (lb-user's
 /// `unsafe` is in syscalls and kernel-object plumbing, none of it on these
-/// paths; the one `read_unaligned`, `kernel_event`'s decoding of a record,
-/// sits behind its length check), where AddressSanitizer has no memory
-/// error to find; libFuzzer still catches every panic, overflow, hang and
-/// blow-up. Without it the targets build in about 7 minutes instead of 8
-/// on the 2-CPU machine and run 4-5 times the inputs per second.
+/// paths; the one `read_unaligned`, lb-common's `Event::from_bytes` that
+/// `kernel_event` decodes records with, sits behind its length check),
+/// where AddressSanitizer has no memory error to find; libFuzzer still
+/// catches every panic, overflow, hang and blow-up. Without it the targets
+/// build in about 7 minutes instead of 8 on the 2-CPU machine and run 4-5
+/// times the inputs per second.
 const BUILD_ARGS: [&str; 4] = ["--release", "--debug-assertions", "--sanitizer", "none"];
 
 #[derive(clap::Args, Debug)]
@@ -194,7 +196,8 @@ fn run_target(target: &str, seconds: u64) -> anyhow::Result<()> {
 
 /// The lines of a failed run's log that say what went wrong: a panic's
 /// message and the stack frames in the project's own code (files under
-/// `workspace`), libFuzzer's and the sanitizer's error lines, and where
+/// `workspace`), libFuzzer's error lines (and a sanitizer's, were one
+/// built in), and where
 /// the input was written. The end of the log if none of these is there.
 fn crash_report(log: &str, workspace: &str) -> String {
     let lines: Vec<&str> = log.lines().collect();

@@ -36,7 +36,9 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::{
-    Config, ConfigError, Daemon, Lines, RawService, Service, check_servers, read_services,
+    Config, ConfigError, Daemon, Service, check_servers,
+    parse::{Lines, read_services},
+    raw::RawService,
     read_text,
 };
 

@@ -26,7 +26,10 @@ use hickory_resolver::{
 };
 use tokio::sync::mpsc;
 
-use super::{Endpoint, Signal, rank};
+use super::{
+    Endpoint,
+    forward::{Signal, rank},
+};
 use crate::balancer::Readiness;
 
 /// How long one query waits for an answer, by default.

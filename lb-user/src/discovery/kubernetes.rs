@@ -16,7 +16,7 @@
 //!   but `serving` (nil: as ready) → [`Readiness::Serving`] (terminating,
 //!   drained); not serving → left out. Of an endpoint's addresses only the
 //!   first is used, as kube-proxy does;
-//! - ranked and cut to the best 16 by `super::rank`.
+//! - ranked and cut to the best 16 by `super::forward::rank`.
 //!
 //! A relist (the first list, a `410 Gone`, any watch failure) replaces the
 //! whole view when it completes: slices that are not in it are gone. A
@@ -71,7 +71,10 @@ use tokio::{
 };
 use tower::{BoxError, ServiceBuilder};
 
-use super::{Backoff, Endpoint, Signal, chain, rank};
+use super::{
+    Backoff, Endpoint, chain,
+    forward::{Signal, rank},
+};
 use crate::{balancer::Readiness, config::PortRef};
 
 /// The label that ties an EndpointSlice to its Service.

@@ -14,20 +14,27 @@
 //!
 //! Both sources produce `Signal`s; `forward` debounces them into
 //! [`Update`]s, the same way for both.
+//!
+//! Each source is a cargo feature of lb-user (`kubernetes`, `dns`; both on
+//! by default). A build without one refuses a config that names it
+//! ([`config::Discovery::is_built`]).
 
+#[cfg(feature = "dns")]
 pub mod dns;
+#[cfg(any(feature = "kubernetes", feature = "dns"))]
+mod forward;
+#[cfg(feature = "kubernetes")]
 pub mod kubernetes;
 
-use std::{
-    cmp::Reverse, collections::HashMap, fmt, net::SocketAddr, path::PathBuf, time::Duration,
-};
+use std::{fmt, net::SocketAddr, path::PathBuf, time::Duration};
 
 use tokio::{
     sync::{mpsc, watch},
     task::JoinHandle,
-    time::Instant,
 };
 
+#[cfg(any(feature = "kubernetes", feature = "dns"))]
+use self::forward::forward;
 use crate::{balancer::Readiness, config};
 
 /// The most servers a service holds (`lb_common::MAX_SERVERS`); discovered
@@ -66,6 +73,15 @@ impl Source {
         match self {
             Self::Kubernetes => "kubernetes",
             Self::Dns => "dns",
+        }
+    }
+}
+
+impl From<&config::Discovery> for Source {
+    fn from(discovery: &config::Discovery) -> Self {
+        match discovery {
+            config::Discovery::Kubernetes { .. } => Self::Kubernetes,
+            config::Discovery::Dns { .. } => Self::Dns,
         }
     }
 }
@@ -155,9 +171,10 @@ pub fn spawn_with(
     tx: mpsc::Sender<Update>,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
-        let (signals, signal_rx) = mpsc::channel(64);
         match discovery {
+            #[cfg(feature = "kubernetes")]
             config::Discovery::Kubernetes { namespace, service, port, debounce } => {
+                let (signals, signal_rx) = mpsc::channel(SIGNALS);
                 let follow = kubernetes::run(
                     kubernetes::Target {
                         service: name.clone(),
@@ -176,7 +193,9 @@ pub fn spawn_with(
                     () = forward => {}
                 }
             }
+            #[cfg(feature = "dns")]
             config::Discovery::Dns { name: host, port, debounce, refresh_min, refresh_max } => {
+                let (signals, signal_rx) = mpsc::channel(SIGNALS);
                 let follow = dns::run(
                     dns::Target {
                         service: name.clone(),
@@ -198,111 +217,32 @@ pub fn spawn_with(
                     () = forward => {}
                 }
             }
+            // `Config::parse` refuses a source this build lacks: only a
+            // caller that makes its own `Discovery` gets here, and hears it
+            // as a failed sync, once.
+            #[cfg(not(all(feature = "kubernetes", feature = "dns")))]
+            built_out => {
+                // Only the missing source would have used these.
+                let _ = (vip, options, usable);
+                let feature = built_out.feature();
+                let update = Update {
+                    service: name,
+                    source: Source::from(&built_out),
+                    result: Err(format!("lb was built without the `{feature}` feature")),
+                    truncated: 0,
+                };
+                let _ = tx.send(update).await;
+            }
         }
     })
 }
 
-/// What a source tells the forwarder.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Signal {
-    /// The whole current list (ranked by [`rank`]).
-    List {
-        endpoints: Vec<Endpoint>,
-        truncated: usize,
-        /// Send it even if it equals the last list sent: a full sync
-        /// (relist, resolution) that the daemon should hear of.
-        confirm: bool,
-    },
-    /// A sync failed: sent at once.
-    Failed(String),
-}
-
-/// Orders endpoints best first (ready before serving, then by address),
-/// keeps one per address (the best readiness), and keeps at most
-/// [`MAX_SERVERS`]: returns the list and how many were left out.
-pub(crate) fn rank(endpoints: impl IntoIterator<Item = Endpoint>) -> (Vec<Endpoint>, usize) {
-    let mut best: HashMap<SocketAddr, Readiness> = HashMap::new();
-    for Endpoint { addr, readiness } in endpoints {
-        let slot = best.entry(addr).or_insert(readiness);
-        *slot = (*slot).max(readiness);
-    }
-    let mut list: Vec<Endpoint> =
-        best.into_iter().map(|(addr, readiness)| Endpoint { addr, readiness }).collect();
-    list.sort_by_key(|e| (Reverse(e.readiness), e.addr));
-    let truncated = list.len().saturating_sub(MAX_SERVERS);
-    list.truncate(MAX_SERVERS);
-    (list, truncated)
-}
-
-/// Turns a source's signals into updates: a failure goes out at once; a
-/// list that differs from the last one sent (or a confirmation) opens a
-/// window of `debounce`, and when it closes the latest list goes out once,
-/// if it still differs or a confirmation is due. A burst inside the window
-/// (an endpoint added, removed and re-added) is one update, and an update
-/// is never later than `debounce` after the first change. The first
-/// success after a failure is always sent.
-///
-/// Returns when the daemon closes `tx` or the source closes `signals`.
-pub(crate) async fn forward(
-    service: String,
-    source: Source,
-    debounce: Duration,
-    mut signals: mpsc::Receiver<Signal>,
-    tx: mpsc::Sender<Update>,
-) {
-    let mut sent: Option<(Vec<Endpoint>, usize)> = None;
-    let mut latest: Option<(Vec<Endpoint>, usize)> = None;
-    let mut confirm = true; // the first list always goes out
-    let mut window: Option<Instant> = None;
-    loop {
-        let signal = tokio::select! {
-            signal = signals.recv() => signal,
-            () = sleep_until(window) => {
-                window = None;
-                if let Some(list) = latest.take()
-                    && (confirm || sent.as_ref() != Some(&list))
-                {
-                    confirm = false;
-                    let (endpoints, truncated) = list.clone();
-                    sent = Some(list);
-                    if tx.send(Update { service: service.clone(), source, result: Ok(endpoints), truncated }).await.is_err() {
-                        return;
-                    }
-                }
-                continue;
-            }
-            () = tx.closed() => return,
-        };
-        let Some(signal) = signal else { return };
-        match signal {
-            Signal::List { endpoints, truncated, confirm: c } => {
-                let list = (endpoints, truncated);
-                confirm |= c;
-                if window.is_none() && (confirm || sent.as_ref() != Some(&list)) {
-                    window = Some(Instant::now() + debounce);
-                }
-                latest = Some(list);
-            }
-            Signal::Failed(error) => {
-                confirm = true;
-                let update =
-                    Update { service: service.clone(), source, result: Err(error), truncated: 0 };
-                if tx.send(update).await.is_err() {
-                    return;
-                }
-            }
-        }
-    }
-}
-
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(deadline) => tokio::time::sleep_until(deadline).await,
-        None => std::future::pending().await,
-    }
-}
+/// How many signals a source may send ahead of the forwarder.
+#[cfg(any(feature = "kubernetes", feature = "dns"))]
+const SIGNALS: usize = 64;
 
 /// Bounded exponential backoff for retries after a failure.
+#[cfg(feature = "kubernetes")]
 #[derive(Clone, Debug)]
 pub(crate) struct Backoff {
     next: Duration,
@@ -310,6 +250,7 @@ pub(crate) struct Backoff {
     max: Duration,
 }
 
+#[cfg(feature = "kubernetes")]
 impl Backoff {
     pub(crate) fn new(min: Duration, max: Duration) -> Self {
         Self { next: min, min, max }
@@ -328,6 +269,7 @@ impl Backoff {
 }
 
 /// An error and its sources, joined by ": ", for an `Err` update.
+#[cfg(any(feature = "kubernetes", feature = "dns"))]
 pub(crate) fn chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut words = error.to_string();
     let mut source = error.source();
@@ -347,14 +289,6 @@ pub(crate) fn chain(error: &(dyn std::error::Error + 'static)) -> String {
 mod tests {
     use super::*;
 
-    fn ep(addr: &str, readiness: Readiness) -> Endpoint {
-        Endpoint { addr: addr.parse().unwrap(), readiness }
-    }
-
-    fn ready(addr: &str) -> Endpoint {
-        ep(addr, Readiness::Ready)
-    }
-
     #[test]
     fn source_names() {
         assert_eq!(Source::Kubernetes.name(), "kubernetes");
@@ -363,50 +297,7 @@ mod tests {
     }
 
     #[test]
-    fn rank_puts_ready_first_then_orders_by_address() {
-        let (list, truncated) = rank([
-            ep("127.10.0.3:80", Readiness::Serving),
-            ready("127.10.0.9:80"),
-            ready("127.10.0.1:80"),
-            ep("127.10.0.2:80", Readiness::Serving),
-        ]);
-        assert_eq!(
-            list,
-            [
-                ready("127.10.0.1:80"),
-                ready("127.10.0.9:80"),
-                ep("127.10.0.2:80", Readiness::Serving),
-                ep("127.10.0.3:80", Readiness::Serving)
-            ]
-        );
-        assert_eq!(truncated, 0);
-    }
-
-    #[test]
-    fn rank_keeps_one_entry_per_address_with_the_best_readiness() {
-        // The same endpoint in two slices (a slice being replaced).
-        let (list, _) = rank([ep("127.10.0.1:80", Readiness::Serving), ready("127.10.0.1:80")]);
-        assert_eq!(list, [ready("127.10.0.1:80")]);
-    }
-
-    #[test]
-    fn rank_keeps_the_best_sixteen_and_counts_the_rest() {
-        // 10 serving with low addresses, 10 ready with high ones: the 10
-        // ready stay, then the 6 lowest serving.
-        let serving = (1..=10).map(|i| ep(&format!("127.10.0.{i}:80"), Readiness::Serving));
-        let readies = (101..=110).map(|i| ready(&format!("127.10.0.{i}:80")));
-        let (list, truncated) = rank(serving.chain(readies));
-        assert_eq!(list.len(), MAX_SERVERS);
-        assert_eq!(truncated, 4);
-        assert!(list[..10].iter().all(|e| e.readiness == Readiness::Ready));
-        assert_eq!(list[10], ep("127.10.0.1:80", Readiness::Serving));
-        assert_eq!(list[15], ep("127.10.0.6:80", Readiness::Serving));
-        // Stable: the same input in another order gives the same list.
-        let again: Vec<_> = list.iter().rev().copied().collect();
-        assert_eq!(rank(again).0, list);
-    }
-
-    #[test]
+    #[cfg(feature = "kubernetes")]
     fn backoff_doubles_up_to_the_bound_and_resets() {
         let mut b = Backoff::new(Duration::from_millis(250), Duration::from_secs(5));
         let delays: Vec<_> = (0..7).map(|_| b.next_delay().as_millis()).collect();
@@ -415,168 +306,40 @@ mod tests {
         assert_eq!(b.next_delay(), Duration::from_millis(250));
     }
 
-    struct Harness {
-        signals: mpsc::Sender<Signal>,
-        updates: mpsc::Receiver<Update>,
-        task: JoinHandle<()>,
-    }
-
-    const DEBOUNCE: Duration = Duration::from_secs(1);
-
-    fn harness() -> Harness {
-        let (signals, signal_rx) = mpsc::channel(16);
-        let (tx, updates) = mpsc::channel(16);
-        let task = tokio::spawn(forward("api".into(), Source::Kubernetes, DEBOUNCE, signal_rx, tx));
-        Harness { signals, updates, task }
-    }
-
-    fn list(endpoints: &[Endpoint], confirm: bool) -> Signal {
-        Signal::List { endpoints: endpoints.to_vec(), truncated: 0, confirm }
-    }
-
-    fn ok(endpoints: &[Endpoint]) -> Update {
-        Update {
-            service: "api".into(),
-            source: Source::Kubernetes,
-            result: Ok(endpoints.to_vec()),
-            truncated: 0,
+    #[tokio::test]
+    #[cfg(not(all(feature = "kubernetes", feature = "dns")))]
+    async fn a_source_this_build_lacks_is_one_failed_sync() {
+        let sources = [
+            config::Discovery::Kubernetes {
+                namespace: "default".into(),
+                service: "kubernetes".into(),
+                port: config::PortRef::Name("https".into()),
+                debounce: Duration::from_secs(1),
+            },
+            config::Discovery::Dns {
+                name: "api.example.internal".into(),
+                port: 6443,
+                debounce: Duration::from_secs(1),
+                refresh_min: Duration::from_secs(5),
+                refresh_max: Duration::from_secs(300),
+            },
+        ];
+        for discovery in sources.into_iter().filter(|d| !d.is_built()) {
+            let feature = discovery.feature();
+            let source = Source::from(&discovery);
+            let (tx, mut updates) = mpsc::channel(4);
+            let (_usable, usable_rx) = watch::channel(Vec::new());
+            let vip = "127.0.0.1:6444".parse().unwrap();
+            let task = spawn_with("api".into(), vip, discovery, Options::default(), usable_rx, tx);
+            task.await.unwrap();
+            let expected = Update {
+                service: "api".into(),
+                source,
+                result: Err(format!("lb was built without the `{feature}` feature")),
+                truncated: 0,
+            };
+            assert_eq!(updates.recv().await, Some(expected));
+            assert_eq!(updates.recv().await, None, "one update, then the task ends");
         }
-    }
-
-    impl Harness {
-        async fn send(&self, signal: Signal) {
-            self.signals.send(signal).await.unwrap();
-            // Let the forwarder take it before time moves.
-            tokio::task::yield_now().await;
-        }
-
-        /// The next update, and how long (simulated) it took.
-        async fn next(&mut self) -> (Update, Duration) {
-            let start = Instant::now();
-            let update = tokio::time::timeout(Duration::from_secs(60), self.updates.recv())
-                .await
-                .expect("no update")
-                .unwrap();
-            (update, start.elapsed())
-        }
-
-        /// No update within `within`.
-        async fn quiet(&mut self, within: Duration) {
-            if let Ok(update) = tokio::time::timeout(within, self.updates.recv()).await {
-                panic!("unexpected update {update:?}");
-            }
-        }
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn the_first_list_goes_out_after_the_window_even_if_empty() {
-        let mut h = harness();
-        h.send(list(&[], true)).await;
-        let (update, took) = h.next().await;
-        assert_eq!(update, ok(&[]));
-        assert_eq!(took, DEBOUNCE);
-        h.task.abort();
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn add_remove_readd_within_the_window_is_one_update() {
-        let mut h = harness();
-        let a = ready("127.10.0.1:443");
-        let b = ready("127.10.0.2:443");
-        h.send(list(&[a], true)).await;
-        assert_eq!(h.next().await.0, ok(&[a]));
-
-        h.send(list(&[a, b], false)).await;
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        h.send(list(&[a], false)).await;
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        h.send(list(&[a, b], false)).await;
-        let (update, took) = h.next().await;
-        assert_eq!(update, ok(&[a, b]));
-        // The window opened with the first change: 1 s after it.
-        assert_eq!(took, DEBOUNCE - Duration::from_millis(600));
-        h.quiet(Duration::from_secs(10)).await;
-        h.task.abort();
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_change_undone_within_the_window_sends_nothing() {
-        let mut h = harness();
-        let a = ready("127.10.0.1:443");
-        let b = ready("127.10.0.2:443");
-        h.send(list(&[a], true)).await;
-        h.next().await;
-        h.send(list(&[a, b], false)).await;
-        h.send(list(&[a], false)).await;
-        h.quiet(Duration::from_secs(10)).await;
-        h.task.abort();
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn an_unchanged_list_is_not_resent_unless_confirmed() {
-        let mut h = harness();
-        let a = ready("127.10.0.1:443");
-        h.send(list(&[a], true)).await;
-        h.next().await;
-        h.send(list(&[a], false)).await;
-        h.quiet(Duration::from_secs(5)).await;
-        // A relist confirms the same list.
-        h.send(list(&[a], true)).await;
-        assert_eq!(h.next().await.0, ok(&[a]));
-        h.task.abort();
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_failure_goes_out_at_once_and_the_next_success_is_always_sent() {
-        let mut h = harness();
-        let a = ready("127.10.0.1:443");
-        h.send(list(&[a], true)).await;
-        h.next().await;
-        h.send(Signal::Failed("boom".into())).await;
-        let (update, took) = h.next().await;
-        assert_eq!(update.result, Err("boom".into()));
-        assert_eq!(took, Duration::ZERO);
-        // The same list as before, not flagged as a confirmation: still
-        // sent, so the daemon knows the source recovered.
-        h.send(list(&[a], false)).await;
-        assert_eq!(h.next().await.0, ok(&[a]));
-        h.task.abort();
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn steady_changes_are_sent_every_window_not_held_back() {
-        let mut h = harness();
-        h.send(list(&[], true)).await;
-        h.next().await;
-        // A change every 400 ms for 3 s: updates keep coming, each at most
-        // one window after the change that opened it.
-        let mut updates = 0;
-        for i in 1..=8u16 {
-            h.send(list(&[ready(&format!("127.10.0.{i}:443"))], false)).await;
-            tokio::time::sleep(Duration::from_millis(400)).await;
-            while let Ok(u) = h.updates.try_recv() {
-                assert!(u.result.is_ok());
-                updates += 1;
-            }
-        }
-        assert!(updates >= 2, "{updates} updates");
-        h.task.abort();
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn truncation_is_reported() {
-        let mut h = harness();
-        let a = ready("127.10.0.1:443");
-        h.send(Signal::List { endpoints: vec![a], truncated: 3, confirm: true }).await;
-        let (update, _) = h.next().await;
-        assert_eq!(update.truncated, 3);
-        h.task.abort();
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn the_forwarder_ends_when_the_daemon_goes() {
-        let h = harness();
-        drop(h.updates);
-        tokio::time::timeout(Duration::from_secs(1), h.task).await.expect("still running").unwrap();
     }
 }

@@ -1,0 +1,234 @@
+//! The validated configuration: what the rest of lb reads, every value
+//! checked and every default filled in, and the defaults themselves.
+
+use std::{fmt, net::SocketAddr, path::PathBuf, time::Duration};
+
+/// The config file when `--config` is not given.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/lb/config.toml";
+/// `daemon.bpffs`: where the programs and maps are pinned.
+pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
+/// `daemon.control_socket`.
+pub const DEFAULT_CONTROL_SOCKET: &str = "/run/lb/lb.sock";
+/// `daemon.state_dir`: server lists set at runtime, kept across restarts.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/lb";
+/// A service's `hold_down`.
+pub const DEFAULT_HOLD_DOWN: Duration = Duration::from_secs(5);
+/// How long discovery waits for a burst of changes to settle (an apiserver
+/// adds, removes and re-adds itself while it starts): short enough that a
+/// rolling update still moves within about a second.
+pub const DEFAULT_DEBOUNCE: Duration = Duration::from_secs(1);
+/// Bounds of DNS re-resolution: the records' TTL, clamped to these.
+pub const DEFAULT_DNS_REFRESH_MIN: Duration = Duration::from_secs(5);
+/// See [`DEFAULT_DNS_REFRESH_MIN`].
+pub const DEFAULT_DNS_REFRESH_MAX: Duration = Duration::from_secs(300);
+
+/// A validated configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// The `[daemon]` table.
+    pub daemon: Daemon,
+    /// The `[[service]]` tables, in the file's order.
+    pub services: Vec<Service>,
+}
+
+/// The `[daemon]` table: where the daemon attaches, pins and listens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Daemon {
+    /// cgroup v2 directory to attach to; `None`: the root of the cgroup2 mount.
+    pub cgroup: Option<PathBuf>,
+    /// Where the programs and maps are pinned (on a BPF filesystem).
+    pub bpffs: PathBuf,
+    /// The control socket of `lb status` and the other client commands.
+    pub control_socket: PathBuf,
+    /// Where server lists set at runtime are kept across restarts.
+    pub state_dir: PathBuf,
+    /// Where to serve Prometheus metrics; off when `None`.
+    pub metrics: Option<SocketAddr>,
+    /// The kubeconfig for Kubernetes discovery; `None`: in-cluster (the
+    /// pod's service account), when any service uses it.
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// How a service spreads its connections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// One server at a time: the first usable one.
+    Failover,
+    /// Every usable server, chosen at random per connection.
+    Spread,
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Failover => "failover",
+            Self::Spread => "spread",
+        })
+    }
+}
+
+/// One `[[service]]` table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Service {
+    /// Unique in the file; names the service in commands, status and metrics.
+    pub name: String,
+    /// The address clients connect to.
+    pub vip: SocketAddr,
+    /// The servers, in order of preference.
+    pub servers: Vec<SocketAddr>,
+    /// The server preferred while healthy, if any (a last resort when it is
+    /// not in `servers`).
+    pub default: Option<SocketAddr>,
+    /// How connections spread over the servers.
+    pub policy: Policy,
+    /// How long the kernel skips a server after a connect to it failed.
+    pub hold_down: Duration,
+    /// The `[service.health]` table.
+    pub health: HealthConfig,
+    /// Where the server list comes from besides `servers` (which are then
+    /// the bootstrap list); `None`: only `servers` and `lb servers`.
+    pub discovery: Option<Discovery>,
+    /// Whose connects to the VIP are rewritten.
+    pub scope: Scope,
+}
+
+/// Whose connects to a VIP are rewritten.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// Only sockets in the daemon's network namespace: a pod dialling its
+    /// own loopback reaches its own loopback. The default for loopback VIPs.
+    Host,
+    /// Sockets in every network namespace of the attached cgroups: for a
+    /// VIP that pods must reach too. The default for other VIPs.
+    All,
+}
+
+impl fmt::Display for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Host => "host",
+            Self::All => "all",
+        })
+    }
+}
+
+/// A source of a service's server list.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Discovery {
+    /// The endpoints of a Kubernetes Service (its EndpointSlices), per
+    /// endpoint and its conditions.
+    Kubernetes {
+        /// The Service's namespace.
+        namespace: String,
+        /// The Service's name.
+        service: String,
+        /// Which of its ports the servers listen on.
+        port: PortRef,
+        /// How long a burst of changes settles before it applies.
+        debounce: Duration,
+    },
+    /// The A (IPv4 VIP) or AAAA (IPv6 VIP) records of `name`, re-resolved
+    /// at their TTL clamped to `refresh_min..=refresh_max`.
+    Dns {
+        /// The name to resolve.
+        name: String,
+        /// The port of every server found.
+        port: u16,
+        /// How long a burst of changes settles before it applies.
+        debounce: Duration,
+        /// The shortest time between two resolutions.
+        refresh_min: Duration,
+        /// The longest time between two resolutions.
+        refresh_max: Duration,
+    },
+}
+
+impl Discovery {
+    /// The source's key in `[service.discovery]` (`kubernetes`, `dns`),
+    /// which is also the name of the cargo feature that builds it into lb.
+    pub const fn feature(&self) -> &'static str {
+        match self {
+            Self::Kubernetes { .. } => "kubernetes",
+            Self::Dns { .. } => "dns",
+        }
+    }
+
+    /// Whether this build of lb can follow the source: its feature
+    /// ([`Discovery::feature`]) was on.
+    pub const fn is_built(&self) -> bool {
+        match self {
+            Self::Kubernetes { .. } => cfg!(feature = "kubernetes"),
+            Self::Dns { .. } => cfg!(feature = "dns"),
+        }
+    }
+}
+
+/// A Service port, by name (`"https"`) or number.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PortRef {
+    /// The port's name in the Service (and its EndpointSlices).
+    Name(String),
+    /// The port number.
+    Number(u16),
+}
+
+/// What a health check does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CheckKind {
+    /// A TCP connect.
+    Tcp,
+    /// An HTTP GET of `path`; a status in `status` passes.
+    Http,
+    /// The same over TLS.
+    Https,
+    /// No active check: the kernel's connection reports are the only signal.
+    None,
+}
+
+/// The `[service.health]` table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthConfig {
+    /// What a check does.
+    pub check: CheckKind,
+    /// The path an HTTP(S) check gets.
+    pub path: String,
+    /// Time between two checks of a server.
+    pub interval: Duration,
+    /// How long one check may take before it fails.
+    pub timeout: Duration,
+    /// Passes in a row that make a server usable again.
+    pub rise: u32,
+    /// Failures in a row that make a server failed.
+    pub fall: u32,
+    /// Passing HTTP statuses, inclusive.
+    pub status: (u16, u16),
+    /// CA bundle to verify HTTPS servers with; the system's when `None`.
+    pub ca_file: Option<PathBuf>,
+    /// Client certificate (PEM) for HTTPS checks, with `key_file`.
+    pub cert_file: Option<PathBuf>,
+    /// Client key (PEM) of `cert_file`.
+    pub key_file: Option<PathBuf>,
+    /// TLS server name to verify instead of the server's IP address.
+    pub server_name: Option<String>,
+    /// Do not verify HTTPS servers' certificates at all.
+    pub insecure_skip_verify: bool,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            check: CheckKind::Tcp,
+            path: "/".to_owned(),
+            interval: Duration::from_secs(2),
+            timeout: Duration::from_secs(1),
+            rise: 1,
+            fall: 1,
+            status: (200, 399),
+            ca_file: None,
+            cert_file: None,
+            key_file: None,
+            server_name: None,
+            insecure_skip_verify: false,
+        }
+    }
+}
