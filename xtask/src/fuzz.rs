@@ -28,7 +28,10 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-use crate::{describe, target_dir, toolchain, workspace};
+use crate::{
+    cmd::{describe, output_of, run_cmd, target_dir, workspace},
+    toolchain,
+};
 
 /// The fuzz targets, as named in `fuzz/Cargo.toml`.
 pub const TARGETS: [&str; 5] =
@@ -74,7 +77,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     };
     println!("==> building the fuzz targets (cargo +nightly fuzz build, no sanitizer)");
     let mut build = cargo_fuzz("build")?;
-    crate::run_cmd(&mut build).context("building the fuzz targets")?;
+    run_cmd(&mut build).context("building the fuzz targets")?;
 
     let mut failed = Vec::new();
     for target in targets {
@@ -107,7 +110,7 @@ fn ensure_cargo_fuzz() -> anyhow::Result<()> {
         .env("CARGO_TARGET_DIR", tools.join("build"))
         .args(["install", "--locked", "cargo-fuzz", "--version", CARGO_FUZZ_VERSION, "--root"])
         .arg(&tools);
-    crate::run_cmd(&mut install).context("installing cargo-fuzz")
+    run_cmd(&mut install).context("installing cargo-fuzz")
 }
 
 /// `cargo +nightly fuzz SUBCOMMAND` for the project's fuzz directory, with
@@ -256,7 +259,7 @@ fn new_files(dir: &Path, since: SystemTime) -> Vec<PathBuf> {
 fn host_triple() -> String {
     let mut rustc = toolchain::nightly("rustc");
     rustc.arg("-vV");
-    crate::output_of(&mut rustc)
+    output_of(&mut rustc)
         .ok()
         .and_then(|text| {
             text.lines().find_map(|line| line.strip_prefix("host: ").map(str::to_owned))

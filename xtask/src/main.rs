@@ -16,7 +16,7 @@ use std::process::{Command, ExitCode};
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
 // fuzz.rs imports these from the crate root.
-use cmd::{describe, output_of, run_cmd, target_dir, workspace};
+use cmd::{run_cmd, workspace};
 use vmtest::{KernelSpec, Release};
 
 use crate::{
@@ -198,6 +198,20 @@ fn style_checks() -> anyhow::Result<()> {
         "--workspace",
         "--exclude",
         "lb-ebpf",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
+    // lb-user without its discovery sources (the fuzz build's, and a
+    // distribution's that does not want kube or hickory): no warning
+    // either way.
+    println!("==> lints, lb-user without discovery (--no-default-features)");
+    cargo(&[
+        "clippy",
+        "--package",
+        "lb-user",
+        "--no-default-features",
         "--all-targets",
         "--",
         "-D",

@@ -163,10 +163,7 @@ impl Daemon {
             old.task.abort();
         }
         let Some(source) = service.config.discovery.clone() else { return };
-        let name = match &source {
-            config::Discovery::Kubernetes { .. } => discovery::Source::Kubernetes,
-            config::Discovery::Dns { .. } => discovery::Source::Dns,
-        };
+        let name = discovery::Source::from(&source);
         let (usable, usable_rx) = watch::channel(service.balancer.selection().servers);
         let task = discovery::spawn(
             service.config.name.clone(),

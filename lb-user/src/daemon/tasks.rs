@@ -72,11 +72,7 @@ pub(super) async fn forward_events(events: RingBuf<MapData>, tx: mpsc::Sender<Me
         let Ok(mut guard) = events.readable_mut().await else { return };
         let ring = guard.get_inner_mut();
         while let Some(item) = ring.next() {
-            if item.len() < size_of::<Event>() {
-                continue;
-            }
-            // SAFETY: the kernel writes whole `Event` records (size checked).
-            let event = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<Event>()) };
+            let Some(event) = Event::from_bytes(&item) else { continue };
             if tx.send(Message::Kernel(event)).await.is_err() {
                 return;
             }

@@ -22,7 +22,7 @@ use crate::{
 };
 
 /// Handles to the pinned maps the daemon reads and writes (all but the ring
-/// buffer). [`Datapath`] holds one; [`PinnedMaps::open`] opens another on a
+/// buffer). [`super::Datapath`] holds one; [`PinnedMaps::open`] opens another on a
 /// pin directory without its lock, to inspect it (tests, tools).
 pub struct PinnedMaps {
     services: HashMap<MapData, Endpoint, ServiceValue>,
@@ -33,7 +33,7 @@ pub struct PinnedMaps {
     counters: PerCpuArray<MapData, u64>,
 }
 
-/// What [`Datapath::forget`] removed.
+/// What [`PinnedMaps::forget`] removed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Forgotten {
     /// `FAILED_AT` entries of servers in no service.
@@ -270,7 +270,11 @@ impl PinnedMaps {
         )
     }
 
-    /// See [`Datapath::forget`].
+    /// Removes what the kernel keeps about servers and pairs that are gone:
+    /// the `FAILED_AT` mark of every server in no service of `live`, and
+    /// the `CONNECTIONS` count of every (VIP, server) pair not in `live`
+    /// once it has no live connection. `live` lists every service's VIP
+    /// with all its servers (configured, runtime and default).
     pub fn forget(&mut self, live: &[(SocketAddr, Vec<SocketAddr>)]) -> anyhow::Result<Forgotten> {
         // Read first, remove after: removing while walking a hash map makes
         // the walk start over.

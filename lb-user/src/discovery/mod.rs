@@ -6,11 +6,11 @@
 //! state file, status and metrics): this module only tells what the source
 //! says, never changes balancer state (the one owner rule).
 //!
-//! - [`kubernetes`]: the EndpointSlices of a Service, judged per endpoint
+//! - `kubernetes`: the EndpointSlices of a Service, judged per endpoint
 //!   address by their conditions (MetalLB 474); the watch reconnects
 //!   through a usable server of the service when it discovers the
 //!   apiservers themselves (k3s 11349).
-//! - [`dns`]: the A or AAAA records of a name, re-resolved at their TTL.
+//! - `dns`: the A or AAAA records of a name, re-resolved at their TTL.
 //!
 //! Both sources produce `Signal`s; `forward` debounces them into
 //! [`Update`]s, the same way for both.
@@ -121,7 +121,7 @@ pub struct Options {
     /// instead of the system's resolv.conf.
     pub dns_server: Option<SocketAddr>,
     /// How long one DNS query waits for an answer (two attempts are made);
-    /// `None`: [`dns::DEFAULT_TIMEOUT`].
+    /// `None`: `dns::DEFAULT_TIMEOUT`.
     pub dns_timeout: Option<Duration>,
 }
 
@@ -149,7 +149,7 @@ impl Options {
 /// discovery's `debounce`), and an `Err` when a sync fails. `usable`: the
 /// daemon's current usable servers of this service (best first); the
 /// Kubernetes watch of the apiservers' own Service reconnects through them
-/// (see [`kubernetes`]). The task ends when `tx` is closed, or when aborted.
+/// (see `kubernetes`). The task ends when `tx` is closed, or when aborted.
 pub fn spawn(
     name: String,
     vip: SocketAddr,
