@@ -394,6 +394,9 @@ pub struct Balancer {
     /// elected: the first election waits for better-ranked first results.
     created: Instant,
     elected_once: bool,
+    /// The first election's wait ([`FIRST_ELECTION_WAIT`]) is over, with or
+    /// without an election: no deadline for it any more.
+    first_wait_over: bool,
     /// After adopting a running datapath: the kernel's selection stays
     /// (no write) until every listed server has a first result, something
     /// must be closed, or this deadline passes.
@@ -420,6 +423,7 @@ impl Balancer {
             written: None,
             created: now,
             elected_once: false,
+            first_wait_over: false,
             hold_writes_until: None,
             adopted_first: None,
         };
@@ -697,7 +701,9 @@ impl Balancer {
         self.settle(step, now)
     }
 
-    /// Time passing: `preferred` servers age into `healthy`.
+    /// Time passing: `preferred` servers age into `healthy`, the first
+    /// election stops waiting for better-ranked servers' first results, an
+    /// adopted selection stops being held (see [`Self::next_deadline`]).
     pub fn on_tick(&mut self, now: Instant) -> Vec<Effect> {
         let mut step = Step::begin(self);
         for i in 0..self.servers.len() {
@@ -802,8 +808,9 @@ impl Balancer {
             .iter()
             .filter(|s| s.state == State::Preferred)
             .map(|s| s.since + PREFERRED_FOR);
-        let election = (!self.elected_once && self.policy == Policy::Failover)
-            .then(|| self.created + FIRST_ELECTION_WAIT);
+        let election =
+            (!self.elected_once && !self.first_wait_over && self.policy == Policy::Failover)
+                .then(|| self.created + FIRST_ELECTION_WAIT);
         aging.chain(election).chain(self.hold_writes_until).min()
     }
 
@@ -903,6 +910,9 @@ impl Balancer {
 
     /// Elects, decides which connections to close and emits the selection.
     fn settle(&mut self, mut step: Step, now: Instant) -> Vec<Effect> {
+        if now.saturating_duration_since(self.created) >= FIRST_ELECTION_WAIT {
+            self.first_wait_over = true;
+        }
         // An active server that is no longer ready steps down gracefully:
         // no new connections, existing ones stay.
         for i in 0..self.servers.len() {

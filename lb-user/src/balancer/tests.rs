@@ -201,6 +201,16 @@ fn preferred_ages_into_healthy() {
 }
 
 #[test]
+fn a_failover_service_with_no_healthy_server_leaves_no_deadline_in_the_past() {
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    sim.fail(a(1));
+    sim.fail(a(2));
+    assert_eq!(sim.lb.next_deadline(), Some(sim.now + FIRST_ELECTION_WAIT));
+    sim.advance(FIRST_ELECTION_WAIT);
+    assert_eq!(sim.lb.next_deadline(), None, "the wait is over, though no one was elected");
+}
+
+#[test]
 fn the_next_deadline_is_when_a_tick_has_something_to_do() {
     let mut sim = Sim::failover(&[a(1), a(2)]);
     sim.pass(a(1));
@@ -742,6 +752,9 @@ proptest! {
             }
             let _ = lb.on_tick(now);
             prop_assert_eq!(lb.on_tick(now), Vec::new(), "a repeated input had effects again");
+            // A tick spends every deadline it was due for: none stays in
+            // the past (the owner loop would wake at once, for ever).
+            prop_assert!(lb.next_deadline().is_none_or(|deadline| deadline > now), "deadline {:?} still due after a tick", lb.next_deadline());
         }
     }
 }
