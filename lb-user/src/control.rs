@@ -260,7 +260,7 @@ pub type Call = (Request, oneshot::Sender<Response>);
 /// and refused, so a mistyped path can never delete a file.
 ///
 /// The socket is bound in a private (0700) staging directory beside
-/// `path`, made private, and only then renamed into place: under a loose
+/// `path`, made private, and only then linked into place: under a loose
 /// umask it is never reachable at `path` with a mode that lets others in.
 pub async fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     if let Some(dir) = path.parent() {
@@ -282,10 +282,12 @@ pub async fn bind(path: &Path) -> anyhow::Result<UnixListener> {
         Err(e) => return Err(e).with_context(|| format!("inspecting {}", path.display())),
     }
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let staging = dir.join(format!(".lb-control-{}", std::process::id()));
-    // A directory left by a crashed daemon of the same pid (a restart in a
-    // new pid namespace) goes first.
-    let _ = std::fs::remove_dir_all(&staging);
+    // Unique to this bind: two daemons (pid 1 of two containers sharing the
+    // directory, say) never share one.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let staging = dir.join(format!(".lb-control-{}-{nanos}", std::process::id()));
     std::fs::DirBuilder::new()
         .mode(0o700)
         .create(&staging)
@@ -295,16 +297,23 @@ pub async fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     bound
 }
 
-/// Binds at `staging`, makes the socket private (0600) and renames it to
-/// `path`.
+/// Binds at `staging`, makes the socket private (0600) and links it at
+/// `path`: a link never replaces what is there, so of two daemons starting
+/// at once only one gets the path, as with a plain bind.
 fn bind_private(staging: &Path, path: &Path) -> anyhow::Result<UnixListener> {
     let listener = UnixListener::bind(staging)
         .with_context(|| format!("binding control socket {}", staging.display()))?;
     std::fs::set_permissions(staging, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("making {} private (mode 0600)", staging.display()))?;
-    std::fs::rename(staging, path)
-        .with_context(|| format!("moving the control socket to {}", path.display()))?;
-    Ok(listener)
+    match std::fs::hard_link(staging, path) {
+        Ok(()) => Ok(listener),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            bail!("another lb daemon is already listening on {}", path.display())
+        }
+        Err(e) => {
+            Err(e).with_context(|| format!("linking the control socket at {}", path.display()))
+        }
+    }
 }
 
 /// Accepts clients for ever, each in its own task, and sends their requests
