@@ -215,11 +215,13 @@ pub const SOCK_FAILURE_REPORTED: u32 = 1 << 1;
 /// `SockEntry::flags`: the connection established but `CONNECTIONS` was
 /// full, so it was not counted (and its close must not uncount it).
 pub const SOCK_UNCOUNTED: u32 = 1 << 2;
-/// `SockEntry::flags`: the connect got as far as sending its SYN (sock_ops'
-/// connect callback ran). A socket released in SYN_SENT without it (a
-/// `TCP_FASTOPEN_CONNECT` socket closed before its first send) will see
-/// no callback again.
-pub const SOCK_CONNECT_STARTED: u32 = 1 << 3;
+/// `SockEntry::flags`: connect4 recorded the socket and sock_ops' connect
+/// callback (the SYN about to go) has not run yet. A socket released in
+/// SYN_SENT with it still set (a `TCP_FASTOPEN_CONNECT` socket closed
+/// before its first send) will see no callback again. Set by connect4,
+/// cleared by the callback: an entry made by programs from before the flag
+/// never has it, and keeps the old release path.
+pub const SOCK_CONNECT_PENDING: u32 = 1 << 3;
 
 /// The value of the `SOCKETS` (TCP) and `SOCKETS_UDP` maps, keyed by socket
 /// cookie: a socket whose connect went through a VIP.

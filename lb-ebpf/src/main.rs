@@ -45,7 +45,7 @@ use aya_log_ebpf::debug;
 use lb_common::{
     ConnKey, EVENTS_BYTES, Endpoint, Event, EventKind, MAX_FAILED_SERVERS, MAX_SERVER_PAIRS,
     MAX_SERVERS, MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS, META_SLOTS, NETNS_ANY,
-    NETNS_INITIAL, Reason, SOCK_CONNECT_STARTED, SOCK_ESTABLISHED, SOCK_FAILURE_REPORTED,
+    NETNS_INITIAL, Reason, SOCK_CONNECT_PENDING, SOCK_ESTABLISHED, SOCK_FAILURE_REPORTED,
     SOCK_UNCOUNTED, Service, SockEntry,
     choose::{Choice, choose_from_mask, usable_mask},
 };
@@ -305,7 +305,9 @@ fn try_connect(
 
     // SAFETY: the helper only reads the socket behind the context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let entry = SockEntry { vip: *dst, server, flags: 0, released: 0 };
+    // TCP: pending until sock_ops' connect callback (see `try_release`).
+    let flags = if protocol == IPPROTO_TCP { SOCK_CONNECT_PENDING } else { 0 };
+    let entry = SockEntry { vip: *dst, server, flags, released: 0 };
     // BPF_ANY: a UDP socket may connect again; its entry is replaced.
     let (table, full) = sockets_of(protocol);
     if table.insert(cookie, entry, u64::from(BPF_ANY)).is_err() {
@@ -444,6 +446,9 @@ macro_rules! sock_read {
 /// Untracks a released socket, or marks it; returns what it did. This runs
 /// in the application's close(), before TCP closes the socket.
 ///
+/// A socket whose connect never sent its SYN (`SOCK_CONNECT_PENDING`: a
+/// `TCP_FASTOPEN_CONNECT` socket closed before its first write), or that
+/// TCP already closed, leaves the table at once: no callback will come.
 /// A connect still in SYN_SENT is marked `released` (not removed: a SYN-ACK
 /// may be processed on another CPU right now, and its establishment must
 /// stay counted until the close uncounts it); the close that follows at
@@ -480,10 +485,11 @@ fn try_release(ctx: &SockContext) -> Reason {
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let Some(entry) = SOCKETS.get_ptr_mut(cookie) else { return Reason::ReleaseUntouched };
     // SAFETY: the entry is this socket's; its connect callback, the only
-    // writer of this flag, cannot run concurrently with its release.
-    let started =
-        unsafe { core::ptr::read_volatile(&raw const (*entry).flags) } & SOCK_CONNECT_STARTED != 0;
-    if state == TCP_CLOSE || !started {
+    // writer of this flag after connect4, cannot run concurrently with its
+    // release. An entry of programs from before the flag never has it.
+    let pending =
+        unsafe { core::ptr::read_volatile(&raw const (*entry).flags) } & SOCK_CONNECT_PENDING != 0;
+    if state == TCP_CLOSE || pending {
         // TCP is done with it, or its connect never sent a SYN (a
         // `TCP_FASTOPEN_CONNECT` socket closed before its first send: no
         // state callback was ever asked for): no callback will come.
@@ -549,7 +555,7 @@ fn on_connect(ctx: &SockOpsContext) {
         // SAFETY: the entry is this socket's; its callbacks run under the
         // socket lock, and sock_release (the only other writer) writes
         // `released` alone.
-        unsafe { (*entry).flags |= SOCK_CONNECT_STARTED };
+        unsafe { (*entry).flags &= !SOCK_CONNECT_PENDING };
         let flags = ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG;
         if ctx.set_cb_flags(flags as i32).is_err() {
             count(Reason::MapError);
