@@ -25,24 +25,30 @@ pub(super) enum Write {
     Later,
 }
 
+/// What [`Daemon::carry_out`] leaves to do once the value is written.
+pub(super) struct Deferred {
+    /// The connections to close (always after the write).
+    pub(super) close: Option<Close>,
+    /// The selection changed: with [`Write::Later`], the caller logs and
+    /// counts it ([`Daemon::written`]) once its write succeeds.
+    pub(super) reordered: bool,
+}
+
 impl Daemon {
     /// Carries out a balancer's effects for service `i`.
     pub(super) fn apply(&mut self, i: usize, effects: Vec<Effect>) {
-        if let Some(close) = self.carry_out(i, effects, Write::Now) {
+        if let Some(close) = self.carry_out(i, effects, Write::Now).close {
             self.close_moved(close);
         }
     }
 
     /// Carries out a balancer's effects for service `i`; `write` says
-    /// whether its kernel value is written here. With [`Write::Later`], the
-    /// connections to close come back to be closed after the write.
+    /// whether its kernel value is written here. What is left to do after
+    /// the write comes back ([`Deferred`]).
     #[must_use]
-    pub(super) fn carry_out(
-        &mut self,
-        i: usize,
-        effects: Vec<Effect>,
-        write: Write,
-    ) -> Option<Close> {
+    pub(super) fn carry_out(&mut self, i: usize, effects: Vec<Effect>, write: Write) -> Deferred {
+        let reordered =
+            effects.iter().any(|e| matches!(e, Effect::WriteSelection { reordered: true, .. }));
         let changed_servers = effects.iter().any(|e| matches!(e, Effect::StateChanged { .. }));
         let mut closes: Vec<(SocketAddr, CloseReason)> = Vec::new();
         for effect in effects {
@@ -82,37 +88,45 @@ impl Daemon {
         // effects so), so that a client reconnecting at once gets a server
         // of it.
         let config = &service.config;
-        (!closes.is_empty()).then(|| Close::Moved {
+        let close = (!closes.is_empty()).then(|| Close::Moved {
             service: config.name.clone(),
             vip: config.vip,
             servers: closes,
-        })
+        });
+        Deferred { close, reordered }
     }
 
     /// One [`Effect::WriteSelection`]: the discovery task learns the new
-    /// order, and the kernel gets the whole value (unless `write` leaves it
-    /// to the caller).
+    /// order, and the kernel gets the whole value, unless `write` leaves it
+    /// to the caller (which then calls [`Self::written`] itself).
     fn write_value(&mut self, i: usize, value: KernelValue, reordered: bool, write: Write) {
         let service = &self.services[i];
-        let name = &service.config.name;
-        if reordered {
-            if let Some(discovery) = &service.discovery {
-                discovery.usable.send_replace(value.selection.servers.clone());
-            }
-            info!(service = %name, selection = ?value.selection.servers, spread = value.selection.spread, "selection written");
-            self.metrics
-                .selection_changes
-                .get_or_create(&ServiceLabels { service: name.clone() })
-                .inc();
+        if reordered && let Some(discovery) = &service.discovery {
+            discovery.usable.send_replace(value.selection.servers.clone());
         }
         if write == Write::Later {
             return;
         }
         let mut entry = service.entry();
         entry.value = value;
-        if let Err(e) = self.datapath.write(&entry) {
-            error!(service = %name, "writing the selection failed: {e:#}");
+        match self.datapath.write(&entry) {
+            Ok(()) if reordered => self.written(i),
+            Ok(()) => {}
+            Err(e) => {
+                error!(service = %service.config.name, "writing the selection failed: {e:#}");
+            }
         }
+    }
+
+    /// A new selection of service `i` is in the kernel: logged and counted.
+    pub(super) fn written(&self, i: usize) {
+        let service = &self.services[i];
+        let (name, selection) = (&service.config.name, &service.entry().value.selection);
+        info!(service = %name, selection = ?selection.servers, spread = selection.spread, "selection written");
+        self.metrics
+            .selection_changes
+            .get_or_create(&ServiceLabels { service: name.clone() })
+            .inc();
     }
 
     /// Metrics and checks for service `i`, new to this daemon.

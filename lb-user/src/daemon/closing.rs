@@ -75,11 +75,13 @@ impl Daemon {
     /// Closes what one balancer step moved traffic away from
     /// ([`Close::Moved`]: its VIP's connections to those servers).
     pub(super) fn close_moved(&self, close: Close) {
-        if let Close::Moved { vip, servers, .. } = &close {
-            let (vip, servers): (SocketAddr, HashSet<SocketAddr>) =
-                (*vip, servers.iter().map(|(s, _)| *s).collect());
-            self.close(|v, server| v == vip && servers.contains(&server), close);
-        }
+        let Close::Moved { vip, servers, .. } = &close else {
+            // Only `carry_out` makes these, and only `Moved` ones.
+            return;
+        };
+        let (vip, servers): (SocketAddr, HashSet<SocketAddr>) =
+            (*vip, servers.iter().map(|(s, _)| *s).collect());
+        self.close(|v, server| v == vip && servers.contains(&server), close);
     }
 
     /// `lb close-connections`: resets the connections made through a VIP

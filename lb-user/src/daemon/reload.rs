@@ -75,8 +75,10 @@ impl Daemon {
         }))?;
         let now = Instant::now();
         self.remove_services(&plan.changes, now);
-        // Closed once the kernel has the new values.
+        // Closed once the kernel has the new values; logged as written once
+        // they are.
         let mut moved = Vec::new();
+        let mut reordered = HashSet::new();
         for change in plan.changes {
             match change {
                 Change::Remove { .. } => {}
@@ -89,7 +91,11 @@ impl Daemon {
                     let i = self.services.len() - 1;
                     self.by_name.insert(self.services[i].config.name.clone(), i);
                     self.by_vip.insert(self.services[i].config.vip, i);
-                    moved.extend(self.carry_out(i, effects, Write::Later));
+                    let deferred = self.carry_out(i, effects, Write::Later);
+                    moved.extend(deferred.close);
+                    if deferred.reordered {
+                        reordered.insert(self.services[i].config.name.clone());
+                    }
                     self.service_appeared(i);
                     self.start_discovery(i);
                 }
@@ -116,7 +122,11 @@ impl Daemon {
                         ));
                         self.saved.services.remove(&wanted.name);
                     }
-                    moved.extend(self.carry_out(i, effects, Write::Later));
+                    let deferred = self.carry_out(i, effects, Write::Later);
+                    moved.extend(deferred.close);
+                    if deferred.reordered {
+                        reordered.insert(wanted.name.clone());
+                    }
                     if what.discovery {
                         self.start_discovery(i);
                     }
@@ -126,8 +136,10 @@ impl Daemon {
         self.keep_config_order(&config.services);
         for name in &plan.writes {
             let i = self.index(name)?;
-            if let Err(e) = self.datapath.write(&self.services[i].entry()) {
-                error!(service = %name, "reload: writing the datapath failed: {e:#}");
+            match self.datapath.write(&self.services[i].entry()) {
+                Ok(()) if reordered.contains(name) => self.written(i),
+                Ok(()) => {}
+                Err(e) => error!(service = %name, "reload: writing the datapath failed: {e:#}"),
             }
             // Only an added or changed service can have new servers or
             // stopped checks.

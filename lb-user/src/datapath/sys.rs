@@ -45,8 +45,13 @@ pub(super) fn pinned_link_ids(link: &Path) -> anyhow::Result<LinkIds> {
     attr.set_u64(8, info.as_mut_ptr() as u64);
     bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)
         .with_context(|| format!("reading the info of link {}", link.display()))?;
-    let cgroup = (info[0] == BPF_LINK_TYPE_CGROUP)
-        .then(|| (u64::from(info[4]) | (u64::from(info[5]) << 32), info[6]));
+    let cgroup_id = |lo: u32, hi: u32| {
+        let mut bytes = [0u8; 8];
+        bytes[..4].copy_from_slice(&lo.to_ne_bytes());
+        bytes[4..].copy_from_slice(&hi.to_ne_bytes());
+        u64::from_ne_bytes(bytes)
+    };
+    let cgroup = (info[0] == BPF_LINK_TYPE_CGROUP).then(|| (cgroup_id(info[4], info[5]), info[6]));
     Ok(LinkIds { link: info[1], program: info[2], cgroup })
 }
 
