@@ -13,10 +13,11 @@
 //!   and tell the daemon through the `EVENTS` ring buffer when a connect
 //!   establishes, fails or times out (a close is only counted).
 //! - `lb_sock_release` (cgroup sock_release): a released socket leaves the
-//!   socket tables: connected UDP at once; TCP that never established is
-//!   marked released (the application gave up on the connect), so that its
-//!   close untracks it as no server failure. Established TCP stays tracked
-//!   until sock_ops sees it close.
+//!   socket tables: connected UDP at once; TCP that never sent its SYN (a
+//!   Fast Open connect closed before its first write) at once; TCP that
+//!   never established is marked released (the application gave up on the
+//!   connect), so that its close untracks it as no server failure.
+//!   Established TCP stays tracked until sock_ops sees it close.
 //!
 //! The programs are dumb and fast: the daemon decides the selection; the
 //! kernel only skips servers whose connect failed within the hold-down.

@@ -1,16 +1,12 @@
 //! The status view: what `lb status` shows, built from the services' state
 //! and the kernel's maps (data in, data out), and its table for people.
 
-use std::{collections::HashMap, fmt::Write as _, net::SocketAddr, path::Path, time::Duration};
+use std::{fmt::Write as _, net::SocketAddr, time::Duration};
 
 use crate::{
     balancer::{Balancer, Readiness},
     config,
-    control::{
-        DatapathStatus, DiscoveryStatus, Features, ServerStatus, ServiceStatus, Status,
-        TrackedSockets,
-    },
-    datapath::{self, Datapath, PinnedMaps},
+    control::{DiscoveryStatus, ServerStatus, ServiceStatus, Status},
 };
 
 /// What status needs from the kernel's maps.
@@ -21,61 +17,6 @@ pub trait KernelView {
     fn connections(&self, vip: SocketAddr, server: SocketAddr) -> i64;
     /// Whether a connect to `server` through a VIP failed within `hold_down`.
     fn recently_failed(&self, server: SocketAddr, hold_down: Duration) -> bool;
-}
-
-/// The kernel as one `lb status` reads it: selections and live counts by
-/// lookup, the failure marks in one pass taken at the start (`FAILED_AT`
-/// holds only the marked servers, so that is a few reads instead of one per
-/// server of every service).
-pub struct KernelSnapshot<'a> {
-    maps: &'a PinnedMaps,
-    failure_times: HashMap<SocketAddr, u64>,
-    now_ns: u64,
-}
-
-impl<'a> KernelSnapshot<'a> {
-    /// The failure marks of `maps` now; the rest is read on demand.
-    pub fn of(maps: &'a PinnedMaps) -> Self {
-        Self { maps, failure_times: maps.failure_times(), now_ns: datapath::monotonic_now_ns() }
-    }
-}
-
-impl KernelView for KernelSnapshot<'_> {
-    fn selection(&self, vip: SocketAddr) -> Vec<SocketAddr> {
-        self.maps.selection(vip)
-    }
-    fn connections(&self, vip: SocketAddr, server: SocketAddr) -> i64 {
-        self.maps.connections(vip, server)
-    }
-    fn recently_failed(&self, server: SocketAddr, hold_down: Duration) -> bool {
-        self.failure_times
-            .get(&server)
-            .is_some_and(|&at| datapath::failed_within(at, self.now_ns, hold_down))
-    }
-}
-
-/// The datapath as `lb status` shows it: where it is attached, what this
-/// kernel offers, the decision counters and the socket tables' fill.
-pub fn datapath(
-    datapath: &Datapath,
-    cgroup: &Path,
-    bpffs: &Path,
-    sock_destroy: bool,
-) -> DatapathStatus {
-    let maps = datapath.maps();
-    let (tcp, udp) = maps.tracked_sockets();
-    DatapathStatus {
-        cgroup: cgroup.display().to_string(),
-        bpffs: bpffs.display().to_string(),
-        adopted: datapath.adopted,
-        counters: maps.counters().into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
-        features: Features {
-            getpeername: datapath.getpeername,
-            sock_destroy,
-            netns_scope: datapath.netns_scope,
-        },
-        tracked_sockets: TrackedSockets { tcp, udp },
-    }
 }
 
 /// One service as `lb status` shows it.

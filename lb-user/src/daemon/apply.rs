@@ -7,7 +7,11 @@ use std::{collections::HashSet, net::SocketAddr, sync::Arc, time::Instant};
 use tokio::sync::Notify;
 use tracing::{error, info, warn};
 
-use super::{Daemon, closing::Close, service::CheckTask, tasks::check_loop};
+use super::{
+    owner::{Close, Daemon},
+    service::CheckTask,
+    tasks::check_loop,
+};
 use crate::{
     balancer::{CloseReason, Effect, KernelValue, State},
     config::CheckKind,

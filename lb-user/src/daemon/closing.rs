@@ -4,28 +4,15 @@
 //! message to log, count and answer.
 
 use std::{
-    collections::{BTreeMap, HashMap, HashSet},
+    collections::{HashMap, HashSet},
     net::SocketAddr,
 };
 
 use tokio::sync::oneshot;
 use tracing::{error, info};
 
-use super::{Daemon, Message};
+use super::owner::{Close, Counts, Daemon, Message};
 use crate::{balancer::CloseReason, control::Response, sock_destroy};
-
-/// How many VIP connections were closed, per (VIP, server).
-pub(super) type Counts = BTreeMap<(SocketAddr, SocketAddr), u64>;
-
-/// A close: why it is done, which says what to do with its outcome.
-pub(super) enum Close {
-    /// One step of a service's balancer moved traffic off these servers.
-    Moved { service: String, vip: SocketAddr, servers: Vec<(SocketAddr, CloseReason)> },
-    /// `lb close-connections`: the client waits for the total.
-    Requested { server: SocketAddr, reply: oneshot::Sender<Response> },
-    /// A reload removed these VIPs.
-    RemovedVips,
-}
 
 /// Why nothing can be closed on this kernel.
 const NO_SOCK_DESTROY: &str = "this kernel cannot destroy sockets (it lacks CONFIG_INET_DIAG_DESTROY, or the tcp_diag module is not loaded)";

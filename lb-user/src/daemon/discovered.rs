@@ -11,7 +11,10 @@ use std::{
 use tokio::sync::watch;
 use tracing::{debug, error, info, warn};
 
-use super::{Daemon, service::Discovery};
+use super::{
+    owner::{After, Daemon},
+    service::Discovery,
+};
 use crate::{
     balancer::{Effect, Readiness, State},
     config,
@@ -122,16 +125,6 @@ pub(super) fn screen(
         None => true,
     });
     dropped
-}
-
-/// Work that applied lists call for, done once for a burst of them
-/// ([`Daemon::after_discovered`]).
-#[derive(Default)]
-pub(super) struct After {
-    /// A list changed: write the state file.
-    save: bool,
-    /// A server left: clean the kernel's maps of it.
-    forget: bool,
 }
 
 /// The list to apply from a source's answer, or why the last one stays: a

@@ -7,7 +7,7 @@ use std::{net::SocketAddr, time::Duration, time::Instant};
 use lb_common::{Event, EventKind};
 use tracing::{debug, warn};
 
-use super::Daemon;
+use super::owner::Daemon;
 use crate::{
     balancer::{Health, KernelReport},
     metrics::server_labels,

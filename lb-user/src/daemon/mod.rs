@@ -4,6 +4,8 @@
 //! as messages, and it carries out what the pure code decides.
 //!
 //! Rooms: this file is the select loop and the dispatch of messages;
+//! - `owner`: the owner loop's state (`Daemon`) and its messages, which
+//!   every other room uses (and which uses none of them);
 //! - `startup`: the config to keep, the saved lists, adoption of a running
 //!   datapath, memory tuning;
 //! - `service`: one service's parts (config, balancer, tasks);
@@ -24,6 +26,7 @@ mod apply;
 mod closing;
 mod discovered;
 mod inputs;
+mod owner;
 mod reload;
 mod requests;
 mod service;
@@ -31,60 +34,20 @@ mod startup;
 mod tasks;
 mod timers;
 
-use std::{
-    collections::HashMap,
-    net::SocketAddr,
-    path::PathBuf,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
-use anyhow::Context as _;
-use lb_common::Event;
 use tokio::{
     signal::unix::{SignalKind, signal},
-    sync::{mpsc, oneshot},
+    sync::oneshot,
 };
 use tracing::info;
 
-use self::{closing::Close, service::Service, startup::Started, timers::Timers};
+pub use self::owner::Options;
+use self::{owner::Message, startup::Started};
 use crate::{
-    balancer::Health,
-    config,
-    control::{ReloadStatus, Request, Response},
-    datapath::{self, Datapath},
-    discovery,
-    metrics::Metrics,
-    state::SavedState,
+    control::{Request, Response},
+    datapath,
 };
-
-/// How `lb run` was started.
-pub struct Options {
-    /// The config file.
-    pub config_path: PathBuf,
-    /// Forward the kernel programs' debug log (`--bpf-log`).
-    pub bpf_log: bool,
-    /// Detach everything on SIGTERM/SIGINT instead of leaving the datapath
-    /// working (fail-static).
-    pub detach_on_exit: bool,
-}
-
-/// What reaches the owner task from the kernel, the health checks and its
-/// own background work. (Control requests come on their own channel, as
-/// `control::Call`s; discovered lists on theirs.)
-enum Message {
-    Kernel(Event),
-    Health {
-        service: String,
-        server: SocketAddr,
-        result: Health,
-        took: Duration,
-    },
-    /// A background close is done ([`Daemon::close`]).
-    CloseDone {
-        close: Close,
-        result: Result<closing::Counts, String>,
-    },
-}
 
 /// Why the owner loop ended.
 enum Exit {
@@ -92,42 +55,6 @@ enum Exit {
     /// `lb detach` (or a control client) asked; answered once the daemon
     /// has done what exiting means.
     Requested(oneshot::Sender<Response>),
-}
-
-struct Daemon {
-    /// The running config's `[daemon]` settings (the services are in
-    /// `services`).
-    settings: config::Daemon,
-    config_path: PathBuf,
-    /// The text the running config was read from: a reload parses only
-    /// the service tables that changed since.
-    source: config::Source,
-    cgroup: PathBuf,
-    datapath: Datapath,
-    /// In the config's order.
-    services: Vec<Service>,
-    /// Where each service is in `services`, by name and by VIP: with
-    /// thousands of services, every lookup (a kernel report, a check
-    /// result, a request) must not walk them all.
-    by_name: HashMap<String, usize>,
-    by_vip: HashMap<SocketAddr, usize>,
-    saved: SavedState,
-    tx: mpsc::Sender<Message>,
-    /// Where discovery tasks send their lists.
-    discovered: mpsc::Sender<discovery::Update>,
-    /// Work that discovered lists call for, done once for a burst of them
-    /// ([`Self::after_discovered`]).
-    after_discovery: discovered::After,
-    /// When each balancer next needs its clock ([`Self::on_deadlines`]).
-    timers: Timers,
-    metrics: Metrics,
-    last_reload: Option<ReloadStatus>,
-    /// Netlink SOCK_DESTROY works on this kernel (probed once at start).
-    sock_destroy: bool,
-    /// `CLOCK_MONOTONIC` when this daemon started: kernel events from
-    /// before (left in the ring buffer by a previous daemon) are history,
-    /// not news; the kernel has already acted on them.
-    started_ns: u64,
 }
 
 /// Runs the daemon until SIGTERM/SIGINT or a shutdown request. The datapath
@@ -234,22 +161,4 @@ fn answer(reply: oneshot::Sender<Response>, result: anyhow::Result<()>) {
         Err(e) => Response::Error { error: format!("{e:#}") },
     };
     let _ = reply.send(response);
-}
-
-impl Daemon {
-    fn index(&self, name: &str) -> anyhow::Result<usize> {
-        self.by_name.get(name).copied().with_context(|| format!("no service named {name:?}"))
-    }
-
-    /// Rebuilds `by_name` and `by_vip` after `services` changed shape.
-    fn reindex(&mut self) {
-        self.by_name =
-            self.services.iter().enumerate().map(|(i, s)| (s.config.name.clone(), i)).collect();
-        self.by_vip = self.services.iter().enumerate().map(|(i, s)| (s.config.vip, i)).collect();
-    }
-
-    /// Names the service whose VIP `addr` is, for server-list checks.
-    fn vip_owner(&self, addr: SocketAddr) -> Option<String> {
-        self.by_vip.get(&addr).map(|&i| format!("service {:?}", self.services[i].config.name))
-    }
 }

@@ -11,9 +11,9 @@ use std::{
 use tracing::{error, info, warn};
 
 use super::{
-    Daemon,
     apply::Write,
-    closing::Close,
+    owner::Close,
+    owner::Daemon,
     service::{Service, checks_of},
     startup::{load_tls, parse_config, release_freed_memory},
 };

@@ -1,20 +1,82 @@
 //! What the outside asks of the daemon: control requests (`lb servers`,
-//! `lb drain`, `lb status`) and metrics scrapes. `lb close-connections` is
+//! `lb drain`, `lb status`, with the kernel's side of the status read
+//! here: `status` is data in, data out) and metrics scrapes. `lb close-connections` is
 //! in `closing`, `lb reload` in `reload`.
 
-use std::{net::SocketAddr, time::Instant};
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    path::Path,
+    time::{Duration, Instant},
+};
 
 use anyhow::{Context as _, bail};
 use tracing::info;
 
-use super::Daemon;
+use super::owner::Daemon;
 use crate::{
     balancer::Readiness,
     config,
-    control::{ConfigStatus, Status},
+    control::{ConfigStatus, DatapathStatus, Features, Status, TrackedSockets},
+    datapath::{self, Datapath, PinnedMaps},
     state::SavedList,
-    status::{self, KernelSnapshot},
+    status::{self, KernelView},
 };
+
+/// The kernel as one `lb status` reads it: selections and live counts by
+/// lookup, the failure marks in one pass taken at the start (`FAILED_AT`
+/// holds only the marked servers, so that is a few reads instead of one per
+/// server of every service).
+struct KernelSnapshot<'a> {
+    maps: &'a PinnedMaps,
+    failure_times: HashMap<SocketAddr, u64>,
+    now_ns: u64,
+}
+
+impl<'a> KernelSnapshot<'a> {
+    /// The failure marks of `maps` now; the rest is read on demand.
+    fn of(maps: &'a PinnedMaps) -> Self {
+        Self { maps, failure_times: maps.failure_times(), now_ns: datapath::monotonic_now_ns() }
+    }
+}
+
+impl KernelView for KernelSnapshot<'_> {
+    fn selection(&self, vip: SocketAddr) -> Vec<SocketAddr> {
+        self.maps.selection(vip)
+    }
+    fn connections(&self, vip: SocketAddr, server: SocketAddr) -> i64 {
+        self.maps.connections(vip, server)
+    }
+    fn recently_failed(&self, server: SocketAddr, hold_down: Duration) -> bool {
+        self.failure_times
+            .get(&server)
+            .is_some_and(|&at| datapath::failed_within(at, self.now_ns, hold_down))
+    }
+}
+
+/// The datapath as `lb status` shows it: where it is attached, what this
+/// kernel offers, the decision counters and the socket tables' fill.
+fn datapath_status(
+    datapath: &Datapath,
+    cgroup: &Path,
+    bpffs: &Path,
+    sock_destroy: bool,
+) -> DatapathStatus {
+    let maps = datapath.maps();
+    let (tcp, udp) = maps.tracked_sockets();
+    DatapathStatus {
+        cgroup: cgroup.display().to_string(),
+        bpffs: bpffs.display().to_string(),
+        adopted: datapath.adopted,
+        counters: maps.counters().into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
+        features: Features {
+            getpeername: datapath.getpeername,
+            sock_destroy,
+            netns_scope: datapath.netns_scope,
+        },
+        tracked_sockets: TrackedSockets { tcp, udp },
+    }
+}
 
 impl Daemon {
     /// `lb servers`: checked with the same rules as the config file.
@@ -88,7 +150,7 @@ impl Daemon {
                 path: self.config_path.display().to_string(),
                 last_reload: self.last_reload.clone(),
             },
-            datapath: status::datapath(
+            datapath: datapath_status(
                 &self.datapath,
                 &self.cgroup,
                 &self.settings.bpffs,

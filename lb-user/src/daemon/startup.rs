@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{error, info, warn};
 
 use super::{
-    Daemon, Message, Options,
+    owner::{After, Daemon, Message, Options},
     service::Service,
     tasks::{forward_events, forward_kernel_logs},
     timers::Timers,
@@ -143,7 +143,7 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         sock_destroy,
         started_ns,
         discovered,
-        after_discovery: super::discovered::After::default(),
+        after_discovery: After::default(),
         timers: Timers::default(),
         by_name: HashMap::new(),
         by_vip: HashMap::new(),

@@ -12,7 +12,7 @@ use lb_common::{
 };
 
 use super::{
-    pins::maps_dir,
+    pins::open_pinned_map,
     sys::monotonic_now_ns,
     upgrade::{check_layout, read_layout_version},
 };
@@ -353,14 +353,6 @@ fn removed(result: Result<(), MapError>) -> Result<bool, MapError> {
         }
         Err(e) => Err(e),
     }
-}
-
-pub(super) fn open_pinned_map(bpffs: &Path, name: &str) -> anyhow::Result<Map> {
-    let path = maps_dir(bpffs).join(name);
-    let data = MapData::from_pin(&path)
-        .with_context(|| format!("opening pinned map {}", path.display()))?;
-    Map::from_map_data(data)
-        .with_context(|| format!("pinned map {} has an unexpected type", path.display()))
 }
 
 /// Whether a failure mark set at `at_ns` is less than `hold_down` older

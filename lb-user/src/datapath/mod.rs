@@ -21,20 +21,22 @@
 //! to them with `BPF_LINK_UPDATE`: every connect runs either the old or the
 //! new program, never none.
 //!
-//! Rooms: this file is the lifecycle (open: adopt or attach; the object's
-//! loading; selections written); `maps` reads and writes the pinned maps,
+//! Rooms: this file is the lifecycle (open: adopt or attach; selections
+//! written); `object` the embedded eBPF object and its loading; `maps`
+//! reads and writes the pinned maps,
 //! `pins` holds the pin directory's layout, its lock and `detach`,
 //! `upgrade` the `META` map and the programs' replacement, `sys` the raw
 //! system calls aya does not offer.
 
 mod maps;
+mod object;
 mod pins;
 mod sys;
 mod upgrade;
 
 use std::{fs::File, net::SocketAddr, path::Path};
 
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
 use aya::{
     Ebpf, EbpfLoader,
     maps::{MapData, RingBuf},
@@ -46,16 +48,9 @@ use aya::{
 use lb_common::{NETNS_ANY, maps as map_names, programs};
 use tracing::{info, warn};
 
-use self::{
-    maps::open_pinned_map,
-    pins::{
-        PinLock, ensure_bpffs, has_getpeername, links_dir, maps_dir, remove_pins, required_pins,
-    },
-    sys::host_netns_cookie,
-    upgrade::{check_layout, replace_programs, stamp_meta},
-};
 pub use self::{
     maps::{Forgotten, PinnedMaps, VipEntry, VipSocket, failed_within},
+    object::KernelLogger,
     pins::detach,
     sys::{cgroup2_root, monotonic_now_ns},
     upgrade::{
@@ -63,12 +58,15 @@ pub use self::{
         write_program_fingerprint,
     },
 };
-
-/// Forwards the kernel programs' aya-log records to `log` (and so to tracing).
-pub type KernelLogger = aya_log::EbpfLogger<&'static dyn log::Log>;
-
-/// The eBPF object, built by `build.rs` from `lb-ebpf`.
-static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
+use self::{
+    object::load_object,
+    pins::{
+        PinLock, ensure_bpffs, has_getpeername, links_dir, maps_dir, open_pinned_map, remove_pins,
+        required_pins,
+    },
+    sys::host_netns_cookie,
+    upgrade::{check_layout, replace_programs, stamp_meta},
+};
 
 /// The attached datapath: handles to its maps, and the pin directory's lock.
 pub struct Datapath {
@@ -152,7 +150,7 @@ impl Datapath {
                     );
                 }
                 // The daemon writes an adopted datapath's selections itself,
-                // starting from what the kernel holds (see `daemon::adopt`).
+                // starting from what the kernel holds (see `Daemon::adopt` in `daemon/startup.rs`).
                 return Ok(datapath);
             }
         }
@@ -279,35 +277,6 @@ impl Datapath {
     }
 }
 
-/// The kernel's log level for the programs (aya-log): every statement on
-/// with `--bpf-log`, none without (each is then a no-op).
-const LOG_ALL: u8 = 0xff;
-const LOG_NONE: u8 = 0;
-
-/// Loads the embedded eBPF object with `loader` (which may reuse pinned
-/// maps), its log level set from `bpf_log`, and sets up the reader of its
-/// log when `bpf_log` is on.
-fn load_object(
-    mut loader: EbpfLoader<'_>,
-    bpf_log: bool,
-) -> anyhow::Result<(Ebpf, Option<KernelLogger>)> {
-    if EBPF_OBJECT.is_empty() {
-        bail!(
-            "this lb was built with AYA_BUILD_SKIP=1 and carries no eBPF programs; rebuild without it"
-        );
-    }
-    loader.override_global("AYA_LOG_LEVEL", if bpf_log { &LOG_ALL } else { &LOG_NONE }, false);
-    let mut ebpf = loader
-        .load(EBPF_OBJECT)
-        .context("loading the eBPF object (is this kernel 5.10 or newer, with BTF?)")?;
-    let logger = if bpf_log {
-        Some(aya_log::EbpfLogger::init(&mut ebpf).context("setting up --bpf-log")?)
-    } else {
-        None
-    };
-    Ok((ebpf, logger))
-}
-
 /// Loads and attaches every program and pins its link. Returns whether the
 /// optional getpeername hooks are attached; a missing required program is
 /// an error.
@@ -382,19 +351,4 @@ fn attach_one(
     // Dropping the pinned handle closes our fd; the pin keeps the link.
     link.pin(&path).with_context(|| format!("pinning link {}", path.display()))?;
     Ok(())
-}
-
-/// Loads (verifies) program `name` of `ebpf`, of the type its name says.
-fn load_program(ebpf: &mut Ebpf, name: &str) -> anyhow::Result<()> {
-    let program = ebpf
-        .program_mut(name)
-        .with_context(|| format!("program {name} missing from the eBPF object"))?;
-    let loaded = if name == programs::SOCK_OPS {
-        <&mut SockOps>::try_from(program)?.load()
-    } else if name == programs::SOCK_RELEASE {
-        <&mut CgroupSock>::try_from(program)?.load()
-    } else {
-        <&mut CgroupSockAddr>::try_from(program)?.load()
-    };
-    loaded.with_context(|| format!("loading {name}"))
 }

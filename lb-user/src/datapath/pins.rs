@@ -14,6 +14,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
+use aya::maps::{Map, MapData};
 use lb_common::{maps, programs};
 use tracing::{debug, info, warn};
 
@@ -29,6 +30,13 @@ pub(super) fn maps_dir(bpffs: &Path) -> PathBuf {
     bpffs.join("maps")
 }
 
+pub(super) fn open_pinned_map(bpffs: &Path, name: &str) -> anyhow::Result<Map> {
+    let path = maps_dir(bpffs).join(name);
+    let data = MapData::from_pin(&path)
+        .with_context(|| format!("opening pinned map {}", path.display()))?;
+    Map::from_map_data(data)
+        .with_context(|| format!("pinned map {} has an unexpected type", path.display()))
+}
 /// The pins a working datapath must have: the required links and every map.
 pub(super) fn required_pins(bpffs: &Path) -> impl Iterator<Item = PathBuf> + '_ {
     let links = programs::REQUIRED.iter().map(|p| links_dir(bpffs).join(p));

@@ -17,9 +17,8 @@ use lb_common::{
 };
 
 use super::{
-    EBPF_OBJECT, KernelLogger, load_object, load_program,
-    maps::open_pinned_map,
-    pins::{links_dir, maps_dir},
+    object::{EBPF_OBJECT, KernelLogger, load_object, load_program},
+    pins::{links_dir, maps_dir, open_pinned_map},
     sys::{bpf_link_update, bpf_obj_get, pinned_link_ids},
 };
 

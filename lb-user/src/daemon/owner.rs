@@ -1,0 +1,133 @@
+//! The owner loop's state and the messages it is sent: the one value
+//! that holds every service and the datapath. Every other room of the
+//! daemon imports it; it imports none of them but the parts of a service
+//! (`service`) and the timers (`timers`).
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::SocketAddr,
+    path::PathBuf,
+    time::Duration,
+};
+
+use anyhow::Context as _;
+use lb_common::Event;
+use tokio::sync::{mpsc, oneshot};
+
+use super::{service::Service, timers::Timers};
+use crate::{
+    balancer::{CloseReason, Health},
+    config,
+    control::{ReloadStatus, Response},
+    datapath::Datapath,
+    discovery,
+    metrics::Metrics,
+    state::SavedState,
+};
+
+/// How `lb run` was started.
+pub struct Options {
+    /// The config file.
+    pub config_path: PathBuf,
+    /// Forward the kernel programs' debug log (`--bpf-log`).
+    pub bpf_log: bool,
+    /// Detach everything on SIGTERM/SIGINT instead of leaving the datapath
+    /// working (fail-static).
+    pub detach_on_exit: bool,
+}
+
+/// What reaches the owner task from the kernel, the health checks and its
+/// own background work. (Control requests come on their own channel, as
+/// `control::Call`s; discovered lists on theirs.)
+pub(super) enum Message {
+    Kernel(Event),
+    Health {
+        service: String,
+        server: SocketAddr,
+        result: Health,
+        took: Duration,
+    },
+    /// A background close is done ([`Daemon::close`]).
+    CloseDone {
+        close: Close,
+        result: Result<Counts, String>,
+    },
+}
+
+/// How many VIP connections were closed, per (VIP, server).
+pub(super) type Counts = BTreeMap<(SocketAddr, SocketAddr), u64>;
+
+/// A close: why it is done, which says what to do with its outcome.
+pub(super) enum Close {
+    /// One step of a service's balancer moved traffic off these servers.
+    Moved { service: String, vip: SocketAddr, servers: Vec<(SocketAddr, CloseReason)> },
+    /// `lb close-connections`: the client waits for the total.
+    Requested { server: SocketAddr, reply: oneshot::Sender<Response> },
+    /// A reload removed these VIPs.
+    RemovedVips,
+}
+
+/// Work that applied lists call for, done once for a burst of them
+/// ([`Daemon::after_discovered`]).
+#[derive(Default)]
+pub(super) struct After {
+    /// A list changed: write the state file.
+    pub(super) save: bool,
+    /// A server left: clean the kernel's maps of it.
+    pub(super) forget: bool,
+}
+
+/// The owner loop's state: every service, the datapath, the channels.
+pub(super) struct Daemon {
+    /// The running config's `[daemon]` settings (the services are in
+    /// `services`).
+    pub(super) settings: config::Daemon,
+    pub(super) config_path: PathBuf,
+    /// The text the running config was read from: a reload parses only
+    /// the service tables that changed since.
+    pub(super) source: config::Source,
+    pub(super) cgroup: PathBuf,
+    pub(super) datapath: Datapath,
+    /// In the config's order.
+    pub(super) services: Vec<Service>,
+    /// Where each service is in `services`, by name and by VIP: with
+    /// thousands of services, every lookup (a kernel report, a check
+    /// result, a request) must not walk them all.
+    pub(super) by_name: HashMap<String, usize>,
+    pub(super) by_vip: HashMap<SocketAddr, usize>,
+    pub(super) saved: SavedState,
+    pub(super) tx: mpsc::Sender<Message>,
+    /// Where discovery tasks send their lists.
+    pub(super) discovered: mpsc::Sender<discovery::Update>,
+    /// Work that discovered lists call for, done once for a burst of them
+    /// ([`Self::after_discovered`]).
+    pub(super) after_discovery: After,
+    /// When each balancer next needs its clock ([`Self::on_deadlines`]).
+    pub(super) timers: Timers,
+    pub(super) metrics: Metrics,
+    pub(super) last_reload: Option<ReloadStatus>,
+    /// Netlink SOCK_DESTROY works on this kernel (probed once at start).
+    pub(super) sock_destroy: bool,
+    /// `CLOCK_MONOTONIC` when this daemon started: kernel events from
+    /// before (left in the ring buffer by a previous daemon) are history,
+    /// not news; the kernel has already acted on them.
+    pub(super) started_ns: u64,
+}
+
+impl Daemon {
+    pub(super) fn index(&self, name: &str) -> anyhow::Result<usize> {
+        self.by_name.get(name).copied().with_context(|| format!("no service named {name:?}"))
+    }
+
+    /// Rebuilds `by_name` and `by_vip` after `services` changed shape.
+    pub(super) fn reindex(&mut self) {
+        self.by_name =
+            self.services.iter().enumerate().map(|(i, s)| (s.config.name.clone(), i)).collect();
+        self.by_vip = self.services.iter().enumerate().map(|(i, s)| (s.config.vip, i)).collect();
+    }
+
+    /// Names the service whose VIP `addr` is, for server-list checks.
+    pub(super) fn vip_owner(&self, addr: SocketAddr) -> Option<String> {
+        self.by_vip.get(&addr).map(|&i| format!("service {:?}", self.services[i].config.name))
+    }
+}
