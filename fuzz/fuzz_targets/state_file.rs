@@ -49,8 +49,10 @@ fuzz_target!(|text: &str| {
                     "{selection:?}"
                 );
                 for effect in effects {
-                    if let Effect::WriteSelection(written) = effect {
+                    if let Effect::WriteSelection { value, .. } = effect {
+                        let written = &value.selection;
                         assert_eq!(written.servers.len(), expected.len(), "{written:?}");
+                        assert_eq!(value.states.len(), written.servers.len(), "{value:?}");
                     }
                 }
             }
