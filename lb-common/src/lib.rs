@@ -38,6 +38,12 @@ pub const MAX_TRACKED_SOCKETS: u32 = 65_536;
 /// for the same reason as `SOCKETS`: the release of every UDP socket in the
 /// cgroup (a DNS query each) looks it up.
 pub const MAX_TRACKED_UDP_SOCKETS: u32 = 16_384;
+/// TCP connects between connect4 and their SYN (`CONNECTING`, kernel-only):
+/// microseconds each, or until the first write of a `TCP_FASTOPEN_CONNECT`
+/// socket. An LRU map: a connect that failed on the spot (it never sends a
+/// SYN) leaves its entry until its socket is released, and such leftovers
+/// are evicted, oldest first, instead of filling anything.
+pub const MAX_CONNECTING_SOCKETS: u32 = 16_384;
 /// (VIP, server) pairs with live connection counts (`CONNECTIONS`).
 pub const MAX_SERVER_PAIRS: u32 = 65_536;
 /// Servers with a failure mark (`FAILED_AT`).
@@ -94,11 +100,13 @@ pub mod maps {
     pub const SOCKETS_UDP: &str = "SOCKETS_UDP";
     /// The layout version (`LAYOUT_VERSION`), an array of u32.
     pub const META: &str = "META";
-    /// Kernel-only, not pinned: 1 makes sock_ops look every connecting
-    /// socket up, not only those connect4 marked. The programs set it when
-    /// the kernel refuses the mark (before Linux 6.12); the daemon sets it
-    /// in programs that replace running ones, whose tracked sockets carry
-    /// no mark.
+    /// Kernel-only, not pinned: TCP socket cookie → the
+    /// [`SockEntry`](crate::SockEntry) connect4 chose, until sock_ops' connect
+    /// callback (the SYN about to go) moves it to `SOCKETS`.
+    pub const CONNECTING: &str = "CONNECTING";
+    /// Kernel-only, not pinned: two flags, indexed by
+    /// [`UNMARKED_KERNEL`](crate::UNMARKED_KERNEL) and
+    /// [`UNMARKED_REPLACED`](crate::UNMARKED_REPLACED).
     pub const UNMARKED: &str = "UNMARKED";
     /// Every map the daemon pins, in one list so attach, adopt and detach agree.
     pub const ALL: [&str; 8] =
@@ -208,6 +216,18 @@ impl Default for Service {
     }
 }
 
+/// `UNMARKED[UNMARKED_KERNEL]` is 1 once a connect program found that this
+/// kernel does not let it mark the sockets it tracks (before Linux 6.12), or
+/// in programs that replace running ones: sock_ops then looks every
+/// connecting socket up, not only the marked ones.
+pub const UNMARKED_KERNEL: u32 = 0;
+/// `UNMARKED[UNMARKED_REPLACED]` is 1 in programs that replaced running
+/// ones (set by the daemon): a connect that ran the old connect4 has its
+/// entry in `SOCKETS` already, not in `CONNECTING`.
+pub const UNMARKED_REPLACED: u32 = 1;
+/// Number of `UNMARKED` slots.
+pub const UNMARKED_SLOTS: u32 = 2;
+
 /// `SockEntry::flags`: the connection reached ESTABLISHED and is counted.
 pub const SOCK_ESTABLISHED: u32 = 1 << 0;
 /// `SockEntry::flags`: a failure was already reported for this connect.
@@ -216,11 +236,10 @@ pub const SOCK_FAILURE_REPORTED: u32 = 1 << 1;
 /// full, so it was not counted (and its close must not uncount it).
 pub const SOCK_UNCOUNTED: u32 = 1 << 2;
 /// `SockEntry::flags`: connect4 recorded the socket and sock_ops' connect
-/// callback (the SYN about to go) has not run yet. A socket released in
-/// SYN_SENT with it still set (a `TCP_FASTOPEN_CONNECT` socket closed
-/// before its first send) will see no callback again. Set by connect4,
-/// cleared by the callback: an entry made by programs from before the flag
-/// never has it, and keeps the old release path.
+/// callback (the SYN about to go) has not run yet. Only the connect4 of
+/// the lb before `CONNECTING` (layout 3, the same as now) set it in
+/// `SOCKETS` entries; the programs that replace it still clear and honour
+/// it, for the connects that straddle the upgrade.
 pub const SOCK_CONNECT_PENDING: u32 = 1 << 3;
 
 /// The value of the `SOCKETS` (TCP) and `SOCKETS_UDP` maps, keyed by socket

@@ -4,20 +4,23 @@
 //! - `lb_connect4` / `lb_connect6` (cgroup/connect4, cgroup/connect6): if the
 //!   destination is a VIP, pick a server from the service's selection
 //!   (`lb_common::choose`, tested on the host) and rewrite the destination.
-//!   Track the socket by cookie, and mark a TCP one for sock_ops
-//!   (`mark_tracked`).
+//!   Record a TCP socket's choice in `CONNECTING` and mark it for sock_ops
+//!   (`mark_tracked`); track a UDP one in `SOCKETS_UDP`.
 //! - `lb_getpeername4` / `lb_getpeername6`: a tracked socket reports the VIP
 //!   as its peer, so the application sees the address it dialled.
-//! - `lb_sock_ops`: for tracked TCP sockets, count live connections per
-//!   (VIP, server), mark a server failed the moment a connect to it fails,
-//!   and tell the daemon through the `EVENTS` ring buffer when a connect
+//! - `lb_sock_ops`: when a recorded connect sends its SYN (to the server
+//!   connect4 chose), track it in `SOCKETS`; for tracked TCP sockets, count
+//!   live connections per (VIP, server), mark a server failed the moment
+//!   the server refuses a connect or leaves its SYN unanswered, and tell
+//!   the daemon through the `EVENTS` ring buffer when a connect
 //!   establishes, fails or times out (a close is only counted).
 //! - `lb_sock_release` (cgroup sock_release): a released socket leaves the
 //!   socket tables: connected UDP at once; TCP that never sent its SYN (a
-//!   Fast Open connect closed before its first write) at once; TCP that
-//!   never established is marked released (the application gave up on the
-//!   connect), so that its close untracks it as no server failure.
-//!   Established TCP stays tracked until sock_ops sees it close.
+//!   connect that failed on the spot, a Fast Open connect closed before its
+//!   first write) at once; TCP that never established is marked released
+//!   (the application gave up on the connect), so that its close untracks
+//!   it as no server failure. Established TCP stays tracked until sock_ops
+//!   sees it close.
 //!
 //! The programs are dumb and fast: the daemon decides the selection; the
 //! kernel only skips servers whose connect failed within the hold-down.
@@ -39,15 +42,16 @@ use aya_ebpf::{
         bpf_ktime_get_ns, bpf_setsockopt,
     },
     macros::{cgroup_sock, cgroup_sock_addr, map, sock_ops},
-    maps::{Array, HashMap, PerCpuArray, PerCpuHashMap, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
     programs::{SockAddrContext, SockContext, SockOpsContext},
 };
 use aya_log_ebpf::debug;
 use lb_common::{
-    ConnKey, EVENTS_BYTES, Endpoint, Event, EventKind, MAX_FAILED_SERVERS, MAX_SERVER_PAIRS,
-    MAX_SERVERS, MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS, META_SLOTS, NETNS_ANY,
-    NETNS_INITIAL, Reason, SOCK_CONNECT_PENDING, SOCK_ESTABLISHED, SOCK_FAILURE_REPORTED,
-    SOCK_UNCOUNTED, Service, SockEntry,
+    ConnKey, EVENTS_BYTES, Endpoint, Event, EventKind, MAX_CONNECTING_SOCKETS, MAX_FAILED_SERVERS,
+    MAX_SERVER_PAIRS, MAX_SERVERS, MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS,
+    META_SLOTS, NETNS_ANY, NETNS_INITIAL, Reason, SOCK_CONNECT_PENDING, SOCK_ESTABLISHED,
+    SOCK_FAILURE_REPORTED, SOCK_UNCOUNTED, Service, SockEntry, UNMARKED_KERNEL, UNMARKED_REPLACED,
+    UNMARKED_SLOTS,
     choose::{Choice, choose_from_mask, usable_mask},
 };
 
@@ -62,13 +66,26 @@ static SERVICES: HashMap<Endpoint, Service> = HashMap::with_max_entries(MAX_SERV
 #[map]
 static FAILED_AT: HashMap<Endpoint, u64> = HashMap::with_max_entries(MAX_FAILED_SERVERS, 0);
 
-/// Socket cookie → the VIP and server of a TCP connect that went through a
-/// VIP. A plain hash map, not an LRU: nothing is evicted behind anyone's
-/// back. An entry leaves when sock_ops sees the socket close, or at release
-/// if it never established (`lb_sock_release`); a full table is counted
+/// Socket cookie → the VIP and server of a TCP connect through a VIP whose
+/// SYN went out (moved here from `CONNECTING` by `on_connect`). A plain
+/// hash map, not an LRU: nothing is evicted behind anyone's back. An entry
+/// leaves when sock_ops sees the socket close, or at release if it never
+/// established (`lb_sock_release`); a full table is counted
 /// (`connect_untracked`).
 #[map]
 static SOCKETS: HashMap<u64, SockEntry> = HashMap::with_max_entries(MAX_TRACKED_SOCKETS, 0);
+
+/// Socket cookie → the choice connect4 made for a TCP socket, until its SYN
+/// goes (`on_connect`). Apart from `SOCKETS` because a connect can fail on
+/// the spot after connect4 ran (a taken 4-tuple: `EADDRNOTAVAIL`; an
+/// IPv6-only socket dialling an IPv4 VIP: `ENETUNREACH`): no callback ever
+/// comes for it, and any process could hold thousands of such sockets
+/// open. Here they cannot fill the table of real connections, and the LRU
+/// evicts them; a socket that connects again elsewhere is not taken for
+/// the VIP's (`on_connect` checks where the SYN goes). Kernel-only.
+#[map]
+static CONNECTING: LruHashMap<u64, SockEntry> =
+    LruHashMap::with_max_entries(MAX_CONNECTING_SOCKETS, 0);
 
 /// As `SOCKETS`, for connected UDP sockets: apart, so that a churn of UDP
 /// sockets never competes with TCP connections for a slot. An entry leaves
@@ -89,14 +106,13 @@ static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_BYTES, 0);
 #[map]
 static SCRATCH: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
 
-/// 1 once a connect program found that this kernel does not let it set a
-/// socket's sock_ops callback flags (`mark_tracked`, Linux 6.12+), or set
-/// by the daemon in programs that replace running ones, whose tracked
-/// sockets carry no mark: sock_ops then looks every connecting socket up in
-/// `SOCKETS`, as it must. Kernel-only, never pinned
-/// (`lb_common::maps::UNMARKED`).
+/// Two flags (`lb_common::UNMARKED_KERNEL`, `UNMARKED_REPLACED`): this
+/// kernel does not let connect4 mark the sockets it records
+/// (`mark_tracked`, Linux 6.12+), so sock_ops looks every connecting socket
+/// up; these programs replaced running ones, so a connect may have its
+/// entry in `SOCKETS` already. Kernel-only, never pinned.
 #[map]
-static UNMARKED: Array<u32> = Array::with_max_entries(1, 0);
+static UNMARKED: Array<u32> = Array::with_max_entries(UNMARKED_SLOTS, 0);
 
 /// Per-CPU counters of every decision, indexed by `lb_common::Reason`.
 #[map]
@@ -108,6 +124,7 @@ static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Reason::COUNT 
 #[map]
 static META: Array<u32> = Array::with_max_entries(META_SLOTS, 0);
 
+const AF_INET: u32 = 2;
 const IPPROTO_TCP: u32 = 6;
 const IPPROTO_UDP: u32 = 17;
 
@@ -306,15 +323,18 @@ fn try_connect(
 
     // SAFETY: the helper only reads the socket behind the context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    // TCP: pending until sock_ops' connect callback (see `try_release`).
-    let flags = if protocol == IPPROTO_TCP { SOCK_CONNECT_PENDING } else { 0 };
-    let entry = SockEntry { vip: *dst, server, flags, released: 0 };
-    // BPF_ANY: a UDP socket may connect again; its entry is replaced.
-    let (table, full) = sockets_of(protocol);
-    if table.insert(cookie, entry, u64::from(BPF_ANY)).is_err() {
-        count(full);
-    } else if protocol == IPPROTO_TCP {
-        mark_tracked(ctx);
+    let entry = SockEntry { vip: *dst, server, flags: 0, released: 0 };
+    // BPF_ANY: a socket may connect again (UDP at will, TCP after a connect
+    // that failed on the spot); its entry is replaced.
+    if protocol == IPPROTO_TCP {
+        // Tracked only once its SYN goes (`on_connect`).
+        if CONNECTING.insert(cookie, entry, u64::from(BPF_ANY)).is_err() {
+            count(Reason::MapError);
+        } else {
+            mark_tracked(ctx);
+        }
+    } else if SOCKETS_UDP.insert(cookie, entry, u64::from(BPF_ANY)).is_err() {
+        count(Reason::ConnectUntrackedUdp);
     }
     count(Reason::ConnectRewritten);
     debug!(ctx, "connect rewritten to server {}", index);
@@ -343,7 +363,7 @@ fn mark_tracked(ctx: &SockAddrContext) {
             bpf_setsockopt(ctx.as_ptr(), SOL_TCP, TCP_BPF_SOCK_OPS_CB_FLAGS, flags.cast(), 4) == 0
         }
     };
-    if !marked && let Some(unmarked) = UNMARKED.get_ptr_mut(0) {
+    if !marked && let Some(unmarked) = UNMARKED.get_ptr_mut(UNMARKED_KERNEL) {
         // SAFETY: a single word, only ever set to 1.
         unsafe { core::ptr::write_volatile(unmarked, 1) };
     }
@@ -394,30 +414,23 @@ fn in_scope(ctx: &SockAddrContext, netns_cookie: u64) -> bool {
     mine == host
 }
 
-/// The socket table of `protocol` (TCP or UDP) and the reason counted when
-/// it is full.
-///
-/// Verifier note: a map access through this may see either map at one call
-/// site. That is allowed: the verifier checks each path with the map it
-/// carries, and only stops inlining the lookup at that site.
-#[inline(always)]
-fn sockets_of(protocol: u32) -> (&'static HashMap<u64, SockEntry>, Reason) {
-    if protocol == IPPROTO_UDP {
-        (&SOCKETS_UDP, Reason::ConnectUntrackedUdp)
-    } else {
-        (&SOCKETS, Reason::ConnectUntracked)
-    }
-}
-
 /// The VIP a socket dialled, if it connected through one and its peer is
 /// still the server it was sent to (a UDP socket may have re-connected).
 #[inline(always)]
 fn vip_of_peer(ctx: &SockAddrContext, peer: &Endpoint) -> Option<Endpoint> {
     // SAFETY: the helper only reads the socket behind the context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let (table, _) = sockets_of(ctx_read!(ctx, protocol));
+    let udp = ctx_read!(ctx, protocol) == IPPROTO_UDP;
     // SAFETY: entries are written whole by connect4/6 and sock_ops.
-    match unsafe { table.get(cookie) } {
+    let entry = unsafe {
+        if udp {
+            SOCKETS_UDP.get(cookie)
+        } else {
+            // A Fast Open socket is connected before its SYN goes.
+            SOCKETS.get(cookie).or_else(|| CONNECTING.get(cookie))
+        }
+    };
+    match entry {
         Some(entry) if entry.server == *peer && (peer.is_v4() == entry.vip.is_v4()) => {
             count(Reason::GetpeernameRewritten);
             Some(entry.vip)
@@ -447,9 +460,10 @@ macro_rules! sock_read {
 /// Untracks a released socket, or marks it; returns what it did. This runs
 /// in the application's close(), before TCP closes the socket.
 ///
-/// A socket whose connect never sent its SYN (`SOCK_CONNECT_PENDING`: a
-/// `TCP_FASTOPEN_CONNECT` socket closed before its first write), or that
-/// TCP already closed, leaves the table at once: no callback will come.
+/// A socket whose connect never sent its SYN (still in `CONNECTING`: a
+/// connect that failed on the spot, a `TCP_FASTOPEN_CONNECT` socket closed
+/// before its first write), or that TCP already closed, leaves the tables
+/// at once: no callback will come.
 /// A connect still in SYN_SENT is marked `released` (not removed: a SYN-ACK
 /// may be processed on another CPU right now, and its establishment must
 /// stay counted until the close uncounts it); the close that follows at
@@ -484,10 +498,14 @@ fn try_release(ctx: &SockContext) -> Reason {
     }
     // SAFETY: as above.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    // SAFETY: only tested for presence.
+    if unsafe { CONNECTING.get(cookie) }.is_some() && CONNECTING.remove(cookie).is_ok() {
+        return Reason::ReleaseCancelled;
+    }
     let Some(entry) = SOCKETS.get_ptr_mut(cookie) else { return Reason::ReleaseUntouched };
     // SAFETY: the entry is this socket's; its connect callback, the only
-    // writer of this flag after connect4, cannot run concurrently with its
-    // release. An entry of programs from before the flag never has it.
+    // writer of this flag, cannot run concurrently with its release. Only
+    // entries of the programs before `CONNECTING` have it (see the flag).
     let pending =
         unsafe { core::ptr::read_volatile(&raw const (*entry).flags) } & SOCK_CONNECT_PENDING != 0;
     if state == TCP_CLOSE || pending {
@@ -502,6 +520,15 @@ fn try_release(ctx: &SockContext) -> Reason {
     // of `released` (sock_ops writes only `flags`).
     unsafe { core::ptr::write_volatile(&raw mut (*entry).released, 1) };
     Reason::ReleaseCancelled
+}
+
+// `bpf_sock_ops` fields are read whole, like `ctx_read!` for
+// `bpf_sock_addr` (the compiler would merge `remote_ip6`'s words).
+macro_rules! ops_read {
+    ($ctx:expr, $($field:tt)+) => {
+        // SAFETY: the context pointer is valid for the whole program run.
+        unsafe { core::ptr::read_volatile(&raw const (*$ctx.ops).$($field)+) }
+    };
 }
 
 #[sock_ops]
@@ -540,28 +567,86 @@ fn tracked(ctx: &SockOpsContext) -> Option<(u64, *mut SockEntry)> {
     }
 }
 
-/// A tracked connect is about to send its SYN: ask for state changes (to see
-/// it establish, fail or close) and retransmission timeouts (to see a SYN go
-/// unanswered). A socket that connect4 did not mark is not tracked, unless
-/// this kernel cannot mark (`mark_tracked`).
+/// Whether `UNMARKED[slot]` is set.
+#[inline(always)]
+fn unmarked(slot: u32) -> bool {
+    // SAFETY: a single word, read whole.
+    UNMARKED.get_ptr(slot).is_some_and(|u| unsafe { core::ptr::read_volatile(u) } != 0)
+}
+
+/// A connect is about to send its SYN. If connect4 recorded it (in
+/// `CONNECTING`) and the SYN goes to the server it chose, track it in
+/// `SOCKETS` and ask for state changes (to see it establish, fail or close)
+/// and retransmission timeouts (to see a SYN go unanswered). A socket that
+/// connect4 did not mark is not looked up, unless this kernel cannot mark
+/// (`mark_tracked`).
 fn on_connect(ctx: &SockOpsContext) {
     // `UNMARKED` is read only for a socket without the mark.
-    // SAFETY: a single word, read whole.
-    let unmarked =
-        || UNMARKED.get_ptr(0).is_some_and(|u| unsafe { core::ptr::read_volatile(u) } != 0);
-    if ctx.cb_flags() & BPF_SOCK_OPS_RTO_CB_FLAG == 0 && !unmarked() {
+    if ctx.cb_flags() & BPF_SOCK_OPS_RTO_CB_FLAG == 0 && !unmarked(UNMARKED_KERNEL) {
         return;
     }
+    // SAFETY: the helper only reads the socket behind the context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    // SAFETY: entries are written whole by connect4/6; copied out.
+    let Some(entry) = (unsafe { CONNECTING.get(cookie) }).copied() else {
+        if unmarked(UNMARKED_REPLACED) {
+            adopt_connecting(ctx);
+        } else {
+            count(Reason::SockopsUntracked);
+        }
+        return;
+    };
+    // Ignoring the error is right: the entry was just found, and only this
+    // socket's connect and release (serialized) write it.
+    let _ = CONNECTING.remove(cookie);
+    if !sends_to(ctx, &entry.server) {
+        // An entry left by a connect that failed on the spot; this socket
+        // now connects elsewhere, not through the VIP.
+        count(Reason::SockopsUntracked);
+        return;
+    }
+    if let Err(e) = SOCKETS.insert(cookie, entry, u64::from(BPF_ANY)) {
+        count(if e == -E2BIG { Reason::ConnectUntracked } else { Reason::MapError });
+        return;
+    }
+    ask_for_callbacks(ctx);
+}
+
+/// A connect that ran the connect4 of the programs these replaced: its
+/// entry is in `SOCKETS` already, maybe with `SOCK_CONNECT_PENDING`.
+#[inline(always)]
+fn adopt_connecting(ctx: &SockOpsContext) {
     if let Some((_, entry)) = tracked(ctx) {
         // SAFETY: the entry is this socket's; its callbacks run under the
         // socket lock, and sock_release (the only other writer) writes
         // `released` alone.
         unsafe { (*entry).flags &= !SOCK_CONNECT_PENDING };
-        let flags = ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG;
-        if ctx.set_cb_flags(flags as i32).is_err() {
-            count(Reason::MapError);
-        }
+        ask_for_callbacks(ctx);
     }
+}
+
+#[inline(always)]
+fn ask_for_callbacks(ctx: &SockOpsContext) {
+    let flags = ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG;
+    if ctx.set_cb_flags(flags as i32).is_err() {
+        count(Reason::MapError);
+    }
+}
+
+/// Whether the socket's SYN goes to `server`. `remote_port` holds the
+/// port in network byte order in its *high* 16 bits, unlike `user_port`.
+#[inline(always)]
+fn sends_to(ctx: &SockOpsContext, server: &Endpoint) -> bool {
+    if (ops_read!(ctx, remote_port) >> 16) as u16 != server.port {
+        return false;
+    }
+    if ops_read!(ctx, family) == AF_INET {
+        return server.is_v4() && ops_read!(ctx, remote_ip4) == server.addr[3];
+    }
+    ops_read!(ctx, remote_ip6[0]) == server.addr[0]
+        && ops_read!(ctx, remote_ip6[1]) == server.addr[1]
+        && ops_read!(ctx, remote_ip6[2]) == server.addr[2]
+        && ops_read!(ctx, remote_ip6[3]) == server.addr[3]
 }
 
 fn on_established(ctx: &SockOpsContext) {
@@ -628,13 +713,32 @@ fn on_close(ctx: &SockOpsContext) {
         // Its application gave up on the connect: no server failure.
         count(Reason::SockopsCancelled);
     } else if ctx.arg(0) == BPF_TCP_SYN_SENT {
-        mark_failed(&entry.server);
-        count(Reason::SockopsConnectFailed);
-        emit(cookie, &entry, EventKind::ConnectFailed);
+        if closed_by_tcp(ctx) {
+            mark_failed(&entry.server);
+            count(Reason::SockopsConnectFailed);
+            emit(cookie, &entry, EventKind::ConnectFailed);
+        } else {
+            // shutdown() or connect(AF_UNSPEC) in SYN_SENT: its application
+            // gave up, as with close().
+            count(Reason::SockopsCancelled);
+        }
     }
     // Ignoring the error is right: the entry was just found, and only this
     // socket's callbacks (serialized by its lock) remove it.
     let _ = SOCKETS.remove(cookie);
+}
+
+/// Whether TCP itself closed a connect in SYN_SENT: a reset answered the
+/// SYN, or its retransmissions timed out. Both empty the write queue (the
+/// SYN) before the state changes; an application's `shutdown()` or
+/// `connect(AF_UNSPEC)` (`tcp_disconnect`) changes the state first, with
+/// the SYN still queued. Not told apart: an ICMP error closing the connect,
+/// which empties the queue first only from Linux 6.10
+/// (`tcp_done_with_error`); before, it counts as given up, and the health
+/// checks see the server.
+#[inline(always)]
+fn closed_by_tcp(ctx: &SockOpsContext) -> bool {
+    ops_read!(ctx, packets_out) == 0
 }
 
 fn mark_failed(server: &Endpoint) {

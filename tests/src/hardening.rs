@@ -79,14 +79,56 @@ impl Client {
     }
 
     /// `cancel`: how many of `n` connects were still in SYN_SENT when the
-    /// client closed them.
+    /// client gave up on them, `how` (`close`, `shutdown` or `unspec`).
     #[track_caller]
-    pub fn cancel(&mut self, addr: SocketAddr, source: IpAddr, n: usize, wait: Duration) -> usize {
-        let answer = self.ask(&format!("cancel {addr} {source} {n} {}", wait.as_millis()));
+    pub fn cancel(
+        &mut self,
+        addr: SocketAddr,
+        source: IpAddr,
+        n: usize,
+        wait: Duration,
+        how: &str,
+    ) -> usize {
+        let answer = self.ask(&format!("cancel {addr} {source} {n} {} {how}", wait.as_millis()));
         answer
             .split_whitespace()
             .find_map(|w| w.strip_prefix("syn_sent=")?.parse().ok())
             .unwrap_or_else(|| panic!("cancel: {answer}"))
+    }
+
+    /// `failfast`: how many of `n` connects to the IPv4 `vip` from
+    /// IPv6-only sockets failed on the spot with `ENETUNREACH`; the sockets
+    /// stay open until [`Client::unstick`].
+    #[track_caller]
+    pub fn failfast(&mut self, vip: SocketAddr, n: usize) -> usize {
+        let answer = self.ask(&format!("failfast {vip} {n}"));
+        answer
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("unreachable=")?.parse().ok())
+            .unwrap_or_else(|| panic!("failfast: {answer}"))
+    }
+
+    /// Closes the sockets of [`Client::failfast`].
+    #[track_caller]
+    pub fn unstick(&mut self) {
+        assert_eq!(self.ask("unstick"), "unstuck");
+    }
+
+    /// `reuse`: one socket's connect to the IPv4 `vip` fails on the spot,
+    /// then it connects to `other`; the second connect's outcome (`ok` or
+    /// the error's kind, e.g. `ConnectionRefused`).
+    #[track_caller]
+    pub fn reuse(&mut self, vip: SocketAddr, other: SocketAddr) -> String {
+        let answer = self.ask(&format!("reuse {vip} {other}"));
+        let field = |name: &str| {
+            answer.split_whitespace().find_map(|w| w.strip_prefix(name)).map(str::to_owned)
+        };
+        assert_eq!(
+            field("first=").as_deref(),
+            Some(libc::ENETUNREACH.to_string().as_str()),
+            "reuse: the first connect must fail on the spot: {answer}"
+        );
+        field("second=").unwrap_or_else(|| panic!("reuse: {answer}"))
     }
 }
 

@@ -61,23 +61,47 @@ fn maps(daemon: &Daemon) -> PinnedMaps {
 }
 
 /// Issue 10, item 1: a healthy server whose SYN-ACKs to one client never
-/// come, and that client cancels 100 connects in SYN_SENT. Before, each
-/// cancelled connect marked the server failed in the kernel (its next
-/// connects went elsewhere) and reported a failed connect to the daemon.
+/// come, and that client cancels 100 connects in SYN_SENT by closing them.
+/// Before, each cancelled connect marked the server failed in the kernel
+/// (its next connects went elsewhere) and reported a failed connect to the
+/// daemon.
 #[test]
 fn a_cancelled_connect_is_no_server_failure() {
+    cancelled_connects_are_no_server_failure("close", 60);
+}
+
+/// Trust #23, item 1: as above, given up on by `shutdown(SHUT_RDWR)`. It
+/// went through `tcp_disconnect`, which closes the socket like a reset
+/// would, and marked the healthy server failed for the whole node.
+#[test]
+fn a_connect_shut_down_in_syn_sent_is_no_server_failure() {
+    cancelled_connects_are_no_server_failure("shutdown", 69);
+}
+
+/// Trust #23, item 1: as above, given up on by `connect(AF_UNSPEC)`.
+#[test]
+fn a_connect_disconnected_in_syn_sent_is_no_server_failure() {
+    cancelled_connects_are_no_server_failure("unspec", 70);
+}
+
+/// 100 connects to a healthy server whose SYN-ACKs to one client never
+/// come, given up on by that client `how` (see `Client::cancel`), on the
+/// test's addresses `addr(test, ..)`: no failure, and a real refusal still
+/// is one.
+fn cancelled_connects_are_no_server_failure(how: &str, test: u8) {
     if !privileged() {
         return;
     }
     let _quiet = quiet();
-    let cgroup = TestCgroup::new("cancel");
-    let slow_client = Ipv4Addr::new(127, 77, 60, 50);
-    let s1 = SlowToOne::start("s1", addr(60, 1, 0), slow_client);
-    let s2 = Backend::start("s2", addr(60, 2, 0));
-    let vip = addr(60, 100, 6444);
+    let name = format!("cancel-{how}");
+    let cgroup = TestCgroup::new(&name);
+    let slow_client = Ipv4Addr::new(127, 77, test, 50);
+    let s1 = SlowToOne::start("s1", addr(test, 1, 0), slow_client);
+    let s2 = Backend::start("s2", addr(test, 2, 0));
+    let vip = addr(test, 100, 6444);
     let config =
         ServiceBuilder::new("api", vip).servers(&[s1.addr, s2.addr]).hold_down(HOLD_DOWN).toml();
-    let daemon = Daemon::start("cancel", &cgroup, &config);
+    let daemon = Daemon::start(&name, &cgroup, &config);
     let mut inside = client(&cgroup);
 
     let held = inside.connect(vip);
@@ -92,7 +116,7 @@ fn a_cancelled_connect_is_no_server_failure() {
     );
     let state = server_field(&daemon, s1.addr, "state");
 
-    let syn_sent = inside.cancel(vip, IpAddr::V4(slow_client), 100, Duration::from_millis(50));
+    let syn_sent = inside.cancel(vip, IpAddr::V4(slow_client), 100, Duration::from_millis(50), how);
     // Whatever the kernel reported, the daemon has read it by now.
     std::thread::sleep(Duration::from_millis(500));
 
@@ -122,7 +146,14 @@ fn a_cancelled_connect_is_no_server_failure() {
         "a cancelled connect was reported as failed"
     );
     assert_eq!(counter(&daemon, "sockops_connect_timeout"), 0);
-    for reason in ["release_cancelled", "sockops_cancelled"] {
+    // A close marks the socket at its release; a shutdown or a disconnect
+    // closes it first, told apart by the SYN still queued.
+    let reasons: &[&str] = if how == "close" {
+        &["release_cancelled", "sockops_cancelled"]
+    } else {
+        &["sockops_cancelled"]
+    };
+    for reason in reasons {
         assert!(counter(&daemon, reason) >= 100, "{reason}: {}", counter(&daemon, reason));
     }
     assert_eq!(inside.once(vip).as_deref(), Ok("s1"), "new connects still go to s1");
@@ -139,6 +170,79 @@ fn a_cancelled_connect_is_no_server_failure() {
     eprintln!("the connect after the refusal landed on s2 {:?} later", after_refusal.elapsed());
     assert!(maps(&daemon).failure_marks().contains(&s1), "the refusal marked s1 failed");
     assert_eq!(server_field(&daemon, s1, "recently_failed"), true);
+}
+
+/// Trust #23, item 2 (a): connects that fail on the spot, after connect6
+/// rewrote them (an IPv6-only socket dialling the IPv4 VIP IPv4-mapped:
+/// `ENETUNREACH`), leave nothing in the socket table while their sockets
+/// stay open. Before, each held an entry until its close, and 65,536 of
+/// them left every later connect on the node untracked.
+#[test]
+fn connects_that_fail_on_the_spot_hold_no_socket_table_entry() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("failfast");
+    let s1 = Backend::start("s1", addr(71, 1, 0));
+    let vip = addr(71, 100, 6444);
+    let config = ServiceBuilder::new("api", vip).servers(&[s1.addr]).toml();
+    let daemon = Daemon::start("failfast", &cgroup, &config);
+    let mut inside = client(&cgroup);
+    let n = 2_000;
+    assert_eq!(inside.failfast(vip, n), n, "each connect failed on the spot with ENETUNREACH");
+    assert!(counter(&daemon, "connect_rewritten") >= n as u64, "connect6 rewrote each first");
+    let held = inside.connect(vip);
+    assert_eq!((held.landed(), held.peer()), ("s1", vip), "a real connect is still tracked");
+    assert_eq!(
+        maps(&daemon).tracked_sockets(),
+        (1, 0),
+        "the socket table holds only the real connection, with {n} failed sockets open"
+    );
+    inside.unstick();
+    assert!(maps(&daemon).failure_marks().is_empty(), "no failure mark for s1");
+    assert_eq!(counter(&daemon, "sockops_connect_failed"), 0);
+}
+
+/// Trust #23, item 2 (b): a socket whose connect to the VIP failed on the
+/// spot, reused to connect elsewhere, is not taken for the VIP's. Before,
+/// its leftover entry made a refused connect to the user's own port mark
+/// the VIP's server failed, and a connect to the user's own listener lift
+/// a real failure mark (and report a recovery).
+#[test]
+fn a_socket_reused_after_a_connect_that_failed_on_the_spot_is_not_the_vips() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("reuse");
+    let s1 = Backend::start("s1", addr(72, 1, 0));
+    let vip = addr(72, 100, 6444);
+    let config = ServiceBuilder::new("api", vip).servers(&[s1.addr]).hold_down(HOLD_DOWN).toml();
+    let daemon = Daemon::start("reuse", &cgroup, &config);
+    let mut inside = client(&cgroup);
+
+    let closed_port = std::net::TcpListener::bind("[::1]:0").unwrap().local_addr().unwrap();
+    assert_eq!(inside.reuse(vip, closed_port), "ConnectionRefused", "the setup: {closed_port}");
+    // Whatever the kernel reported, the daemon has read it by now.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !maps(&daemon).failure_marks().contains(&s1.addr),
+        "a refused connect to {closed_port} marked the VIP's server failed"
+    );
+    assert_eq!(server_field(&daemon, s1.addr, "recently_failed"), false);
+    assert_eq!(counter(&daemon, "sockops_connect_failed"), 0);
+
+    // A real failure of s1 (the only server: connects still go to it).
+    let s1 = s1.stop();
+    assert!(inside.once(vip).is_err_and(|e| e.contains("refused")), "s1 is down");
+    assert!(maps(&daemon).failure_marks().contains(&s1), "the refusal marked s1 failed");
+    let own = std::net::TcpListener::bind("[::1]:0").unwrap();
+    assert_eq!(inside.reuse(vip, own.local_addr().unwrap()), "ok", "the setup: own listener");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        maps(&daemon).failure_marks().contains(&s1),
+        "a connect to the user's own listener lifted s1's failure mark"
+    );
+    assert_eq!(server_field(&daemon, s1, "recently_failed"), true, "{}", daemon.log());
 }
 
 /// Issue 10, item 3: a churn of connected-UDP and TCP sockets through a VIP

@@ -13,7 +13,8 @@ use aya::{
     maps::{Array, MapData},
 };
 use lb_common::{
-    LAYOUT_VERSION, META_LAYOUT_VERSION, META_PROGRAMS_HIGH, META_PROGRAMS_LOW, maps, programs,
+    LAYOUT_VERSION, META_LAYOUT_VERSION, META_PROGRAMS_HIGH, META_PROGRAMS_LOW, UNMARKED_KERNEL,
+    UNMARKED_REPLACED, maps, programs,
 };
 
 use super::{
@@ -119,12 +120,16 @@ pub(super) fn replace_programs(
     // programs (a connect may also run connect4 under the old programs and
     // its sock_ops under the new ones; with TCP Fast Open, the first send
     // is that much later): the new programs look every connecting socket
-    // up, as on a kernel that refuses the mark. Until the next fresh attach.
+    // up, as on a kernel that refuses the mark, and find a connect that ran
+    // the old connect4 in `SOCKETS`. Until the next fresh attach.
     let unmarked = ebpf
         .map_mut(maps::UNMARKED)
         .with_context(|| format!("map {} missing from the eBPF object", maps::UNMARKED))?;
     Array::<_, u32>::try_from(unmarked)
-        .and_then(|mut unmarked| unmarked.set(0, 1, 0))
+        .and_then(|mut unmarked| {
+            unmarked.set(UNMARKED_KERNEL, 1, 0)?;
+            unmarked.set(UNMARKED_REPLACED, 1, 0)
+        })
         .with_context(|| format!("writing map {}", maps::UNMARKED))?;
     let links = links_dir(bpffs);
     let pinned: Vec<(&str, PathBuf)> = programs::ALL

@@ -37,11 +37,20 @@
 //! - `churn-udp ADDR N` / `churn-tcp ADDR N` → `churned ok=K failed=F`: N
 //!   sockets one after the other, each connected to ADDR, asked who it is,
 //!   and closed;
-//! - `cancel ADDR SOURCE N WAIT_MS` → `cancelled total=N syn_sent=S
+//! - `cancel ADDR SOURCE N WAIT_MS [HOW]` → `cancelled total=N syn_sent=S
 //!   other=O`: N non-blocking connects to ADDR from the address SOURCE (any
-//!   port), all closed by the application WAIT_MS after the last started;
-//!   `syn_sent` counts those still in SYN_SENT then (connects the
-//!   application gave up on).
+//!   port), all given up on by the application WAIT_MS after the last
+//!   started, by HOW: `close` (the default), `shutdown` (SHUT_RDWR, then
+//!   close) or `unspec` (`connect(AF_UNSPEC)`, then close); `syn_sent`
+//!   counts those still in SYN_SENT then (connects the application gave
+//!   up on).
+//! - `failfast VIP N` → `failfast total=N unreachable=U`: N IPv6-only
+//!   sockets dial the IPv4 VIP IPv4-mapped, which fails on the spot
+//!   (`ENETUNREACH`, counted in U); the sockets stay open until `unstick`
+//!   → `unstuck`;
+//! - `reuse VIP OTHER` → `reuse first=ERRNO second=OUTCOME`: one such
+//!   socket then connects to the IPv6 OTHER (blocking; OUTCOME `ok` or the
+//!   error's kind) and is closed.
 //! - `fastopen ADDR N` → `fastopen total=N syn_sent=S`: N sockets with
 //!   `TCP_FASTOPEN_CONNECT` connected to ADDR and closed without writing,
 //!   from a thread in a network namespace of its own that allows Fast Open
@@ -60,15 +69,16 @@
 use std::{
     collections::HashMap,
     io::{BufRead as _, BufReader, ErrorKind, Write as _},
-    net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
-    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
+    os::fd::OwnedFd,
     time::Duration,
 };
 
-use lb_tests::{
-    hardening::{TCP_SYN_SENT, tcp_state},
-    loopback_up, monotonic_ns,
-};
+use lb_tests::{loopback_up, monotonic_ns};
+
+mod sockets;
+
+use sockets::{cancel, failfast, fastopen, reuse};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -86,6 +96,8 @@ fn main() {
     // Held connections, with how each was first seen dead (a pending
     // error is reported once; after it a peek sees EOF).
     let mut held: Vec<(TcpStream, Option<String>)> = Vec::new();
+    // Sockets whose connect failed on the spot, kept open (`failfast`).
+    let mut stuck: Vec<OwnedFd> = Vec::new();
     let mut next_id = 0u32;
     let stdout = std::io::stdout();
     for line in std::io::stdin().lock().lines() {
@@ -149,15 +161,25 @@ fn main() {
             (Some("churn-tcp"), Some(addr)) => churn(words.next(), || connect(addr).map(drop)),
             (Some("cancel"), Some(addr)) => {
                 let rest: Vec<&str> = words.collect();
-                match rest.as_slice() {
-                    [source, n, wait_ms] => {
-                        cancel(addr, source, n, wait_ms).unwrap_or_else(|e| format!("err {e}"))
-                    }
-                    _ => "err usage: cancel ADDR SOURCE N WAIT_MS".to_owned(),
-                }
+                let answer = match rest.as_slice() {
+                    [source, n, wait_ms] => cancel(addr, source, n, wait_ms, "close"),
+                    [source, n, wait_ms, how] => cancel(addr, source, n, wait_ms, how),
+                    _ => Err("usage: cancel ADDR SOURCE N WAIT_MS [close|shutdown|unspec]".into()),
+                };
+                answer.unwrap_or_else(|e| format!("err {e}"))
             }
             (Some("fastopen"), Some(addr)) => {
                 fastopen(addr, words.next()).unwrap_or_else(|e| format!("err {e}"))
+            }
+            (Some("failfast"), Some(vip)) => {
+                failfast(vip, words.next(), &mut stuck).unwrap_or_else(|e| format!("err {e}"))
+            }
+            (Some("unstick"), _) => {
+                stuck.clear();
+                "unstuck".to_owned()
+            }
+            (Some("reuse"), Some(vip)) => {
+                reuse(vip, words.next()).unwrap_or_else(|e| format!("err {e}"))
             }
             (Some("exit"), _) => break,
             _ => format!("err bad command {line:?}"),
@@ -459,140 +481,6 @@ fn churn(n: Option<&str>, mut one: impl FnMut() -> Result<(), String>) -> String
         if one().is_ok() { ok += 1 } else { failed += 1 }
     }
     format!("churned ok={ok} failed={failed}")
-}
-
-fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
-    // SAFETY: an all-zero sockaddr_storage is valid; we fill one variant.
-    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-    let len = match addr {
-        SocketAddr::V4(a) => {
-            let sin = libc::sockaddr_in {
-                sin_family: libc::AF_INET as libc::sa_family_t,
-                sin_port: a.port().to_be(),
-                sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
-                sin_zero: [0; 8],
-            };
-            // SAFETY: sockaddr_storage is larger than sockaddr_in and aligned for it.
-            unsafe { std::ptr::write((&raw mut storage).cast(), sin) };
-            size_of::<libc::sockaddr_in>()
-        }
-        SocketAddr::V6(a) => {
-            let sin6 = libc::sockaddr_in6 {
-                sin6_family: libc::AF_INET6 as libc::sa_family_t,
-                sin6_port: a.port().to_be(),
-                sin6_flowinfo: 0,
-                sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
-                sin6_scope_id: 0,
-            };
-            // SAFETY: as above.
-            unsafe { std::ptr::write((&raw mut storage).cast(), sin6) };
-            size_of::<libc::sockaddr_in6>()
-        }
-    };
-    (storage, len as libc::socklen_t)
-}
-
-/// N connects the application gives up on: non-blocking, from `source`,
-/// all started, then all closed after `wait_ms`, well before the SYN's
-/// first retransmission timeout of one second (all at once, so that a busy
-/// machine cannot stretch the whole batch past it).
-fn cancel(addr: &str, source: &str, n: &str, wait_ms: &str) -> Result<String, String> {
-    let addr: SocketAddr = addr.parse().map_err(|e| format!("bad address: {e}"))?;
-    let source: IpAddr = source.parse().map_err(|e| format!("bad source: {e}"))?;
-    let n: usize = n.parse().map_err(|e| format!("bad count: {e}"))?;
-    let wait = Duration::from_millis(wait_ms.parse().map_err(|e| format!("bad wait: {e}"))?);
-    let mut sockets = Vec::with_capacity(n);
-    for _ in 0..n {
-        let family = if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
-        // SAFETY: plain socket call.
-        let fd = unsafe {
-            libc::socket(family, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0)
-        };
-        if fd < 0 {
-            return Err(format!("socket: {}", std::io::Error::last_os_error()));
-        }
-        // SAFETY: we own the new descriptor.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let (local, local_len) = sockaddr(SocketAddr::new(source, 0));
-        // SAFETY: a valid socket and address of the given length.
-        if unsafe { libc::bind(fd.as_raw_fd(), (&raw const local).cast(), local_len) } != 0 {
-            return Err(format!("bind {source}: {}", std::io::Error::last_os_error()));
-        }
-        let (remote, remote_len) = sockaddr(addr);
-        // SAFETY: as above.
-        let rc = unsafe { libc::connect(fd.as_raw_fd(), (&raw const remote).cast(), remote_len) };
-        if rc != 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINPROGRESS) {
-            return Err(format!("connect {addr}: {}", std::io::Error::last_os_error()));
-        }
-        sockets.push(fd);
-    }
-    std::thread::sleep(wait);
-    let syn_sent = sockets.iter().filter(|fd| tcp_state(fd) == Some(TCP_SYN_SENT)).count();
-    // The application gives up: close() in SYN_SENT.
-    drop(sockets);
-    Ok(format!("cancelled total={n} syn_sent={syn_sent} other={}", n - syn_sent))
-}
-
-/// N `TCP_FASTOPEN_CONNECT` connects that never write: connect() returns
-/// at once with the socket in SYN_SENT and no SYN sent; then close().
-fn fastopen(addr: &str, n: Option<&str>) -> Result<String, String> {
-    let addr: SocketAddr = addr.parse().map_err(|e| format!("bad address: {e}"))?;
-    let n: usize =
-        n.ok_or("usage: fastopen ADDR N")?.parse().map_err(|e| format!("bad count: {e}"))?;
-    // A network namespace is a thread's own: the rest of this client stays
-    // in its namespace.
-    std::thread::spawn(move || {
-        // SAFETY: unshare takes no pointers; it moves only this thread.
-        if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
-            return Err(format!("unshare(CLONE_NEWNET): {}", std::io::Error::last_os_error()));
-        }
-        loopback_up().map_err(|e| format!("bringing lo up: {e}"))?;
-        // Client Fast Open without a cookie, in this namespace only: the
-        // connect is deferred to the first write.
-        std::fs::write("/proc/sys/net/ipv4/tcp_fastopen", "5")
-            .map_err(|e| format!("net.ipv4.tcp_fastopen: {e}"))?;
-        fastopen_connects(addr, n)
-    })
-    .join()
-    .map_err(|_| "the fast-open thread panicked".to_owned())?
-}
-
-/// See [`fastopen`]: the connects, in the current network namespace.
-fn fastopen_connects(addr: SocketAddr, n: usize) -> Result<String, String> {
-    let mut sockets = Vec::with_capacity(n);
-    for _ in 0..n {
-        let family = if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
-        // SAFETY: plain socket call.
-        let fd = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(format!("socket: {}", std::io::Error::last_os_error()));
-        }
-        // SAFETY: we own the new descriptor.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let on: libc::c_int = 1;
-        // SAFETY: a valid socket and an int option of the size passed.
-        let rc = unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::IPPROTO_TCP,
-                libc::TCP_FASTOPEN_CONNECT,
-                (&raw const on).cast(),
-                size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if rc != 0 {
-            return Err(format!("TCP_FASTOPEN_CONNECT: {}", std::io::Error::last_os_error()));
-        }
-        let (remote, remote_len) = sockaddr(addr);
-        // SAFETY: a valid socket and address of the given length.
-        if unsafe { libc::connect(fd.as_raw_fd(), (&raw const remote).cast(), remote_len) } != 0 {
-            return Err(format!("connect {addr}: {}", std::io::Error::last_os_error()));
-        }
-        sockets.push(fd);
-    }
-    let syn_sent = sockets.iter().filter(|fd| tcp_state(fd) == Some(TCP_SYN_SENT)).count();
-    drop(sockets);
-    Ok(format!("fastopen total={n} syn_sent={syn_sent}"))
 }
 
 /// In a network namespace of its own: listeners on `vip` and `server`,
