@@ -934,8 +934,9 @@ fn dns_records_are_followed_and_servfail_keeps_the_last_list() {
         .raw("[service.discovery]")
         .raw(&format!("dns = {{ name = \"{name}\", port = {port} }}"))
         .raw("debounce = \"100ms\"")
-        .raw("refresh_min = \"200ms\"")
-        .raw("refresh_max = \"500ms\"")
+        // The shortest re-resolution a config takes (a TTL of 1 s).
+        .raw("refresh_min = \"1s\"")
+        .raw("refresh_max = \"2s\"")
         .toml();
     let server = dns.addr().to_string();
     let daemon =

@@ -19,6 +19,9 @@ pub const DEFAULT_HOLD_DOWN: Duration = Duration::from_secs(5);
 pub const DEFAULT_DEBOUNCE: Duration = Duration::from_secs(1);
 /// Bounds of DNS re-resolution: the records' TTL, clamped to these.
 pub const DEFAULT_DNS_REFRESH_MIN: Duration = Duration::from_secs(5);
+/// The shortest `refresh_min` a DNS source takes: a record with a TTL of 0
+/// must not make it ask in a loop.
+pub const MIN_DNS_REFRESH: Duration = Duration::from_secs(1);
 /// See [`DEFAULT_DNS_REFRESH_MIN`].
 pub const DEFAULT_DNS_REFRESH_MAX: Duration = Duration::from_secs(300);
 

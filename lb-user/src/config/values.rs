@@ -8,7 +8,7 @@ use std::{net::SocketAddr, time::Duration};
 use super::{
     model::{
         CheckKind, DEFAULT_DEBOUNCE, DEFAULT_DNS_REFRESH_MAX, DEFAULT_DNS_REFRESH_MIN, Discovery,
-        HealthConfig, PortRef,
+        HealthConfig, MIN_DNS_REFRESH, PortRef,
     },
     problems::{Key, Problem},
     raw::{RawDiscovery, RawHealth, RawPort},
@@ -111,6 +111,14 @@ fn read_discovery(
         (None, Some(d)) => {
             let (refresh_min, refresh_max) =
                 refresh.unwrap_or((DEFAULT_DNS_REFRESH_MIN, DEFAULT_DNS_REFRESH_MAX));
+            if refresh_min < MIN_DNS_REFRESH {
+                return problem(
+                    "refresh_min",
+                    &format!(
+                        "{refresh_min:?} is shorter than {MIN_DNS_REFRESH:?} (a record with a TTL of 0 would be asked for in a loop)"
+                    ),
+                );
+            }
             if refresh_min > refresh_max {
                 return problem(
                     "refresh_min",
@@ -371,6 +379,10 @@ mod tests {
             (
                 "dns = { name = \"x\", port = 1 }\nrefresh_min = \"10m\"\nrefresh_max = \"1m\"\n",
                 "discovery.refresh_min: 600s is longer than refresh_max 60s",
+            ),
+            (
+                "dns = { name = \"x\", port = 1 }\nrefresh_min = \"1ns\"\n",
+                "discovery.refresh_min: 1ns is shorter than 1s",
             ),
             (
                 "kubernetes = { namespace = \"a\", service = \"b\", port = \"https\" }\nrefresh_min = \"1s\"\n",
