@@ -29,6 +29,8 @@
 // Built for the BPF target by lb-user's build script; on the host (e.g.
 // `cargo test --workspace`) it compiles to an empty program.
 #![cfg_attr(target_arch = "bpf", no_main)]
+// `asm!` for the BPF target (`atomic_add`); the eBPF build is on nightly.
+#![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
 
 use aya_ebpf::{
     EbpfContext as _,
@@ -147,9 +149,35 @@ const REFUSE: i32 = 0;
 #[inline(always)]
 fn count(reason: Reason) {
     if let Some(counter) = COUNTERS.get_ptr_mut(reason.index()) {
-        // SAFETY: a per-CPU slot is only touched by programs on this CPU,
-        // and a program is not preempted by another on the same CPU here.
-        unsafe { *counter += 1 };
+        // SAFETY: a u64 map value, valid for the whole program run.
+        unsafe { atomic_add(counter, 1) };
+    }
+}
+
+/// Adds `delta` to the u64 at `value`, a per-CPU map value, atomically. A
+/// per-CPU slot is not a program's own: a cgroup program runs with
+/// migration disabled but can be preempted (by a program for another
+/// socket, in process context) or interrupted (by sock_ops in softirq) on
+/// its CPU, and a plain read-modify-write would then lose one of the two
+/// increments.
+///
+/// One BPF atomic add without fetch (`BPF_XADD`), which every kernel lb
+/// supports. Written out: the BPF target has no atomic read-modify-write
+/// in `core` (it has no compare-and-swap before CPU v3), and the
+/// compiler's intrinsic is unstable in name and shape.
+///
+/// # Safety
+/// `value` is a valid, 8-byte aligned map value for the whole program run.
+#[inline(always)]
+unsafe fn atomic_add(value: *mut u64, delta: u64) {
+    // SAFETY: the caller's; the instruction touches only those 8 bytes.
+    unsafe {
+        core::arch::asm!(
+            "lock *(u64 *)({value} + 0) += {delta}",
+            value = in(reg) value,
+            delta = in(reg) delta,
+            options(nostack),
+        );
     }
 }
 
@@ -753,8 +781,9 @@ fn mark_failed(server: &Endpoint) {
 /// be counted (the map is full, or an error, both counted).
 fn add_connection(key: &ConnKey, delta: i64) -> bool {
     if let Some(value) = CONNECTIONS.get_ptr_mut(key) {
-        // SAFETY: this CPU's slot; see `count`.
-        unsafe { *value += delta };
+        // SAFETY: an i64 map value, as in `count`; two's complement makes
+        // the add of `delta` as u64 a signed one.
+        unsafe { atomic_add(value.cast(), delta as u64) };
         return true;
     }
     // First connection of this pair on any CPU: create the entry (the other
@@ -767,7 +796,7 @@ fn add_connection(key: &ConnKey, delta: i64) -> bool {
     match CONNECTIONS.get_ptr_mut(key) {
         Some(value) => {
             // SAFETY: as above.
-            unsafe { *value += delta };
+            unsafe { atomic_add(value.cast(), delta as u64) };
             true
         }
         None => {
