@@ -209,6 +209,17 @@ pub struct TrackedSockets {
     pub tcp: usize,
     /// Connected UDP sockets (tracked apart: they never take TCP's slots).
     pub udp: usize,
+    /// How many TCP sockets the table holds (`[daemon] socket_table` at
+    /// attach).
+    #[serde(default)]
+    pub tcp_capacity: usize,
+    /// How many connected UDP sockets the table holds.
+    #[serde(default)]
+    pub udp_capacity: usize,
+    /// The TCP table is full: connects through VIPs are still rewritten,
+    /// but not tracked (`connect_untracked` counts them).
+    #[serde(default)]
+    pub tcp_full: bool,
 }
 
 /// Optional kernel features.

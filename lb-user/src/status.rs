@@ -151,11 +151,20 @@ pub fn table(status: &Status) -> String {
         datapath.bpffs,
         if datapath.adopted { "  (adopted from a previous run)" } else { "" }
     );
+    let sockets = &datapath.tracked_sockets;
     let _ = writeln!(
         out,
-        "tracked sockets: {} tcp, {} udp",
-        datapath.tracked_sockets.tcp, datapath.tracked_sockets.udp
+        "tracked sockets: {} tcp (of {}), {} udp (of {})",
+        sockets.tcp, sockets.tcp_capacity, sockets.udp, sockets.udp_capacity
     );
+    if sockets.tcp_full {
+        let _ = writeln!(
+            out,
+            "  the TCP socket table is FULL: connects through VIPs are rewritten but not tracked \
+             (connect_untracked: {}); raise [daemon] socket_table",
+            datapath.counters.get("connect_untracked").copied().unwrap_or(0)
+        );
+    }
     for (name, present) in [
         ("getpeername hooks", datapath.features.getpeername),
         ("closing connections (SOCK_DESTROY)", datapath.features.sock_destroy),

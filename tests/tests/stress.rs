@@ -476,3 +476,65 @@ fn the_kernels_counts_match_what_happened_under_a_connect_storm() {
         assert_eq!(maps.connections(vip, server), 0, "live connections to {server}");
     }
 }
+
+/// Trust #23, item 3: a full TCP socket table degrades visibly and
+/// safely. With `socket_table = 64`, 80 held connections: every connect is
+/// still rewritten to the server, the ones beyond the table are counted,
+/// status and metrics say the table is full, and the log says so once.
+#[test]
+fn a_full_socket_table_still_balances_and_says_so() {
+    if !privileged() {
+        return;
+    }
+    let _heavy = one_at_a_time();
+    let net = 94;
+    let cgroup = TestCgroup::new("fulltable");
+    let s1 = Backend::start("s1", addr(net, 1, 0));
+    let vip = addr(net, 100, 6444);
+    let metrics = addr(net, 200, 9464);
+    let config = ServiceBuilder::new("api", vip).servers(&[s1.addr]).toml();
+    let daemon = Daemon::start_with(
+        "fulltable",
+        &cgroup,
+        &format!("metrics = \"{metrics}\"\nsocket_table = 64\n"),
+        &config,
+    );
+    let mut holder = Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(&cgroup));
+    let held = holder.hold(vip, 80, 4);
+    assert_eq!(
+        (held.ok, held.names.get("s1").copied()),
+        (80, Some(80)),
+        "every connect reached the server through the VIP, tracked or not: {held:?}"
+    );
+    let status = daemon.status();
+    let sockets = &status["datapath"]["tracked_sockets"];
+    assert_eq!(
+        (sockets["tcp"].as_u64(), sockets["tcp_capacity"].as_u64(), sockets["tcp_full"].as_bool()),
+        (Some(64), Some(64), Some(true)),
+        "status: {sockets}"
+    );
+    let untracked = status["datapath"]["counters"]["connect_untracked"].as_u64().unwrap_or(0);
+    assert_eq!(untracked, 16, "the 16 connects beyond the table are counted");
+    let text = scrape(metrics).unwrap();
+    for line in
+        ["lb_tracked_sockets{protocol=\"tcp\"} 64", "lb_tracked_sockets_capacity{protocol=\"tcp\"} 64"]
+    {
+        assert!(text.contains(line), "metrics lack {line:?}:\n{text}");
+    }
+    let said = || daemon.log().matches("the TCP socket table is full").count();
+    assert!(wait_until(Duration::from_secs(5), || said() == 1), "the log: {}", daemon.log());
+    // More untracked connects within the minute: no second line.
+    let more = holder.hold(vip, 10, 2);
+    assert_eq!(more.ok, 10, "{more:?}");
+    std::thread::sleep(Duration::from_millis(2_500));
+    assert_eq!(said(), 1, "a full table is logged at most once a minute");
+
+    holder.release();
+    let maps = lb_user::datapath::PinnedMaps::open(&daemon.bpffs).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || maps.tracked_sockets() == (0, 0)),
+        "the table empties as the connections close: {:?}",
+        maps.tracked_sockets()
+    );
+    assert_eq!(daemon.status()["datapath"]["tracked_sockets"]["tcp_full"], false);
+}

@@ -11,6 +11,10 @@ pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
 pub const DEFAULT_CONTROL_SOCKET: &str = "/run/lb/lb.sock";
 /// `daemon.state_dir`: server lists set at runtime, kept across restarts.
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/lb";
+/// The sizes `[daemon] socket_table` takes (the default is
+/// `lb_common::MAX_TRACKED_SOCKETS`). Small tables are for tests; the
+/// largest is some 100 MB of kernel memory.
+pub const SOCKET_TABLE_SIZES: std::ops::RangeInclusive<i64> = 64..=1 << 20;
 /// A service's `hold_down`.
 pub const DEFAULT_HOLD_DOWN: Duration = Duration::from_secs(5);
 /// How long discovery waits for a burst of changes to settle (an apiserver
@@ -50,6 +54,9 @@ pub struct Daemon {
     /// The kubeconfig for Kubernetes discovery; `None`: in-cluster (the
     /// pod's service account), when any service uses it.
     pub kubeconfig: Option<PathBuf>,
+    /// How many TCP connections through VIPs the kernel tracks at once
+    /// (`SOCKETS`' size, fixed when the datapath is attached).
+    pub socket_table: u32,
 }
 
 /// How a service spreads its connections.

@@ -4,14 +4,14 @@
 
 use std::{collections::HashMap, net::SocketAddr, path::Path};
 
-use lb_common::MAX_SERVICES;
+use lb_common::{MAX_SERVICES, MAX_TRACKED_SOCKETS};
 use toml::Spanned;
 
 use super::{
     ConfigError,
     model::{
         Config, DEFAULT_BPFFS, DEFAULT_CONTROL_SOCKET, DEFAULT_HOLD_DOWN, DEFAULT_STATE_DIR,
-        Daemon, HealthConfig, Policy, Scope, Service,
+        Daemon, HealthConfig, Policy, SOCKET_TABLE_SIZES, Scope, Service,
     },
     problems::{Key, Problem},
     raw::{RawConfig, RawService},
@@ -74,6 +74,22 @@ impl Config {
             state_dir: raw.daemon.state_dir.unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
             metrics,
             kubeconfig: raw.daemon.kubeconfig,
+            socket_table: match raw.daemon.socket_table {
+                None => MAX_TRACKED_SOCKETS,
+                Some(n) if SOCKET_TABLE_SIZES.contains(&n) => n as u32,
+                Some(n) => {
+                    problems.push(Problem::new(
+                        None,
+                        "daemon.socket_table",
+                        format!(
+                            "{n} is outside {}..={} (TCP connections through VIPs tracked at once)",
+                            SOCKET_TABLE_SIZES.start(),
+                            SOCKET_TABLE_SIZES.end()
+                        ),
+                    ));
+                    MAX_TRACKED_SOCKETS
+                }
+            },
         };
         for (key, value) in [
             ("bpffs", Some(&daemon.bpffs)),
@@ -287,6 +303,17 @@ mod tests {
         assert_eq!(api.hold_down, Duration::from_millis(500));
         assert_eq!(api.default, Some("127.0.0.3:16443".parse().unwrap()));
         assert_eq!(api.servers.len(), 2);
+        assert_eq!(config.daemon.socket_table, MAX_TRACKED_SOCKETS);
+    }
+
+    #[test]
+    fn the_socket_table_size_is_bounded() {
+        let with = |n: &str| GOOD.replace("[daemon]\n", &format!("[daemon]\nsocket_table = {n}\n"));
+        assert_eq!(parse(&with("256")).unwrap().daemon.socket_table, 256);
+        for bad in ["0", "63", "1048577", "-1"] {
+            let msg = problems(&with(bad));
+            assert!(msg.contains("daemon.socket_table") && msg.contains("outside 64..="), "{msg}");
+        }
     }
 
     #[test]

@@ -26,6 +26,7 @@ pub(super) struct RawDaemon {
     pub(super) state_dir: Option<PathBuf>,
     pub(super) metrics: Option<String>,
     pub(super) kubeconfig: Option<PathBuf>,
+    pub(super) socket_table: Option<i64>,
 }
 
 /// One `[[service]]` table, each value with where it is in the text.

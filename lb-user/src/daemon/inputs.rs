@@ -1,6 +1,6 @@
 //! Inputs to the balancers: kernel reports, health check results and
 //! deadlines. Each becomes one balancer step whose effects `apply` carries
-//! out.
+//! out. And the tick's look at the datapath itself (`watch`).
 
 use std::{net::SocketAddr, time::Duration, time::Instant};
 
@@ -74,5 +74,22 @@ impl Daemon {
             // leaves the balancer's own next one to keep.
             self.timers.set(&name, self.services[i].balancer.next_deadline());
         }
+    }
+}
+
+impl Daemon {
+    /// Logs a full TCP socket table (see [`TableWatch`]).
+    pub(super) fn watch_socket_table(&mut self, now: Instant) {
+        let maps = self.datapath.maps();
+        let Some(missed) = self.table_watch.observe(maps.untracked_connects(), now) else {
+            return;
+        };
+        let (capacity, _) = maps.socket_capacity();
+        warn!(
+            untracked = missed,
+            "the TCP socket table is full ({capacity} connections through VIPs): {missed} connects were \
+             rewritten but not tracked (no failure mark when their server fails, no live count, not \
+             closed on failover); raise [daemon] socket_table, then `lb detach` and start again"
+        );
     }
 }

@@ -9,14 +9,16 @@
 //! - `startup`: the config to keep, the saved lists, adoption of a running
 //!   datapath, memory tuning;
 //! - `service`: one service's parts (config, balancer, tasks);
-//! - `inputs`: kernel reports, health results and deadlines to balancers;
+//! - `inputs`: kernel reports, health results and deadlines to balancers,
+//!   and the tick's look at the datapath;
 //! - `apply`: a balancer's effects carried out (one write per change);
 //! - `discovered`: discovered lists to server lists;
 //! - `closing`: VIP connections closed in the background;
 //! - `requests`: control requests and metrics scrapes;
 //! - `reload`: a reload's plan (`crate::reload::plan`) executed;
 //! - `tasks`: the check loops and the kernel's event and log readers;
-//! - `timers`: when each balancer next needs its clock.
+//! - `timers`: when each balancer next needs its clock;
+//! - `watch`: when a full socket table is worth a log line.
 //!
 //! What it decides with lives below: the state machine in `balancer`,
 //! what a reload changes in `reload`, the status view in `status`, the
@@ -33,6 +35,7 @@ mod service;
 mod startup;
 mod tasks;
 mod timers;
+mod watch;
 
 use std::time::{Duration, Instant};
 
@@ -70,7 +73,8 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     let mut terminate = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut hangup = signal(SignalKind::hangup())?;
-    // Housekeeping (metrics of departed servers, the watchdog); balancers
+    // Housekeeping (metrics of departed servers, a full socket table, the
+    // watchdog); balancers
     // get their clock from `timers`, only when one needs it.
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     // systemd's WatchdogSec: pinged from the owner loop's tick, so a loop
@@ -89,6 +93,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
             () = sleep_until(deadline) => daemon.on_deadlines(Instant::now()),
             _ = tick.tick() => {
                 daemon.metrics.expire(Instant::now());
+                daemon.watch_socket_table(Instant::now());
                 if watchdog.is_some() {
                     let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
                 }

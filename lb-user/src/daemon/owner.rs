@@ -14,7 +14,7 @@ use anyhow::Context as _;
 use lb_common::Event;
 use tokio::sync::{mpsc, oneshot};
 
-use super::{service::Service, timers::Timers};
+use super::{service::Service, timers::Timers, watch::TableWatch};
 use crate::{
     balancer::{CloseReason, Health},
     config,
@@ -112,6 +112,8 @@ pub(super) struct Daemon {
     /// before (left in the ring buffer by a previous daemon) are history,
     /// not news; the kernel has already acted on them.
     pub(super) started_ns: u64,
+    /// A full TCP socket table, logged from the tick.
+    pub(super) table_watch: TableWatch,
 }
 
 impl Daemon {

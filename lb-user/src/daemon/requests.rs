@@ -64,6 +64,7 @@ fn datapath_status(
 ) -> DatapathStatus {
     let maps = datapath.maps();
     let (tcp, udp) = maps.tracked_sockets();
+    let (tcp_capacity, udp_capacity) = maps.socket_capacity();
     DatapathStatus {
         cgroup: cgroup.display().to_string(),
         bpffs: bpffs.display().to_string(),
@@ -74,7 +75,13 @@ fn datapath_status(
             sock_destroy,
             netns_scope: datapath.netns_scope,
         },
-        tracked_sockets: TrackedSockets { tcp, udp },
+        tracked_sockets: TrackedSockets {
+            tcp,
+            udp,
+            tcp_capacity,
+            udp_capacity,
+            tcp_full: tcp >= tcp_capacity,
+        },
     }
 }
 
@@ -169,6 +176,10 @@ impl Daemon {
             }
         }
         self.metrics.record_decisions(&maps.counters());
+        let (tcp, udp) = maps.tracked_sockets();
+        let (tcp_capacity, udp_capacity) = maps.socket_capacity();
+        self.metrics.set_tracked_sockets("tcp", tcp, tcp_capacity);
+        self.metrics.set_tracked_sockets("udp", udp, udp_capacity);
         self.metrics.encode()
     }
 }

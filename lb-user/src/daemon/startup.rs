@@ -22,6 +22,7 @@ use super::{
     service::Service,
     tasks::{forward_events, forward_kernel_logs},
     timers::Timers,
+    watch::TableWatch,
 };
 use crate::{
     balancer::{KernelValue, Readiness},
@@ -98,7 +99,13 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
     drop(tls);
     let initial: Vec<VipEntry> = services.iter().map(Service::entry).collect();
 
-    let mut datapath = match Datapath::open(&settings.bpffs, &cgroup, &initial, options.bpf_log) {
+    let mut datapath = match Datapath::open(
+        &settings.bpffs,
+        &cgroup,
+        &initial,
+        settings.socket_table,
+        options.bpf_log,
+    ) {
         Ok(datapath) => datapath,
         Err(e) => {
             // E.g. another daemon holds these pins: leave no socket file
@@ -147,7 +154,9 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         timers: Timers::default(),
         by_name: HashMap::new(),
         by_vip: HashMap::new(),
+        table_watch: TableWatch::default(),
     };
+    daemon.table_watch = TableWatch::new(daemon.datapath.maps().untracked_connects());
     daemon.reindex();
     for i in 0..daemon.services.len() {
         daemon.service_appeared(i);

@@ -31,6 +31,15 @@ pub struct PinnedMaps {
     sockets_udp: HashMap<MapData, u64, SockEntry>,
     connections: PerCpuHashMap<MapData, ConnKey, i64>,
     counters: PerCpuArray<MapData, u64>,
+    /// The sizes of `sockets` and `sockets_udp`, fixed at attach.
+    capacity: (usize, usize),
+}
+
+/// The size of a socket table (a hash map) as the kernel made it.
+fn max_entries(map: &Map, name: &str) -> anyhow::Result<usize> {
+    let Map::HashMap(data) = map else { anyhow::bail!("map {name} is not a hash map") };
+    let info = data.info().with_context(|| format!("reading map {name}'s size"))?;
+    Ok(info.max_entries() as usize)
 }
 
 /// What [`PinnedMaps::forget`] removed.
@@ -111,14 +120,34 @@ impl PinnedMaps {
                     .with_context(|| format!("map {} has an unexpected type or size", $name))?
             };
         }
+        let sockets = map(maps::SOCKETS)?;
+        let sockets_udp = map(maps::SOCKETS_UDP)?;
+        let capacity =
+            (max_entries(&sockets, maps::SOCKETS)?, max_entries(&sockets_udp, maps::SOCKETS_UDP)?);
         Ok(Self {
             services: typed!(HashMap, maps::SERVICES),
             failed_at: typed!(HashMap, maps::FAILED_AT),
-            sockets: typed!(HashMap, maps::SOCKETS),
-            sockets_udp: typed!(HashMap, maps::SOCKETS_UDP),
+            sockets: HashMap::try_from(sockets)
+                .with_context(|| format!("map {} has an unexpected type or size", maps::SOCKETS))?,
+            sockets_udp: HashMap::try_from(sockets_udp).with_context(|| {
+                format!("map {} has an unexpected type or size", maps::SOCKETS_UDP)
+            })?,
             connections: typed!(PerCpuHashMap, maps::CONNECTIONS),
             counters: typed!(PerCpuArray, maps::COUNTERS),
+            capacity,
         })
+    }
+
+    /// How many sockets the tables can hold: (TCP, connected UDP).
+    pub fn socket_capacity(&self) -> (usize, usize) {
+        self.capacity
+    }
+
+    /// The kernel's count of connects that were rewritten but not tracked
+    /// because the TCP socket table was full (`connect_untracked`).
+    pub fn untracked_connects(&self) -> u64 {
+        let reason = Reason::ConnectUntracked.index();
+        self.counters.get(&reason, 0).map(|v| v.iter().sum()).unwrap_or(0)
     }
 
     /// Makes the `SERVICES` map equal `desired`, writing only what changed.

@@ -90,6 +90,18 @@ pub struct Datapath {
     _lock: PinLock,
 }
 
+/// What a fresh attach is made with.
+struct Attach {
+    /// `SOCKETS`' size (`[daemon] socket_table`).
+    socket_table: u32,
+    /// `--bpf-log`.
+    bpf_log: bool,
+    /// What `scope = "host"` writes (see `host_netns_cookie`).
+    host_netns: u64,
+    /// Whether `host_netns` is this namespace's own.
+    netns_scope: bool,
+}
+
 impl Datapath {
     /// Adopts the pinned datapath under `bpffs` if it is complete (its maps
     /// untouched: `initial` is not written); otherwise loads the programs,
@@ -102,6 +114,7 @@ impl Datapath {
         bpffs: &Path,
         cgroup: &Path,
         initial: &[VipEntry],
+        socket_table: u32,
         bpf_log: bool,
     ) -> anyhow::Result<Self> {
         ensure_bpffs(bpffs)?;
@@ -126,6 +139,13 @@ impl Datapath {
             let present = required_pins(bpffs).filter(|p| p.exists()).count();
             if present == programs::REQUIRED.len() + map_names::ALL.len() {
                 let mut datapath = Self::adopt(bpffs, lock, host_netns, netns_scope)?;
+                let pinned = datapath.maps.socket_capacity().0;
+                if pinned != socket_table as usize {
+                    warn!(
+                        "the pinned socket table holds {pinned} TCP connections, not the {socket_table} of [daemon] \
+                         socket_table: its size is fixed at attach; run `lb detach` and start again to change it"
+                    );
+                }
                 if read_program_fingerprint(bpffs)? != Some(programs_fingerprint()) {
                     match replace_programs(bpffs, bpf_log) {
                         Ok(logger) => {
@@ -159,14 +179,13 @@ impl Datapath {
             // Keep the directory itself: it is what we hold locked.
             remove_pins(bpffs)?;
         }
-        Self::attach(bpffs, cgroup, initial, bpf_log, lock, host_netns, netns_scope).inspect_err(
-            |_| {
-                // Leave nothing half-attached behind.
-                if let Err(e) = detach(bpffs) {
-                    warn!("cleaning up after a failed attach: {e:#}");
-                }
-            },
-        )
+        let attach = Attach { socket_table, bpf_log, host_netns, netns_scope };
+        Self::attach(bpffs, cgroup, initial, &attach, lock).inspect_err(|_| {
+            // Leave nothing half-attached behind.
+            if let Err(e) = detach(bpffs) {
+                warn!("cleaning up after a failed attach: {e:#}");
+            }
+        })
     }
 
     fn adopt(
@@ -194,12 +213,13 @@ impl Datapath {
         bpffs: &Path,
         cgroup: &Path,
         initial: &[VipEntry],
-        bpf_log: bool,
+        attach: &Attach,
         lock: PinLock,
-        host_netns: u64,
-        netns_scope: bool,
     ) -> anyhow::Result<Self> {
-        let (mut ebpf, logger) = load_object(EbpfLoader::new(), bpf_log)?;
+        let &Attach { socket_table, bpf_log, host_netns, netns_scope } = attach;
+        let mut loader = EbpfLoader::new();
+        loader.map_max_entries(map_names::SOCKETS, socket_table);
+        let (mut ebpf, logger) = load_object(loader, bpf_log)?;
 
         // The layout version goes in before anything is pinned, so no pin
         // set of this layout is ever without it.

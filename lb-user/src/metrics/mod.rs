@@ -66,6 +66,13 @@ pub struct ServiceLabels {
     pub service: String,
 }
 
+/// Labels of `lb_tracked_sockets`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProtocolLabels {
+    /// `tcp` or `udp`.
+    pub protocol: &'static str,
+}
+
 /// Labels of `lb_datapath_decisions`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
@@ -241,6 +248,10 @@ pub struct Metrics {
     /// `lb_discovery_dropped_endpoints`: discovered addresses that can
     /// never be a server (and a VIP's own), left out, by reason.
     pub discovery_dropped: Family<DroppedLabels, Counter>,
+    /// `lb_tracked_sockets`: sockets in the kernel's socket tables.
+    pub tracked_sockets: Family<ProtocolLabels, Gauge>,
+    /// `lb_tracked_sockets_capacity`: how many each table holds.
+    pub tracked_sockets_capacity: Family<ProtocolLabels, Gauge>,
     /// Kernel counters as last read, to turn them into counter increments.
     last_decisions: HashMap<&'static str, u64>,
 }
@@ -305,8 +316,22 @@ impl Metrics {
             "Discovered addresses left out because they can never be a server, by reason",
             discovery_dropped.clone(),
         );
+        let tracked_sockets = Family::default();
+        registry.register(
+            "lb_tracked_sockets",
+            "Sockets connected through VIPs that the kernel tracks, by protocol",
+            tracked_sockets.clone(),
+        );
+        let tracked_sockets_capacity = Family::default();
+        registry.register(
+            "lb_tracked_sockets_capacity",
+            "How many sockets each kernel socket table holds; a full TCP table leaves connects untracked",
+            tracked_sockets_capacity.clone(),
+        );
         Self {
             registry,
+            tracked_sockets,
+            tracked_sockets_capacity,
             servers,
             selection_changes,
             health_check_duration,
@@ -404,6 +429,13 @@ impl Metrics {
             });
             !of_service.is_empty()
         });
+    }
+
+    /// Sets `lb_tracked_sockets` and its capacity for `protocol`.
+    pub fn set_tracked_sockets(&self, protocol: &'static str, tracked: usize, capacity: usize) {
+        let labels = ProtocolLabels { protocol };
+        self.tracked_sockets.get_or_create(&labels).set(tracked as i64);
+        self.tracked_sockets_capacity.get_or_create(&labels).set(capacity as i64);
     }
 
     /// Adds what the kernel counted since the last read.
