@@ -53,7 +53,8 @@ impl Follower {
     ) -> Self {
         let (usable_tx, usable_rx) = watch::channel(usable);
         let (tx, updates) = mpsc::channel(64);
-        let task = discovery::spawn_with("svc".to_owned(), vip, discovery, options, usable_rx, tx);
+        let task =
+            discovery::spawn_with("svc".to_owned(), vip, discovery, options, vec![], usable_rx, tx);
         Self { updates, usable: usable_tx, task, seen: Vec::new() }
     }
 

@@ -725,6 +725,70 @@ fn k3s_11349_the_watch_follows_the_apiservers_after_its_own_dies() {
     );
 }
 
+/// Trust #23, item 5, the k3s agent's case: the lb service is the
+/// apiservers' own, the kubeconfig points at its VIP, and the config's
+/// server is the registration address `reg` (an apiserver that stays).
+/// The discovered apiservers are persisted; the daemon dies, and while it
+/// is down both are replaced by a third. The restarted daemon holds the
+/// persisted list and dials it and the VIP in vain, then `reg`, which
+/// lists the new apiserver. Before, the config's servers were forgotten
+/// once a discovered list was persisted, and the node never recovered.
+#[test]
+fn a_node_down_while_every_apiserver_was_replaced_recovers_through_the_config_servers() {
+    if !privileged() {
+        return;
+    }
+    const NET: u8 = 146;
+    let rt = runtime();
+    let api = rt.block_on(FakeApiServer::start());
+    api.stop_listener(api.addr());
+    let port = shared_port(NET, &[1, 2, 3, 9]);
+    let (a1, a2, a3) = (addr(NET, 1, port), addr(NET, 2, port), addr(NET, 3, port));
+    let reg = addr(NET, 9, port);
+    for listener in [a1, a2, reg] {
+        rt.block_on(api.listen(listener));
+    }
+    let apiservers = |list: &[(SocketAddr, &str)]| {
+        let list: Vec<_> = list.iter().map(|(a, n)| (*a, *n, Condition::Ready)).collect();
+        api.apply(slice("kubernetes", "kubernetes", port, &list))
+    };
+    apiservers(&[(a1, "server-1"), (a2, "server-2")]);
+
+    let cgroup = TestCgroup::new("disc-seeds");
+    let vip = addr(NET, 100, 6443);
+    let kubeconfig = Kubeconfig::write(&format!("http://{vip}"));
+    let config = kubernetes(
+        ServiceBuilder::new("api", vip).servers(&[reg]),
+        "kubernetes",
+        "https",
+        Duration::from_millis(200),
+    )
+    .toml();
+    let mut daemon =
+        Daemon::start_with("disc-seeds", &cgroup, &kubeconfig_setting(&kubeconfig), &config);
+    wait_selected_set(&daemon, &[a1, a2], "both apiservers discovered");
+    let state = daemon.dir.join("state/servers.json");
+    assert!(
+        wait_until(WAIT, || std::fs::read_to_string(&state)
+            .is_ok_and(|s| s.contains(&a1.to_string()) && s.contains(&a2.to_string()))),
+        "the discovered list was not persisted"
+    );
+
+    // The node is down while both apiservers are replaced.
+    daemon.kill();
+    api.stop_listener(a1);
+    api.stop_listener(a2);
+    rt.block_on(api.listen(a3));
+    apiservers(&[(a3, "server-3")]);
+    daemon.restart();
+    wait_selected_set(&daemon, &[a3], "the apiserver that replaced them");
+    assert!(
+        log_lines(&daemon, &format!("connected to the apiserver at {reg}")) > 0,
+        "discovery did not come back through the config's server {reg}:\n{}",
+        daemon.log()
+    );
+}
+
 /// Start-up flapping: an endpoint added, removed and re-added within the
 /// debounce window is one change of the kernel's selection, not three
 /// (`lb_selection_changes_total`, the "selection written" log lines and

@@ -516,9 +516,10 @@ fn a_full_socket_table_still_balances_and_says_so() {
     let untracked = status["datapath"]["counters"]["connect_untracked"].as_u64().unwrap_or(0);
     assert_eq!(untracked, 16, "the 16 connects beyond the table are counted");
     let text = scrape(metrics).unwrap();
-    for line in
-        ["lb_tracked_sockets{protocol=\"tcp\"} 64", "lb_tracked_sockets_capacity{protocol=\"tcp\"} 64"]
-    {
+    for line in [
+        "lb_tracked_sockets{protocol=\"tcp\"} 64",
+        "lb_tracked_sockets_capacity{protocol=\"tcp\"} 64",
+    ] {
         assert!(text.contains(line), "metrics lack {line:?}:\n{text}");
     }
     let said = || daemon.log().matches("the TCP socket table is full").count();

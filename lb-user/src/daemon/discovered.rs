@@ -163,6 +163,7 @@ impl Daemon {
             service.config.vip,
             source,
             kubeconfig,
+            service.config.servers.clone(),
             usable_rx,
             self.discovered.clone(),
         );

@@ -33,7 +33,10 @@
 //! apiservers' own (`default/kubernetes`), or the kubeconfig's server is
 //! this service's VIP or one of its usable servers, each new connection is
 //! dialled to the first server of the daemon's current usable list that
-//! accepts, and only then to the kubeconfig's address. TLS still runs over
+//! accepts, then to the kubeconfig's address, and last to the config's own
+//! servers (the seeds: the usable list may be a persisted one whose
+//! apiservers were all replaced while the node was down, and the
+//! kubeconfig may point at the VIP). TLS still runs over
 //! that connection with the kubeconfig's server name, so the certificate
 //! is verified as before. Connections are not pooled, so when the watched
 //! apiserver dies the next list or watch dials afresh and lands on a live
@@ -99,6 +102,8 @@ pub(crate) struct Target {
     /// The Kubernetes Service.
     pub name: String,
     pub port: PortRef,
+    /// The config's servers of the lb service: dialled last.
+    pub seeds: Vec<SocketAddr>,
 }
 
 impl Target {
@@ -304,6 +309,7 @@ async fn client(
     }
     let dialer = Dialer::new(
         DialRule { vip: target.vip, apiserver_service: target.is_apiserver_service() },
+        target.seeds.clone(),
         usable,
     );
     let https = config
@@ -345,18 +351,33 @@ pub(crate) enum Dial {
 
 impl DialRule {
     /// Where to dial for a request to `configured` (the kubeconfig's server
-    /// address, when it is an IP address), in order. The usable servers
-    /// come first when they are apiservers: the Service is the apiservers'
-    /// own, or the kubeconfig points at the VIP or at one of them.
-    pub(crate) fn plan(&self, configured: Option<SocketAddr>, usable: &[SocketAddr]) -> Vec<Dial> {
+    /// address, when it is an IP address), in order. When the servers are
+    /// apiservers (the Service is the apiservers' own, or the kubeconfig
+    /// points at the VIP or at one of them): the usable servers, the
+    /// kubeconfig's address, then the config's servers (`seeds`) not tried
+    /// yet. Otherwise the kubeconfig's address alone.
+    pub(crate) fn plan(
+        &self,
+        configured: Option<SocketAddr>,
+        usable: &[SocketAddr],
+        seeds: &[SocketAddr],
+    ) -> Vec<Dial> {
         let through_usable = self.apiserver_service
-            || configured.is_some_and(|c| c == self.vip || usable.contains(&c));
+            || configured
+                .is_some_and(|c| c == self.vip || usable.contains(&c) || seeds.contains(&c));
         let mut plan: Vec<Dial> = Vec::new();
         if through_usable {
             plan.extend(usable.iter().map(|a| Dial::Server(*a)));
         }
         if !configured.is_some_and(|c| plan.contains(&Dial::Server(c))) {
             plan.push(Dial::Configured);
+        }
+        if through_usable {
+            for seed in seeds {
+                if !plan.contains(&Dial::Server(*seed)) && configured != Some(*seed) {
+                    plan.push(Dial::Server(*seed));
+                }
+            }
         }
         plan
     }
@@ -376,12 +397,17 @@ fn socket_addr_of(uri: &Uri) -> Option<SocketAddr> {
 #[derive(Clone)]
 pub(crate) struct Dialer {
     rule: DialRule,
+    seeds: Vec<SocketAddr>,
     usable: watch::Receiver<Vec<SocketAddr>>,
     tcp: HttpConnector,
 }
 
 impl Dialer {
-    pub(crate) fn new(rule: DialRule, usable: watch::Receiver<Vec<SocketAddr>>) -> Self {
+    pub(crate) fn new(
+        rule: DialRule,
+        seeds: Vec<SocketAddr>,
+        usable: watch::Receiver<Vec<SocketAddr>>,
+    ) -> Self {
         let mut tcp = HttpConnector::new();
         tcp.enforce_http(false);
         tcp.set_nodelay(true);
@@ -392,7 +418,7 @@ impl Dialer {
         tcp.set_keepalive_interval(Some(Duration::from_secs(5)));
         tcp.set_keepalive_retries(Some(3));
         tcp.set_tcp_user_timeout(Some(Duration::from_secs(30)));
-        Self { rule, usable, tcp }
+        Self { rule, seeds, usable, tcp }
     }
 }
 
@@ -418,7 +444,7 @@ impl tower::Service<Uri> for Dialer {
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
-        let plan = self.rule.plan(socket_addr_of(&uri), &self.usable.borrow());
+        let plan = self.rule.plan(socket_addr_of(&uri), &self.usable.borrow(), &self.seeds);
         let tcp = self.tcp.clone();
         Box::pin(async move {
             let mut failures = Vec::new();
@@ -717,22 +743,52 @@ mod tests {
         let elsewhere: SocketAddr = "127.19.9.9:443".parse().unwrap();
         let apiservers = DialRule { vip, apiserver_service: true };
         let app = DialRule { vip, apiserver_service: false };
+        let none: &[SocketAddr] = &[];
         // default/kubernetes: the usable servers first, then the kubeconfig.
         assert_eq!(
-            apiservers.plan(Some(elsewhere), &[a, b]),
+            apiservers.plan(Some(elsewhere), &[a, b], none),
             [Dial::Server(a), Dial::Server(b), Dial::Configured]
         );
-        assert_eq!(apiservers.plan(None, &[a]), [Dial::Server(a), Dial::Configured]);
+        assert_eq!(apiservers.plan(None, &[a], none), [Dial::Server(a), Dial::Configured]);
         // The kubeconfig points at one of them: not dialled twice.
-        assert_eq!(app.plan(Some(b), &[a, b]), [Dial::Server(a), Dial::Server(b)]);
+        assert_eq!(app.plan(Some(b), &[a, b], none), [Dial::Server(a), Dial::Server(b)]);
         // The kubeconfig points at the VIP: its servers, then the VIP (which
         // the kernel rewrites when the daemon is in the attached cgroup).
-        assert_eq!(app.plan(Some(vip), &[b]), [Dial::Server(b), Dial::Configured]);
+        assert_eq!(app.plan(Some(vip), &[b], none), [Dial::Server(b), Dial::Configured]);
         // An application's Service: its servers are not apiservers.
-        assert_eq!(app.plan(Some(elsewhere), &[a, b]), [Dial::Configured]);
-        assert_eq!(app.plan(None, &[a, b]), [Dial::Configured]);
+        assert_eq!(app.plan(Some(elsewhere), &[a, b], none), [Dial::Configured]);
+        assert_eq!(app.plan(None, &[a, b], none), [Dial::Configured]);
         // Nothing usable yet: the kubeconfig.
-        assert_eq!(apiservers.plan(Some(vip), &[]), [Dial::Configured]);
+        assert_eq!(apiservers.plan(Some(vip), &[], none), [Dial::Configured]);
+    }
+
+    /// Trust #23, item 5: the config's servers stay a last resort. A
+    /// persisted list whose apiservers were all replaced while the node was
+    /// down, and a kubeconfig that points at the VIP: the seeds come last.
+    #[test]
+    fn the_config_servers_are_dialled_last() {
+        let vip = vip4();
+        let stale: SocketAddr = "127.10.0.1:6443".parse().unwrap();
+        let seed: SocketAddr = "127.10.0.9:6443".parse().unwrap();
+        let elsewhere: SocketAddr = "127.19.9.9:443".parse().unwrap();
+        let apiservers = DialRule { vip, apiserver_service: true };
+        let app = DialRule { vip, apiserver_service: false };
+        assert_eq!(
+            app.plan(Some(vip), &[stale], &[seed]),
+            [Dial::Server(stale), Dial::Configured, Dial::Server(seed)]
+        );
+        assert_eq!(apiservers.plan(None, &[], &[seed]), [Dial::Configured, Dial::Server(seed)]);
+        // A seed that is usable, or the kubeconfig's address: once.
+        assert_eq!(
+            apiservers.plan(Some(elsewhere), &[seed], &[seed]),
+            [Dial::Server(seed), Dial::Configured]
+        );
+        assert_eq!(
+            app.plan(Some(seed), &[stale], &[seed]),
+            [Dial::Server(stale), Dial::Configured]
+        );
+        // An application's Service: its seeds are not apiservers either.
+        assert_eq!(app.plan(Some(elsewhere), &[stale], &[seed]), [Dial::Configured]);
     }
 
     #[test]

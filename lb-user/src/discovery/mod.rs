@@ -149,16 +149,18 @@ impl Options {
 /// discovery's `debounce`), and an `Err` when a sync fails. `usable`: the
 /// daemon's current usable servers of this service (best first); the
 /// Kubernetes watch of the apiservers' own Service reconnects through them
-/// (see `kubernetes`). The task ends when `tx` is closed, or when aborted.
+/// (see `kubernetes`), and then through `seeds`, the config's servers, as
+/// a last resort. The task ends when `tx` is closed, or when aborted.
 pub fn spawn(
     name: String,
     vip: SocketAddr,
     discovery: config::Discovery,
     kubeconfig: Option<PathBuf>,
+    seeds: Vec<SocketAddr>,
     usable: watch::Receiver<Vec<SocketAddr>>,
     tx: mpsc::Sender<Update>,
 ) -> JoinHandle<()> {
-    spawn_with(name, vip, discovery, Options::from_env(kubeconfig), usable, tx)
+    spawn_with(name, vip, discovery, Options::from_env(kubeconfig), seeds, usable, tx)
 }
 
 /// [`spawn`] with explicit [`Options`] (tests: a DNS server on loopback).
@@ -167,6 +169,7 @@ pub fn spawn_with(
     vip: SocketAddr,
     discovery: config::Discovery,
     options: Options,
+    seeds: Vec<SocketAddr>,
     usable: watch::Receiver<Vec<SocketAddr>>,
     tx: mpsc::Sender<Update>,
 ) -> JoinHandle<()> {
@@ -182,6 +185,7 @@ pub fn spawn_with(
                         namespace,
                         name: service,
                         port,
+                        seeds,
                     },
                     options.kubeconfig,
                     usable,
@@ -223,7 +227,7 @@ pub fn spawn_with(
             #[cfg(not(all(feature = "kubernetes", feature = "dns")))]
             built_out => {
                 // Only the missing source would have used these.
-                let _ = (vip, options, usable);
+                let _ = (vip, options, seeds, usable);
                 let feature = built_out.feature();
                 let update = Update {
                     service: name,
@@ -330,7 +334,8 @@ mod tests {
             let (tx, mut updates) = mpsc::channel(4);
             let (_usable, usable_rx) = watch::channel(Vec::new());
             let vip = "127.0.0.1:6444".parse().unwrap();
-            let task = spawn_with("api".into(), vip, discovery, Options::default(), usable_rx, tx);
+            let task =
+                spawn_with("api".into(), vip, discovery, Options::default(), vec![], usable_rx, tx);
             task.await.unwrap();
             let expected = Update {
                 service: "api".into(),
