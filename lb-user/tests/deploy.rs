@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use lb_user::config::Config;
+use lb_user::config::{Config, Discovery};
 use serde::Deserialize as _;
 
 fn deploy(path: &str) -> PathBuf {
@@ -78,7 +78,7 @@ fn daemonset_runs_on_the_host_network_with_only_the_capabilities_it_needs() {
         .iter()
         .filter_map(|m| m["mountPath"].as_str())
         .collect();
-    for path in ["/sys/fs/bpf", "/sys/fs/cgroup", "/etc/lb"] {
+    for path in ["/sys/fs/bpf/lb", "/sys/fs/cgroup", "/etc/lb"] {
         assert!(mounts.contains(&path), "{path} is not mounted");
     }
     let host_paths: Vec<&str> = pod["volumes"]
@@ -87,28 +87,83 @@ fn daemonset_runs_on_the_host_network_with_only_the_capabilities_it_needs() {
         .iter()
         .filter_map(|v| v["hostPath"]["path"].as_str())
         .collect();
-    assert!(host_paths.contains(&"/sys/fs/bpf") && host_paths.contains(&"/sys/fs/cgroup"));
+    assert!(host_paths.contains(&"/sys/fs/cgroup"));
+    // Trust #23, item 8: lb's own folder of the host's bpffs, not all of
+    // it (other programs' pins are none of lb's business), and the one the
+    // config pins under.
+    assert!(!host_paths.contains(&"/sys/fs/bpf"), "all of the host's bpffs is mounted");
+    let config = configmap_config();
+    let bpffs = config.daemon.bpffs.to_str().unwrap();
+    assert!(host_paths.contains(&bpffs) && mounts.contains(&bpffs), "{bpffs} is not mounted");
     assert!(container["args"].as_sequence().unwrap().iter().any(|a| a == "run"));
+    // Without the host's PID 1, lb cannot tell its network namespace is the
+    // host's on 5.10-5.13, and scope = "host" acts as "all".
+    assert_eq!(pod["hostPID"], true);
+    let probe = &container["livenessProbe"];
+    assert!(
+        probe["timeoutSeconds"].as_u64().is_some_and(|t| t >= 5),
+        "the liveness probe's timeout (default 1 s) restarts a busy, healthy lb: {probe:?}"
+    );
 }
 
+/// Trust #23, item 8: a Role and RoleBinding in each namespace the
+/// shipped config's discovery names, and nothing cluster-wide.
 #[test]
-fn rbac_allows_only_listing_and_watching_endpointslices() {
+fn rbac_allows_only_listing_and_watching_endpointslices_where_discovery_looks() {
     let text = std::fs::read_to_string(deploy("kubernetes/rbac.yaml")).unwrap();
     let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&text)
         .map(|d| serde_yaml::Value::deserialize(d).unwrap())
         .collect();
-    let role = docs.iter().find(|d| d["kind"] == "ClusterRole").expect("a ClusterRole");
-    let rules = role["rules"].as_sequence().unwrap();
-    assert_eq!(rules.len(), 1);
-    assert_eq!(rules[0]["apiGroups"][0], "discovery.k8s.io");
-    assert_eq!(rules[0]["resources"].as_sequence().unwrap().len(), 1);
-    assert_eq!(rules[0]["resources"][0], "endpointslices");
-    let verbs: Vec<&str> =
-        rules[0]["verbs"].as_sequence().unwrap().iter().filter_map(|v| v.as_str()).collect();
-    assert_eq!(verbs, ["list", "watch"]);
+    let kinds: Vec<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
+    assert!(
+        !kinds.iter().any(|k| k.starts_with("Cluster")),
+        "cluster-wide rights where the config's namespaces do: {kinds:?}"
+    );
+    let of_kind = |kind: &'static str| docs.iter().filter(move |d| d["kind"] == kind);
+    let namespace = |d: &serde_yaml::Value| d["metadata"]["namespace"].as_str().unwrap().to_owned();
+    for role in of_kind("Role") {
+        let rules = role["rules"].as_sequence().unwrap();
+        assert_eq!(rules.len(), 1);
+        assert_eq!(rules[0]["apiGroups"][0], "discovery.k8s.io");
+        assert_eq!(rules[0]["resources"].as_sequence().unwrap().len(), 1);
+        assert_eq!(rules[0]["resources"][0], "endpointslices");
+        let verbs: Vec<&str> =
+            rules[0]["verbs"].as_sequence().unwrap().iter().filter_map(|v| v.as_str()).collect();
+        assert_eq!(verbs, ["list", "watch"]);
+    }
     let ds = yaml("kubernetes/daemonset.yaml");
     let account = docs.iter().find(|d| d["kind"] == "ServiceAccount").expect("a ServiceAccount");
     assert_eq!(ds["spec"]["template"]["spec"]["serviceAccountName"], account["metadata"]["name"]);
+    let bound: Vec<String> = of_kind("RoleBinding")
+        .filter(|b| {
+            b["roleRef"]["kind"] == "Role"
+                && b["subjects"][0]["name"] == account["metadata"]["name"]
+                && b["subjects"][0]["namespace"] == account["metadata"]["namespace"]
+                && of_kind("Role").any(|r| {
+                    r["metadata"]["name"] == b["roleRef"]["name"] && namespace(r) == namespace(b)
+                })
+        })
+        .map(namespace)
+        .collect();
+    let wanted: Vec<String> = configmap_config()
+        .services
+        .iter()
+        .filter_map(|s| match &s.discovery {
+            Some(Discovery::Kubernetes { namespace, .. }) => Some(namespace.clone()),
+            _ => None,
+        })
+        .collect();
+    assert!(!wanted.is_empty(), "the shipped config follows the apiservers");
+    for namespace in wanted {
+        assert!(bound.contains(&namespace), "no Role bound to lb in {namespace}: {bound:?}");
+    }
+}
+
+/// The config the DaemonSet runs (`configmap.yaml`).
+fn configmap_config() -> Config {
+    let cm = yaml("kubernetes/configmap.yaml");
+    let text = cm["data"]["config.toml"].as_str().unwrap();
+    Config::parse(text, Path::new("configmap.yaml:config.toml")).unwrap_or_else(|e| panic!("{e}"))
 }
 
 #[test]
