@@ -71,11 +71,17 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
         Command::Detach { config } => {
             let paths = ClientPaths::load(&config)?;
             // Stop a running daemon first so it does not keep working on a
-            // datapath that is going away.
-            if matches!(
-                control::call(&paths.control_socket, &Request::Shutdown).await,
-                Ok(Response::Ok)
-            ) {
+            // datapath that is going away; it exits so that it is not
+            // restarted. An lb from before `Detach` is asked to shut down.
+            let socket = &paths.control_socket;
+            let stopped = match control::call(socket, &Request::Detach).await {
+                Ok(Response::Ok) => true,
+                Ok(_) => {
+                    matches!(control::call(socket, &Request::Shutdown).await, Ok(Response::Ok))
+                }
+                Err(_) => false,
+            };
+            if stopped {
                 println!("stopped the running daemon");
             }
             let removed = datapath::detach(&paths.bpffs)

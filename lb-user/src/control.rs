@@ -70,6 +70,11 @@ pub enum Request {
     Reload,
     /// Exit, leaving the datapath pinned and working.
     Shutdown,
+    /// Exit for `lb detach`: as `Shutdown`, answered once the daemon has let
+    /// go of the pins, and the daemon exits with
+    /// [`EXIT_DETACHED`](crate::detach::EXIT_DETACHED) so that a supervisor
+    /// does not start it again.
+    Detach,
 }
 
 /// An answer line: `{"result": "ok"}` and so on.

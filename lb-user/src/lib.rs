@@ -14,7 +14,8 @@
 //! - `control` (the control socket protocol, client and server), `config`
 //!   (the TOML file and the one validation of server lists);
 //! - `sock_destroy` (closing VIP connections), `state` (server lists set at
-//!   runtime, kept across restarts).
+//!   runtime, kept across restarts), `detach` (what makes `lb detach`
+//!   final).
 //!
 //! Every public item is documented (`missing_docs`).
 #![warn(missing_docs)]
@@ -26,6 +27,7 @@ pub mod config;
 pub mod control;
 pub mod daemon;
 pub mod datapath;
+pub mod detach;
 pub mod discovery;
 pub mod health;
 pub mod metrics;

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use clap::Parser as _;
 use lb_user::{
     cli::{Cli, Command, LogFormat},
-    client, daemon,
+    client, daemon, detach,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -37,11 +37,12 @@ fn main() -> ExitCode {
             Command::Run { config, bpf_log, detach_on_exit } => {
                 daemon::run(daemon::Options { config_path: config, bpf_log, detach_on_exit }).await
             }
-            command => client::run(command).await,
+            command => client::run(command).await.map(|()| daemon::Ended::Stopped),
         }
     });
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(daemon::Ended::Stopped) => ExitCode::SUCCESS,
+        Ok(daemon::Ended::Detached) => ExitCode::from(detach::EXIT_DETACHED),
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

@@ -34,6 +34,12 @@ fn systemd_unit_is_type_notify_and_keeps_what_bpf_needs() {
     assert_eq!(get("Type"), Some("notify"));
     assert!(get("ExecStart").unwrap().ends_with("lb run --config /etc/lb/config.toml"));
     assert_eq!(get("ExecReload"), Some("/bin/kill -HUP $MAINPID"));
+    // `lb detach` is final: the daemon it stops is not restarted.
+    assert_eq!(get("Restart"), Some("always"));
+    assert_eq!(
+        get("RestartPreventExitStatus"),
+        Some(lb_user::detach::EXIT_DETACHED.to_string().as_str())
+    );
     let caps = get("CapabilityBoundingSet").unwrap();
     for cap in ["CAP_BPF", "CAP_NET_ADMIN", "CAP_PERFMON"] {
         assert!(caps.contains(cap), "{cap} missing from CapabilityBoundingSet");

@@ -36,6 +36,7 @@ mod leak;
 pub mod load;
 mod netns;
 mod service;
+pub mod supervisor;
 mod wait;
 
 pub use backend::Backend;

@@ -383,3 +383,76 @@ fn sigterm_leaves_the_datapath_working_unless_detach_on_exit() {
         "nothing rewrites after --detach-on-exit"
     );
 }
+
+/// Trust #23, item 7: `lb detach` wins over a supervisor, under the shipped
+/// privileges. `lb run` runs in a restart loop (systemd's `Restart=always`
+/// with the unit's `RestartPreventExitStatus=3`) without CAP_SYS_ADMIN, as
+/// does `lb detach`. A crash is restarted; `lb detach` stops the daemon,
+/// which exits with 3 and is not started again, and when `lb detach`
+/// returns nothing rewrites connects to the VIP any more. Before, the
+/// daemon was told to shut down (exit 0) and restarted a second later.
+#[test]
+fn detach_is_final_under_a_restart_loop_without_cap_sys_admin() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("detach-loop");
+    let one = Backend::start("one", addr(35, 1, 0));
+    let vip = addr(35, 100, 80);
+    let daemon = Daemon::prepare(
+        "detach-loop",
+        &cgroup,
+        "",
+        &[],
+        &ServiceBuilder::new("api", vip).servers(&[one.addr]).toml(),
+    );
+    let answers = || daemon.try_lb(&["status"]).is_ok();
+    let mut supervisor = lb_tests::supervisor::RestartLoop::start(
+        &daemon.config,
+        daemon.dir.join("lb.log"),
+        Duration::from_secs(120),
+    );
+    assert!(wait_until(Duration::from_secs(30), answers), "lb run: {}", daemon.log());
+    let mut inside = client(&cgroup);
+    assert_eq!(inside.connect(vip).landed(), "one");
+
+    // A crash: the supervisor starts it again, and it adopts the pins.
+    supervisor.kill();
+    assert!(
+        wait_until(Duration::from_secs(30), || supervisor.exits().len() == 1 && answers()),
+        "the supervisor did not restart lb: {:?}\n{}",
+        supervisor.exits(),
+        daemon.log()
+    );
+    assert_eq!(daemon.status()["datapath"]["adopted"], true);
+
+    let mut detach = std::process::Command::new(lb_tests::lb_bin());
+    detach.args(["detach", "--config"]).arg(&daemon.config);
+    lb_tests::supervisor::without_cap_sys_admin(&mut detach);
+    let out = detach.output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && said.contains("stopped the running daemon"),
+        "lb detach: {said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The wait for the links to go works without CAP_SYS_ADMIN: nothing
+    // rewrites right after `lb detach` returns.
+    assert!(
+        matches!(inside.connect(vip), Connect::Err(e) if e.contains("refused")),
+        "a connect right after lb detach was still rewritten"
+    );
+    assert!(
+        supervisor.wait_end(Duration::from_secs(10)),
+        "the loop goes on: {:?}",
+        supervisor.exits()
+    );
+    assert_eq!(supervisor.exits(), [None, Some(3)], "killed, then exited for lb detach");
+    std::thread::sleep(Duration::from_millis(1_500));
+    assert!(!answers(), "a daemon answers after lb detach:\n{}", daemon.log());
+    assert!(!daemon.bpffs.exists(), "pins are back after lb detach: {}", daemon.bpffs.display());
+    assert!(
+        matches!(inside.connect(vip), Connect::Err(e) if e.contains("refused")),
+        "the VIP is rewritten again after lb detach"
+    );
+}

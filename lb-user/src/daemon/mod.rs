@@ -55,15 +55,26 @@ use crate::{
 /// Why the owner loop ended.
 enum Exit {
     Signal(&'static str),
-    /// `lb detach` (or a control client) asked; answered once the daemon
-    /// has done what exiting means.
+    /// A control client asked; answered once the daemon has done what
+    /// exiting means.
     Requested(oneshot::Sender<Response>),
+    /// `lb detach` asked; answered once the daemon has let go of the pins.
+    Detach(oneshot::Sender<Response>),
+}
+
+/// How the daemon ended, for its exit status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ended {
+    /// Stopped (a signal, a shutdown request): exit 0.
+    Stopped,
+    /// Stopped for `lb detach`: [`crate::detach::EXIT_DETACHED`].
+    Detached,
 }
 
 /// Runs the daemon until SIGTERM/SIGINT or a shutdown request. The datapath
 /// stays pinned and working after it returns (fail-static) unless
 /// `detach_on_exit`.
-pub async fn run(options: Options) -> anyhow::Result<()> {
+pub async fn run(options: Options) -> anyhow::Result<Ended> {
     let detach_on_exit = options.detach_on_exit;
     let Started { mut daemon, mut messages, mut calls, mut discoveries, mut scrapes } =
         startup::start(options).await?;
@@ -100,6 +111,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
             }
             Some((request, reply)) = calls.recv() => match request {
                 Request::Shutdown => break Exit::Requested(reply),
+                Request::Detach => break Exit::Detach(reply),
                 Request::CloseConnections { server, service } => {
                     daemon.close_on_request(server, service.as_deref(), reply);
                 }
@@ -135,6 +147,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     match &exit {
         Exit::Signal(name) => info!("{name}: exiting"),
         Exit::Requested(_) => info!("shutdown requested: exiting"),
+        Exit::Detach(_) => info!("lb detach: exiting, and not to be restarted"),
     }
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
     let _ = std::fs::remove_file(&socket_path);
@@ -145,10 +158,17 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     } else {
         info!("the datapath stays attached and keeps serving the last selections");
     }
-    if let Exit::Requested(reply) = exit {
-        let _ = reply.send(Response::Ok);
+    match exit {
+        Exit::Signal(_) => Ok(Ended::Stopped),
+        Exit::Requested(reply) => {
+            let _ = reply.send(Response::Ok);
+            Ok(Ended::Stopped)
+        }
+        Exit::Detach(reply) => {
+            let _ = reply.send(Response::Ok);
+            Ok(Ended::Detached)
+        }
     }
-    Ok(())
 }
 
 /// Sleeps until `deadline`, or for ever without one.

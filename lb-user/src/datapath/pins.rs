@@ -53,7 +53,28 @@ pub(super) struct PinLock {
     _dir: File,
 }
 
+/// How long `detach` waits for the pins' lock (a daemon told to exit).
+const DETACH_LOCK_WAIT: Duration = Duration::from_secs(10);
+
 impl PinLock {
+    /// As [`Self::acquire`], retrying for up to `wait`.
+    fn wait(bpffs: &Path, wait: Duration) -> anyhow::Result<Self> {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            match Self::acquire(bpffs) {
+                Ok(lock) => return Ok(lock),
+                Err(e) if std::time::Instant::now() >= deadline => {
+                    return Err(e.context(format!(
+                        "waited {wait:?} for the lock of {}; stop the daemon (systemctl stop lb) and run \
+                         lb detach again",
+                        bpffs.display()
+                    )));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+
     /// Locks `bpffs` (a directory that exists) without waiting; if another
     /// process holds it, fails naming that process.
     pub(super) fn acquire(bpffs: &Path) -> anyhow::Result<Self> {
@@ -117,6 +138,13 @@ fn describe_process(pid: i32) -> String {
 /// the programs detach and the maps are freed once no process holds them.
 /// Returns what was removed.
 pub fn detach(bpffs: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    if !bpffs.exists() {
+        return Ok(Vec::new());
+    }
+    // A daemon told to exit lets go of the lock as it exits; one that a
+    // supervisor starts meanwhile waits or fails on it, and cannot attach
+    // half-way through the removal.
+    let _lock = PinLock::wait(bpffs, DETACH_LOCK_WAIT)?;
     let removed = remove_pins(bpffs)?;
     match std::fs::remove_dir(bpffs) {
         Ok(()) => {}
