@@ -35,9 +35,9 @@
 use aya_ebpf::{
     EbpfContext as _,
     bindings::{
-        BPF_ANY, BPF_NOEXIST, BPF_SOCK_OPS_RTO_CB, BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB,
-        BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE,
-        BPF_TCP_ESTABLISHED, BPF_TCP_SYN_SENT,
+        BPF_ANY, BPF_F_NO_PREALLOC, BPF_NOEXIST, BPF_SOCK_OPS_RTO_CB, BPF_SOCK_OPS_RTO_CB_FLAG,
+        BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB,
+        BPF_TCP_CLOSE, BPF_TCP_ESTABLISHED, BPF_TCP_SYN_SENT,
     },
     helpers::{
         bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_getsockopt,
@@ -59,8 +59,16 @@ use lb_common::{
 
 /// VIP → service (its selection). Written only by the daemon, one whole
 /// value per update.
+///
+/// Not preallocated: in a preallocated hash map an update puts the value it
+/// replaces back on the CPU's free list at once, and the next update (of
+/// any VIP) may overwrite it while connect4 on another CPU still reads it,
+/// so a connect could read another VIP's servers. Without preallocation
+/// the replaced value is freed only after an RCU grace period, when no
+/// program can still hold it: every read is of one whole value.
 #[map]
-static SERVICES: HashMap<Endpoint, Service> = HashMap::with_max_entries(MAX_SERVICES, 0);
+static SERVICES: HashMap<Endpoint, Service> =
+    HashMap::with_max_entries(MAX_SERVICES, BPF_F_NO_PREALLOC);
 
 /// Server → `bpf_ktime_get_ns()` of the last connect to it that failed
 /// before establishing. Written by `sock_ops`, cleared on an established

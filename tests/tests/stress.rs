@@ -16,11 +16,12 @@ use std::{
 use lb_tests::{
     Backend, Check, Client, Connect, Daemon, ServiceBuilder, TestCgroup, addr,
     load::{
-        Flood, HoldBackend, ProcSample, log_since, raise_nofile, sample, scrape, server_field,
-        timed_status,
+        Flood, HoldBackend, Outcome, ProcSample, log_since, raise_nofile, sample, scrape,
+        server_field, timed_status,
     },
     privileged, wait_until,
 };
+use lb_user::control::{Request, Response};
 
 /// The tests of this file load the machine on purpose: one at a time.
 fn one_at_a_time() -> MutexGuard<'static, ()> {
@@ -538,4 +539,82 @@ fn a_full_socket_table_still_balances_and_says_so() {
         maps.tracked_sockets()
     );
     assert_eq!(daemon.status()["datapath"]["tracked_sockets"]["tcp_full"], false);
+}
+
+/// Trust #23, item 11: a VIP's value is read whole. Two VIPs, each
+/// switching between two servers of its own as fast as the control socket
+/// takes it (the daemon writes one VIP, then the other), while 200 threads
+/// connect through both: no connect lands on the other VIP's server. In a
+/// preallocated hash map a replaced value goes back to the CPU's free list
+/// at once, and the next write can reuse it while connect4 still reads it.
+#[test]
+fn a_vip_never_reads_another_vips_servers_while_both_change() {
+    if !privileged() {
+        return;
+    }
+    let _heavy = one_at_a_time();
+    let net = 95;
+    let cgroup = TestCgroup::new("whole");
+    let servers: Vec<Backend> = ["a1", "a2", "b1", "b2"]
+        .iter()
+        .zip(1..)
+        .map(|(name, host)| Backend::start(name, addr(net, host, 0)))
+        .collect();
+    let [a1, a2, b1, b2] = [0, 1, 2, 3].map(|i| servers[i].addr);
+    let (vip_a, vip_b) = (addr(net, 100, 6444), addr(net, 101, 6444));
+    let config = ServiceBuilder::new("a", vip_a).servers(&[a1, a2]).toml()
+        + &ServiceBuilder::new("b", vip_b).servers(&[b1, b2]).toml();
+    let daemon = Daemon::start("whole", &cgroup, &config);
+    let (record, stop) = (daemon.dir.join("attempts"), daemon.dir.join("stop"));
+    let mut client = Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(&cgroup));
+    let chaos = {
+        let (record, stop) = (record.clone(), stop.clone());
+        std::thread::spawn(move || {
+            client.chaos(&[vip_a, vip_b], 200, Duration::from_secs(90), &stop, &record)
+        })
+    };
+    let socket = daemon.dir.join("lb.sock");
+    let writes =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(
+            async {
+                // 400 writes (about 3 s here), bounded by a minute on a
+                // slow machine.
+                let mut writes = 0;
+                let until = Instant::now() + Duration::from_secs(60);
+                let lists = [("a", a1), ("b", b1), ("a", a2), ("b", b2)];
+                while writes < 400 && Instant::now() < until {
+                    for (service, server) in lists {
+                        let request = Request::SetServers {
+                            service: service.to_owned(),
+                            servers: vec![server],
+                            default: None,
+                        };
+                        match lb_user::control::call(&socket, &request).await {
+                            Ok(Response::Ok) => writes += 1,
+                            other => panic!("lb servers {service} {server}: {other:?}"),
+                        }
+                    }
+                }
+                writes
+            },
+        );
+    std::fs::write(&stop, b"").unwrap();
+    let attempts = chaos.join().unwrap();
+    let landed = |vip: usize| {
+        attempts.iter().filter(move |a| a.vip == vip).filter_map(|a| match &a.outcome {
+            Outcome::Server(name) => Some(name.clone()),
+            _ => None,
+        })
+    };
+    let (on_a, on_b) = (landed(0).count(), landed(1).count());
+    eprintln!("{writes} writes, {} attempts, {on_a} + {on_b} answered", attempts.len());
+    assert!(
+        writes >= 400 && on_a > 0 && on_b > 0,
+        "nothing to judge: {writes} writes, {on_a} + {on_b}"
+    );
+    let astray: Vec<String> = landed(0)
+        .filter(|n| !n.starts_with('a'))
+        .chain(landed(1).filter(|n| !n.starts_with('b')))
+        .collect();
+    assert!(astray.is_empty(), "connects landed on the other VIP's servers: {astray:?}");
 }
