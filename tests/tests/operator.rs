@@ -456,3 +456,55 @@ fn detach_is_final_under_a_restart_loop_without_cap_sys_admin() {
         "the VIP is rewritten again after lb detach"
     );
 }
+
+/// Trust #23, item 13: kernel events left unread in the pinned ring buffer
+/// across a restart are history. While the daemon is down, 20 connects
+/// through the VIP are refused by s1 (hold-down 1 ms: each tries s1
+/// first), and s1 comes back. The restarted daemon reads those 20 events
+/// at start and acts on none: s1 is not failed, no failure is counted, and
+/// connects go to s1.
+#[test]
+fn kernel_events_from_before_a_restart_are_history() {
+    if !privileged() {
+        return;
+    }
+    let cgroup = TestCgroup::new("history");
+    let s1 = Backend::start("s1", addr(36, 1, 0));
+    let s2 = Backend::start("s2", addr(36, 2, 0));
+    let vip = addr(36, 100, 80);
+    let service = ServiceBuilder::new("api", vip)
+        .servers(&[s1.addr, s2.addr])
+        .hold_down(Duration::from_millis(1))
+        .toml();
+    let mut daemon = Daemon::start("history", &cgroup, &service);
+    let mut inside = client(&cgroup);
+    assert_eq!(inside.connect(vip).landed(), "s1");
+    let state = daemon.status()["services"][0]["servers"][0]["state"].clone();
+
+    daemon.kill();
+    let s1_addr = s1.stop();
+    let mut refused = 0;
+    for _ in 0..20 {
+        // Each refused connect is an event in the ring buffer, unread.
+        if matches!(inside.connect(vip), Connect::Err(e) if e.contains("refused")) {
+            refused += 1;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(refused, 20, "the setup: every connect tried the stopped s1");
+    let s1 = Backend::start("s1", s1_addr);
+    daemon.restart();
+    let ignored =
+        || daemon.log().matches("ignoring a kernel event from before this daemon started").count();
+    assert!(wait_until(Duration::from_secs(5), || ignored() >= 20), "{}", daemon.log());
+    let status = daemon.status();
+    let server = &status["services"][0]["servers"][0];
+    assert_eq!((&server["address"], &server["state"]), (&s1_addr.to_string().into(), &state));
+    assert!(
+        !daemon.log().contains("connect through the VIP failed"),
+        "the restarted daemon took history for news:\n{}",
+        daemon.log()
+    );
+    assert_eq!(inside.connect(vip).landed(), "s1");
+    drop(s1);
+}

@@ -172,7 +172,10 @@ fn main() {
                 fastopen(addr, words.next()).unwrap_or_else(|e| format!("err {e}"))
             }
             (Some("failfast"), Some(vip)) => {
-                failfast(vip, words.next(), &mut stuck).unwrap_or_else(|e| format!("err {e}"))
+                let n = words.next();
+                // The sockets stay open: more than the usual 1,024.
+                raise_nofile(n.and_then(|n| n.parse::<u64>().ok()).unwrap_or(0) + 256);
+                failfast(vip, n, &mut stuck).unwrap_or_else(|e| format!("err {e}"))
             }
             (Some("unstick"), _) => {
                 stuck.clear();
