@@ -654,23 +654,14 @@ fn k3s_11349_the_watch_follows_the_apiservers_after_its_own_dies() {
     let (a1, a2, a3) = (addr(NET, 1, port), addr(NET, 2, port), addr(NET, 3, port));
     rt.block_on(api.listen(a1));
     rt.block_on(api.listen(a2));
-    let apiservers = |list: &[(SocketAddr, &str)]| {
-        let list: Vec<_> = list.iter().map(|(a, n)| (*a, *n, Condition::Ready)).collect();
-        api.apply(slice("kubernetes", "kubernetes", port, &list))
-    };
+    let apiservers = |list: &[(SocketAddr, &str)]| set_apiservers(&api, port, list);
     apiservers(&[(a1, "server-1"), (a2, "server-2")]);
 
     let cgroup = TestCgroup::new("disc-k11349");
     let vip = addr(NET, 100, 6443);
     let kubeconfig = Kubeconfig::write(&format!("http://{vip}"));
     // The static list is the bootstrap: one apiserver.
-    let config = kubernetes(
-        ServiceBuilder::new("api", vip).servers(&[a1]),
-        "kubernetes",
-        "https",
-        Duration::from_millis(200),
-    )
-    .toml();
+    let config = apiservers_service(vip, a1);
     let daemon =
         Daemon::start_with("disc-k11349", &cgroup, &kubeconfig_setting(&kubeconfig), &config);
     wait_selected_set(&daemon, &[a1, a2], "both apiservers discovered");
@@ -748,22 +739,13 @@ fn a_node_down_while_every_apiserver_was_replaced_recovers_through_the_config_se
     for listener in [a1, a2, reg] {
         rt.block_on(api.listen(listener));
     }
-    let apiservers = |list: &[(SocketAddr, &str)]| {
-        let list: Vec<_> = list.iter().map(|(a, n)| (*a, *n, Condition::Ready)).collect();
-        api.apply(slice("kubernetes", "kubernetes", port, &list))
-    };
+    let apiservers = |list: &[(SocketAddr, &str)]| set_apiservers(&api, port, list);
     apiservers(&[(a1, "server-1"), (a2, "server-2")]);
 
     let cgroup = TestCgroup::new("disc-seeds");
     let vip = addr(NET, 100, 6443);
     let kubeconfig = Kubeconfig::write(&format!("http://{vip}"));
-    let config = kubernetes(
-        ServiceBuilder::new("api", vip).servers(&[reg]),
-        "kubernetes",
-        "https",
-        Duration::from_millis(200),
-    )
-    .toml();
+    let config = apiservers_service(vip, reg);
     let mut daemon =
         Daemon::start_with("disc-seeds", &cgroup, &kubeconfig_setting(&kubeconfig), &config);
     wait_selected_set(&daemon, &[a1, a2], "both apiservers discovered");
@@ -787,6 +769,25 @@ fn a_node_down_while_every_apiserver_was_replaced_recovers_through_the_config_se
         "discovery did not come back through the config's server {reg}:\n{}",
         daemon.log()
     );
+}
+
+/// The apiservers' own EndpointSlice (`default/kubernetes`): `list` as
+/// (address, node), every one ready, on port `port`.
+fn set_apiservers(api: &FakeApiServer, port: u16, list: &[(SocketAddr, &str)]) {
+    let list: Vec<_> = list.iter().map(|(a, n)| (*a, *n, Condition::Ready)).collect();
+    api.apply(slice("kubernetes", "kubernetes", port, &list));
+}
+
+/// The lb service `api` at `vip` that follows the apiservers' own Service,
+/// with `bootstrap` as its configured server.
+fn apiservers_service(vip: SocketAddr, bootstrap: SocketAddr) -> String {
+    kubernetes(
+        ServiceBuilder::new("api", vip).servers(&[bootstrap]),
+        "kubernetes",
+        "https",
+        Duration::from_millis(200),
+    )
+    .toml()
 }
 
 /// Start-up flapping: an endpoint added, removed and re-added within the
