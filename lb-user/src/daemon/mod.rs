@@ -158,18 +158,21 @@ pub async fn run(options: Options) -> anyhow::Result<Ended> {
     } else {
         info!("the datapath stays attached and keeps serving the last selections");
     }
-    match exit {
-        Exit::Signal(_) => Ok(Ended::Stopped),
-        Exit::Requested(reply) => {
-            let _ = reply.send(Response::Ok);
-            Ok(Ended::Stopped)
-        }
-        Exit::Detach(reply) => {
-            let _ = reply.send(Response::Ok);
-            Ok(Ended::Detached)
-        }
-    }
+    let (reply, ended) = match exit {
+        Exit::Signal(_) => return Ok(Ended::Stopped),
+        Exit::Requested(reply) => (reply, Ended::Stopped),
+        Exit::Detach(reply) => (reply, Ended::Detached),
+    };
+    let _ = reply.send(Response::Ok);
+    // The answer is written by the client's own task (`control::serve`):
+    // give it the moment it needs before the process ends, or the client
+    // sees the connection close without it.
+    tokio::time::sleep(REPLY_GRACE).await;
+    Ok(ended)
 }
+
+/// How long an exiting daemon waits for its last answer to be written.
+const REPLY_GRACE: Duration = Duration::from_millis(200);
 
 /// Sleeps until `deadline`, or for ever without one.
 async fn sleep_until(deadline: Option<tokio::time::Instant>) {
