@@ -136,6 +136,7 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
             "this kernel cannot destroy sockets (CONFIG_INET_DIAG_DESTROY, or the tcp_diag module): connections that must move are left to end on their own"
         );
     }
+    let table_watch = TableWatch::new(datapath.maps().untracked_connects());
     let mut daemon = Daemon {
         settings,
         config_path: options.config_path,
@@ -154,9 +155,8 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         timers: Timers::default(),
         by_name: HashMap::new(),
         by_vip: HashMap::new(),
-        table_watch: TableWatch::default(),
+        table_watch,
     };
-    daemon.table_watch = TableWatch::new(daemon.datapath.maps().untracked_connects());
     daemon.reindex();
     for i in 0..daemon.services.len() {
         daemon.service_appeared(i);

@@ -146,8 +146,12 @@ impl PinnedMaps {
     /// The kernel's count of connects that were rewritten but not tracked
     /// because the TCP socket table was full (`connect_untracked`).
     pub fn untracked_connects(&self) -> u64 {
-        let reason = Reason::ConnectUntracked.index();
-        self.counters.get(&reason, 0).map(|v| v.iter().sum()).unwrap_or(0)
+        self.counter(Reason::ConnectUntracked)
+    }
+
+    /// One kernel decision counter, summed over the CPUs (0 if unreadable).
+    fn counter(&self, reason: Reason) -> u64 {
+        self.counters.get(&reason.index(), 0).map(|v| v.iter().sum()).unwrap_or(0)
     }
 
     /// Makes the `SERVICES` map equal `desired`, writing only what changed.
@@ -272,14 +276,7 @@ impl PinnedMaps {
 
     /// The kernel's decision counters, summed over CPUs, by reason name.
     pub fn counters(&self) -> Vec<(&'static str, u64)> {
-        Reason::ALL
-            .into_iter()
-            .map(|reason| {
-                let total =
-                    self.counters.get(&reason.index(), 0).map(|v| v.iter().sum()).unwrap_or(0);
-                (reason.name(), total)
-            })
-            .collect()
+        Reason::ALL.into_iter().map(|reason| (reason.name(), self.counter(reason))).collect()
     }
 
     /// The live TCP sockets that connected through a VIP.
