@@ -238,6 +238,10 @@ pub struct Features {
     /// the daemon in the initial namespace); without it, host acts as all.
     #[serde(default)]
     pub netns_scope: bool,
+    /// lb may enter other network namespaces (CAP_SYS_ADMIN), so it closes
+    /// the connections pods made through `scope = "all"` VIPs too.
+    #[serde(default)]
+    pub close_in_pods: bool,
 }
 
 /// Sends one request to the daemon behind `socket` and returns its answer.

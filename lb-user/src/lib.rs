@@ -13,7 +13,7 @@
 //!   `cli` (the command line), `reload` (a reload's plan: pure);
 //! - `control` (the control socket protocol, client and server), `config`
 //!   (the TOML file and the one validation of server lists);
-//! - `sock_destroy` (closing VIP connections), `state` (server lists set at
+//! - `sock_destroy` (closing VIP connections, with `netns` in pods'), `state` (server lists set at
 //!   runtime, kept across restarts), `detach` (what makes `lb detach`
 //!   final).
 //!
@@ -31,6 +31,7 @@ pub mod detach;
 pub mod discovery;
 pub mod health;
 pub mod metrics;
+pub mod netns;
 pub mod reload;
 pub mod sock_destroy;
 pub mod state;

@@ -3,11 +3,13 @@
 //!
 //! The caller picks the cookies (from the `SOCKETS` map), so a direct
 //! connection to the same server is never touched: it has no entry there.
-//! Needs CAP_NET_ADMIN and `CONFIG_INET_DIAG_DESTROY`; acts in the caller's
-//! network namespace.
+//! Needs CAP_NET_ADMIN and `CONFIG_INET_DIAG_DESTROY`. [`destroy`] acts in
+//! the caller's network namespace; [`destroy_everywhere`] also in the
+//! node's others, where pods connect through a VIP with `scope = "all"`.
 
 use std::{collections::HashSet, io};
 
+use crate::netns;
 use netlink_packet_core::{
     NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
@@ -53,6 +55,52 @@ pub fn destroy(cookies: &HashSet<u64>) -> io::Result<Vec<u64>> {
         }
     }
     Ok(destroyed)
+}
+
+/// What [`destroy_everywhere`] did.
+#[derive(Debug, Default)]
+pub struct Destroyed {
+    /// The cookies of the sockets reset, in any namespace.
+    pub cookies: Vec<u64>,
+    /// How many other network namespaces were searched.
+    pub namespaces: usize,
+    /// Why the other namespaces could not all be searched, and how many
+    /// sockets were still not found then.
+    pub not_searched: Option<(io::Error, usize)>,
+}
+
+/// [`destroy`] in this network namespace and then, while some `cookies`
+/// are still not found and `other_namespaces` is set, in each of the
+/// node's other namespaces ([`netns::for_each_other`]). Sockets are looked
+/// for where they are: a cookie is unique on the node.
+pub fn destroy_everywhere(cookies: &HashSet<u64>, other_namespaces: bool) -> io::Result<Destroyed> {
+    let mut done = Destroyed { cookies: destroy(cookies)?, ..Destroyed::default() };
+    let mut left: HashSet<u64> = cookies.iter().copied().collect();
+    for cookie in &done.cookies {
+        left.remove(cookie);
+    }
+    if !other_namespaces || left.is_empty() {
+        return Ok(done);
+    }
+    let mut failed = None;
+    let walked = netns::for_each_other(|| {
+        match destroy(&left) {
+            Ok(found) => {
+                for cookie in found {
+                    left.remove(&cookie);
+                    done.cookies.push(cookie);
+                }
+            }
+            Err(e) => failed = failed.take().or(Some(e)),
+        }
+        !left.is_empty()
+    });
+    match walked {
+        Ok(n) => done.namespaces = n,
+        Err(e) => failed = Some(e),
+    }
+    done.not_searched = failed.map(|e| (e, left.len()));
+    Ok(done)
 }
 
 /// Whether this kernel can destroy sockets (`CONFIG_INET_DIAG_DESTROY`):

@@ -172,6 +172,10 @@ pub fn table(status: &Status) -> String {
             "network namespace scope (scope = \"host\" acts as \"all\")",
             datapath.features.netns_scope,
         ),
+        (
+            "closing pods' connections (CAP_SYS_ADMIN to enter their network namespaces)",
+            datapath.features.close_in_pods,
+        ),
     ] {
         if !present {
             let _ = writeln!(out, "degraded: this kernel lacks {name}");

@@ -94,7 +94,7 @@ impl Client {
         line.trim().to_owned()
     }
 
-    fn parse(answer: &str) -> Connect {
+    pub(crate) fn parse(answer: &str) -> Connect {
         let mut words = answer.splitn(4, ' ');
         match words.next() {
             Some("ok") => Connect::Ok {

@@ -241,6 +241,23 @@ impl Daemon {
         false
     }
 
+    /// A field of `server` in the first service of `lb status --json`
+    /// (`null` if the server is not there).
+    pub fn server_field(&self, server: SocketAddr, field: &str) -> serde_json::Value {
+        let status = self.status();
+        status["services"][0]["servers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["address"] == server.to_string())
+            .map_or(serde_json::Value::Null, |s| s[field].clone())
+    }
+
+    /// A kernel decision counter from `lb status --json` (0 if absent).
+    pub fn counter(&self, reason: &str) -> u64 {
+        self.status()["datapath"]["counters"][reason].as_u64().unwrap_or(0)
+    }
+
     /// Live connections through `vip` to `server`, from `lb status --json`.
     pub fn connections(&self, service: &str, server: SocketAddr) -> i64 {
         let status = self.status();

@@ -25,7 +25,7 @@ use std::{
 
 use crate::{
     cgroup::{TestCgroup, start_in_cgroup},
-    client::Client,
+    client::{Client, Connect},
     env::client_bin,
 };
 
@@ -41,6 +41,13 @@ impl Client {
             .unwrap_or_else(|| panic!("peer {id}: {answer}"))
             .parse()
             .unwrap()
+    }
+
+    /// A connection to `vip` made from a network namespace of the
+    /// client's own (a pod's), where a listener on `server` answers
+    /// `pod-server`; the client holds it. Watch it with `alive`.
+    pub fn pod(&mut self, vip: SocketAddr, server: SocketAddr) -> Connect {
+        Self::parse(&self.ask(&format!("pod {vip} {server}")))
     }
 
     /// One connect, closed at once: `Ok(server name)` or `Err(message)`.

@@ -25,20 +25,10 @@ fn readyz(interval_ms: u64) -> Check {
 /// How long the kernel skips a server after a failed connect, in these tests.
 const HOLD_DOWN: Duration = Duration::from_secs(1);
 
-fn server_field(daemon: &Daemon, server: SocketAddr, field: &str) -> serde_json::Value {
-    let status = daemon.status();
-    status["services"][0]["servers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["address"] == server.to_string())
-        .map_or(serde_json::Value::Null, |s| s[field].clone())
-}
-
 #[track_caller]
 fn wait_state(daemon: &Daemon, server: SocketAddr, state: &str) {
     assert!(
-        wait_until(Duration::from_secs(10), || server_field(daemon, server, "state") == state),
+        wait_until(Duration::from_secs(10), || daemon.server_field(server, "state") == state),
         "{server} did not become {state}; status:\n{}\nlog:\n{}",
         serde_json::to_string_pretty(&daemon.status()).unwrap(),
         daemon.log()
@@ -56,7 +46,7 @@ fn wait_active_pair<'a>(
 ) -> (&'a Backend, &'a Backend) {
     let checked = |b: &Backend| {
         matches!(
-            server_field(daemon, b.addr, "state").as_str(),
+            daemon.server_field(b.addr, "state").as_str(),
             Some("active" | "preferred" | "healthy")
         )
     };
@@ -65,7 +55,7 @@ fn wait_active_pair<'a>(
         "servers were not checked:\n{}",
         daemon.log()
     );
-    if server_field(daemon, x.addr, "state") == "active" { (x, y) } else { (y, x) }
+    if daemon.server_field(x.addr, "state") == "active" { (x, y) } else { (y, x) }
 }
 
 #[track_caller]
@@ -163,7 +153,7 @@ fn k3s_rework_sequence() {
     daemon.lb(&["servers", "api", &s2.addr.to_string(), "--default", &s3.addr.to_string()]);
     wait_state(&daemon, s3.addr, "standby");
     assert_eq!(
-        server_field(&daemon, default.addr, "state"),
+        daemon.server_field(default.addr, "state"),
         serde_json::Value::Null,
         "the old default is gone"
     );
@@ -198,8 +188,8 @@ fn k3s_10240_all_checks_failing_still_connects() {
     for _ in 0..5 {
         assert_eq!(landed(&inside.connect(vip)), "s1");
     }
-    assert_eq!(server_field(&daemon, s1.addr, "healthy"), false);
-    assert!(server_field(&daemon, s1.addr, "last_check").as_str().unwrap().contains("HTTP 500"));
+    assert_eq!(daemon.server_field(s1.addr, "healthy"), false);
+    assert!(daemon.server_field(s1.addr, "last_check").as_str().unwrap().contains("HTTP 500"));
 }
 
 /// k3s 9882 / 7193: a removed server never gets another connection, and its
@@ -561,7 +551,7 @@ fn restart_during_an_outage_sends_no_connect_to_the_dead_server() {
     assert_eq!(landed(&inside.connect(vip)), "good");
     std::thread::sleep(HOLD_DOWN * 2);
     assert_eq!(
-        server_field(&daemon, hung_addr, "recently_failed"),
+        daemon.server_field(hung_addr, "recently_failed"),
         false,
         "the kernel's mark must have expired"
     );
@@ -576,7 +566,7 @@ fn restart_during_an_outage_sends_no_connect_to_the_dead_server() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert_eq!(server_field(&daemon, hung_addr, "state"), "failed", "{}", daemon.log());
+    assert_eq!(daemon.server_field(hung_addr, "state"), "failed", "{}", daemon.log());
     assert_eq!(daemon.status()["services"][0]["selected"][0], good.addr.to_string());
     drop(hung);
 }
@@ -606,8 +596,7 @@ fn passive_detection_of_a_server_that_accepts_nothing() {
     let first = inside.connect(vip);
     assert!(matches!(&first, Connect::Err(_)), "{first:?}");
     assert!(
-        wait_until(Duration::from_secs(10), || server_field(&daemon, hung_addr, "state")
-            == "failed"),
+        wait_until(Duration::from_secs(10), || daemon.server_field(hung_addr, "state") == "failed"),
         "{}",
         daemon.log()
     );

@@ -1,7 +1,6 @@
 //! Hardening (issue 10), datapath side: a connect its application gave up
-//! on is no server failure; released sockets leave the socket tables;
-//! `host`-scoped services leave other network namespaces alone; the kernel
-//! forgets removed servers; one daemon per set of pins; pins of another map
+//! on is no server failure; released sockets leave the socket tables; the
+//! kernel forgets removed servers; one daemon per set of pins; pins of another map
 //! layout are refused. Needs root; see `lb_tests::privileged`.
 //!
 //! Every service here has the builder's default health setting, no checks:
@@ -9,14 +8,14 @@
 //! would show.
 
 use std::{
-    net::{IpAddr, Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr},
     path::Path,
     time::{Duration, Instant},
 };
 
 use lb_tests::{
     Backend, Client, Daemon, ServiceBuilder, TestCgroup, addr,
-    hardening::{SlowToOne, connect_from_own_netns, run_to_exit},
+    hardening::{SlowToOne, run_to_exit},
     lb_bin, privileged, wait_until,
 };
 use lb_user::datapath::PinnedMaps;
@@ -37,21 +36,6 @@ fn quiet() -> std::sync::MutexGuard<'static, ()> {
 
 fn client(cgroup: &TestCgroup) -> Client {
     Client::start(CLIENT, Some(cgroup))
-}
-
-fn server_field(daemon: &Daemon, server: SocketAddr, field: &str) -> serde_json::Value {
-    let status = daemon.status();
-    status["services"][0]["servers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["address"] == server.to_string())
-        .map_or(serde_json::Value::Null, |s| s[field].clone())
-}
-
-/// A kernel decision counter from `lb status --json` (0 if absent).
-fn counter(daemon: &Daemon, reason: &str) -> u64 {
-    daemon.status()["datapath"]["counters"][reason].as_u64().unwrap_or(0)
 }
 
 fn maps(daemon: &Daemon) -> PinnedMaps {
@@ -114,16 +98,16 @@ fn cancelled_connects_are_no_server_failure(how: &str, test: u8) {
         s1.slow_client_is_ignored(),
         "the setup: SYNs from {slow_client} to s1 must go unanswered"
     );
-    let state = server_field(&daemon, s1.addr, "state");
+    let state = daemon.server_field(s1.addr, "state");
 
     let syn_sent = inside.cancel(vip, IpAddr::V4(slow_client), 100, Duration::from_millis(50), how);
     // Whatever the kernel reported, the daemon has read it by now.
     std::thread::sleep(Duration::from_millis(500));
 
     let reported =
-        ["sockops_connect_failed", "sockops_connect_timeout"].map(|r| (r, counter(&daemon, r)));
+        ["sockops_connect_failed", "sockops_connect_timeout"].map(|r| (r, daemon.counter(r)));
     assert_eq!(
-        server_field(&daemon, s1.addr, "recently_failed"),
+        daemon.server_field(s1.addr, "recently_failed"),
         false,
         "a cancelled connect marked s1 failed in the kernel: {reported:?}"
     );
@@ -134,18 +118,18 @@ fn cancelled_connects_are_no_server_failure(how: &str, test: u8) {
     // (A mark would have sent the next connects to s2, where they establish.)
     assert_eq!(syn_sent, 100, "every connect went to s1 and was given up on in SYN_SENT");
     assert_eq!(
-        server_field(&daemon, s1.addr, "state"),
+        daemon.server_field(s1.addr, "state"),
         state,
         "s1's state changed:\n{}",
         daemon.log()
     );
     assert!(inside.alive(held.id()), "the held connection to s1 was closed");
     assert_eq!(
-        counter(&daemon, "sockops_connect_failed"),
+        daemon.counter("sockops_connect_failed"),
         0,
         "a cancelled connect was reported as failed"
     );
-    assert_eq!(counter(&daemon, "sockops_connect_timeout"), 0);
+    assert_eq!(daemon.counter("sockops_connect_timeout"), 0);
     // A close marks the socket at its release; a shutdown or a disconnect
     // closes it first, told apart by the SYN still queued.
     let reasons: &[&str] = if how == "close" {
@@ -154,7 +138,7 @@ fn cancelled_connects_are_no_server_failure(how: &str, test: u8) {
         &["sockops_cancelled"]
     };
     for reason in reasons {
-        assert!(counter(&daemon, reason) >= 100, "{reason}: {}", counter(&daemon, reason));
+        assert!(daemon.counter(reason) >= 100, "{reason}: {}", daemon.counter(reason));
     }
     assert_eq!(inside.once(vip).as_deref(), Ok("s1"), "new connects still go to s1");
 
@@ -169,7 +153,7 @@ fn cancelled_connects_are_no_server_failure(how: &str, test: u8) {
     assert_eq!(inside.once(vip).as_deref(), Ok("s2"), "the connect right after the refusal");
     eprintln!("the connect after the refusal landed on s2 {:?} later", after_refusal.elapsed());
     assert!(maps(&daemon).failure_marks().contains(&s1), "the refusal marked s1 failed");
-    assert_eq!(server_field(&daemon, s1, "recently_failed"), true);
+    assert_eq!(daemon.server_field(s1, "recently_failed"), true);
 }
 
 /// Trust #23, item 2 (a): connects that fail on the spot, after connect6
@@ -190,7 +174,7 @@ fn connects_that_fail_on_the_spot_hold_no_socket_table_entry() {
     let mut inside = client(&cgroup);
     let n = 2_000;
     assert_eq!(inside.failfast(vip, n), n, "each connect failed on the spot with ENETUNREACH");
-    assert!(counter(&daemon, "connect_rewritten") >= n as u64, "connect6 rewrote each first");
+    assert!(daemon.counter("connect_rewritten") >= n as u64, "connect6 rewrote each first");
     let held = inside.connect(vip);
     assert_eq!((held.landed(), held.peer()), ("s1", vip), "a real connect is still tracked");
     assert_eq!(
@@ -200,7 +184,7 @@ fn connects_that_fail_on_the_spot_hold_no_socket_table_entry() {
     );
     inside.unstick();
     assert!(maps(&daemon).failure_marks().is_empty(), "no failure mark for s1");
-    assert_eq!(counter(&daemon, "sockops_connect_failed"), 0);
+    assert_eq!(daemon.counter("sockops_connect_failed"), 0);
 }
 
 /// Trust #23, item 2 (b): a socket whose connect to the VIP failed on the
@@ -228,8 +212,8 @@ fn a_socket_reused_after_a_connect_that_failed_on_the_spot_is_not_the_vips() {
         !maps(&daemon).failure_marks().contains(&s1.addr),
         "a refused connect to {closed_port} marked the VIP's server failed"
     );
-    assert_eq!(server_field(&daemon, s1.addr, "recently_failed"), false);
-    assert_eq!(counter(&daemon, "sockops_connect_failed"), 0);
+    assert_eq!(daemon.server_field(s1.addr, "recently_failed"), false);
+    assert_eq!(daemon.counter("sockops_connect_failed"), 0);
 
     // A real failure of s1 (the only server: connects still go to it).
     let s1 = s1.stop();
@@ -242,7 +226,7 @@ fn a_socket_reused_after_a_connect_that_failed_on_the_spot_is_not_the_vips() {
         maps(&daemon).failure_marks().contains(&s1),
         "a connect to the user's own listener lifted s1's failure mark"
     );
-    assert_eq!(server_field(&daemon, s1, "recently_failed"), true, "{}", daemon.log());
+    assert_eq!(daemon.server_field(s1, "recently_failed"), true, "{}", daemon.log());
 }
 
 /// Issue 10, item 3: a churn of connected-UDP and TCP sockets through a VIP
@@ -278,7 +262,7 @@ fn fast_open_sockets_closed_before_a_write_leave_the_socket_table() {
     );
     assert!(maps(&daemon).failure_marks().is_empty(), "no failure mark for s1");
     assert_eq!(daemon.status()["services"][0]["servers"][0]["state"], "active", "not failed");
-    assert!(counter(&daemon, "release_cancelled") >= n as u64, "each left at its release");
+    assert!(daemon.counter("release_cancelled") >= n as u64, "each left at its release");
     assert_eq!(inside.connect(vip).landed(), "s1");
 }
 
@@ -310,11 +294,8 @@ fn released_sockets_leave_the_socket_table() {
         }),
         "the socket tables hold (TCP, UDP) = {tracked:?}; live: one TCP connection"
     );
-    assert!(counter(&daemon, "release_udp") >= 2000);
-    assert_eq!(
-        counter(&daemon, "connect_untracked") + counter(&daemon, "connect_untracked_udp"),
-        0
-    );
+    assert!(daemon.counter("release_udp") >= 2000);
+    assert_eq!(daemon.counter("connect_untracked") + daemon.counter("connect_untracked_udp"), 0);
 
     assert_eq!(daemon.connections("api", s1.addr), 1, "the held connection is still counted");
     assert_eq!(inside.peer(held.id()), vip, "getpeername still shows the VIP");
@@ -363,9 +344,9 @@ fn sock_ops_looks_up_only_the_sockets_connect4_marked() {
         "the connection through the VIP is counted"
     );
 
-    let before = counter(&daemon, "sockops_untracked");
+    let before = daemon.counter("sockops_untracked");
     assert_eq!(inside.churn("tcp", s1.addr, 50), (50, 0), "straight to the server");
-    let looked_up = counter(&daemon, "sockops_untracked") - before;
+    let looked_up = daemon.counter("sockops_untracked") - before;
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap().trim().to_owned();
     let version: Vec<u32> =
         release.split(['.', '-']).take(2).map(|n| n.parse().unwrap_or(0)).collect();
@@ -383,73 +364,6 @@ fn sock_ops_looks_up_only_the_sockets_connect4_marked() {
         "its close is counted"
     );
     assert_eq!(maps(&daemon).tracked_sockets(), (0, 0));
-}
-
-/// Issue 10, item 2: a process in the attached cgroup but in a network
-/// namespace of its own, with its own listener on the VIP's address,
-/// reaches that listener while the service is `host`-scoped (the default
-/// for a loopback VIP); with `scope = "all"` the same connect is rewritten.
-/// Before, it was always rewritten (to the server address, inside its own
-/// namespace).
-#[test]
-fn a_host_scoped_service_leaves_other_network_namespaces_alone() {
-    if !privileged() {
-        return;
-    }
-    let cgroup = TestCgroup::new("netns");
-    let s1 = Backend::start("s1", addr(62, 1, 0));
-    let vip = addr(62, 100, 6444);
-    let service = ServiceBuilder::new("api", vip).servers(&[s1.addr]).hold_down(HOLD_DOWN);
-    let daemon = Daemon::start("netns", &cgroup, &service.toml());
-    // `Datapath::netns_scope` as status shows it: false when this kernel
-    // cannot tell the daemon's namespace (no SO_NETNS_COOKIE, Linux 5.14,
-    // and the daemon is not in the initial namespace); never here, where
-    // the daemon runs in the initial namespace.
-    let datapath = &daemon.status()["datapath"];
-    assert!(
-        datapath["netns_scope"] != false && datapath["features"]["netns_scope"] != false,
-        "{datapath}"
-    );
-    let mut host = client(&cgroup);
-    assert_eq!(
-        host.once(vip).as_deref(),
-        Ok("s1"),
-        "in the daemon's namespace the VIP is rewritten"
-    );
-    let state = server_field(&daemon, s1.addr, "state");
-
-    let answer = connect_from_own_netns(CLIENT, &cgroup, vip, s1.addr);
-    assert_eq!(
-        answer,
-        format!("ok {vip} pod-vip"),
-        "from another network namespace, a host-scoped VIP must reach that namespace's own listener"
-    );
-    assert_eq!(s1.accepted(), 1, "only the host's connect reached s1");
-    assert!(counter(&daemon, "connect_other_netns") >= 1);
-    assert_eq!(
-        server_field(&daemon, s1.addr, "state"),
-        state,
-        "the host's server state changed:\n{}",
-        daemon.log()
-    );
-    assert_eq!(server_field(&daemon, s1.addr, "recently_failed"), false);
-    assert_eq!(counter(&daemon, "sockops_connect_failed"), 0);
-
-    // scope = "all": the same connect is rewritten, to the server's address
-    // inside that namespace (where its own listener answers `pod-server`).
-    daemon.write_config(&cgroup, &service.raw("scope = \"all\"").toml());
-    daemon.signal(libc::SIGHUP);
-    let mut last = String::new();
-    assert!(
-        wait_until(Duration::from_secs(10), || {
-            last = connect_from_own_netns(CLIENT, &cgroup, vip, s1.addr);
-            last.ends_with("pod-server")
-        }),
-        "with scope = \"all\" the connect from the other namespace was not rewritten: {last}\n{}",
-        daemon.log()
-    );
-    assert_eq!(last, format!("ok {vip} pod-server"), "getpeername shows the VIP there too");
-    assert_eq!(host.once(vip).as_deref(), Ok("s1"));
 }
 
 /// Issue 10, item 7, the API the daemon calls: `forget` removes the
@@ -718,9 +632,9 @@ fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
     assert_eq!(daemon.connections("api", s1.addr), 0);
     // The replacing programs look every connecting socket up: sockets the
     // old ones tracked carry none of their marks.
-    let before = counter(&daemon, "sockops_untracked");
+    let before = daemon.counter("sockops_untracked");
     assert_eq!(client(&cgroup).churn("tcp", s1.addr, 20), (20, 0));
-    assert_eq!(counter(&daemon, "sockops_untracked") - before, 20);
+    assert_eq!(daemon.counter("sockops_untracked") - before, 20);
 }
 
 /// Creates its file when dropped: tells a storm to stop.

@@ -1,6 +1,7 @@
 //! Closing VIP connections: the sockets are picked from the kernel's table
 //! (only those made through a VIP), destroyed with netlink `SOCK_DESTROY`
-//! on a blocking thread, and the outcome comes back to the owner loop as a
+//! on a blocking thread (in lb's network namespace and, for `scope = "all"`,
+//! in pods'), and the outcome comes back to the owner loop as a
 //! message to log, count and answer.
 
 use std::{
@@ -9,10 +10,10 @@ use std::{
 };
 
 use tokio::sync::oneshot;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use super::owner::{Close, Counts, Daemon, Message};
-use crate::{balancer::CloseReason, control::Response, sock_destroy};
+use crate::{balancer::CloseReason, config::Scope, control::Response, sock_destroy};
 
 /// Why nothing can be closed on this kernel.
 const NO_SOCK_DESTROY: &str = "this kernel cannot destroy sockets (it lacks CONFIG_INET_DIAG_DESTROY, or the tcp_diag module is not loaded)";
@@ -43,13 +44,23 @@ impl Daemon {
             .filter(|s| wanted(s.vip, s.server))
             .map(|s| (s.cookie, (s.vip, s.server)))
             .collect();
+        // Pods' connections are in their own namespaces: searched only when
+        // some VIP rewrites connects there.
+        let other_namespaces =
+            self.close_in_pods && self.services.iter().any(|s| s.config.scope == Scope::All);
         let tx = self.tx.clone();
         tokio::task::spawn_blocking(move || {
             let cookies = sockets.keys().copied().collect();
-            let result = sock_destroy::destroy(&cookies)
+            let result = sock_destroy::destroy_everywhere(&cookies, other_namespaces)
                 .map(|destroyed| {
+                    if let Some((e, left)) = destroyed.not_searched {
+                        warn!(
+                            left,
+                            "closing connections: {left} were not found in lb's network namespace, and the others could not all be searched ({e}); entering pods' namespaces needs CAP_SYS_ADMIN"
+                        );
+                    }
                     let mut counts = Counts::new();
-                    for cookie in destroyed {
+                    for cookie in destroyed.cookies {
                         *counts.entry(sockets[&cookie]).or_default() += 1;
                     }
                     counts

@@ -108,6 +108,9 @@ pub(super) struct Daemon {
     pub(super) last_reload: Option<ReloadStatus>,
     /// Netlink SOCK_DESTROY works on this kernel (probed once at start).
     pub(super) sock_destroy: bool,
+    /// lb may enter pods' network namespaces to close their connections
+    /// (probed once at start: CAP_SYS_ADMIN, no seccomp filter against it).
+    pub(super) close_in_pods: bool,
     /// `CLOCK_MONOTONIC` when this daemon started: kernel events from
     /// before (left in the ring buffer by a previous daemon) are history,
     /// not news; the kernel has already acted on them.

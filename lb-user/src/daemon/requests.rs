@@ -61,6 +61,7 @@ fn datapath_status(
     cgroup: &Path,
     bpffs: &Path,
     sock_destroy: bool,
+    close_in_pods: bool,
 ) -> DatapathStatus {
     let maps = datapath.maps();
     let (tcp, udp) = maps.tracked_sockets();
@@ -74,6 +75,7 @@ fn datapath_status(
             getpeername: datapath.getpeername,
             sock_destroy,
             netns_scope: datapath.netns_scope,
+            close_in_pods,
         },
         tracked_sockets: TrackedSockets {
             tcp,
@@ -162,6 +164,7 @@ impl Daemon {
                 &self.cgroup,
                 &self.settings.bpffs,
                 self.sock_destroy,
+                self.close_in_pods,
             ),
         }
     }

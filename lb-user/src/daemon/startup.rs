@@ -32,7 +32,7 @@ use crate::{
     discovery,
     health::Tls,
     metrics::{self, Metrics},
-    sock_destroy,
+    netns, sock_destroy,
     state::{SavedList, SavedState},
 };
 
@@ -136,6 +136,12 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
             "this kernel cannot destroy sockets (CONFIG_INET_DIAG_DESTROY, or the tcp_diag module): connections that must move are left to end on their own"
         );
     }
+    let close_in_pods = netns::can_enter();
+    if !close_in_pods && services.iter().any(|s| s.config.scope == config::Scope::All) {
+        warn!(
+            "lb may not enter other network namespaces (it lacks CAP_SYS_ADMIN, or setns is filtered): connections that pods make through scope = \"all\" VIPs are not closed on failover; see the README's Requirements"
+        );
+    }
     let table_watch = TableWatch::new(datapath.maps().untracked_connects());
     let mut daemon = Daemon {
         settings,
@@ -149,6 +155,7 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         metrics: Metrics::new(),
         last_reload: None,
         sock_destroy,
+        close_in_pods,
         started_ns,
         discovered,
         after_discovery: After::default(),

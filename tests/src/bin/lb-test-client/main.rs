@@ -5,6 +5,10 @@
 //! - `connect ADDR` → `ok ID PEER GREETING` or `err MESSAGE`: TCP connect,
 //!   then `getpeername` (what the application sees) and the server's answer
 //!   to `who` (which server really accepted);
+//! - `pod VIP SERVER` → `ok ID PEER GREETING` or `err MESSAGE`: as
+//!   `connect VIP`, made from a network namespace of its own (a pod's)
+//!   where a listener on SERVER answers `pod-server`; `alive`, `peer` and
+//!   `close` then work on it as on any connection;
 //! - `udp ADDR` → `ok ID PEER GREETING`: connected UDP, one datagram each way;
 //! - `alive ID` → `alive` or `dead MESSAGE`: is TCP connection ID still open;
 //! - `close ID` → `closed`;
@@ -78,7 +82,7 @@ use lb_tests::{loopback_up, monotonic_ns};
 
 mod sockets;
 
-use sockets::{cancel, failfast, fastopen, reuse};
+use sockets::{cancel, failfast, fastopen, pod, reuse};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -105,6 +109,14 @@ fn main() {
         let mut words = line.split_whitespace();
         let answer = match (words.next(), words.next()) {
             (Some("connect"), Some(addr)) => match connect(addr) {
+                Ok((stream, peer, greeting)) => {
+                    next_id += 1;
+                    conns.insert(next_id, stream);
+                    format!("ok {next_id} {peer} {greeting}")
+                }
+                Err(e) => format!("err {e}"),
+            },
+            (Some("pod"), Some(vip)) => match pod(vip, words.next()) {
                 Ok((stream, peer, greeting)) => {
                     next_id += 1;
                     conns.insert(next_id, stream);

@@ -4,7 +4,8 @@
 //! connects that fail on the spot.
 
 use std::{
-    net::{IpAddr, SocketAddr},
+    io::{BufRead as _, BufReader, Write as _},
+    net::{IpAddr, SocketAddr, TcpListener, TcpStream},
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
     time::Duration,
 };
@@ -269,4 +270,38 @@ fn fastopen_connects(addr: SocketAddr, n: usize) -> Result<String, String> {
     let syn_sent = sockets.iter().filter(|fd| tcp_state(fd) == Some(TCP_SYN_SENT)).count();
     drop(sockets);
     Ok(format!("fastopen total={n} syn_sent={syn_sent}"))
+}
+
+/// `pod VIP SERVER`: a connection made from a network namespace of its
+/// own, as a pod makes it. A thread unshares the namespace, listens there
+/// on SERVER (answering `pod-server` and holding every connection) and
+/// connects to VIP; the connection is returned to the caller, which can
+/// watch it from its own namespace. The listener's thread keeps the
+/// namespace for the life of the process.
+pub fn pod(vip: &str, server: Option<&str>) -> Result<(TcpStream, SocketAddr, String), String> {
+    let server: SocketAddr =
+        server.ok_or("usage: pod VIP SERVER")?.parse().map_err(|e| format!("bad server: {e}"))?;
+    let vip = vip.to_owned();
+    std::thread::spawn(move || {
+        // SAFETY: unshare takes no pointers; it moves only this thread.
+        if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+            return Err(format!("unshare(CLONE_NEWNET): {}", std::io::Error::last_os_error()));
+        }
+        loopback_up().map_err(|e| format!("bringing lo up: {e}"))?;
+        let listener =
+            TcpListener::bind(server).map_err(|e| format!("bind {server} in the pod: {e}"))?;
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for stream in listener.incoming().flatten() {
+                let _ = stream.set_read_timeout(Some(super::TIMEOUT));
+                let mut line = String::new();
+                let _ = BufReader::new(&stream).read_line(&mut line);
+                let _ = writeln!(&stream, "pod-server");
+                held.push(stream);
+            }
+        });
+        super::connect(&vip)
+    })
+    .join()
+    .map_err(|_| "the pod's thread panicked".to_owned())?
 }
