@@ -25,31 +25,35 @@ impl Daemon {
     /// destroys run on a blocking thread: with thousands of connections
     /// they take a while, and the owner loop must keep answering kernel
     /// reports, checks and `lb status` meanwhile. The sockets are picked
-    /// here, from the `SOCKETS` map, after the new selection is written.
+    /// there too (a walk of the `SOCKETS` map), after the new selection is
+    /// written.
     ///
     /// Without socket destroy (said once at start) a balancer's closes are
     /// dropped quietly (the connections end on their own); a request is
     /// answered with the reason.
-    pub(super) fn close(&self, wanted: impl Fn(SocketAddr, SocketAddr) -> bool, close: Close) {
+    pub(super) fn close(
+        &self,
+        wanted: impl Fn(SocketAddr, SocketAddr) -> bool + Send + 'static,
+        close: Close,
+    ) {
         if !self.sock_destroy {
             if let Close::Requested { .. } = close {
                 self.close_done(close, Err(NO_SOCK_DESTROY.to_owned()));
             }
             return;
         }
-        let sockets: HashMap<u64, (SocketAddr, SocketAddr)> = self
-            .datapath
-            .maps()
-            .vip_sockets()
-            .filter(|s| wanted(s.vip, s.server))
-            .map(|s| (s.cookie, (s.vip, s.server)))
-            .collect();
+        let tables = self.datapath.maps().socket_tables();
         // Pods' connections are in their own namespaces: searched only when
         // some VIP rewrites connects there.
         let other_namespaces =
             self.close_in_pods && self.services.iter().any(|s| s.config.scope == Scope::All);
         let tx = self.tx.clone();
         tokio::task::spawn_blocking(move || {
+            let sockets: HashMap<u64, (SocketAddr, SocketAddr)> = tables
+                .vip_sockets()
+                .filter(|s| wanted(s.vip, s.server))
+                .map(|s| (s.cookie, (s.vip, s.server)))
+                .collect();
             let cookies = sockets.keys().copied().collect();
             let result = sock_destroy::destroy_everywhere(&cookies, other_namespaces)
                 .map(|destroyed| {
@@ -79,7 +83,7 @@ impl Daemon {
         };
         let (vip, servers): (SocketAddr, HashSet<SocketAddr>) =
             (*vip, servers.iter().map(|(s, _)| *s).collect());
-        self.close(|v, server| v == vip && servers.contains(&server), close);
+        self.close(move |v, server| v == vip && servers.contains(&server), close);
     }
 
     /// `lb close-connections`: resets the connections made through a VIP
@@ -100,7 +104,7 @@ impl Daemon {
             Err(e) => return drop(reply.send(Response::Error { error: format!("{e:#}") })),
         };
         self.close(
-            |v, s| s == server && vip.is_none_or(|vip| vip == v),
+            move |v, s| s == server && vip.is_none_or(|vip| vip == v),
             Close::Requested { server, reply },
         );
     }

@@ -9,7 +9,7 @@ use std::{
 };
 
 use tokio::sync::watch;
-use tracing::{debug, error, info, warn};
+use tracing::{debug, info, warn};
 
 use super::{
     owner::{After, Daemon},
@@ -283,15 +283,15 @@ impl Daemon {
     }
 
     /// After the discovered lists at hand are applied: writes the state
-    /// file and cleans the kernel's maps once for all of them (each is a
-    /// file write with fsync, or a walk of two maps).
+    /// file (on the saver's thread) and cleans the kernel's maps once for
+    /// all of them.
     pub(super) fn after_discovered(&mut self) {
         let After { save, forget } = std::mem::take(&mut self.after_discovery);
         if forget {
             self.forget_stale();
         }
-        if save && let Err(e) = self.saved.save(&self.settings.state_dir) {
-            error!("saving the discovered lists to the state directory failed: {e:#}");
+        if save {
+            self.saver.save(self.saved.clone(), None);
         }
     }
 

@@ -10,6 +10,7 @@ use tracing::{debug, warn};
 use super::owner::Daemon;
 use crate::{
     balancer::{Health, KernelReport},
+    datapath::monotonic_now_ns,
     metrics::server_labels,
 };
 
@@ -40,6 +41,10 @@ impl Daemon {
         }
         let effects = self.services[i].balancer.on_kernel_report(server, report, Instant::now());
         self.apply(i, effects);
+        // Decided (and any new selection written): how long the report
+        // waited for the owner loop, by the kernel's own clock.
+        let delay_ns = monotonic_now_ns().saturating_sub(event.time_ns);
+        self.metrics.kernel_event_delay.observe(delay_ns as f64 / 1e9);
     }
 
     /// A health check result.

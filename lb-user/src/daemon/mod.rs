@@ -25,12 +25,14 @@
 //! socket protocol in `control`.
 
 mod apply;
+mod census;
 mod closing;
 mod discovered;
 mod inputs;
 mod owner;
 mod reload;
 mod requests;
+mod saver;
 mod service;
 mod startup;
 mod tasks;
@@ -115,9 +117,9 @@ pub async fn run(options: Options) -> anyhow::Result<Ended> {
                 Request::CloseConnections { server, service } => {
                     daemon.close_on_request(server, service.as_deref(), reply);
                 }
-                Request::Status => { let _ = reply.send(Response::Status(daemon.status())); }
+                Request::Status => daemon.answer_status(reply),
                 Request::SetServers { service, servers, default } => {
-                    answer(reply, daemon.set_servers(&service, &servers, default));
+                    daemon.set_servers(&service, &servers, default, reply);
                 }
                 Request::Drain { service, server, undo } => {
                     answer(reply, daemon.drain(&service, server, undo));

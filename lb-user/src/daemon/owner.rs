@@ -14,7 +14,7 @@ use anyhow::Context as _;
 use lb_common::Event;
 use tokio::sync::{mpsc, oneshot};
 
-use super::{service::Service, timers::Timers, watch::TableWatch};
+use super::{census::Census, saver::Saver, service::Service, timers::Timers, watch::TableWatch};
 use crate::{
     balancer::{CloseReason, Health},
     config,
@@ -111,6 +111,10 @@ pub(super) struct Daemon {
     /// lb may enter pods' network namespaces to close their connections
     /// (probed once at start: CAP_SYS_ADMIN, no seccomp filter against it).
     pub(super) close_in_pods: bool,
+    /// Counts the socket tables for status and metrics, off this loop.
+    pub(super) census: Census,
+    /// Writes the state file, off this loop.
+    pub(super) saver: Saver,
     /// `CLOCK_MONOTONIC` when this daemon started: kernel events from
     /// before (left in the ring buffer by a previous daemon) are history,
     /// not news; the kernel has already acted on them.

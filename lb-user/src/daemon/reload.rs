@@ -158,7 +158,7 @@ impl Daemon {
         }
         if !plan.removed_vips.is_empty() {
             let removed: HashSet<_> = plan.removed_vips.iter().copied().collect();
-            self.close(|vip, _| removed.contains(&vip), Close::RemovedVips);
+            self.close(move |vip, _| removed.contains(&vip), Close::RemovedVips);
         }
         self.settings = config.daemon;
         self.source = source;

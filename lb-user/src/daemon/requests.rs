@@ -10,14 +10,15 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, bail};
+use anyhow::bail;
+use tokio::sync::oneshot;
 use tracing::info;
 
 use super::owner::Daemon;
 use crate::{
     balancer::Readiness,
     config,
-    control::{ConfigStatus, DatapathStatus, Features, Status, TrackedSockets},
+    control::{ConfigStatus, DatapathStatus, Features, Response, Status, TrackedSockets},
     datapath::{self, Datapath, PinnedMaps},
     state::SavedList,
     status::{self, KernelView},
@@ -55,7 +56,8 @@ impl KernelView for KernelSnapshot<'_> {
 }
 
 /// The datapath as `lb status` shows it: where it is attached, what this
-/// kernel offers, the decision counters and the socket tables' fill.
+/// kernel offers, the decision counters; the socket tables' fill is
+/// counted off the owner loop (`census`) and filled in there.
 fn datapath_status(
     datapath: &Datapath,
     cgroup: &Path,
@@ -64,8 +66,6 @@ fn datapath_status(
     close_in_pods: bool,
 ) -> DatapathStatus {
     let maps = datapath.maps();
-    let (tcp, udp) = maps.tracked_sockets();
-    let (tcp_capacity, udp_capacity) = maps.socket_capacity();
     DatapathStatus {
         cgroup: cgroup.display().to_string(),
         bpffs: bpffs.display().to_string(),
@@ -77,19 +77,38 @@ fn datapath_status(
             netns_scope: datapath.netns_scope,
             close_in_pods,
         },
-        tracked_sockets: TrackedSockets {
-            tcp,
-            udp,
-            tcp_capacity,
-            udp_capacity,
-            tcp_full: tcp >= tcp_capacity,
-        },
+        tracked_sockets: TrackedSockets::default(),
     }
 }
 
 impl Daemon {
-    /// `lb servers`: checked with the same rules as the config file.
+    /// `lb servers`: checked with the same rules as the config file, and
+    /// answered once the list is in the state file.
     pub(super) fn set_servers(
+        &mut self,
+        name: &str,
+        servers: &[SocketAddr],
+        default: Option<SocketAddr>,
+        reply: oneshot::Sender<Response>,
+    ) {
+        if let Err(e) = self.apply_servers(name, servers, default) {
+            let _ = reply.send(Response::Error { error: format!("{e:#}") });
+            return;
+        }
+        info!(service = name, ?servers, ?default, "server list set");
+        let done = move |result: Result<(), String>| {
+            let _ = reply.send(match result {
+                Ok(()) => Response::Ok,
+                Err(e) => Response::Error {
+                    error: format!("saving the server list to the state directory: {e}"),
+                },
+            });
+        };
+        self.saver.save(self.saved.clone(), Some(Box::new(done)));
+    }
+
+    /// `lb servers`' list, checked and applied.
+    fn apply_servers(
         &mut self,
         name: &str,
         servers: &[SocketAddr],
@@ -114,10 +133,6 @@ impl Daemon {
             },
         );
         self.forget_stale();
-        self.saved
-            .save(&self.settings.state_dir)
-            .context("saving the server list to the state directory")?;
-        info!(service = name, ?servers, ?default, "server list set");
         Ok(())
     }
 
@@ -139,8 +154,17 @@ impl Daemon {
         Ok(())
     }
 
-    /// `lb status`.
-    pub(super) fn status(&self) -> Status {
+    /// `lb status`, answered once the socket tables are counted.
+    pub(super) fn answer_status(&self, reply: oneshot::Sender<Response>) {
+        let mut status = self.status();
+        self.census.then(move |tracked| {
+            status.datapath.tracked_sockets = tracked;
+            let _ = reply.send(Response::Status(status));
+        });
+    }
+
+    /// `lb status`, but for the socket tables' fill.
+    fn status(&self) -> Status {
         let kernel = KernelSnapshot::of(self.datapath.maps());
         Status {
             services: self
@@ -179,10 +203,9 @@ impl Daemon {
             }
         }
         self.metrics.record_decisions(&maps.counters());
-        let (tcp, udp) = maps.tracked_sockets();
-        let (tcp_capacity, udp_capacity) = maps.socket_capacity();
-        self.metrics.set_tracked_sockets("tcp", tcp, tcp_capacity);
-        self.metrics.set_tracked_sockets("udp", udp, udp_capacity);
+        let tracked = self.census.latest();
+        self.metrics.set_tracked_sockets("tcp", tracked.tcp, tracked.tcp_capacity);
+        self.metrics.set_tracked_sockets("udp", tracked.udp, tracked.udp_capacity);
         self.metrics.encode()
     }
 }

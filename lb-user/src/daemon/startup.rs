@@ -18,7 +18,9 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{error, info, warn};
 
 use super::{
+    census::Census,
     owner::{After, Daemon, Message, Options},
+    saver::Saver,
     service::Service,
     tasks::{forward_events, forward_kernel_logs},
     timers::Timers,
@@ -142,6 +144,10 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
             "lb may not enter other network namespaces (it lacks CAP_SYS_ADMIN, or setns is filtered): connections that pods make through scope = \"all\" VIPs are not closed on failover; see the README's Requirements"
         );
     }
+    let saver =
+        Saver::start(settings.state_dir.clone()).context("starting the state file's writer")?;
+    let census = Census::start(datapath.maps().socket_tables())
+        .context("starting the socket tables' counting thread")?;
     let table_watch = TableWatch::new(datapath.maps().untracked_connects());
     let mut daemon = Daemon {
         settings,
@@ -156,6 +162,8 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         last_reload: None,
         sock_destroy,
         close_in_pods,
+        census,
+        saver,
         started_ns,
         discovered,
         after_discovery: After::default(),

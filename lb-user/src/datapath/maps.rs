@@ -3,16 +3,15 @@
 //! a VIP, the counters; and the cleaning of what no service has any more
 //! (decided by [`to_forget`], over plain data).
 
-use std::{collections::HashSet, net::SocketAddr, path::Path, time::Duration};
+use std::{collections::HashSet, net::SocketAddr, path::Path, sync::Arc, time::Duration};
 
 use anyhow::Context as _;
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap};
-use lb_common::{
-    ConnKey, Endpoint, MAX_SERVERS, NETNS_ANY, Reason, Service as ServiceValue, SockEntry, maps,
-};
+use lb_common::{ConnKey, Endpoint, MAX_SERVERS, NETNS_ANY, Reason, Service as ServiceValue, maps};
 
 use super::{
     pins::open_pinned_map,
+    sockets::SocketTables,
     sys::monotonic_now_ns,
     upgrade::{check_layout, read_layout_version},
 };
@@ -27,19 +26,9 @@ use crate::{
 pub struct PinnedMaps {
     services: HashMap<MapData, Endpoint, ServiceValue>,
     failed_at: HashMap<MapData, Endpoint, u64>,
-    sockets: HashMap<MapData, u64, SockEntry>,
-    sockets_udp: HashMap<MapData, u64, SockEntry>,
+    sockets: Arc<SocketTables>,
     connections: PerCpuHashMap<MapData, ConnKey, i64>,
     counters: PerCpuArray<MapData, u64>,
-    /// The sizes of `sockets` and `sockets_udp`, fixed at attach.
-    capacity: (usize, usize),
-}
-
-/// The size of a socket table (a hash map) as the kernel made it.
-fn max_entries(map: &Map, name: &str) -> anyhow::Result<usize> {
-    let Map::HashMap(data) = map else { anyhow::bail!("map {name} is not a hash map") };
-    let info = data.info().with_context(|| format!("reading map {name}'s size"))?;
-    Ok(info.max_entries() as usize)
 }
 
 /// What [`PinnedMaps::forget`] removed.
@@ -65,17 +54,6 @@ pub struct VipEntry {
     pub hold_down: Duration,
     /// Whose connects are rewritten: this network namespace's, or all.
     pub scope: Scope,
-}
-
-/// A live socket that connected through a VIP (from the kernel's table).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct VipSocket {
-    /// The socket's cookie (what SOCK_DESTROY is asked to close).
-    pub cookie: u64,
-    /// The VIP it dialled.
-    pub vip: SocketAddr,
-    /// The server it was sent to.
-    pub server: SocketAddr,
 }
 
 impl VipEntry {
@@ -120,27 +98,24 @@ impl PinnedMaps {
                     .with_context(|| format!("map {} has an unexpected type or size", $name))?
             };
         }
-        let sockets = map(maps::SOCKETS)?;
-        let sockets_udp = map(maps::SOCKETS_UDP)?;
-        let capacity =
-            (max_entries(&sockets, maps::SOCKETS)?, max_entries(&sockets_udp, maps::SOCKETS_UDP)?);
+        let sockets = SocketTables::new(map(maps::SOCKETS)?, map(maps::SOCKETS_UDP)?)?;
         Ok(Self {
             services: typed!(HashMap, maps::SERVICES),
             failed_at: typed!(HashMap, maps::FAILED_AT),
-            sockets: HashMap::try_from(sockets)
-                .with_context(|| format!("map {} has an unexpected type or size", maps::SOCKETS))?,
-            sockets_udp: HashMap::try_from(sockets_udp).with_context(|| {
-                format!("map {} has an unexpected type or size", maps::SOCKETS_UDP)
-            })?,
+            sockets: Arc::new(sockets),
             connections: typed!(PerCpuHashMap, maps::CONNECTIONS),
             counters: typed!(PerCpuArray, maps::COUNTERS),
-            capacity,
         })
     }
 
     /// How many sockets the tables can hold: (TCP, connected UDP).
     pub fn socket_capacity(&self) -> (usize, usize) {
-        self.capacity
+        self.sockets.capacity()
+    }
+
+    /// The socket tables, to walk off the owner loop.
+    pub fn socket_tables(&self) -> Arc<SocketTables> {
+        Arc::clone(&self.sockets)
     }
 
     /// The kernel's count of connects that were rewritten but not tracked
@@ -279,21 +254,10 @@ impl PinnedMaps {
         Reason::ALL.into_iter().map(|reason| (reason.name(), self.counter(reason))).collect()
     }
 
-    /// The live TCP sockets that connected through a VIP.
-    pub fn vip_sockets(&self) -> impl Iterator<Item = VipSocket> + '_ {
-        self.sockets.iter().filter_map(Result::ok).map(|(cookie, e)| VipSocket {
-            cookie,
-            vip: SocketAddr::from(e.vip),
-            server: SocketAddr::from(e.server),
-        })
-    }
-
     /// How many sockets the kernel tracks: (TCP, connected UDP).
+    /// A walk of both tables: not for the owner loop.
     pub fn tracked_sockets(&self) -> (usize, usize) {
-        (
-            self.sockets.keys().filter(Result::is_ok).count(),
-            self.sockets_udp.keys().filter(Result::is_ok).count(),
-        )
+        self.sockets.count()
     }
 
     /// Removes what the kernel keeps about servers and pairs that are gone:

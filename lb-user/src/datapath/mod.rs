@@ -31,6 +31,7 @@
 mod maps;
 mod object;
 mod pins;
+mod sockets;
 mod sys;
 mod upgrade;
 
@@ -49,9 +50,10 @@ use lb_common::{NETNS_ANY, maps as map_names, programs};
 use tracing::{info, warn};
 
 pub use self::{
-    maps::{Forgotten, PinnedMaps, VipEntry, VipSocket, failed_within},
+    maps::{Forgotten, PinnedMaps, VipEntry, failed_within},
     object::KernelLogger,
     pins::detach,
+    sockets::{SocketTables, VipSocket},
     sys::{cgroup2_root, monotonic_now_ns},
     upgrade::{
         pinned_program_ids, programs_fingerprint, read_layout_version, read_program_fingerprint,

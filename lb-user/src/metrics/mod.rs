@@ -234,6 +234,9 @@ pub struct Metrics {
     pub selection_changes: Family<ServiceLabels, Counter>,
     /// `lb_health_check_duration_seconds`.
     pub health_check_duration: HistogramFamily,
+    /// `lb_kernel_event_delay_seconds`: from a kernel report to the
+    /// daemon's decision on it (the owner loop's delay).
+    pub kernel_event_delay: Histogram,
     /// `lb_datapath_decisions`: the kernel's counters, by reason.
     pub datapath_decisions: Family<ReasonLabels, Counter>,
     /// `lb_config_reloads`, by result.
@@ -283,6 +286,13 @@ impl Metrics {
             "lb_health_check_duration_seconds",
             "How long health checks took",
             health_check_duration.clone(),
+        );
+        // 50 µs .. ~0.8 s.
+        let kernel_event_delay = Histogram::new(exponential_buckets(0.000_05, 2.0, 15));
+        registry.register(
+            "lb_kernel_event_delay_seconds",
+            "From a kernel report on a connect through a VIP to the daemon's decision on it",
+            kernel_event_delay.clone(),
         );
         let datapath_decisions = Family::default();
         registry.register(
@@ -335,6 +345,7 @@ impl Metrics {
             servers,
             selection_changes,
             health_check_duration,
+            kernel_event_delay,
             datapath_decisions,
             config_reloads,
             discovery_updates,

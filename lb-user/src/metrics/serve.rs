@@ -1,7 +1,14 @@
 //! The metrics endpoint: `GET /metrics` on the configured address, each
-//! scrape answered by the owner task, within [`Limits`].
+//! scrape answered by the owner task, within [`Limits`]. Scrapes less than
+//! [`SHARED_FOR`] apart get the same answer: a client asking back to back
+//! costs the owner task one answer a second, not one per request.
 
-use std::{convert::Infallible, net::SocketAddr, sync::Arc, time::Duration};
+use std::{
+    convert::Infallible,
+    net::SocketAddr,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use anyhow::Context as _;
 use http_body_util::Full;
@@ -12,6 +19,13 @@ use tracing::{debug, info, warn};
 
 /// A scrape: the owner task answers with the encoded metrics.
 pub type ScrapeRequest = oneshot::Sender<String>;
+
+/// How long one answer of the owner task serves every scrape.
+pub const SHARED_FOR: Duration = Duration::from_secs(1);
+
+/// The last answer and when the owner task gave it. Locked across the
+/// request to the owner task, so scrapes that arrive together ask once.
+type LastAnswer = Arc<tokio::sync::Mutex<Option<(Instant, Bytes)>>>;
 
 /// Bounds of the metrics endpoint.
 #[derive(Clone, Copy, Debug)]
@@ -50,6 +64,7 @@ pub async fn serve(
     }
     info!(addr = %bound, "serving metrics at /metrics");
     let slots = Arc::new(Semaphore::new(limits.connections));
+    let last: LastAnswer = Arc::default();
     tokio::spawn(async move {
         loop {
             let stream = match listener.accept().await {
@@ -64,10 +79,13 @@ pub async fn serve(
             // Over the limit: closed at once (dropped), holding nothing.
             let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else { continue };
             let scrapes = scrapes.clone();
+            let last = Arc::clone(&last);
             tokio::spawn(async move {
                 let service = service_fn(move |request: Request<hyper::body::Incoming>| {
-                    let scrapes = scrapes.clone();
-                    async move { Ok::<_, Infallible>(answer(request.uri().path(), &scrapes).await) }
+                    let (scrapes, last) = (scrapes.clone(), Arc::clone(&last));
+                    async move {
+                        Ok::<_, Infallible>(answer(request.uri().path(), &scrapes, &last).await)
+                    }
                 });
                 let connection = http1::Builder::new()
                     .timer(TokioTimer::new())
@@ -85,26 +103,42 @@ pub async fn serve(
     Ok(bound)
 }
 
-async fn answer(path: &str, scrapes: &mpsc::Sender<ScrapeRequest>) -> Response<Full<Bytes>> {
-    let response = |status: u16, body: String, content_type: &str| {
+async fn answer(
+    path: &str,
+    scrapes: &mpsc::Sender<ScrapeRequest>,
+    last: &LastAnswer,
+) -> Response<Full<Bytes>> {
+    let response = |status: u16, body: Bytes, content_type: &str| {
         Response::builder()
             .status(status)
             .header("content-type", content_type)
-            .body(Full::new(Bytes::from(body)))
+            .body(Full::new(body))
             .unwrap_or_else(|_| Response::new(Full::new(Bytes::new())))
     };
+    let metrics =
+        |text| response(200, text, "application/openmetrics-text; version=1.0.0; charset=utf-8");
+    let unavailable =
+        || response(503, Bytes::from_static(b"the daemon is shutting down\n"), "text/plain");
     if path != "/metrics" {
-        return response(404, "see /metrics\n".to_owned(), "text/plain");
+        return response(404, Bytes::from_static(b"see /metrics\n"), "text/plain");
+    }
+    let mut last = last.lock().await;
+    if let Some((at, text)) = last.as_ref()
+        && at.elapsed() < SHARED_FOR
+    {
+        return metrics(text.clone());
     }
     let (tx, rx) = oneshot::channel();
     if scrapes.send(tx).await.is_err() {
-        return response(503, "the daemon is shutting down\n".to_owned(), "text/plain");
+        return unavailable();
     }
     match rx.await {
         Ok(text) => {
-            response(200, text, "application/openmetrics-text; version=1.0.0; charset=utf-8")
+            let text = Bytes::from(text);
+            *last = Some((Instant::now(), text.clone()));
+            metrics(text)
         }
-        Err(_) => response(503, "the daemon is shutting down\n".to_owned(), "text/plain"),
+        Err(_) => unavailable(),
     }
 }
 
@@ -155,5 +189,41 @@ mod tests {
             .unwrap()
             .unwrap();
         assert!(answer.starts_with("HTTP/1.1 200") && answer.contains("lb_up 1"), "{answer}");
+    }
+
+    /// Issue 23, item 12: scrapes back to back cost the owner task one
+    /// answer per [`SHARED_FOR`], and each gets that answer whole.
+    #[tokio::test]
+    async fn scrapes_back_to_back_share_one_answer_a_second() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let (tx, mut rx) = mpsc::channel::<ScrapeRequest>(4);
+        let asked = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&asked);
+        tokio::spawn(async move {
+            while let Some(reply) = rx.recv().await {
+                let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+                let _ = reply.send(format!("lb_answer {n}\n"));
+            }
+        });
+        let addr = serve("127.0.0.1:0".parse().unwrap(), Limits::default(), tx).await.unwrap();
+        let start = Instant::now();
+        for _ in 0..100 {
+            let mut scrape = tokio::net::TcpStream::connect(addr).await.unwrap();
+            scrape
+                .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .await
+                .unwrap();
+            let mut answer = String::new();
+            scrape.read_to_string(&mut answer).await.unwrap();
+            assert!(answer.contains("lb_answer "), "{answer}");
+        }
+        let seconds = start.elapsed().as_secs() as usize;
+        let asked = asked.load(Ordering::SeqCst);
+        assert!(
+            asked >= 1 && asked <= seconds + 1,
+            "{asked} answers in {seconds} s for 100 scrapes"
+        );
     }
 }

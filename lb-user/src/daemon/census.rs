@@ -1,0 +1,97 @@
+//! Counting the socket tables off the owner loop: a walk of a full table
+//! takes tens of milliseconds, which a kernel report must never wait
+//! behind. One thread counts, on request: fresh for `lb status` (which it
+//! then answers), at most once a second for metrics scrapes, which get the
+//! latest count.
+
+use std::{
+    sync::{
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicBool, Ordering},
+        mpsc,
+    },
+    time::{Duration, Instant},
+};
+
+use tracing::warn;
+
+use crate::{control::TrackedSockets, datapath::SocketTables};
+
+/// The oldest count a scrape is given without asking for a new one.
+const FRESH_FOR: Duration = Duration::from_secs(1);
+
+/// What the counting thread is asked to do.
+enum Job {
+    /// Count, for the next scrapes.
+    Refresh,
+    /// Count, then hand the count to this (which answers `lb status`).
+    Then(Box<dyn FnOnce(TrackedSockets) + Send>),
+}
+
+/// The latest count and when it was made.
+#[derive(Default)]
+struct Latest {
+    tracked: TrackedSockets,
+    at: Option<Instant>,
+}
+
+/// The owner loop's handle on the counting thread, which ends with it.
+pub(super) struct Census {
+    jobs: mpsc::Sender<Job>,
+    latest: Arc<Mutex<Latest>>,
+    refreshing: Arc<AtomicBool>,
+}
+
+/// One count of both tables.
+fn count(tables: &SocketTables) -> TrackedSockets {
+    let (tcp, udp) = tables.count();
+    let (tcp_capacity, udp_capacity) = tables.capacity();
+    TrackedSockets { tcp, udp, tcp_capacity, udp_capacity, tcp_full: tcp >= tcp_capacity }
+}
+
+impl Census {
+    /// Starts the counting thread on `tables`.
+    pub(super) fn start(tables: Arc<SocketTables>) -> anyhow::Result<Self> {
+        let (jobs, queue) = mpsc::channel();
+        let latest = Arc::new(Mutex::new(Latest::default()));
+        let refreshing = Arc::new(AtomicBool::new(false));
+        let (shared, flag) = (Arc::clone(&latest), Arc::clone(&refreshing));
+        std::thread::Builder::new().name("lb-census".into()).spawn(move || {
+            // Ends when the owner loop's handle is dropped.
+            for job in queue {
+                let tracked = count(&tables);
+                let mut latest = shared.lock().unwrap_or_else(PoisonError::into_inner);
+                *latest = Latest { tracked: tracked.clone(), at: Some(Instant::now()) };
+                drop(latest);
+                match job {
+                    Job::Refresh => flag.store(false, Ordering::Release),
+                    Job::Then(answer) => answer(tracked),
+                }
+            }
+        })?;
+        Ok(Self { jobs, latest, refreshing })
+    }
+
+    /// Counts now, then calls `answer` with the count (on the counting
+    /// thread).
+    pub(super) fn then(&self, answer: impl FnOnce(TrackedSockets) + Send + 'static) {
+        if let Err(mpsc::SendError(Job::Then(answer))) = self.jobs.send(Job::Then(Box::new(answer)))
+        {
+            warn!("the socket count's thread is gone; answering with the latest count");
+            answer(self.latest());
+        }
+    }
+
+    /// The latest count (zero before the first); asks for a new one if it
+    /// is older than [`FRESH_FOR`].
+    pub(super) fn latest(&self) -> TrackedSockets {
+        let latest = self.latest.lock().unwrap_or_else(PoisonError::into_inner);
+        let stale = latest.at.is_none_or(|at| at.elapsed() >= FRESH_FOR);
+        let tracked = latest.tracked.clone();
+        drop(latest);
+        if stale && !self.refreshing.swap(true, Ordering::AcqRel) {
+            let _ = self.jobs.send(Job::Refresh);
+        }
+        tracked
+    }
+}

@@ -1,0 +1,73 @@
+//! The socket tables: `SOCKETS` (TCP) and `SOCKETS_UDP` (connected UDP),
+//! every live socket that connected through a VIP, by cookie.
+//!
+//! A full table is 65,536 entries by default and a walk of it costs two
+//! system calls per entry (tens of milliseconds), so the daemon never walks
+//! one on its owner loop: [`SocketTables`] is shared (`Arc`) with the
+//! threads that count and close sockets.
+
+use std::net::SocketAddr;
+
+use anyhow::Context as _;
+use aya::maps::{HashMap, Map, MapData};
+use lb_common::{SockEntry, maps};
+
+/// Read handles to the two socket tables, and their sizes.
+pub struct SocketTables {
+    tcp: HashMap<MapData, u64, SockEntry>,
+    udp: HashMap<MapData, u64, SockEntry>,
+    /// The sizes of `tcp` and `udp`, fixed at attach.
+    capacity: (usize, usize),
+}
+
+/// A live socket that connected through a VIP (from the kernel's table).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VipSocket {
+    /// The socket's cookie (what SOCK_DESTROY is asked to close).
+    pub cookie: u64,
+    /// The VIP it dialled.
+    pub vip: SocketAddr,
+    /// The server it was sent to.
+    pub server: SocketAddr,
+}
+
+/// The size of a socket table (a hash map) as the kernel made it.
+fn max_entries(map: &Map, name: &str) -> anyhow::Result<usize> {
+    let Map::HashMap(data) = map else { anyhow::bail!("map {name} is not a hash map") };
+    let info = data.info().with_context(|| format!("reading map {name}'s size"))?;
+    Ok(info.max_entries() as usize)
+}
+
+fn table(map: Map, name: &str) -> anyhow::Result<HashMap<MapData, u64, SockEntry>> {
+    HashMap::try_from(map).with_context(|| format!("map {name} has an unexpected type or size"))
+}
+
+impl SocketTables {
+    /// The tables from the pinned `SOCKETS` and `SOCKETS_UDP`.
+    pub(super) fn new(tcp: Map, udp: Map) -> anyhow::Result<Self> {
+        let capacity = (max_entries(&tcp, maps::SOCKETS)?, max_entries(&udp, maps::SOCKETS_UDP)?);
+        Ok(Self { tcp: table(tcp, maps::SOCKETS)?, udp: table(udp, maps::SOCKETS_UDP)?, capacity })
+    }
+
+    /// How many sockets the tables can hold: (TCP, connected UDP).
+    pub fn capacity(&self) -> (usize, usize) {
+        self.capacity
+    }
+
+    /// The live TCP sockets that connected through a VIP (a walk).
+    pub fn vip_sockets(&self) -> impl Iterator<Item = VipSocket> + '_ {
+        self.tcp.iter().filter_map(Result::ok).map(|(cookie, e)| VipSocket {
+            cookie,
+            vip: SocketAddr::from(e.vip),
+            server: SocketAddr::from(e.server),
+        })
+    }
+
+    /// How many sockets the kernel tracks: (TCP, connected UDP) (a walk).
+    pub fn count(&self) -> (usize, usize) {
+        (
+            self.tcp.keys().filter(Result::is_ok).count(),
+            self.udp.keys().filter(Result::is_ok).count(),
+        )
+    }
+}
