@@ -1,10 +1,13 @@
-//! Counting the socket tables off the owner loop: a walk of a full table
-//! takes tens of milliseconds, which a kernel report must never wait
-//! behind. One thread counts, on request: fresh for `lb status` (which it
-//! then answers), at most once a second for metrics scrapes, which get the
-//! latest count.
+//! Reading the kernel for `lb status` and counting the socket tables, off
+//! the owner loop: a walk of a full table takes tens of milliseconds, a
+//! status of thousands of services reads thousands of map entries, and a
+//! kernel report must wait behind neither. One thread, with its own
+//! handles on the pinned maps, does both on request: a fresh count and
+//! the rest of the kernel's side for `lb status` (which it then answers),
+//! a count at most once a second for metrics scrapes, which get the latest.
 
 use std::{
+    path::Path,
     sync::{
         Arc, Mutex, PoisonError,
         atomic::{AtomicBool, Ordering},
@@ -15,17 +18,24 @@ use std::{
 
 use tracing::warn;
 
-use crate::{control::TrackedSockets, datapath::SocketTables};
+use crate::{
+    control::TrackedSockets,
+    datapath::{PinnedMaps, SocketTables},
+};
 
 /// The oldest count a scrape is given without asking for a new one.
 const FRESH_FOR: Duration = Duration::from_secs(1);
+
+/// What answers `lb status` with the maps and a fresh count.
+type Answer = Box<dyn FnOnce(&PinnedMaps, TrackedSockets) + Send>;
 
 /// What the counting thread is asked to do.
 enum Job {
     /// Count, for the next scrapes.
     Refresh,
-    /// Count, then hand the count to this (which answers `lb status`).
-    Then(Box<dyn FnOnce(TrackedSockets) + Send>),
+    /// Count, then hand the maps and the count to this (which answers
+    /// `lb status`).
+    Then(Answer),
 }
 
 /// The latest count and when it was made.
@@ -50,8 +60,11 @@ fn count(tables: &SocketTables) -> TrackedSockets {
 }
 
 impl Census {
-    /// Starts the counting thread on `tables`.
-    pub(super) fn start(tables: Arc<SocketTables>) -> anyhow::Result<Self> {
+    /// Starts the thread, with its own handles on the maps pinned under
+    /// `bpffs`.
+    pub(super) fn start(bpffs: &Path) -> anyhow::Result<Self> {
+        let maps = PinnedMaps::open(bpffs)?;
+        let tables = maps.socket_tables();
         let (jobs, queue) = mpsc::channel();
         let latest = Arc::new(Mutex::new(Latest::default()));
         let refreshing = Arc::new(AtomicBool::new(false));
@@ -65,20 +78,19 @@ impl Census {
                 drop(latest);
                 match job {
                     Job::Refresh => flag.store(false, Ordering::Release),
-                    Job::Then(answer) => answer(tracked),
+                    Job::Then(answer) => answer(&maps, tracked),
                 }
             }
         })?;
         Ok(Self { jobs, latest, refreshing })
     }
 
-    /// Counts now, then calls `answer` with the count (on the counting
-    /// thread).
-    pub(super) fn then(&self, answer: impl FnOnce(TrackedSockets) + Send + 'static) {
-        if let Err(mpsc::SendError(Job::Then(answer))) = self.jobs.send(Job::Then(Box::new(answer)))
-        {
-            warn!("the socket count's thread is gone; answering with the latest count");
-            answer(self.latest());
+    /// Counts now, then calls `answer` with the maps and the count (on the
+    /// census thread). If that thread is gone (it never ends before the
+    /// daemon), `answer` is dropped: its request gets no answer.
+    pub(super) fn then(&self, answer: impl FnOnce(&PinnedMaps, TrackedSockets) + Send + 'static) {
+        if self.jobs.send(Job::Then(Box::new(answer))).is_err() {
+            warn!("the census thread is gone; a status request goes unanswered");
         }
     }
 

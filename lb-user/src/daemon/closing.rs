@@ -1,19 +1,20 @@
-//! Closing VIP connections: the sockets are picked from the kernel's table
-//! (only those made through a VIP), destroyed with netlink `SOCK_DESTROY`
-//! on a blocking thread (in lb's network namespace and, for `scope = "all"`,
-//! in pods'), and the outcome comes back to the owner loop as a
-//! message to log, count and answer.
+//! Closing VIP connections: which to close, decided here; the sockets are
+//! picked from the kernel's table (only those made through a VIP) and
+//! destroyed with netlink `SOCK_DESTROY` on the closing thread (`closer`;
+//! in lb's network namespace and, for `scope = "all"`, in pods'), and the
+//! outcome comes back to the owner loop as a message to log, count and
+//! answer.
 
-use std::{
-    collections::{HashMap, HashSet},
-    net::SocketAddr,
-};
+use std::{collections::HashSet, net::SocketAddr};
 
 use tokio::sync::oneshot;
-use tracing::{error, info, warn};
+use tracing::{error, info};
 
-use super::owner::{Close, Counts, Daemon, Message};
-use crate::{balancer::CloseReason, config::Scope, control::Response, sock_destroy};
+use super::{
+    closer::Job,
+    owner::{Close, Counts, Daemon},
+};
+use crate::{balancer::CloseReason, config::Scope, control::Response};
 
 /// Why nothing can be closed on this kernel.
 const NO_SOCK_DESTROY: &str = "this kernel cannot destroy sockets (it lacks CONFIG_INET_DIAG_DESTROY, or the tcp_diag module is not loaded)";
@@ -21,12 +22,11 @@ const NO_SOCK_DESTROY: &str = "this kernel cannot destroy sockets (it lacks CONF
 impl Daemon {
     /// Resets, in the background, the VIP connections that
     /// `wanted(vip, server)` picks; `close` says what to do with the
-    /// outcome ([`Self::close_done`]). The netlink socket dump and the
-    /// destroys run on a blocking thread: with thousands of connections
-    /// they take a while, and the owner loop must keep answering kernel
-    /// reports, checks and `lb status` meanwhile. The sockets are picked
-    /// there too (a walk of the `SOCKETS` map), after the new selection is
-    /// written.
+    /// outcome ([`Self::close_done`]). The walk of the `SOCKETS` map that
+    /// picks them, the netlink socket dump and the destroys run on the
+    /// closing thread (`closer`), after the new selection is written: with
+    /// thousands of connections they take a while, and the owner loop must
+    /// keep answering kernel reports, checks and `lb status` meanwhile.
     ///
     /// Without socket destroy (said once at start) a balancer's closes are
     /// dropped quietly (the connections end on their own); a request is
@@ -42,36 +42,11 @@ impl Daemon {
             }
             return;
         }
-        let tables = self.datapath.maps().socket_tables();
         // Pods' connections are in their own namespaces: searched only when
         // some VIP rewrites connects there.
         let other_namespaces =
             self.close_in_pods && self.services.iter().any(|s| s.config.scope == Scope::All);
-        let tx = self.tx.clone();
-        tokio::task::spawn_blocking(move || {
-            let sockets: HashMap<u64, (SocketAddr, SocketAddr)> = tables
-                .vip_sockets()
-                .filter(|s| wanted(s.vip, s.server))
-                .map(|s| (s.cookie, (s.vip, s.server)))
-                .collect();
-            let cookies = sockets.keys().copied().collect();
-            let result = sock_destroy::destroy_everywhere(&cookies, other_namespaces)
-                .map(|destroyed| {
-                    if let Some((e, left)) = destroyed.not_searched {
-                        warn!(
-                            left,
-                            "closing connections: {left} were not found in lb's network namespace, and the others could not all be searched ({e}); entering pods' namespaces needs CAP_SYS_ADMIN"
-                        );
-                    }
-                    let mut counts = Counts::new();
-                    for cookie in destroyed.cookies {
-                        *counts.entry(sockets[&cookie]).or_default() += 1;
-                    }
-                    counts
-                })
-                .map_err(|e| format!("destroying sockets with netlink SOCK_DESTROY: {e}"));
-            let _ = tx.blocking_send(Message::CloseDone { close, result });
-        });
+        self.closer.close(Job { wanted: Box::new(wanted), close, other_namespaces });
     }
 
     /// Closes what one balancer step moved traffic away from
@@ -83,6 +58,13 @@ impl Daemon {
         };
         let (vip, servers): (SocketAddr, HashSet<SocketAddr>) =
             (*vip, servers.iter().map(|(s, _)| *s).collect());
+        // Most moves (a server refused a connect, failed its checks) leave
+        // no connection behind: the kernel's live counts say so without a
+        // walk of the socket table.
+        let maps = self.datapath.maps();
+        if servers.iter().all(|&server| maps.connections(vip, server) <= 0) {
+            return self.close_done(close, Ok(Counts::new()));
+        }
         self.close(move |v, server| v == vip && servers.contains(&server), close);
     }
 

@@ -26,6 +26,7 @@
 
 mod apply;
 mod census;
+mod closer;
 mod closing;
 mod discovered;
 mod inputs;

@@ -14,7 +14,10 @@ use anyhow::Context as _;
 use lb_common::Event;
 use tokio::sync::{mpsc, oneshot};
 
-use super::{census::Census, saver::Saver, service::Service, timers::Timers, watch::TableWatch};
+use super::{
+    census::Census, closer::Closer, saver::Saver, service::Service, timers::Timers,
+    watch::TableWatch,
+};
 use crate::{
     balancer::{CloseReason, Health},
     config,
@@ -113,6 +116,8 @@ pub(super) struct Daemon {
     pub(super) close_in_pods: bool,
     /// Counts the socket tables for status and metrics, off this loop.
     pub(super) census: Census,
+    /// Closes VIP connections, off this loop.
+    pub(super) closer: Closer,
     /// Writes the state file, off this loop.
     pub(super) saver: Saver,
     /// `CLOCK_MONOTONIC` when this daemon started: kernel events from

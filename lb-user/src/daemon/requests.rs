@@ -1,10 +1,10 @@
 //! What the outside asks of the daemon: control requests (`lb servers`,
-//! `lb drain`, `lb status`, with the kernel's side of the status read
-//! here: `status` is data in, data out) and metrics scrapes. `lb close-connections` is
+//! `lb drain`, `lb status`, whose kernel side is read on the census thread:
+//! `status` is data in, data out) and metrics scrapes. `lb close-connections` is
 //! in `closing`, `lb reload` in `reload`.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     net::SocketAddr,
     path::Path,
     time::{Duration, Instant},
@@ -16,9 +16,11 @@ use tracing::info;
 
 use super::owner::Daemon;
 use crate::{
-    balancer::Readiness,
+    balancer::{Balancer, Readiness},
     config,
-    control::{ConfigStatus, DatapathStatus, Features, Response, Status, TrackedSockets},
+    control::{
+        ConfigStatus, DatapathStatus, DiscoveryStatus, Features, Response, Status, TrackedSockets,
+    },
     datapath::{self, Datapath, PinnedMaps},
     state::SavedList,
     status::{self, KernelView},
@@ -55,9 +57,9 @@ impl KernelView for KernelSnapshot<'_> {
     }
 }
 
-/// The datapath as `lb status` shows it: where it is attached, what this
-/// kernel offers, the decision counters; the socket tables' fill is
-/// counted off the owner loop (`census`) and filled in there.
+/// The datapath as `lb status` shows it: where it is attached and what
+/// this kernel offers; the decision counters and the socket tables' fill
+/// are read on the census thread and filled in there.
 fn datapath_status(
     datapath: &Datapath,
     cgroup: &Path,
@@ -65,12 +67,11 @@ fn datapath_status(
     sock_destroy: bool,
     close_in_pods: bool,
 ) -> DatapathStatus {
-    let maps = datapath.maps();
     DatapathStatus {
         cgroup: cgroup.display().to_string(),
         bpffs: bpffs.display().to_string(),
         adopted: datapath.adopted,
-        counters: maps.counters().into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
+        counters: BTreeMap::new(),
         features: Features {
             getpeername: datapath.getpeername,
             sock_destroy,
@@ -154,43 +155,46 @@ impl Daemon {
         Ok(())
     }
 
-    /// `lb status`, answered once the socket tables are counted.
+    /// `lb status`: the daemon's side (configs, balancers, discovery)
+    /// copied here, the kernel's read and the answer given on the census
+    /// thread. A status of thousands of services reads thousands of map
+    /// entries (milliseconds), which no kernel report waits behind.
     pub(super) fn answer_status(&self, reply: oneshot::Sender<Response>) {
-        let mut status = self.status();
-        self.census.then(move |tracked| {
-            status.datapath.tracked_sockets = tracked;
-            let _ = reply.send(Response::Status(status));
-        });
-    }
-
-    /// `lb status`, but for the socket tables' fill.
-    fn status(&self) -> Status {
-        let kernel = KernelSnapshot::of(self.datapath.maps());
-        Status {
-            services: self
-                .services
+        let services: Vec<(config::Service, Balancer, Option<DiscoveryStatus>)> = self
+            .services
+            .iter()
+            .map(|s| {
+                (
+                    s.config.clone(),
+                    s.balancer.clone(),
+                    s.discovery.as_ref().map(|d| d.status.clone()),
+                )
+            })
+            .collect();
+        let config = ConfigStatus {
+            path: self.config_path.display().to_string(),
+            last_reload: self.last_reload.clone(),
+        };
+        let mut datapath = datapath_status(
+            &self.datapath,
+            &self.cgroup,
+            &self.settings.bpffs,
+            self.sock_destroy,
+            self.close_in_pods,
+        );
+        self.census.then(move |maps, tracked| {
+            let kernel = KernelSnapshot::of(maps);
+            let services = services
                 .iter()
-                .map(|s| {
-                    status::service(
-                        &s.config,
-                        &s.balancer,
-                        s.discovery.as_ref().map(|d| &d.status),
-                        &kernel,
-                    )
+                .map(|(config, balancer, discovery)| {
+                    status::service(config, balancer, discovery.as_ref(), &kernel)
                 })
-                .collect(),
-            config: ConfigStatus {
-                path: self.config_path.display().to_string(),
-                last_reload: self.last_reload.clone(),
-            },
-            datapath: datapath_status(
-                &self.datapath,
-                &self.cgroup,
-                &self.settings.bpffs,
-                self.sock_destroy,
-                self.close_in_pods,
-            ),
-        }
+                .collect();
+            datapath.counters =
+                maps.counters().into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+            datapath.tracked_sockets = tracked;
+            let _ = reply.send(Response::Status(Status { services, config, datapath }));
+        });
     }
 
     /// A metrics scrape: refresh what lives in the kernel, then encode.

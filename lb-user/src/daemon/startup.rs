@@ -19,6 +19,7 @@ use tracing::{error, info, warn};
 
 use super::{
     census::Census,
+    closer::Closer,
     owner::{After, Daemon, Message, Options},
     saver::Saver,
     service::Service,
@@ -146,8 +147,9 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
     }
     let saver =
         Saver::start(settings.state_dir.clone()).context("starting the state file's writer")?;
-    let census = Census::start(datapath.maps().socket_tables())
-        .context("starting the socket tables' counting thread")?;
+    let closer = Closer::start(datapath.maps().socket_tables(), tx.clone())
+        .context("starting the closing thread")?;
+    let census = Census::start(&settings.bpffs).context("starting the census thread")?;
     let table_watch = TableWatch::new(datapath.maps().untracked_connects());
     let mut daemon = Daemon {
         settings,
@@ -163,6 +165,7 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         sock_destroy,
         close_in_pods,
         census,
+        closer,
         saver,
         started_ns,
         discovered,

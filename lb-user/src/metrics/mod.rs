@@ -287,8 +287,8 @@ impl Metrics {
             "How long health checks took",
             health_check_duration.clone(),
         );
-        // 50 µs .. ~0.8 s.
-        let kernel_event_delay = Histogram::new(exponential_buckets(0.000_05, 2.0, 15));
+        // 50 µs .. ~0.56 s, each bucket 1.5 times the one below.
+        let kernel_event_delay = Histogram::new(exponential_buckets(0.000_05, 1.5, 24));
         registry.register(
             "lb_kernel_event_delay_seconds",
             "From a kernel report on a connect through a VIP to the daemon's decision on it",
