@@ -112,6 +112,39 @@ impl Agent {
         }
     }
 
+    /// Opens `n` connections to `addrs` in turn and keeps them (until
+    /// [`Self::release`]): how many it holds.
+    pub fn hold(&mut self, addrs: &[SocketAddr], n: usize) -> anyhow::Result<usize> {
+        let list: Vec<String> = addrs.iter().map(ToString::to_string).collect();
+        self.send(&format!("hold {} {n}", list.join(",")))?;
+        let answer = self.answer()?;
+        match answer.strip_prefix("ok ").and_then(|n| n.parse().ok()) {
+            Some(held) => Ok(held),
+            None => bail!("bench-client hold: {answer}"),
+        }
+    }
+
+    /// Closes the connections [`Self::hold`] opened.
+    pub fn release(&mut self) -> anyhow::Result<()> {
+        self.send("release")?;
+        let answer = self.answer()?;
+        if answer != "ok" {
+            bail!("bench-client release: {answer}");
+        }
+        Ok(())
+    }
+
+    /// One connect to `addr`: the name of the server that answered, or
+    /// the error's line.
+    pub fn try_land(&mut self, addr: SocketAddr) -> anyhow::Result<Result<String, String>> {
+        self.send(&format!("land {addr}"))?;
+        let answer = self.answer()?;
+        Ok(match answer.strip_prefix("ok ") {
+            Some(name) => Ok(name.to_owned()),
+            None => Err(answer),
+        })
+    }
+
     /// One connect to `addr`: the name of the server that answered.
     pub fn land(&mut self, addr: SocketAddr) -> anyhow::Result<String> {
         self.send(&format!("land {addr}"))?;

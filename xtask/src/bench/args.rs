@@ -22,4 +22,5 @@ pub enum Part {
     Scale,
     Failover,
     Discovery,
+    Owner,
 }

@@ -21,7 +21,11 @@
 //!     answered by server NAME (or any but NAME); then `ok AT_NS ATTEMPTS
 //!     FAILED FAILED_NS` (AT_NS: CLOCK_MONOTONIC when that greeting
 //!     arrived; FAILED_NS: when the last failed attempt returned, 0 if none
-//!     failed), or `timeout ATTEMPTS LAST` after LIMIT_MS.
+//!     failed), or `timeout ATTEMPTS LAST` after LIMIT_MS;
+//!   - `hold ADDR[,ADDR...] N` → `ok HELD`: N connections, to the addresses
+//!     in turn, opened and kept (the agent's open-file limit raised to its
+//!     hard limit first); or `err WHAT` (those opened are kept);
+//!   - `release` → `ok`: closes the held connections.
 
 use std::{
     io::{BufRead as _, BufReader, ErrorKind, Read as _, Write as _},
@@ -108,8 +112,38 @@ fn greeting(addr: SocketAddr) -> std::io::Result<String> {
     Ok(line.trim().to_owned())
 }
 
+/// `hold`: opens `n` connections to `addrs` in turn into `held`.
+fn hold(addrs: &str, n: usize, held: &mut Vec<TcpStream>) -> anyhow::Result<usize> {
+    let addrs: Vec<SocketAddr> = addrs.split(',').map(parse).collect::<Result<_, _>>()?;
+    raise_nofile_to_hard_limit()?;
+    for i in 0..n {
+        let addr = addrs[i % addrs.len()];
+        held.push(
+            TcpStream::connect_timeout(&addr, IO_LIMIT)
+                .with_context(|| format!("connect {addr} (after {} held)", held.len()))?,
+        );
+    }
+    Ok(held.len())
+}
+
+fn raise_nofile_to_hard_limit() -> anyhow::Result<()> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit read or fill the struct we pass.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            bail!("getrlimit: {}", std::io::Error::last_os_error());
+        }
+        limit.rlim_cur = limit.rlim_max;
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+            bail!("setrlimit: {}", std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 fn agent_loop() -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
+    let mut held = Vec::new();
     for line in std::io::stdin().lock().lines() {
         let line = line?;
         let words: Vec<&str> = line.split_whitespace().collect();
@@ -140,6 +174,14 @@ fn agent_loop() -> anyhow::Result<()> {
                     _ => false,
                 };
                 until(addr, accept, limit, pause)
+            }
+            ["hold", addrs, n] => match hold(addrs, n.parse()?, &mut held) {
+                Ok(count) => format!("ok {count}"),
+                Err(e) => format!("err {e:#}"),
+            },
+            ["release"] => {
+                held.clear();
+                "ok".to_owned()
             }
             _ => format!("err unknown command {line:?}"),
         };

@@ -22,6 +22,9 @@
 //! - **discovery** ([`discovery`]): EndpointSlice change at a fake API server
 //!   to the kernel's new selection, p50/p99; updates/s for 1,000 services × 10
 //!   endpoints.
+//! - **owner** ([`owner`]): how long a kernel report waits for the
+//!   daemon's decision, idle and with a full socket table and a flood of
+//!   scrapes and status requests, p50/p99.
 //!
 //! Output: a table on stdout, `target/bench/report.md` and the plot
 //! `target/bench/ratios.svg` ([`report`]). Targets of the Speed issue are
@@ -47,12 +50,14 @@ mod failover;
 mod format;
 mod host;
 mod limits;
+mod owner;
 mod paths;
 mod report;
 mod results;
 mod scale;
 mod stats;
 mod status;
+mod targets;
 mod workloads;
 
 use std::{
@@ -75,7 +80,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     // their own, so the terminal's SIGINT does not reach them first.)
     let _ = ctrlc::set_handler(|| STOP.store(true, Ordering::Relaxed));
     let parts: Vec<Part> = if args.only.is_empty() {
-        vec![Part::Paths, Part::Scale, Part::Failover, Part::Discovery]
+        vec![Part::Paths, Part::Scale, Part::Failover, Part::Discovery, Part::Owner]
     } else {
         args.only.clone()
     };
@@ -103,6 +108,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             Part::Scale => scale::run(args, &origins, &mut results)?,
             Part::Failover => failover::run(&mut results)?,
             Part::Discovery => discovery::run(&mut results)?,
+            Part::Owner => owner::run(&mut results)?,
         }
         println!("    ({:?} took {:.0} s)", part, part_started.elapsed().as_secs_f64());
     }

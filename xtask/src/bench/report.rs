@@ -14,9 +14,11 @@ use plotters::{
 use super::{
     discovery,
     format::{count, millis, ms, services},
+    owner,
     paths::{BULK, Route},
     results::{KeepAliveCost, Results, Workload, load_average},
     stats::{median, percentile},
+    targets::targets,
     workloads::{BULK_REPEATS, CONNECT_SLICES, CONNECTS, WRK_RUNS},
 };
 
@@ -251,6 +253,23 @@ fn tables(r: &Results) -> Vec<Table> {
         }
         tables.push(t);
     }
+    if let Some(o) = &r.owner_loop {
+        let mut t = Table::new(
+            "Owner loop: a kernel report (a refused connect through a VIP) → the daemon's decision",
+            &["load", "reports", "p50", "p99"],
+        );
+        let loaded = format!(
+            "socket table full ({} of {} sockets); {} scrapes and {} status requests answered meanwhile",
+            count(o.tracked as usize),
+            count(owner::TABLE),
+            count(o.scrapes),
+            count(o.statuses)
+        );
+        for (what, (n, p50, p99)) in [("idle".to_owned(), o.idle), (loaded, o.loaded)] {
+            t.row(vec![what, n.to_string(), millis(p50), millis(p99)]);
+        }
+        tables.push(t);
+    }
     if let Some(d) = &r.discovery {
         let mut t = Table::new(
             "Discovery (fake API server on loopback, debounce 1 ms)",
@@ -288,90 +307,6 @@ fn tables(r: &Results) -> Vec<Table> {
         tables.push(t);
     }
     tables
-}
-
-/// The Speed issue's targets that this run measured: (PASS, line).
-fn targets(r: &Results) -> Vec<(bool, String)> {
-    let mut lines = Vec::new();
-    let mut ratio = |what: &str, workload: Workload, route: Route, at_least: f64| {
-        if let Some(f) = r.figure(workload, route) {
-            lines.push((
-                f.ratio >= at_least,
-                format!(
-                    "{what} ≥ {at_least:.2} × direct: {:.2} (interquartile {:.2}–{:.2})",
-                    f.ratio, f.spread.0, f.spread.1
-                ),
-            ));
-        }
-    };
-    ratio(
-        "new connection per request (wrk) through the VIP",
-        Workload::NewConnection,
-        Route::Vip,
-        0.95,
-    );
-    ratio("connect + close through the VIP", Workload::Connect, Route::Vip, 0.95);
-    ratio(
-        "new connection per request (wrk) from inside the cgroup, not a VIP",
-        Workload::NewConnection,
-        Route::Cgroup,
-        0.98,
-    );
-    ratio(
-        "connect + close from inside the cgroup, not a VIP",
-        Workload::Connect,
-        Route::Cgroup,
-        0.98,
-    );
-    ratio("keep-alive requests (wrk) through the VIP", Workload::KeepAlive, Route::Vip, 0.98);
-    ratio("bulk transfer through the VIP", Workload::Bulk, Route::Vip, 0.98);
-    if let Some((_, cpu, n)) = r
-        .daemon_cpu
-        .iter()
-        .find(|(what, _, n)| what.starts_with("connect + close through the VIP") && *n > 0)
-    {
-        let per_10k = cpu.as_secs_f64() * 1e7 / *n as f64;
-        lines.push((per_10k < 10.0, format!("daemon CPU per 10,000 VIP connects close to zero (read here as < 10 ms, 1 µs per connect): {per_10k:.1} ms")));
-    }
-    if let Some(s) = &r.scale {
-        for (n, limit) in [(10_000, 1.0), (16_384, 2.0)] {
-            if let Some(st) = s.startups.iter().find(|st| st.services == n) {
-                let took = st.ready.map_or_else(|| "> 60 s".to_owned(), ms);
-                lines.push((
-                    st.ready.is_some_and(|r| r.as_secs_f64() < limit),
-                    format!(
-                        "{} services ready (all listed with selections) < {limit:.0} s: {took}",
-                        count(n)
-                    ),
-                ));
-            }
-        }
-        if let Some(rss) = s.startups.iter().find(|st| st.services == 10_000).and_then(|st| st.rss)
-        {
-            lines.push((
-                rss < 40_000_000,
-                format!("RSS at 10,000 services < 40 MB: {:.0} MB", rss as f64 / 1e6),
-            ));
-        }
-        if !s.reload_ms.is_empty() {
-            let m = median(&s.reload_ms);
-            lines.push((
-                m < 100.0,
-                format!("a reload changing one service of 10,000 applies < 100 ms: {}", millis(m)),
-            ));
-        }
-    }
-    if let Some(f) = &r.failover {
-        let p99 = percentile(&f.reaction_ms, 99.0);
-        lines.push((
-            p99 < 10.0 && f.failed_max <= 2,
-            format!(
-                "a refused connect moves the next connect within milliseconds (read here as: p99 < 10 ms from the refusal to a connect answered elsewhere, and at most 2 failed connects per kill, the refused one and one reset in the closing listener's queue): {p99:.2} ms, at most {} failed",
-                f.failed_max
-            ),
-        ));
-    }
-    lines
 }
 
 fn machine(r: &Results) -> Vec<(String, String)> {

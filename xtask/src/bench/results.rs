@@ -127,6 +127,18 @@ pub struct Failover {
     pub daemon_ms: Vec<f64>,
 }
 
+/// How long kernel reports waited for the daemon's decision: (reports,
+/// p50 ms, p99 ms), idle and under load.
+pub struct OwnerLoop {
+    pub idle: (usize, f64, f64),
+    pub loaded: (usize, f64, f64),
+    /// Sockets in the table during the loaded phase.
+    pub tracked: u64,
+    /// Scrapes and status requests answered during the loaded phase.
+    pub scrapes: usize,
+    pub statuses: usize,
+}
+
 #[derive(Default)]
 pub struct Discovery {
     pub latency_ms: Vec<f64>,
@@ -147,6 +159,7 @@ pub struct Results {
     pub scale: Option<Scale>,
     pub failover: Option<Failover>,
     pub discovery: Option<Discovery>,
+    pub owner_loop: Option<OwnerLoop>,
     pub notes: Vec<String>,
     pub duration: Duration,
     /// The 1-minute load average when the run started: other work on the
@@ -168,6 +181,7 @@ impl Results {
             scale: None,
             failover: None,
             discovery: None,
+            owner_loop: None,
             notes: Vec::new(),
             duration: Duration::ZERO,
             load_at_start: load_average(),

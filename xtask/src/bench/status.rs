@@ -4,6 +4,7 @@
 use std::{
     io::{BufRead as _, BufReader, Write as _},
     os::unix::net::UnixStream,
+    path::Path,
     time::{Duration, Instant},
 };
 
@@ -20,8 +21,12 @@ pub fn status(daemon: &Daemon) -> anyhow::Result<Value> {
 
 /// [`status`], and when its answer had been read (before it was parsed).
 pub fn status_received(daemon: &Daemon) -> anyhow::Result<(Value, Instant)> {
-    let socket = daemon.dir.join("lb.sock");
-    let mut stream = UnixStream::connect(&socket)
+    status_at(&daemon.dir.join("lb.sock"))
+}
+
+/// [`status_received`] from the daemon behind the control socket `socket`.
+pub fn status_at(socket: &Path) -> anyhow::Result<(Value, Instant)> {
+    let mut stream = UnixStream::connect(socket)
         .with_context(|| format!("connecting to {}", socket.display()))?;
     stream.set_read_timeout(Some(Duration::from_secs(30)))?;
     stream.write_all(b"{\"command\":\"status\"}\n")?;
