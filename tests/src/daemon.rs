@@ -33,6 +33,9 @@ pub struct Daemon {
     daemon_settings: String,
     /// Extra environment variables of `lb run`, for every (re)start.
     env: Vec<(String, String)>,
+    /// The `lb` that `lb run` starts, if not this version's
+    /// ([`Daemon::use_bin`]).
+    bin: Option<PathBuf>,
     child: Option<Child>,
     /// Dropped after `Daemon::drop` has removed the pins.
     _bpffs_mount: BpffsMount,
@@ -93,6 +96,7 @@ impl Daemon {
             bpffs,
             daemon_settings: daemon_settings.to_owned(),
             env,
+            bin: None,
             child: None,
             _bpffs_mount,
         };
@@ -154,7 +158,7 @@ impl Daemon {
             .append(true)
             .open(self.dir.join("lb.log"))
             .unwrap();
-        let child = Command::new(lb_bin())
+        let child = Command::new(self.bin.clone().unwrap_or_else(lb_bin))
             .args(["run", "--config"])
             .arg(&self.config)
             .args(args)
@@ -166,6 +170,13 @@ impl Daemon {
             .spawn()
             .expect("starting lb run");
         self.child = Some(child);
+    }
+
+    /// Runs `bin` as `lb run` from the next (re)start on (`None`: this
+    /// version's). The client commands (`lb status`, ...) stay this
+    /// version's.
+    pub fn use_bin(&mut self, bin: Option<PathBuf>) {
+        self.bin = bin;
     }
 
     /// SIGKILL: the datapath must keep working without the daemon.

@@ -8,6 +8,7 @@ mod cargo;
 mod cmd;
 mod demo;
 mod fuzz;
+mod previous;
 mod toolchain;
 mod vmtest;
 
@@ -59,6 +60,9 @@ enum Task {
     /// bookworm (6.1) and trixie (6.12) kernels; `--release` and `--kernel`
     /// replace that list.
     Vmtest(vmtest::Args),
+    /// Build the previous version of lb (from its commit) for the upgrade
+    /// test, as `test` does, and print where its `lb` is.
+    BuildPrevious,
     /// As root, loopback only, a few minutes: lb's speed side by side with
     /// direct connections, haproxy and nginx (wrk, connect + close, bulk),
     /// scale (10,000 and 16,384 services, reload), failover and discovery
@@ -131,6 +135,14 @@ fn run(task: Task) -> anyhow::Result<()> {
             fuzz::run(&args)
         }
         Task::DemoGet { addr } => demo::get(&addr),
+        Task::BuildPrevious => {
+            toolchain::ensure()?;
+            match previous::build()? {
+                Some(bin) => println!("{}", bin.display()),
+                None => bail!("this clone lacks the previous version's commit"),
+            }
+            Ok(())
+        }
         Task::BenchClient { args } => bench::client_main(&args),
     }
 }
@@ -151,11 +163,16 @@ fn test() -> anyhow::Result<()> {
     if !is_root() {
         println!("(not root: the integration tests will report themselves skipped)");
     }
+    let previous = if is_root() { previous::build()? } else { None };
     // SAFETY: single-threaded at this point; children inherit it.
     unsafe {
         std::env::set_var("LB_BIN", lb_bin());
         // This kernel is the reference: every optional feature must be there.
         std::env::set_var("LB_TEST_REQUIRE_FEATURES", "1");
+        // The upgrade from the previous version runs here, not in the VMs.
+        if let Some(previous) = &previous {
+            std::env::set_var("LB_PREVIOUS_BIN", previous);
+        }
     }
     cargo(&["test", "--package", "lb-tests"])?;
 

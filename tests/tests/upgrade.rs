@@ -1,0 +1,171 @@
+//! Upgrades in place: a daemon that adopts pins whose programs are not its
+//! own replaces every program with one atomic link update each, while 200
+//! threads connect through the VIP in a loop, and every connect is
+//! rewritten. Needs root; see `lb_tests::privileged`.
+//!
+//! A listener on the VIP's own address catches any connect that was not
+//! rewritten (it would have been refused before; a refusal can also come
+//! from elsewhere, a connect that lands on the trap cannot).
+//!
+//! 200 threads against one test backend on a loaded machine can overflow
+//! its accept queue: a dropped SYN is retried after 1 s and 3 s, and a
+//! connect can time out. Timeouts are printed and allowed; every other
+//! failure (refused, reset, permission denied: a program that rejected the
+//! connect) fails the test.
+
+use std::{path::Path, path::PathBuf, time::Duration};
+
+use lb_tests::{Backend, Client, Daemon, ServiceBuilder, TestCgroup, addr, privileged, wait_until};
+use lb_user::datapath::{
+    PinnedMaps, pinned_program_ids, programs_fingerprint, read_program_fingerprint,
+};
+
+const CLIENT: &str = env!("CARGO_BIN_EXE_lb-test-client");
+
+fn client(cgroup: &TestCgroup) -> Client {
+    Client::start(CLIENT, Some(cgroup))
+}
+
+/// Issue 10, item 5 (the upgrade half): the pinned fingerprint says another
+/// build's programs (the same object under a faked fingerprint). Before,
+/// adoption kept the old programs.
+#[test]
+fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
+    if !privileged() {
+        return;
+    }
+    let _ = upgrade_under_a_storm("upgrade", 67, None, |daemon| {
+        daemon.kill();
+        // What an older lb's programs would look like to this one.
+        lb_user::datapath::write_program_fingerprint(&daemon.bpffs, 0)
+            .expect("writing the fingerprint");
+    });
+}
+
+/// Issue 23, item 13: a real upgrade. The previous version of lb (built
+/// from its commit by `cargo xtask test`, `$LB_PREVIOUS_BIN`) runs with its
+/// own programs, and is stopped as systemd stops it (SIGTERM); this
+/// version starts on its pins. Its daemon adopts the previous one's maps
+/// and replaces the previous programs under the storm.
+#[test]
+fn an_upgrade_from_the_previous_version_keeps_every_connect_rewritten() {
+    if !privileged() {
+        return;
+    }
+    let Some(previous) = std::env::var_os("LB_PREVIOUS_BIN").map(PathBuf::from) else {
+        eprintln!(
+            "SKIPPED: no previous version of lb ($LB_PREVIOUS_BIN; `cargo xtask test` builds it)"
+        );
+        return;
+    };
+    let (daemon, first) = upgrade_under_a_storm("upgrade-real", 74, Some(previous), |daemon| {
+        daemon.signal(libc::SIGTERM);
+        assert!(daemon.wait_exit(Duration::from_secs(10)), "the previous daemon did not stop");
+    });
+    assert_ne!(first, Some(programs_fingerprint()), "the previous version has this one's programs");
+    assert_eq!(
+        read_program_fingerprint(&daemon.bpffs).expect("reading the pinned fingerprint"),
+        Some(programs_fingerprint()),
+        "the pins do not say this version's programs"
+    );
+}
+
+/// Starts a daemon (`first`: the `lb` to start it with, else this
+/// version's), starts a storm of 200 threads through its VIP, calls
+/// `stop` to end that daemon, starts this version's on the same pins, and
+/// checks that the programs were replaced with every connect rewritten and
+/// that every connection left the kernel's tables. Returns the daemon and
+/// the fingerprint the first daemon's programs were pinned with.
+fn upgrade_under_a_storm(
+    name: &str,
+    net: u8,
+    first: Option<PathBuf>,
+    stop: impl FnOnce(&mut Daemon),
+) -> (Daemon, Option<u64>) {
+    let cgroup = TestCgroup::new(name);
+    let s1 = Backend::start("s1", addr(net, 1, 0));
+    let vip = addr(net, 100, 6444);
+    let trap = Backend::start("unrewritten", vip);
+    let services = ServiceBuilder::new("api", vip).servers(&[s1.addr]).toml();
+    let mut daemon = Daemon::prepare(name, &cgroup, "", &[], &services);
+    daemon.use_bin(first);
+    daemon.restart();
+    let before = pinned_program_ids(&daemon.bpffs).expect("reading the pinned links");
+    assert!(before.len() >= 4, "{before:?}");
+    let fingerprint = read_program_fingerprint(&daemon.bpffs).expect("reading the fingerprint");
+    let stop_file = daemon.dir.join("stop-storm");
+
+    let summary = std::thread::scope(|scope| {
+        // The storm ends when this goes, on every path out of the scope.
+        let _stop = StopFile(&stop_file);
+        let storm =
+            scope.spawn(|| client(&cgroup).storm(vip, 200, Duration::from_secs(120), &stop_file));
+        assert!(
+            wait_until(Duration::from_secs(30), || s1.accepted() > 200),
+            "the storm did not start"
+        );
+        stop(&mut daemon);
+        daemon.use_bin(None);
+        daemon.restart();
+        let replaced = s1.accepted();
+        assert!(
+            wait_until(Duration::from_secs(30), || s1.accepted() > replaced + 200),
+            "the storm stopped after the replacement"
+        );
+        std::fs::write(&stop_file, "").unwrap();
+        storm.join().expect("the storm client")
+    });
+    eprintln!("{summary}");
+    let after = pinned_program_ids(&daemon.bpffs).expect("reading the pinned links");
+    assert_eq!(after.len(), before.len(), "{before:?} -> {after:?}");
+    for ((name, old), (_, new)) in before.iter().zip(&after) {
+        assert_ne!(old, new, "{name} was not replaced:\n{}", daemon.log());
+    }
+    assert!(daemon.log().contains("replaced them"), "{}", daemon.log());
+    let field = |name: &str| {
+        summary
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(name))
+            .unwrap_or_else(|| panic!("{summary}"))
+            .to_owned()
+    };
+    assert_eq!(trap.accepted(), 0, "connects during the replacement were not rewritten: {summary}");
+    assert!(!field("names=").contains("unrewritten"), "{summary}");
+    let failed: usize = field("failed=").parse().unwrap();
+    let succeeded: usize = field("names=").strip_prefix("s1:").map_or(0, |n| n.parse().unwrap());
+    assert_eq!(succeeded + failed, field("total=").parse::<usize>().unwrap(), "{summary}");
+    for error in field("errors=").split(',').filter(|e| !e.is_empty()) {
+        assert!(
+            error.contains(":TimedOut:") || error.contains(":WouldBlock:"),
+            "a connect during the replacement failed other than by a timeout: {error} in {summary}"
+        );
+    }
+
+    // Every connection of the storm, tracked by the old programs or the
+    // new ones, left the socket table and the counts when it closed.
+    let maps = PinnedMaps::open(&daemon.bpffs).expect("opening the pinned maps");
+    let mut tracked = (usize::MAX, usize::MAX);
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            tracked = maps.tracked_sockets();
+            tracked == (0, 0)
+        }),
+        "the socket tables still hold (TCP, UDP) = {tracked:?} after the storm"
+    );
+    assert_eq!(daemon.connections("api", s1.addr), 0);
+    // The replacing programs look every connecting socket up: sockets the
+    // old ones tracked carry none of their marks.
+    let before = daemon.counter("sockops_untracked");
+    assert_eq!(client(&cgroup).churn("tcp", s1.addr, 20), (20, 0));
+    assert_eq!(daemon.counter("sockops_untracked") - before, 20);
+    (daemon, fingerprint)
+}
+
+/// Creates its file when dropped: tells a storm to stop.
+struct StopFile<'a>(&'a Path);
+
+impl Drop for StopFile<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.0, "");
+    }
+}
