@@ -74,3 +74,53 @@ impl Drop for Saver {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        net::SocketAddr,
+        sync::{Arc, Mutex},
+    };
+
+    use super::*;
+    use crate::state::SavedList;
+
+    fn state(port: u16) -> SavedState {
+        let mut state = SavedState::default();
+        let server = SocketAddr::from(([127, 0, 0, 1], port));
+        state.services.insert(
+            "api".to_owned(),
+            SavedList {
+                servers: vec![server],
+                default: None,
+                configured: vec![server],
+                configured_default: None,
+                drained: Vec::new(),
+                discovered_at: None,
+            },
+        );
+        state
+    }
+
+    /// Every save asked for is answered, and the file ends with the last
+    /// state however the saves were batched; dropping the saver waits for
+    /// them.
+    #[test]
+    fn saves_end_with_the_last_state_and_each_is_answered() {
+        let dir = std::env::temp_dir().join(format!("lb-saver-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let answered = Arc::new(Mutex::new(Vec::new()));
+        let saver = Saver::start(dir.clone()).unwrap();
+        for port in 1..=50 {
+            let answered = Arc::clone(&answered);
+            let done: Done = Box::new(move |result| answered.lock().unwrap().push(result));
+            saver.save(state(port), (port % 10 == 0).then_some(done));
+        }
+        drop(saver);
+        let answers = answered.lock().unwrap().clone();
+        assert_eq!(answers, vec![Ok(()); 5]);
+        let written = SavedState::load(&dir);
+        assert_eq!(written, state(50));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
