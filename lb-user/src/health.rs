@@ -1,7 +1,8 @@
-//! Active health checks: TCP connect, HTTP or HTTPS GET. Each server is
-//! checked by its own task with its own timeout, so a slow server never
-//! delays the checks of others. Checks go straight to the servers (never a
-//! VIP), so the datapath never rewrites them.
+//! Active health checks: TCP connect, HTTP or HTTPS GET, a DNS query over
+//! UDP (`dns`). Each server is checked by its own task with its own
+//! timeout, so a slow server never delays the checks of others. Checks go
+//! straight to the servers (never a VIP), so the datapath never rewrites
+//! them.
 
 use std::{net::SocketAddr, path::Path, time::Duration};
 
@@ -12,12 +13,16 @@ use crate::{
     config::{CheckKind, HealthConfig},
 };
 
+mod dns;
+
 /// What one check of a server does.
 enum Probe {
     /// Connect, then close.
     Tcp,
     /// GET `url`; a status within `status` (inclusive) passes.
     Http { client: reqwest::Client, url: String, status: (u16, u16) },
+    /// Ask a DNS question; a well-formed answer passes.
+    Dns(dns::Question),
 }
 
 /// Checks one server the way its service is configured.
@@ -84,6 +89,7 @@ impl Checker {
         let probe = match config.check {
             CheckKind::None => return Ok(None),
             CheckKind::Tcp => Probe::Tcp,
+            CheckKind::Dns => Probe::Dns(dns::Question::new(&config.query, &config.query_type)?),
             CheckKind::Http | CheckKind::Https => {
                 let scheme = if config.check == CheckKind::Https { "https" } else { "http" };
                 let host = config.server_name.clone().unwrap_or_else(|| match server {
@@ -120,6 +126,7 @@ impl Checker {
                     }
                     Err(e) => Health::Fail(format!("GET {url}: {}", error_chain(&e))),
                 },
+                Probe::Dns(question) => question.ask(server).await,
             }
         };
         match tokio::time::timeout(self.timeout, attempt).await {

@@ -15,6 +15,9 @@ pub enum Check {
     /// `check = "http"`: `GET path` every `interval`; a [`Backend`](crate::Backend) answers
     /// with the status set by [`Backend::set_health`](crate::Backend::set_health).
     Http { path: &'static str, interval: Duration },
+    /// `check = "dns"`: a query for `query` (type A) every `interval`; a
+    /// [`FakeDns`](crate::fakes::dns::FakeDns) answers as its mode says.
+    Dns { query: &'static str, interval: Duration },
 }
 
 /// A service's `policy`.
@@ -197,6 +200,11 @@ impl ServiceBuilder {
             Check::Http { path, interval } => {
                 health.insert("check".to_owned(), "http".into());
                 health.insert("path".to_owned(), (*path).into());
+                Some(*interval)
+            }
+            Check::Dns { query, interval } => {
+                health.insert("check".to_owned(), "dns".into());
+                health.insert("query".to_owned(), (*query).into());
                 Some(*interval)
             }
         };

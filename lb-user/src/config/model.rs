@@ -191,6 +191,9 @@ pub enum CheckKind {
     Http,
     /// The same over TLS.
     Https,
+    /// A DNS query over UDP for `query` (`query_type`); any well-formed
+    /// answer to it passes, NXDOMAIN included.
+    Dns,
     /// No active check: the kernel's connection reports are the only signal.
     None,
 }
@@ -222,6 +225,10 @@ pub struct HealthConfig {
     pub server_name: Option<String>,
     /// Do not verify HTTPS servers' certificates at all.
     pub insecure_skip_verify: bool,
+    /// The name a DNS check asks for (fully qualified).
+    pub query: String,
+    /// The record type a DNS check asks for (`A`, `AAAA`, `SOA`, ...).
+    pub query_type: String,
 }
 
 impl Default for HealthConfig {
@@ -239,6 +246,8 @@ impl Default for HealthConfig {
             key_file: None,
             server_name: None,
             insecure_skip_verify: false,
+            query: String::new(),
+            query_type: "A".to_owned(),
         }
     }
 }

@@ -96,4 +96,6 @@ pub(super) struct RawHealth {
     pub(super) key_file: Option<PathBuf>,
     pub(super) server_name: Option<String>,
     pub(super) insecure_skip_verify: Option<bool>,
+    pub(super) query: Option<String>,
+    pub(super) query_type: Option<String>,
 }

@@ -148,11 +148,14 @@ pub(super) fn parse_health(
         None | Some("tcp") => CheckKind::Tcp,
         Some("http") => CheckKind::Http,
         Some("https") => CheckKind::Https,
+        Some("dns") => CheckKind::Dns,
         Some("none") => CheckKind::None,
         Some(other) => {
             problem(
                 "check",
-                format!("{other:?} is not a check; use \"tcp\", \"http\", \"https\" or \"none\""),
+                format!(
+                    "{other:?} is not a check; use \"tcp\", \"http\", \"https\", \"dns\" or \"none\""
+                ),
             );
             CheckKind::Tcp
         }
@@ -224,7 +227,49 @@ pub(super) fn parse_health(
     health.key_file = raw.key_file;
     health.server_name = raw.server_name;
     health.insecure_skip_verify = raw.insecure_skip_verify.unwrap_or(false);
+    parse_dns_question(&mut health, raw.query, raw.query_type, &mut problem);
     health
+}
+
+/// `query` and `query_type` of a DNS check: a name is required (a fully
+/// qualified one: a trailing dot is added), the type is one of DNS's
+/// (`A` by default). Either key set for another check is a problem.
+fn parse_dns_question(
+    health: &mut HealthConfig,
+    query: Option<String>,
+    query_type: Option<String>,
+    problem: &mut impl FnMut(&str, String),
+) {
+    if health.check != CheckKind::Dns {
+        for (key, set) in [("query", query.is_some()), ("query_type", query_type.is_some())] {
+            if set {
+                problem(key, "only applies to check = \"dns\"".to_owned());
+            }
+        }
+        return;
+    }
+    match query {
+        None => problem(
+            "query",
+            "check = \"dns\" needs the name to ask for, e.g. query = \"kubernetes.default.svc.cluster.local\"".to_owned(),
+        ),
+        Some(name) => match hickory_proto::rr::Name::from_ascii(&name) {
+            Ok(parsed) if !name.is_empty() => {
+                let mut parsed = parsed;
+                parsed.set_fqdn(true);
+                health.query = parsed.to_ascii();
+            }
+            _ => problem("query", format!("{name:?} is not a DNS name")),
+        },
+    }
+    if let Some(text) = query_type {
+        match text.to_ascii_uppercase().parse::<hickory_proto::rr::RecordType>() {
+            Ok(hickory_proto::rr::RecordType::Unknown(_)) | Err(_) => {
+                problem("query_type", format!("{text:?} is not a DNS record type like \"A\""));
+            }
+            Ok(record_type) => health.query_type = record_type.to_string(),
+        }
+    }
 }
 
 /// An address as written (`127.0.0.1:6443`, `[::1]:6443`); whether it can
@@ -291,6 +336,31 @@ mod tests {
             msg.contains("test.toml:7: service[0] (\"api\"): vip: 127.0.0.1:0 has port 0"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn a_dns_check_needs_a_name_and_takes_a_record_type() {
+        let text = format!(
+            "{GOOD}[service.health]\ncheck = \"dns\"\nquery = \"kube-dns.kube-system.svc.cluster.local\"\n"
+        );
+        let health = &parse(&text).unwrap().services[0].health;
+        assert_eq!(health.check, CheckKind::Dns);
+        assert_eq!(health.query, "kube-dns.kube-system.svc.cluster.local.");
+        assert_eq!(health.query_type, "A");
+        let text = format!(
+            "{GOOD}[service.health]\ncheck = \"dns\"\nquery = \"example.org.\"\nquery_type = \"aaaa\"\n"
+        );
+        assert_eq!(parse(&text).unwrap().services[0].health.query_type, "AAAA");
+
+        let msg = problems(&format!("{GOOD}[service.health]\ncheck = \"dns\"\n"));
+        assert!(msg.contains("health.query: check = \"dns\" needs the name to ask for"), "{msg}");
+        let msg = problems(&format!(
+            "{GOOD}[service.health]\ncheck = \"dns\"\nquery = \"a..b\"\nquery_type = \"QQQ\"\n"
+        ));
+        assert!(msg.contains("health.query: \"a..b\" is not a DNS name"), "{msg}");
+        assert!(msg.contains("health.query_type: \"QQQ\" is not a DNS record type"), "{msg}");
+        let msg = problems(&format!("{GOOD}[service.health]\ncheck = \"tcp\"\nquery = \"x.\"\n"));
+        assert!(msg.contains("health.query: only applies to check = \"dns\""), "{msg}");
     }
 
     #[test]

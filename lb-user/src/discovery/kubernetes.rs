@@ -710,6 +710,23 @@ mod tests {
         assert_eq!(endpoints_of([&none], vip4(), &PortRef::Number(6443)).0, []);
     }
 
+    /// Issue 24: the cluster's DNS (`kube-system/kube-dns`, port `dns`) is
+    /// UDP; a port is found by its name whatever its protocol.
+    #[test]
+    fn a_udp_port_is_found_by_its_name() {
+        let udp = EndpointPort { protocol: Some("UDP".into()), ..port("dns", 53) };
+        let s = slice(
+            "kube-dns",
+            "IPv4",
+            vec![udp, port("dns-tcp", 53), port("metrics", 9153)],
+            vec![endpoint("127.10.0.1", "n1", READY)],
+        );
+        assert_eq!(
+            endpoints_of([&s], vip4(), &PortRef::Name("dns".into())).0,
+            [ep("127.10.0.1:53", Readiness::Ready)]
+        );
+    }
+
     #[test]
     fn only_the_first_address_of_an_endpoint_counts() {
         let mut e = endpoint("127.10.0.1", "n1", READY);
