@@ -54,12 +54,12 @@ pub fn can_enter() -> bool {
 
 /// Runs `visit` once in every network namespace of the node but the
 /// caller's, on a new thread that enters them in turn; stops early when
-/// `visit` returns false. Returns how many namespaces were visited.
+/// `visit` returns false.
 ///
 /// A namespace that cannot be opened (its process is gone, or is not ours
 /// to look at) is skipped. Failing to enter one is an error: EPERM means
 /// lb lacks CAP_SYS_ADMIN, and then none can be entered.
-pub fn for_each_other(visit: impl FnMut() -> bool + Send) -> io::Result<usize> {
+pub fn for_each_other(visit: impl FnMut() -> bool + Send) -> io::Result<()> {
     std::thread::scope(|scope| {
         scope
             .spawn(|| visit_others(visit))
@@ -69,10 +69,9 @@ pub fn for_each_other(visit: impl FnMut() -> bool + Send) -> io::Result<usize> {
 }
 
 /// [`for_each_other`]'s thread: it ends in the last namespace it entered.
-fn visit_others(mut visit: impl FnMut() -> bool) -> io::Result<usize> {
+fn visit_others(mut visit: impl FnMut() -> bool) -> io::Result<()> {
     let own = fs::metadata("/proc/thread-self/ns/net")?;
     let mut seen = HashSet::from([(own.dev(), own.ino())]);
-    let mut visited = 0;
     for path in candidates() {
         let Ok(file) = File::open(&path) else { continue };
         let Ok(meta) = file.metadata() else { continue };
@@ -92,10 +91,9 @@ fn visit_others(mut visit: impl FnMut() -> bool) -> io::Result<usize> {
                 format!("entering the network namespace {}: {e}", path.display()),
             ));
         }
-        visited += 1;
         if !visit() {
             break;
         }
     }
-    Ok(visited)
+    Ok(())
 }

@@ -9,7 +9,6 @@
 
 use std::{collections::HashSet, io};
 
-use crate::netns;
 use netlink_packet_core::{
     NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
@@ -18,6 +17,8 @@ use netlink_packet_sock_diag::{
     inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
+
+use crate::netns;
 
 /// The TCP states in which a connection is destroyed: not LISTEN or
 /// TIME_WAIT, and not SYN_SENT: destroying a connect in flight would make
@@ -62,8 +63,6 @@ pub fn destroy(cookies: &HashSet<u64>) -> io::Result<Vec<u64>> {
 pub struct Destroyed {
     /// The cookies of the sockets reset, in any namespace.
     pub cookies: Vec<u64>,
-    /// How many other network namespaces were searched.
-    pub namespaces: usize,
     /// Why the other namespaces could not all be searched, and how many
     /// sockets were still not found then.
     pub not_searched: Option<(io::Error, usize)>,
@@ -91,13 +90,14 @@ pub fn destroy_everywhere(cookies: &HashSet<u64>, other_namespaces: bool) -> io:
                     done.cookies.push(cookie);
                 }
             }
-            Err(e) => failed = failed.take().or(Some(e)),
+            Err(e) => {
+                failed.get_or_insert(e);
+            }
         }
         !left.is_empty()
     });
-    match walked {
-        Ok(n) => done.namespaces = n,
-        Err(e) => failed = Some(e),
+    if let Err(e) = walked {
+        failed = Some(e);
     }
     done.not_searched = failed.map(|e| (e, left.len()));
     Ok(done)

@@ -15,7 +15,8 @@
 //!
 //! One module per concern, each importing only modules below it:
 //! - [`load`], [`hardening`]: the load generators and the hostile clients
-//!   of the stress, chaos and hardening tests;
+//!   of the stress, chaos and hardening tests, and [`hold_backend`], the
+//!   backend that holds their tens of thousands of connections;
 //! - [`fakes`]: what discovery talks to (a Kubernetes API server, DNS);
 //! - `daemon` ([`Daemon`]) over `bpffs` (its pins' mount);
 //! - `client` ([`Client`], [`Connect`]) over `cgroup` ([`TestCgroup`]);
@@ -32,6 +33,7 @@ mod daemon;
 mod env;
 pub mod fakes;
 pub mod hardening;
+pub mod hold_backend;
 mod leak;
 pub mod load;
 mod netns;

@@ -23,7 +23,8 @@ use std::{
 
 use lb_tests::{
     Check, Client, Daemon, Policy, ServiceBuilder, TestCgroup, addr, files_under,
-    load::{Attempt, HoldBackend, Outcome, ProcSample, log_len, log_since, panics},
+    hold_backend::HoldBackend,
+    load::{Attempt, Outcome, ProcSample, log_len, log_since, panics},
     monotonic_ns, privileged, wait_until,
 };
 

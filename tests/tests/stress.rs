@@ -15,9 +15,10 @@ use std::{
 
 use lb_tests::{
     Backend, Check, Client, Connect, Daemon, ServiceBuilder, TestCgroup, addr,
+    hold_backend::HoldBackend,
     load::{
-        Flood, HoldBackend, Outcome, ProcSample, log_since, raise_nofile, sample, scrape,
-        server_field, timed_status,
+        Flood, Outcome, ProcSample, log_since, raise_nofile, sample, scrape, server_field,
+        timed_status,
     },
     privileged, wait_until,
 };

@@ -16,8 +16,8 @@ use std::{
 use anyhow::{Context as _, bail};
 
 use crate::{
-    cmd::{remove_package_env, run_cmd, target_dir, workspace},
-    toolchain,
+    cargo::cargo_command,
+    cmd::{run_cmd, target_dir, workspace},
 };
 
 /// The commit of the previous version: main before the Trust issue (#23)
@@ -53,13 +53,8 @@ pub fn build() -> anyhow::Result<Option<PathBuf>> {
         std::os::unix::fs::symlink(target_dir().join("tools"), &tools)
             .with_context(|| format!("linking {}", tools.display()))?;
     }
-    let mut cargo = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-    cargo
-        .args(["build", "--package", "lb-user"])
-        .current_dir(&src)
-        .env("CARGO_TARGET_DIR", &build_dir)
-        .env("PATH", toolchain::path_with_linker()?);
-    remove_package_env(&mut cargo);
+    let mut cargo = cargo_command(&["build", "--package", "lb-user"])?;
+    cargo.current_dir(&src).env("CARGO_TARGET_DIR", &build_dir);
     run_cmd(&mut cargo)?;
     std::fs::copy(build_dir.join("debug/lb"), &bin)
         .with_context(|| format!("copying the previous lb to {}", bin.display()))?;

@@ -146,12 +146,28 @@ async fn answer(
 mod tests {
     use super::*;
 
+    /// One `GET /metrics` on a connection of its own: the whole answer.
+    async fn get_metrics(addr: SocketAddr) -> String {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut scrape = tokio::net::TcpStream::connect(addr).await.unwrap();
+        scrape
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = String::new();
+        tokio::time::timeout(Duration::from_secs(5), scrape.read_to_string(&mut answer))
+            .await
+            .unwrap()
+            .unwrap();
+        answer
+    }
+
     /// Hardening #9: a flood of idle connections holds at most
     /// `limits.connections` of the daemon's descriptors, and only until the
     /// header timeout; scrapes work again right after.
     #[tokio::test]
     async fn idle_connections_cannot_hold_the_endpoint() {
-        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        use tokio::io::AsyncReadExt as _;
         let limits = Limits {
             connections: 4,
             header_timeout: Duration::from_millis(300),
@@ -178,16 +194,7 @@ mod tests {
                 "idle connection {i} was not closed: {read:?}"
             );
         }
-        let mut scrape = tokio::net::TcpStream::connect(addr).await.unwrap();
-        scrape
-            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .await
-            .unwrap();
-        let mut answer = String::new();
-        tokio::time::timeout(Duration::from_secs(5), scrape.read_to_string(&mut answer))
-            .await
-            .unwrap()
-            .unwrap();
+        let answer = get_metrics(addr).await;
         assert!(answer.starts_with("HTTP/1.1 200") && answer.contains("lb_up 1"), "{answer}");
     }
 
@@ -197,7 +204,6 @@ mod tests {
     async fn scrapes_back_to_back_share_one_answer_a_second() {
         use std::sync::atomic::{AtomicUsize, Ordering};
 
-        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
         let (tx, mut rx) = mpsc::channel::<ScrapeRequest>(4);
         let asked = Arc::new(AtomicUsize::new(0));
         let counter = Arc::clone(&asked);
@@ -210,13 +216,7 @@ mod tests {
         let addr = serve("127.0.0.1:0".parse().unwrap(), Limits::default(), tx).await.unwrap();
         let start = Instant::now();
         for _ in 0..100 {
-            let mut scrape = tokio::net::TcpStream::connect(addr).await.unwrap();
-            scrape
-                .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                .await
-                .unwrap();
-            let mut answer = String::new();
-            scrape.read_to_string(&mut answer).await.unwrap();
+            let answer = get_metrics(addr).await;
             assert!(answer.contains("lb_answer "), "{answer}");
         }
         let seconds = start.elapsed().as_secs() as usize;

@@ -23,8 +23,8 @@
 //!     arrived; FAILED_NS: when the last failed attempt returned, 0 if none
 //!     failed), or `timeout ATTEMPTS LAST` after LIMIT_MS;
 //!   - `hold ADDR[,ADDR...] N` → `ok HELD`: N connections, to the addresses
-//!     in turn, opened and kept (the agent's open-file limit raised to its
-//!     hard limit first); or `err WHAT` (those opened are kept);
+//!     in turn, opened and kept (the agent's open-file limit raised as far
+//!     as it may be first); or `err WHAT` (those opened are kept);
 //!   - `release` → `ok`: closes the held connections.
 
 use std::{
@@ -115,7 +115,9 @@ fn greeting(addr: SocketAddr) -> std::io::Result<String> {
 /// `hold`: opens `n` connections to `addrs` in turn into `held`.
 fn hold(addrs: &str, n: usize, held: &mut Vec<TcpStream>) -> anyhow::Result<usize> {
     let addrs: Vec<SocketAddr> = addrs.split(',').map(parse).collect::<Result<_, _>>()?;
-    raise_nofile_to_hard_limit()?;
+    // As many as this process may have (its hard limit, without
+    // CAP_SYS_RESOURCE).
+    lb_tests::load::raise_nofile(1 << 20);
     for i in 0..n {
         let addr = addrs[i % addrs.len()];
         held.push(
@@ -124,21 +126,6 @@ fn hold(addrs: &str, n: usize, held: &mut Vec<TcpStream>) -> anyhow::Result<usiz
         );
     }
     Ok(held.len())
-}
-
-fn raise_nofile_to_hard_limit() -> anyhow::Result<()> {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit/setrlimit read or fill the struct we pass.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
-            bail!("getrlimit: {}", std::io::Error::last_os_error());
-        }
-        limit.rlim_cur = limit.rlim_max;
-        if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
-            bail!("setrlimit: {}", std::io::Error::last_os_error());
-        }
-    }
-    Ok(())
 }
 
 fn agent_loop() -> anyhow::Result<()> {
