@@ -38,6 +38,15 @@ pub const MAX_TRACKED_SOCKETS: u32 = 65_536;
 /// for the same reason as `SOCKETS`: the release of every UDP socket in the
 /// cgroup (a DNS query each) looks it up.
 pub const MAX_TRACKED_UDP_SOCKETS: u32 = 16_384;
+/// UDP sockets that sent to or connected through a VIP (`UDP_PEERS`): the
+/// reverse mapping that makes their answers come from the VIP. As small
+/// as `SOCKETS_UDP`, for the same reason: every UDP socket's release and
+/// every `recvfrom()` of the cgroup looks it up.
+pub const MAX_UDP_PEER_SOCKETS: u32 = 16_384;
+/// The (VIP, server) pairs one UDP socket's entry in `UDP_PEERS` holds:
+/// one per VIP it sends to (a resolver sends to each of its name servers),
+/// the oldest replaced by a fifth.
+pub const UDP_PEERS_PER_SOCKET: usize = 4;
 /// TCP connects between connect4 and their SYN (`CONNECTING`, kernel-only):
 /// microseconds each, or until the first write of a `TCP_FASTOPEN_CONNECT`
 /// socket. An LRU map: a connect that failed on the spot (it never sends a
@@ -60,7 +69,13 @@ pub const EVENTS_BYTES: u32 = 256 * 1024;
 /// 2: `META`; `SOCKETS` a plain hash map of TCP sockets, `SOCKETS_UDP`;
 /// `Service::netns_cookie`; the `lb_sock_release` program.
 /// 3: `Service::daemon_states`.
-pub const LAYOUT_VERSION: u32 = 3;
+/// 4: `UDP_PEERS`; the sendmsg and recvmsg programs. A daemon of layout 4
+/// adopts pins of layout 3 and upgrades them (`UPGRADABLE_LAYOUT`).
+pub const LAYOUT_VERSION: u32 = 4;
+/// The one older layout a daemon adopts, by adding what its layout lacks
+/// (maps and programs; nothing pinned changes shape) before it replaces
+/// the programs.
+pub const UPGRADABLE_LAYOUT: u32 = 3;
 
 /// Index of the layout version in `META`.
 pub const META_LAYOUT_VERSION: u32 = 0;
@@ -100,6 +115,9 @@ pub mod maps {
     pub const SOCKETS_UDP: &str = "SOCKETS_UDP";
     /// The layout version (`LAYOUT_VERSION`), an array of u32.
     pub const META: &str = "META";
+    /// UDP socket cookie → [`UdpPeers`](crate::UdpPeers): the servers it
+    /// was sent to, and for which VIP (layout 4).
+    pub const UDP_PEERS: &str = "UDP_PEERS";
     /// Kernel-only, not pinned: TCP socket cookie → the
     /// [`SockEntry`](crate::SockEntry) connect4 chose, until sock_ops' connect
     /// callback (the SYN about to go) moves it to `SOCKETS`.
@@ -109,8 +127,10 @@ pub mod maps {
     /// [`UNMARKED_REPLACED`](crate::UNMARKED_REPLACED).
     pub const UNMARKED: &str = "UNMARKED";
     /// Every map the daemon pins, in one list so attach, adopt and detach agree.
-    pub const ALL: [&str; 8] =
-        [SERVICES, FAILED_AT, SOCKETS, CONNECTIONS, EVENTS, COUNTERS, SOCKETS_UDP, META];
+    pub const ALL: [&str; 9] =
+        [SERVICES, FAILED_AT, SOCKETS, CONNECTIONS, EVENTS, COUNTERS, SOCKETS_UDP, META, UDP_PEERS];
+    /// The maps pins of `UPGRADABLE_LAYOUT` lack (an upgrade creates them).
+    pub const NEW_IN_LAYOUT: [&str; 1] = [UDP_PEERS];
 }
 
 /// Names of the programs in the object file; also their link pin names.
@@ -129,12 +149,36 @@ pub mod programs {
     /// socket tables, and a connect its application gave up on is no
     /// server failure.
     pub const SOCK_RELEASE: &str = "lb_sock_release";
+    /// cgroup sendmsg4: rewrites an unconnected UDP send to an IPv4 VIP
+    /// (or IPv4-mapped, from an IPv6 socket).
+    pub const SENDMSG4: &str = "lb_sendmsg4";
+    /// cgroup sendmsg6: as [`SENDMSG4`] for IPv6.
+    pub const SENDMSG6: &str = "lb_sendmsg6";
+    /// cgroup recvmsg4: what a server sent to a socket that sent to it
+    /// through a VIP comes from the VIP.
+    pub const RECVMSG4: &str = "lb_recvmsg4";
+    /// cgroup recvmsg6: as [`RECVMSG4`] for IPv6 (and IPv4-mapped).
+    pub const RECVMSG6: &str = "lb_recvmsg6";
     /// Every program, in one list so attach, adopt and detach agree.
-    pub const ALL: [&str; 6] =
-        [CONNECT4, CONNECT6, GETPEERNAME4, GETPEERNAME6, SOCK_OPS, SOCK_RELEASE];
+    pub const ALL: [&str; 10] = [
+        CONNECT4,
+        CONNECT6,
+        GETPEERNAME4,
+        GETPEERNAME6,
+        SOCK_OPS,
+        SOCK_RELEASE,
+        SENDMSG4,
+        SENDMSG6,
+        RECVMSG4,
+        RECVMSG6,
+    ];
     /// Without these there is no load balancing: a kernel lacking them is
     /// an error.
-    pub const REQUIRED: [&str; 4] = [CONNECT4, CONNECT6, SOCK_OPS, SOCK_RELEASE];
+    pub const REQUIRED: [&str; 8] =
+        [CONNECT4, CONNECT6, SOCK_OPS, SOCK_RELEASE, SENDMSG4, SENDMSG6, RECVMSG4, RECVMSG6];
+    /// The programs pins of `UPGRADABLE_LAYOUT` lack (an upgrade attaches
+    /// them).
+    pub const NEW_IN_LAYOUT: [&str; 4] = [SENDMSG4, SENDMSG6, RECVMSG4, RECVMSG6];
     /// The getpeername hooks (Linux 5.8+): without them applications see
     /// the server's address instead of the VIP; lb degrades and says so.
     pub const OPTIONAL: [&str; 2] = [GETPEERNAME4, GETPEERNAME6];
@@ -259,6 +303,67 @@ pub struct SockEntry {
     /// socket's lock: a word apart from `flags`, so that neither program's
     /// write can undo the other's.
     pub released: u32,
+}
+
+/// A VIP a UDP socket sent to (or connected to), and the server that got
+/// it: what comes back from `server` on that socket is shown as from `vip`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UdpPeer {
+    /// The VIP the application sent to; all zero in an unused slot.
+    pub vip: Endpoint,
+    /// The server the datagrams went to.
+    pub server: Endpoint,
+}
+
+/// The value of the `UDP_PEERS` map, keyed by socket cookie: the reverse
+/// mapping of one UDP socket, as (cookie, server) → VIP would be, in one
+/// entry so that the socket's release removes all of it at once.
+///
+/// One slot per VIP: a send to a VIP reuses the server in its slot while
+/// it is usable and preferred (so a socket's datagrams to a VIP all reach
+/// one server, as on a connected socket), and chooses again otherwise.
+/// Written only under the socket's lock (the sendmsg, recvmsg and connect
+/// hooks take it) or at its release.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UdpPeers {
+    /// The pairs, in the order they were first written.
+    pub peers: [UdpPeer; UDP_PEERS_PER_SOCKET],
+    /// The slot a new VIP takes (modulo [`UDP_PEERS_PER_SOCKET`]): the
+    /// slots fill in turn, then the oldest is replaced.
+    pub next: u32,
+}
+
+impl UdpPeers {
+    /// The slot holding `vip`'s pair, if any.
+    #[inline(always)]
+    pub fn slot_of_vip(&self, vip: &Endpoint) -> Option<usize> {
+        (0..UDP_PEERS_PER_SOCKET).find(|&i| self.peers[i].vip == *vip)
+    }
+
+    /// The VIP whose server is `server`, if any (the first such slot).
+    #[inline(always)]
+    pub fn vip_of_server(&self, server: &Endpoint) -> Option<Endpoint> {
+        (0..UDP_PEERS_PER_SOCKET)
+            .find(|&i| self.peers[i].server == *server && self.peers[i].vip.port != 0)
+            .map(|i| self.peers[i].vip)
+    }
+
+    /// Records that datagrams to `vip` now go to `server`: in `vip`'s slot
+    /// if it has one, else in the next slot in turn.
+    #[inline(always)]
+    pub fn set(&mut self, vip: &Endpoint, server: &Endpoint) {
+        let slot = match self.slot_of_vip(vip) {
+            Some(slot) => slot,
+            None => {
+                let slot = self.next as usize % UDP_PEERS_PER_SOCKET;
+                self.next = self.next.wrapping_add(1);
+                slot
+            }
+        };
+        self.peers[slot] = UdpPeer { vip: *vip, server: *server };
+    }
 }
 
 /// The key of the `CONNECTIONS` map (per-CPU live connection counts): the
@@ -447,6 +552,40 @@ reasons! {
     /// sock_ops: a connect its application gave up on (released before it
     /// established) closed: untracked, with no failure mark and no event.
     SockopsCancelled = 24 => "sockops_cancelled",
+    /// sendmsg: an unconnected UDP send to a VIP went to a newly chosen
+    /// server (the socket's first send to the VIP, or its server is no
+    /// longer usable or preferred), recorded for its answers.
+    SendmsgRewritten = 25 => "sendmsg_rewritten",
+    /// sendmsg: a send to a VIP went to the server the socket's earlier
+    /// sends to it went to.
+    SendmsgKept = 26 => "sendmsg_kept",
+    /// sendmsg: destination is not a VIP; untouched.
+    SendmsgNotVip = 27 => "sendmsg_not_vip",
+    /// sendmsg: not UDP (UDP-Lite); untouched.
+    SendmsgOtherProtocol = 28 => "sendmsg_other_protocol",
+    /// sendmsg: the socket is in another network namespace than the
+    /// daemon's, and the service's scope is `host`; untouched.
+    SendmsgOtherNetns = 29 => "sendmsg_other_netns",
+    /// sendmsg: the VIP's service has no server; the send is refused
+    /// (EPERM).
+    SendmsgNoServer = 30 => "sendmsg_no_server",
+    /// sendmsg: a recently failed server was skipped.
+    SendmsgSkippedFailed = 31 => "sendmsg_skipped_failed",
+    /// sendmsg: every server failed recently; the first was used anyway.
+    SendmsgAllFailed = 32 => "sendmsg_all_failed",
+    /// sendmsg: the chosen server's family cannot be sent to from this
+    /// socket (an IPv6 server from an IPv4 socket; an IPv4 server for an
+    /// IPv6 VIP, which the kernel refuses to rewrite a send to); untouched.
+    SendmsgFamilyMismatch = 33 => "sendmsg_family_mismatch",
+    /// connect or sendmsg: `UDP_PEERS` was full; the UDP socket's traffic
+    /// is rewritten, but what comes back shows the server's address.
+    UdpPeersFull = 34 => "udp_peers_full",
+    /// recvmsg: a datagram from a server the socket sent to through a VIP
+    /// is shown as from the VIP.
+    RecvmsgRewritten = 35 => "recvmsg_rewritten",
+    /// recvmsg: not from a server the socket sent to through a VIP;
+    /// untouched.
+    RecvmsgUntouched = 36 => "recvmsg_untouched",
 }
 
 impl Reason {
@@ -500,6 +639,7 @@ const _: () = assert!(size_of::<Endpoint>() == 20);
 const _: () = assert!(size_of::<Service>() == 20 * MAX_SERVERS + 24 + MAX_SERVERS);
 const _: () = assert!(size_of::<SockEntry>() == 48);
 const _: () = assert!(size_of::<ConnKey>() == 40);
+const _: () = assert!(size_of::<UdpPeers>() == 40 * UDP_PEERS_PER_SOCKET + 4);
 const _: () = assert!(size_of::<Event>() == 64);
 const _: () = assert!(align_of::<Service>() == 8);
 
@@ -539,6 +679,18 @@ mod tests {
                 "failed_at_full",
                 "connections_full",
                 "sockops_cancelled",
+                "sendmsg_rewritten",
+                "sendmsg_kept",
+                "sendmsg_not_vip",
+                "sendmsg_other_protocol",
+                "sendmsg_other_netns",
+                "sendmsg_no_server",
+                "sendmsg_skipped_failed",
+                "sendmsg_all_failed",
+                "sendmsg_family_mismatch",
+                "udp_peers_full",
+                "recvmsg_rewritten",
+                "recvmsg_untouched",
             ]
         );
     }
@@ -554,6 +706,28 @@ mod tests {
             Err(UnknownReason(Reason::COUNT as u32))
         );
         assert_eq!(Reason::try_from(u32::MAX), Err(UnknownReason(u32::MAX)));
+    }
+
+    fn ep(last: u32, port: u16) -> Endpoint {
+        Endpoint::from_v4_raw(last, port)
+    }
+
+    #[test]
+    fn a_socket_keeps_one_server_per_vip_and_replaces_the_oldest_vip() {
+        let mut peers = UdpPeers::default();
+        assert_eq!(peers.vip_of_server(&Endpoint::default()), None, "empty slots match nothing");
+        peers.set(&ep(1, 53), &ep(10, 53));
+        peers.set(&ep(1, 53), &ep(11, 53));
+        assert_eq!(peers.slot_of_vip(&ep(1, 53)), Some(0), "a VIP keeps its slot");
+        assert_eq!(peers.vip_of_server(&ep(11, 53)), Some(ep(1, 53)));
+        assert_eq!(peers.vip_of_server(&ep(10, 53)), None, "the VIP's old server is gone");
+        for vip in 2..=UDP_PEERS_PER_SOCKET as u32 + 1 {
+            peers.set(&ep(vip, 53), &ep(vip + 20, 53));
+        }
+        assert_eq!(peers.slot_of_vip(&ep(1, 53)), None, "the oldest VIP was replaced");
+        for vip in 2..=UDP_PEERS_PER_SOCKET as u32 + 1 {
+            assert_eq!(peers.vip_of_server(&ep(vip + 20, 53)), Some(ep(vip, 53)));
+        }
     }
 
     #[test]

@@ -5,7 +5,7 @@ extern crate std;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use crate::{ConnKey, Endpoint, Event, Service, SockEntry};
+use crate::{ConnKey, Endpoint, Event, Service, SockEntry, UdpPeers};
 
 // SAFETY: all of these are `#[repr(C)]`, made only of integers and arrays of
 // integers, with every padding byte spelled out as a field.
@@ -18,6 +18,8 @@ unsafe impl aya::Pod for SockEntry {}
 unsafe impl aya::Pod for ConnKey {}
 // SAFETY: as above.
 unsafe impl aya::Pod for Event {}
+// SAFETY: as above.
+unsafe impl aya::Pod for UdpPeers {}
 
 impl Event {
     /// The record at the start of `bytes`, as `sock_ops` wrote it to the

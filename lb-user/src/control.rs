@@ -81,8 +81,9 @@ pub enum Request {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "result", rename_all = "snake_case")]
 pub enum Response {
-    /// The answer to [`Request::Status`].
-    Status(Status),
+    /// The answer to [`Request::Status`] (boxed: the other answers are
+    /// small).
+    Status(Box<Status>),
     /// The answer to [`Request::CloseConnections`], once they are reset.
     Closed {
         /// How many connections were reset.
@@ -225,6 +226,29 @@ pub struct TrackedSockets {
     /// but not tracked (`connect_untracked` counts them).
     #[serde(default)]
     pub tcp_full: bool,
+    /// UDP sockets that sent or connected to a VIP (`UDP_PEERS`): what
+    /// their servers send back is shown as from the VIP.
+    #[serde(default)]
+    pub udp_peers: usize,
+    /// How many UDP sockets `UDP_PEERS` holds.
+    #[serde(default)]
+    pub udp_peers_capacity: usize,
+    /// The reverse mapping: how many of those sockets see each server as
+    /// its VIP.
+    #[serde(default)]
+    pub udp_reverse: Vec<UdpReverse>,
+}
+
+/// One row of the UDP reverse mapping in `lb status`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UdpReverse {
+    /// The VIP the sockets sent to.
+    pub vip: SocketAddr,
+    /// The server that got their datagrams; what it sends back to them
+    /// comes from `vip`.
+    pub server: SocketAddr,
+    /// How many sockets.
+    pub sockets: usize,
 }
 
 /// Optional kernel features.

@@ -154,9 +154,20 @@ pub fn table(status: &Status) -> String {
     let sockets = &datapath.tracked_sockets;
     let _ = writeln!(
         out,
-        "tracked sockets: {} tcp (of {}), {} udp (of {})",
-        sockets.tcp, sockets.tcp_capacity, sockets.udp, sockets.udp_capacity
+        "tracked sockets: {} tcp (of {}), {} connected udp (of {}), {} udp with VIP peers (of {})",
+        sockets.tcp,
+        sockets.tcp_capacity,
+        sockets.udp,
+        sockets.udp_capacity,
+        sockets.udp_peers,
+        sockets.udp_peers_capacity
     );
+    if !sockets.udp_reverse.is_empty() {
+        let _ = writeln!(out, "  udp answers shown as from the VIP (VIP <- server: sockets):");
+        for row in &sockets.udp_reverse {
+            let _ = writeln!(out, "    {} <- {}: {}", row.vip, row.server, row.sockets);
+        }
+    }
     if sockets.tcp_full {
         let _ = writeln!(
             out,

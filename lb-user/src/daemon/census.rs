@@ -19,7 +19,7 @@ use std::{
 use tracing::warn;
 
 use crate::{
-    control::TrackedSockets,
+    control::{TrackedSockets, UdpReverse},
     datapath::{PinnedMaps, SocketTables},
 };
 
@@ -52,11 +52,25 @@ pub(super) struct Census {
     refreshing: Arc<AtomicBool>,
 }
 
-/// One count of both tables.
+/// One count of the socket tables.
 fn count(tables: &SocketTables) -> TrackedSockets {
     let (tcp, udp) = tables.count();
     let (tcp_capacity, udp_capacity) = tables.capacity();
-    TrackedSockets { tcp, udp, tcp_capacity, udp_capacity, tcp_full: tcp >= tcp_capacity }
+    let (udp_peers, pairs) = tables.udp_peers();
+    let udp_reverse = pairs
+        .into_iter()
+        .map(|p| UdpReverse { vip: p.vip, server: p.server, sockets: p.sockets })
+        .collect();
+    TrackedSockets {
+        tcp,
+        udp,
+        tcp_capacity,
+        udp_capacity,
+        tcp_full: tcp >= tcp_capacity,
+        udp_peers,
+        udp_peers_capacity: tables.peers_capacity(),
+        udp_reverse,
+    }
 }
 
 impl Census {

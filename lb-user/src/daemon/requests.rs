@@ -193,7 +193,7 @@ impl Daemon {
             datapath.counters =
                 maps.counters().into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
             datapath.tracked_sockets = tracked;
-            let _ = reply.send(Response::Status(Status { services, config, datapath }));
+            let _ = reply.send(Response::Status(Box::new(Status { services, config, datapath })));
         });
     }
 
@@ -210,6 +210,12 @@ impl Daemon {
         let tracked = self.census.latest();
         self.metrics.set_tracked_sockets("tcp", tracked.tcp, tracked.tcp_capacity);
         self.metrics.set_tracked_sockets("udp", tracked.udp, tracked.udp_capacity);
+        // Not a protocol: the UDP sockets with a reverse mapping.
+        self.metrics.set_tracked_sockets(
+            "udp_peers",
+            tracked.udp_peers,
+            tracked.udp_peers_capacity,
+        );
         self.metrics.encode()
     }
 }

@@ -98,7 +98,8 @@ impl PinnedMaps {
                     .with_context(|| format!("map {} has an unexpected type or size", $name))?
             };
         }
-        let sockets = SocketTables::new(map(maps::SOCKETS)?, map(maps::SOCKETS_UDP)?)?;
+        let sockets =
+            SocketTables::new(map(maps::SOCKETS)?, map(maps::SOCKETS_UDP)?, map(maps::UDP_PEERS)?)?;
         Ok(Self {
             services: typed!(HashMap, maps::SERVICES),
             failed_at: typed!(HashMap, maps::FAILED_AT),

@@ -53,7 +53,7 @@ pub use self::{
     maps::{Forgotten, PinnedMaps, VipEntry, failed_within},
     object::KernelLogger,
     pins::detach,
-    sockets::{SocketTables, VipSocket},
+    sockets::{SocketTables, UdpPeerCount, VipSocket},
     sys::{cgroup2_root, monotonic_now_ns},
     upgrade::{
         pinned_program_ids, programs_fingerprint, read_layout_version, read_program_fingerprint,
@@ -67,7 +67,7 @@ use self::{
         required_pins,
     },
     sys::host_netns_cookie,
-    upgrade::{check_layout, replace_programs, stamp_meta},
+    upgrade::{needs_upgrade, replace_programs, stamp_meta},
 };
 
 /// The attached datapath: handles to its maps, and the pin directory's lock.
@@ -137,38 +137,27 @@ impl Datapath {
         if any_link {
             // Programs are attached: refuse a layout we cannot read or
             // write before touching anything.
-            check_layout(bpffs, read_layout_version(bpffs)?)?;
-            let present = required_pins(bpffs).filter(|p| p.exists()).count();
-            if present == programs::REQUIRED.len() + map_names::ALL.len() {
+            let upgrade = needs_upgrade(bpffs, read_layout_version(bpffs)?)?;
+            if required_pins(bpffs, upgrade).all(|p| p.exists()) {
+                let logger = if upgrade
+                    || read_program_fingerprint(bpffs)? != Some(programs_fingerprint())
+                {
+                    Self::replace(bpffs, cgroup, bpf_log, upgrade)?
+                } else {
+                    if bpf_log {
+                        warn!(
+                            "--bpf-log has no effect on an adopted datapath; run `lb detach` and start again to enable it"
+                        );
+                    }
+                    None
+                };
                 let mut datapath = Self::adopt(bpffs, lock, host_netns, netns_scope)?;
+                datapath.logger = logger;
                 let pinned = datapath.maps.socket_capacity().0;
                 if pinned != socket_table as usize {
                     warn!(
                         "the pinned socket table holds {pinned} TCP connections, not the {socket_table} of [daemon] \
                          socket_table: its size is fixed at attach; run `lb detach` and start again to change it"
-                    );
-                }
-                if read_program_fingerprint(bpffs)? != Some(programs_fingerprint()) {
-                    match replace_programs(bpffs, bpf_log) {
-                        Ok(logger) => {
-                            datapath.logger = logger;
-                            info!(
-                                "the pinned programs differed from this lb's: replaced them (one atomic link update each)"
-                            );
-                            if let Err(e) = write_program_fingerprint(bpffs, programs_fingerprint())
-                            {
-                                // The next start replaces them again: harmless.
-                                warn!("recording the new programs' fingerprint: {e:#}");
-                            }
-                        }
-                        // Same layout: the old programs keep serving correctly.
-                        Err(e) => warn!(
-                            "keeping the pinned programs, which differ from this lb's: replacing them failed: {e:#}"
-                        ),
-                    }
-                } else if bpf_log {
-                    warn!(
-                        "--bpf-log has no effect on an adopted datapath; run `lb detach` and start again to enable it"
                     );
                 }
                 // The daemon writes an adopted datapath's selections itself,
@@ -188,6 +177,40 @@ impl Datapath {
                 warn!("cleaning up after a failed attach: {e:#}");
             }
         })
+    }
+
+    /// Replaces the pinned programs with this lb's ([`replace_programs`]),
+    /// and upgrades pins of the previous layout (`upgrade`). Pins of this
+    /// layout keep their programs if that fails (they serve correctly);
+    /// pins of the previous one cannot be adopted without it.
+    fn replace(
+        bpffs: &Path,
+        cgroup: &Path,
+        bpf_log: bool,
+        upgrade: bool,
+    ) -> anyhow::Result<Option<KernelLogger>> {
+        match replace_programs(bpffs, cgroup, bpf_log) {
+            Ok(logger) => {
+                info!(
+                    "the pinned programs differed from this lb's: replaced them (one atomic link update each){}",
+                    if upgrade { ", and added the maps and programs of this layout" } else { "" }
+                );
+                if let Err(e) = write_program_fingerprint(bpffs, programs_fingerprint()) {
+                    // The next start replaces them again: harmless.
+                    warn!("recording the new programs' fingerprint: {e:#}");
+                }
+                Ok(logger)
+            }
+            Err(e) if upgrade => Err(e.context(format!(
+                "upgrading the datapath pinned under {} to this lb's layout; its programs keep serving as \
+                 they did. Run `lb detach --config <this config>` and start lb again",
+                bpffs.display()
+            ))),
+            Err(e) => {
+                warn!("keeping the pinned programs, which differ from this lb's: replacing them failed: {e:#}");
+                Ok(None)
+            }
+        }
     }
 
     fn adopt(
@@ -334,7 +357,7 @@ fn load_and_attach(ebpf: &mut Ebpf, bpffs: &Path, cgroup: &Path) -> anyhow::Resu
     Ok(getpeername)
 }
 
-fn attach_one(
+pub(super) fn attach_one(
     ebpf: &mut Ebpf,
     name: &str,
     cgroup_dir: &File,

@@ -37,10 +37,17 @@ pub(super) fn open_pinned_map(bpffs: &Path, name: &str) -> anyhow::Result<Map> {
     Map::from_map_data(data)
         .with_context(|| format!("pinned map {} has an unexpected type", path.display()))
 }
-/// The pins a working datapath must have: the required links and every map.
-pub(super) fn required_pins(bpffs: &Path) -> impl Iterator<Item = PathBuf> + '_ {
-    let links = programs::REQUIRED.iter().map(|p| links_dir(bpffs).join(p));
-    let maps = maps::ALL.iter().map(|m| maps_dir(bpffs).join(m));
+/// The pins a working datapath must have: the required links and every
+/// map; of pins of the upgradable layout (`upgradable`), those it had.
+pub(super) fn required_pins(bpffs: &Path, upgradable: bool) -> impl Iterator<Item = PathBuf> + '_ {
+    let links = programs::REQUIRED
+        .iter()
+        .filter(move |p| !(upgradable && programs::NEW_IN_LAYOUT.contains(p)))
+        .map(|p| links_dir(bpffs).join(p));
+    let maps = maps::ALL
+        .iter()
+        .filter(move |m| !(upgradable && maps::NEW_IN_LAYOUT.contains(m)))
+        .map(|m| maps_dir(bpffs).join(m));
     links.chain(maps)
 }
 

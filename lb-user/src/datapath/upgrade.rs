@@ -1,6 +1,7 @@
 //! The `META` map (the pins' layout version and the attached programs'
 //! fingerprint) and upgrades: programs of another lb replaced in place on
-//! the pinned maps, one `BPF_LINK_UPDATE` per link.
+//! the pinned maps, one `BPF_LINK_UPDATE` per link; pins of the previous
+//! layout get the maps and programs it lacked.
 
 use std::{
     os::fd::AsFd as _,
@@ -14,10 +15,11 @@ use aya::{
 };
 use lb_common::{
     LAYOUT_VERSION, META_LAYOUT_VERSION, META_PROGRAMS_HIGH, META_PROGRAMS_LOW, UNMARKED_KERNEL,
-    UNMARKED_REPLACED, maps, programs,
+    UNMARKED_REPLACED, UPGRADABLE_LAYOUT, maps, programs,
 };
 
 use super::{
+    attach_one,
     object::{EBPF_OBJECT, KernelLogger, load_object, load_program},
     pins::{links_dir, maps_dir, open_pinned_map},
     sys::{bpf_link_update, bpf_obj_get, pinned_link_ids},
@@ -96,15 +98,19 @@ pub fn programs_fingerprint() -> u64 {
     })
 }
 
-/// Loads this lb's programs on the maps pinned under `bpffs` (reused, not
-/// created) and points every pinned link at them, one `BPF_LINK_UPDATE`
-/// each: the cgroup's program is swapped in place, so each connect runs
-/// either the old program or the new one. All programs are loaded before
-/// the first link moves, so a kernel that refuses one leaves all the old
-/// ones in place. Only the programs whose links are pinned are replaced
-/// (the optional getpeername hooks may be absent).
+/// Loads this lb's programs on the maps pinned under `bpffs` (reused; a
+/// map the pins lack, new in this layout, is created and pinned) and
+/// points every pinned link at them, one `BPF_LINK_UPDATE` each: the
+/// cgroup's program is swapped in place, so each connect runs either the
+/// old program or the new one. All programs are loaded before the first
+/// link moves, so a kernel that refuses one leaves all the old ones in
+/// place. Only the programs whose links are pinned are replaced (the
+/// optional getpeername hooks may be absent); then the programs new in
+/// this layout are attached to `cgroup` if their links are missing, and
+/// the pins are stamped with this layout.
 pub(super) fn replace_programs(
     bpffs: &Path,
+    cgroup: &Path,
     bpf_log: bool,
 ) -> anyhow::Result<Option<KernelLogger>> {
     let pins: Vec<(&str, PathBuf)> =
@@ -150,7 +156,31 @@ pub(super) fn replace_programs(
         bpf_link_update(link_fd.as_fd(), program.as_fd())
             .with_context(|| format!("updating link {} to the new {name}", link.display()))?;
     }
+    let missing: Vec<&str> =
+        programs::NEW_IN_LAYOUT.into_iter().filter(|p| !links.join(p).exists()).collect();
+    if !missing.is_empty() {
+        let cgroup_dir = std::fs::File::open(cgroup)
+            .with_context(|| format!("opening cgroup {}", cgroup.display()))?;
+        for name in missing {
+            attach_one(&mut ebpf, name, &cgroup_dir, cgroup, &links)?;
+        }
+    }
+    let mut meta = pinned_meta(bpffs)?
+        .with_context(|| format!("no META map pinned under {}", bpffs.display()))?;
+    meta.set(META_LAYOUT_VERSION, LAYOUT_VERSION, 0)
+        .with_context(|| format!("writing the layout version under {}", bpffs.display()))?;
     Ok(logger)
+}
+
+/// Whether the pins under `bpffs`, of layout `found`, are of the layout a
+/// daemon upgrades when it adopts them ([`replace_programs`]); an error
+/// (as [`check_layout`]'s) if they are of neither that nor this one.
+pub(super) fn needs_upgrade(bpffs: &Path, found: Option<u32>) -> anyhow::Result<bool> {
+    if found == Some(UPGRADABLE_LAYOUT) {
+        return Ok(true);
+    }
+    check_layout(bpffs, found)?;
+    Ok(false)
 }
 
 /// The ids of the programs the links pinned under `bpffs` run, by program
@@ -201,5 +231,16 @@ mod tests {
         }
         let old = format!("{:#}", check_layout(bpffs, None).unwrap_err());
         assert!(old.contains("before layouts were versioned"), "{old}");
+    }
+
+    #[test]
+    fn a_daemon_upgrades_pins_of_the_previous_layout_only() {
+        let bpffs = Path::new("/sys/fs/bpf/lb");
+        assert!(!needs_upgrade(bpffs, Some(LAYOUT_VERSION)).unwrap());
+        assert!(needs_upgrade(bpffs, Some(UPGRADABLE_LAYOUT)).unwrap());
+        for found in [None, Some(UPGRADABLE_LAYOUT - 1), Some(LAYOUT_VERSION + 1)] {
+            let error = format!("{:#}", needs_upgrade(bpffs, found).unwrap_err());
+            assert!(error.contains("`lb detach"), "{error}");
+        }
     }
 }
