@@ -18,6 +18,8 @@
 //!   of the stress, chaos and hardening tests, and [`hold_backend`], the
 //!   backend that holds their tens of thousands of connections;
 //! - [`fakes`]: what discovery talks to (a Kubernetes API server, DNS);
+//! - [`resolvers`]: real DNS servers (dnsmasq) and resolvers (glibc, dig,
+//!   musl) for the UDP tests;
 //! - `daemon` ([`Daemon`]) over `bpffs` (its pins' mount);
 //! - `client` ([`Client`], [`Connect`]) over `cgroup` ([`TestCgroup`]);
 //! - `backend` ([`Backend`]), `service` ([`ServiceBuilder`]), `netns`
@@ -37,6 +39,7 @@ pub mod hold_backend;
 mod leak;
 pub mod load;
 mod netns;
+pub mod resolvers;
 mod service;
 pub mod supervisor;
 mod wait;

@@ -34,19 +34,22 @@ fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
     if !privileged() {
         return;
     }
-    let _ = upgrade_under_a_storm("upgrade", 67, None, |daemon| {
+    let (_, _, added) = upgrade_under_a_storm("upgrade", 67, None, |daemon| {
         daemon.kill();
         // What an older lb's programs would look like to this one.
         lb_user::datapath::write_program_fingerprint(&daemon.bpffs, 0)
             .expect("writing the fingerprint");
     });
+    assert_eq!(added, Vec::<&str>::new(), "same layout: no program to add");
 }
 
 /// Issue 23, item 13: a real upgrade. The previous version of lb (built
 /// from its commit by `cargo xtask test`, `$LB_PREVIOUS_BIN`) runs with its
 /// own programs, and is stopped as systemd stops it (SIGTERM); this
 /// version starts on its pins. Its daemon adopts the previous one's maps
-/// and replaces the previous programs under the storm.
+/// and replaces the previous programs under the storm. Issue 24: the
+/// previous version's pins are of layout 3; the upgrade adds `UDP_PEERS`
+/// and attaches the sendmsg and recvmsg programs.
 #[test]
 fn an_upgrade_from_the_previous_version_keeps_every_connect_rewritten() {
     if !privileged() {
@@ -58,15 +61,30 @@ fn an_upgrade_from_the_previous_version_keeps_every_connect_rewritten() {
         );
         return;
     };
-    let (daemon, first) = upgrade_under_a_storm("upgrade-real", 74, Some(previous), |daemon| {
-        daemon.signal(libc::SIGTERM);
-        assert!(daemon.wait_exit(Duration::from_secs(10)), "the previous daemon did not stop");
-    });
+    let (daemon, first, added) =
+        upgrade_under_a_storm("upgrade-real", 74, Some(previous), |daemon| {
+            daemon.signal(libc::SIGTERM);
+            assert!(daemon.wait_exit(Duration::from_secs(10)), "the previous daemon did not stop");
+        });
     assert_ne!(first, Some(programs_fingerprint()), "the previous version has this one's programs");
     assert_eq!(
         read_program_fingerprint(&daemon.bpffs).expect("reading the pinned fingerprint"),
         Some(programs_fingerprint()),
         "the pins do not say this version's programs"
+    );
+    assert_eq!(
+        lb_user::datapath::read_layout_version(&daemon.bpffs).expect("reading the layout"),
+        Some(lb_common::LAYOUT_VERSION)
+    );
+    if added.is_empty() {
+        // A previous version of this layout: nothing was new to it.
+        return;
+    }
+    assert_eq!(added, lb_common::programs::NEW_IN_LAYOUT, "{}", daemon.log());
+    assert!(
+        daemon.log().contains("added the maps and programs of this layout"),
+        "{}",
+        daemon.log()
     );
 }
 
@@ -74,14 +92,15 @@ fn an_upgrade_from_the_previous_version_keeps_every_connect_rewritten() {
 /// version's), starts a storm of 200 threads through its VIP, calls
 /// `stop` to end that daemon, starts this version's on the same pins, and
 /// checks that the programs were replaced with every connect rewritten and
-/// that every connection left the kernel's tables. Returns the daemon and
-/// the fingerprint the first daemon's programs were pinned with.
+/// that every connection left the kernel's tables. Returns the daemon,
+/// the fingerprint the first daemon's programs were pinned with, and the
+/// programs the replacement attached besides (new in this layout).
 fn upgrade_under_a_storm(
     name: &str,
     net: u8,
     first: Option<PathBuf>,
     stop: impl FnOnce(&mut Daemon),
-) -> (Daemon, Option<u64>) {
+) -> (Daemon, Option<u64>, Vec<&'static str>) {
     let cgroup = TestCgroup::new(name);
     let s1 = Backend::start("s1", addr(net, 1, 0));
     let vip = addr(net, 100, 6444);
@@ -117,10 +136,15 @@ fn upgrade_under_a_storm(
     });
     eprintln!("{summary}");
     let after = pinned_program_ids(&daemon.bpffs).expect("reading the pinned links");
-    assert_eq!(after.len(), before.len(), "{before:?} -> {after:?}");
-    for ((name, old), (_, new)) in before.iter().zip(&after) {
-        assert_ne!(old, new, "{name} was not replaced:\n{}", daemon.log());
+    for (name, old) in &before {
+        let new = after.iter().find(|(n, _)| n == name).map(|(_, id)| *id);
+        assert!(new.is_some_and(|new| new != *old), "{name} was not replaced:\n{}", daemon.log());
     }
+    let added: Vec<&'static str> = after
+        .iter()
+        .map(|(name, _)| *name)
+        .filter(|name| !before.iter().any(|(b, _)| b == name))
+        .collect();
     assert!(daemon.log().contains("replaced them"), "{}", daemon.log());
     let field = |name: &str| {
         summary
@@ -158,7 +182,7 @@ fn upgrade_under_a_storm(
     let before = daemon.counter("sockops_untracked");
     assert_eq!(client(&cgroup).churn("tcp", s1.addr, 20), (20, 0));
     assert_eq!(daemon.counter("sockops_untracked") - before, 20);
-    (daemon, fingerprint)
+    (daemon, fingerprint, added)
 }
 
 /// Creates its file when dropped: tells a storm to stop.

@@ -147,9 +147,18 @@ fn run(task: Task) -> anyhow::Result<()> {
     }
 }
 
+/// What the integration tests run besides lb: dnsmasq, `dig` and a static
+/// musl resolver (`tests/musl/resolve.c`) for the UDP tests.
+const TEST_PACKAGES: [&str; 3] = ["dnsmasq-base", "bind9-dnsutils", "musl-tools"];
+
 /// `cargo xtask test`: the style checks, then every tier of tests (see
 /// the README). Expects [`toolchain::ensure`] to have run.
 fn test() -> anyhow::Result<()> {
+    if is_root() {
+        // Before anything builds the tests: their build script compiles
+        // the musl resolver with musl-tools.
+        cmd::install_missing_packages(&TEST_PACKAGES)?;
+    }
     style_checks()?;
 
     println!("==> host tests (no privileges needed)");

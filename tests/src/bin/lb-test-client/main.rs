@@ -10,6 +10,9 @@
 //!   where a listener on SERVER answers `pod-server`; `alive`, `peer` and
 //!   `close` then work on it as on any connection;
 //! - `udp ADDR` → `ok ID PEER GREETING`: connected UDP, one datagram each way;
+//! - `sendto ADDR N` and `churn-sendto ADDR N`: DNS queries on unconnected
+//!   UDP sockets (see `dns.rs`); the last `sendto` socket stays open until
+//!   the next `sendto`;
 //! - `alive ID` → `alive` or `dead MESSAGE`: is TCP connection ID still open;
 //! - `close ID` → `closed`;
 //! - `storm ADDR THREADS MILLIS STOPFILE` → `storm total=N failed=N
@@ -80,6 +83,7 @@ use std::{
 
 use lb_tests::{loopback_up, monotonic_ns};
 
+mod dns;
 mod sockets;
 
 use sockets::{cancel, failfast, fastopen, pod, reuse};
@@ -102,6 +106,8 @@ fn main() {
     let mut held: Vec<(TcpStream, Option<String>)> = Vec::new();
     // Sockets whose connect failed on the spot, kept open (`failfast`).
     let mut stuck: Vec<OwnedFd> = Vec::new();
+    // The socket of the last `sendto`, open until the next one.
+    let mut _last_sendto: Option<UdpSocket> = None;
     let mut next_id = 0u32;
     let stdout = std::io::stdout();
     for line in std::io::stdin().lock().lines() {
@@ -171,6 +177,16 @@ fn main() {
             },
             (Some("churn-udp"), Some(addr)) => churn(words.next(), || udp(addr).map(drop)),
             (Some("churn-tcp"), Some(addr)) => churn(words.next(), || connect(addr).map(drop)),
+            (Some("sendto"), Some(addr)) => match dns::sendto(addr, words.next()) {
+                Ok((answer, socket)) => {
+                    _last_sendto = Some(socket);
+                    answer
+                }
+                Err(e) => format!("err {e}"),
+            },
+            (Some("churn-sendto"), Some(addr)) => {
+                dns::churn_sendto(addr, words.next()).unwrap_or_else(|e| format!("err {e}"))
+            }
             (Some("cancel"), Some(addr)) => {
                 let rest: Vec<&str> = words.collect();
                 let answer = match rest.as_slice() {
