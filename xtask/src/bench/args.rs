@@ -23,4 +23,5 @@ pub enum Part {
     Failover,
     Discovery,
     Owner,
+    Dns,
 }

@@ -13,7 +13,7 @@ pub fn ms(d: Duration) -> String {
 
 /// A count with a thousands separator: "16,384".
 pub fn count(n: usize) -> String {
-    if n >= 1000 { format!("{},{:03}", n / 1000, n % 1000) } else { n.to_string() }
+    if n >= 1000 { format!("{},{:03}", count(n / 1000), n % 1000) } else { n.to_string() }
 }
 
 /// "1 service", "1,000 services".

@@ -25,6 +25,9 @@
 //! - **owner** ([`owner`]): how long a kernel report waits for the
 //!   daemon's decision, idle and with a full socket table and a flood of
 //!   scrapes and status requests, p50/p99.
+//! - **dns** ([`dns`]): DNS queries per second with dnsperf against one
+//!   dnsmasq server: direct, through a VIP (unconnected UDP), through a
+//!   dnsmasq forwarder; lb's program time per query.
 //!
 //! Output: a table on stdout, `target/bench/report.md` and the plot
 //! `target/bench/ratios.svg` ([`report`]). Targets of the Speed issue are
@@ -44,8 +47,10 @@
 // list, and no two import each other.
 mod agent;
 mod args;
+mod bpf_stats;
 mod client;
 mod discovery;
+mod dns;
 mod failover;
 mod format;
 mod host;
@@ -80,7 +85,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     // their own, so the terminal's SIGINT does not reach them first.)
     let _ = ctrlc::set_handler(|| STOP.store(true, Ordering::Relaxed));
     let parts: Vec<Part> = if args.only.is_empty() {
-        vec![Part::Paths, Part::Scale, Part::Failover, Part::Discovery, Part::Owner]
+        vec![Part::Paths, Part::Scale, Part::Failover, Part::Discovery, Part::Owner, Part::Dns]
     } else {
         args.only.clone()
     };
@@ -109,6 +114,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             Part::Failover => failover::run(&mut results)?,
             Part::Discovery => discovery::run(&mut results)?,
             Part::Owner => owner::run(&mut results)?,
+            Part::Dns => dns::run(args.rounds, &dir, &mut results)?,
         }
         println!("    ({:?} took {:.0} s)", part, part_started.elapsed().as_secs_f64());
     }

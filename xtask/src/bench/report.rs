@@ -12,11 +12,11 @@ use plotters::{
 };
 
 use super::{
-    discovery,
+    discovery, dns,
     format::{count, millis, ms, services},
     owner,
     paths::{BULK, Route},
-    results::{KeepAliveCost, Results, Workload, load_average},
+    results::{DnsRoute, KeepAliveCost, Results, Workload, load_average},
     stats::{median, percentile},
     targets::targets,
     workloads::{BULK_REPEATS, CONNECT_SLICES, CONNECTS, WRK_RUNS},
@@ -267,6 +267,45 @@ fn tables(r: &Results) -> Vec<Table> {
         );
         for (what, (n, p50, p99)) in [("idle".to_owned(), o.idle), (loaded, o.loaded)] {
             t.row(vec![what, n.to_string(), millis(p50), millis(p99)]);
+        }
+        tables.push(t);
+    }
+    if let Some(d) = &r.dns {
+        let mut t = Table::new(
+            &format!(
+                "DNS queries per second (dnsperf, {} clients, {} s runs, one dnsmasq server; median of {} rounds)",
+                dns::CLIENTS,
+                dns::SECONDS,
+                d.rounds
+            ),
+            &["route", "queries/s", "vs direct", "lost"],
+        );
+        let direct = d.qps(DnsRoute::Direct);
+        for (route, qps) in &d.qps {
+            let ratio = match route {
+                DnsRoute::Direct => "1.00".to_owned(),
+                // The median of the paired ratios, as the paths part.
+                DnsRoute::Vip => format!("{:.2}", d.vip_ratio),
+                DnsRoute::Forwarder => format!("{:.2}", qps / direct),
+            };
+            let lost = d.lost.iter().find(|(r, _)| r == route).map_or(0, |(_, l)| *l);
+            t.row(vec![route.label().to_owned(), format!("{qps:.0}"), ratio, lost.to_string()]);
+        }
+        tables.push(t);
+        let mut t = Table::new(
+            &format!(
+                "lb's programs per DNS query through the VIP (bpf_stats, {} queries; rewrites during the rounds: {})",
+                count(d.queries_for_programs as usize),
+                d.rewritten
+                    .iter()
+                    .map(|(n, v)| format!("{n} {}", count(*v as usize)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            &["program", "runs per query", "ns per query"],
+        );
+        for (name, runs, ns) in &d.programs {
+            t.row(vec![name.clone(), format!("{runs:.2}"), format!("{ns:.0}")]);
         }
         tables.push(t);
     }

@@ -139,6 +139,44 @@ pub struct OwnerLoop {
     pub statuses: usize,
 }
 
+/// A way to the DNS server in the DNS part.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DnsRoute {
+    Direct,
+    Vip,
+    Forwarder,
+}
+
+impl DnsRoute {
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Direct => "direct",
+            Self::Vip => "lb VIP",
+            Self::Forwarder => "dnsmasq forwarder",
+        }
+    }
+}
+
+/// The DNS part: queries per second (medians), the VIP's ratio to direct
+/// (median of the paired ratios), queries lost, how the VIP's sends were
+/// rewritten (counter deltas), and per lb program its runs and run time
+/// per query (name, runs, ns) over `queries_for_programs` queries.
+pub struct Dns {
+    pub rounds: u32,
+    pub qps: Vec<(DnsRoute, f64)>,
+    pub lost: Vec<(DnsRoute, u64)>,
+    pub vip_ratio: f64,
+    pub rewritten: Vec<(String, u64)>,
+    pub programs: Vec<(String, f64, f64)>,
+    pub queries_for_programs: u64,
+}
+
+impl Dns {
+    pub fn qps(&self, route: DnsRoute) -> f64 {
+        self.qps.iter().find(|(r, _)| *r == route).map_or(0.0, |(_, q)| *q)
+    }
+}
+
 #[derive(Default)]
 pub struct Discovery {
     pub latency_ms: Vec<f64>,
@@ -160,6 +198,7 @@ pub struct Results {
     pub failover: Option<Failover>,
     pub discovery: Option<Discovery>,
     pub owner_loop: Option<OwnerLoop>,
+    pub dns: Option<Dns>,
     pub notes: Vec<String>,
     pub duration: Duration,
     /// The 1-minute load average when the run started: other work on the
@@ -182,6 +221,7 @@ impl Results {
             failover: None,
             discovery: None,
             owner_loop: None,
+            dns: None,
             notes: Vec::new(),
             duration: Duration::ZERO,
             load_at_start: load_average(),

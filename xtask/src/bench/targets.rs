@@ -4,7 +4,7 @@
 use super::{
     format::{count, millis, ms},
     paths::Route,
-    results::{Results, Workload},
+    results::{DnsRoute, Results, Workload},
     stats::{median, percentile},
 };
 
@@ -86,6 +86,16 @@ pub fn targets(r: &Results) -> Vec<(bool, String)> {
             format!(
                 "a refused connect moves the next connect within milliseconds (read here as: p99 < 10 ms from the refusal to a connect answered elsewhere, and at most 2 failed connects per kill, the refused one and one reset in the closing listener's queue): {p99:.2} ms, at most {} failed",
                 f.failed_max
+            ),
+        ));
+    }
+    if let Some(d) = &r.dns {
+        let (vip, forwarder) = (d.qps(DnsRoute::Vip), d.qps(DnsRoute::Forwarder));
+        lines.push((
+            d.vip_ratio >= 0.95 && vip > forwarder,
+            format!(
+                "DNS queries per second through the VIP ≥ 0.95 × direct, ahead of a dnsmasq forwarder (issue 24): {:.2} × direct; {vip:.0} vs {forwarder:.0} queries/s",
+                d.vip_ratio
             ),
         ));
     }
