@@ -22,6 +22,14 @@ pub fn privileged() -> bool {
     false
 }
 
+/// Whether the tests run under software emulation (`cargo xtask vmtest`
+/// sets `LB_TEST_EMULATED=1`), where a loop of a million system calls
+/// takes minutes: a test that churns that much churns a tenth there, and
+/// the full count runs on the host kernel.
+pub fn emulated() -> bool {
+    std::env::var("LB_TEST_EMULATED").is_ok_and(|v| v == "1")
+}
+
 /// The `lb` binary under test: `$LB_BIN`, or the workspace's debug build.
 pub fn lb_bin() -> PathBuf {
     if let Some(path) = std::env::var_os("LB_BIN") {

@@ -49,7 +49,7 @@ pub use bpffs::files_under;
 pub use cgroup::{TestCgroup, cgroup2_root, start_in_cgroup};
 pub use client::{Client, Connect, tally};
 pub use daemon::Daemon;
-pub use env::{addr, client_bin, lb_bin, privileged};
+pub use env::{addr, client_bin, emulated, lb_bin, privileged};
 pub use netns::{NetnsGuard, in_new_netns, loopback_up};
 pub use service::{Check, Policy, ServiceBuilder};
 pub use wait::{monotonic_ns, wait_until};

@@ -157,7 +157,9 @@ fn first_line(bytes: &[u8]) -> Option<String> {
 /// A resolver of the tests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Resolver {
-    /// glibc: `getent ahostsv4` (nss `dns`).
+    /// glibc: `getent hosts` (nss `dns`; `gethostbyname2`, AAAA then A).
+    /// Not `getent ahosts`: getaddrinfo's `AI_ADDRCONFIG` finds no IPv4
+    /// lookup worth making on a machine with loopback alone (the VMs).
     Glibc,
     /// bind9's `dig`.
     Dig,
@@ -197,7 +199,7 @@ impl ResolverEnv {
     /// mount namespace of its own): the address it found, or what it said.
     pub fn resolve(&self, resolver: Resolver, cgroup: &TestCgroup) -> Result<String, String> {
         let program: Vec<String> = match resolver {
-            Resolver::Glibc => vec!["getent".into(), "ahostsv4".into(), NAME.into()],
+            Resolver::Glibc => vec!["getent".into(), "hosts".into(), NAME.into()],
             Resolver::Dig => {
                 // dig reads resolv.conf too; +search off, one try.
                 ["dig", "+short", "+tries=2", "+time=1", NAME].map(String::from).to_vec()
@@ -215,7 +217,7 @@ impl ResolverEnv {
             .stdin(Stdio::null());
         start_in_cgroup(&mut cmd, &cgroup.path);
         let out = cmd.output().map_err(|e| format!("running {program:?}: {e}"))?;
-        // getent prints "ADDRESS  STREAM NAME" lines; the others the address.
+        // getent prints "ADDRESS  NAME"; the others the address alone.
         let found = first_line(&out.stdout)
             .and_then(|line| line.split_whitespace().next().map(str::to_owned));
         match found {

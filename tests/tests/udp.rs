@@ -10,7 +10,7 @@ use std::{
 };
 
 use lb_tests::{
-    Backend, Check, Client, Daemon, Policy, ServiceBuilder, TestCgroup, addr,
+    Backend, Check, Client, Daemon, Policy, ServiceBuilder, TestCgroup, addr, emulated,
     fakes::dns::{FakeDns, Mode},
     privileged,
     resolvers::{self, Dnsmasq, Resolver, ResolverEnv},
@@ -119,14 +119,21 @@ fn real_resolvers_resolve_through_a_dns_vip_and_fail_over() {
     );
     assert_eq!(lead(&daemon), Some(a.addr.to_string()));
     let env = ResolverEnv::new("failover", vip.ip());
-    for resolver in Resolver::ALL {
-        assert_eq!(
-            env.resolve(resolver, &cgroup),
-            Ok(a.answer.to_string()),
-            "{resolver:?} through {vip} (files in {})",
-            env.dir().display()
+    // Every resolver is asked each time, so a failure shows them all.
+    let all_answer = |server: &Dnsmasq, when: &str| {
+        let answers: Vec<(Resolver, Result<String, String>)> =
+            Resolver::ALL.iter().map(|r| (*r, env.resolve(*r, &cgroup))).collect();
+        let expected = Ok(server.answer.to_string());
+        assert!(
+            answers.iter().all(|(_, got)| *got == expected),
+            "{when}, through {vip}, every resolver gets {expected:?} (files in {}): {answers:?}\n\
+             counters: {}\ntracked: {}",
+            env.dir().display(),
+            daemon.status()["datapath"]["counters"],
+            daemon.status()["datapath"]["tracked_sockets"]
         );
-    }
+    };
+    all_answer(&a, "before the failover");
     assert!(daemon.counter("sendmsg_rewritten") > 0, "musl sent unconnected");
     assert!(daemon.counter("recvmsg_rewritten") >= 3, "every resolver saw the VIP answer");
 
@@ -140,13 +147,7 @@ fn real_resolvers_resolve_through_a_dns_vip_and_fail_over() {
         daemon.log()
     );
     eprintln!("the VIP moved {:?} after the kill", killed.elapsed());
-    for resolver in Resolver::ALL {
-        assert_eq!(
-            env.resolve(resolver, &cgroup),
-            Ok(b.answer.to_string()),
-            "{resolver:?} after the failover"
-        );
-    }
+    all_answer(&b, "after the failover");
     // Every resolver has exited: its sockets were released.
     assert!(
         wait_until(Duration::from_secs(5), || {
@@ -219,8 +220,8 @@ fn thousands_of_unconnected_queries_from_one_socket_are_all_answered_by_the_vip(
     );
 }
 
-/// Issue 24, item 4: a churn of a million unconnected sockets, each
-/// sending one query to a VIP and closed at once, leaves no UDP entry
+/// Issue 24, item 4: a churn of a million unconnected sockets (a tenth
+/// under emulation), each sending one query to a VIP and closed at once, leaves no UDP entry
 /// behind and does not disturb TCP tracking: connections held through a
 /// TCP VIP meanwhile stay tracked and counted.
 #[test]
@@ -228,7 +229,8 @@ fn a_million_unconnected_sockets_leave_no_entry_and_tcp_tracking_alone() {
     if !privileged() || !resolvers::resolvers_present() {
         return;
     }
-    const CHURN: usize = 1_000_000;
+    // A million on the host kernel; a tenth under emulation (the VMs).
+    let churn: usize = if emulated() { 100_000 } else { 1_000_000 };
     const HELD: usize = 200;
     let cgroup = TestCgroup::new("udpchurn");
     let a = Dnsmasq::start(addr(78, 1, 53), Ipv4Addr::new(198, 18, 78, 1));
@@ -249,10 +251,10 @@ fn a_million_unconnected_sockets_leave_no_entry_and_tcp_tracking_alone() {
 
     let mut churner = Client::start(CLIENT, Some(&cgroup));
     let started = Instant::now();
-    let churned = churner.ask(&format!("churn-sendto {dns_vip} {CHURN}"));
+    let churned = churner.ask(&format!("churn-sendto {dns_vip} {churn}"));
     eprintln!("{churned} in {:?}", started.elapsed());
-    assert_eq!(churned, format!("churned ok={CHURN} failed=0"));
-    assert!(daemon.counter("sendmsg_rewritten") >= CHURN as u64);
+    assert_eq!(churned, format!("churned ok={churn} failed=0"));
+    assert!(daemon.counter("sendmsg_rewritten") >= churn as u64);
     assert_eq!(daemon.counter("udp_peers_full"), 0, "released sockets freed their entries");
     assert_eq!(tracked("udp_peers"), Some(0), "no entry left behind");
     assert_eq!(tracked("tcp"), Some(HELD as u64), "the TCP connections are still tracked");
