@@ -9,16 +9,27 @@
 //!
 //! [`choose`] is the kernel's choice of a server, a pure function tested on
 //! the host; [`UdpPeers`] (module `udp`) a UDP socket's reverse mapping,
-//! with the functions the sendmsg and recvmsg programs use on it. The `user` feature adds the userspace-only conversions (`user`
-//! module).
+//! with the functions the sendmsg and recvmsg programs use on it;
+//! [`Reason`] (module `reason`) the counters' names; module `external` the
+//! flow and NAT tables of the XDP path, and [`checksum`] its incremental
+//! checksum updates. The `user` feature adds the userspace-only
+//! conversions (`user` module).
 #![no_std]
 #![warn(missing_docs)]
 
+pub mod checksum;
 pub mod choose;
+mod external;
+mod reason;
 mod udp;
 #[cfg(feature = "user")]
 pub mod user;
 
+pub use external::{
+    Flow, FlowKey, MAX_EXTERNAL_FLOWS, NAT_PORT_COUNT, NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED,
+    NAT_REPLY_SYN, NatKey, NatReply, Traffic,
+};
+pub use reason::{Reason, UnknownReason};
 pub use udp::{UdpPeer, UdpPeers};
 
 /// Most servers one service can select from (the kernel walks this many).
@@ -73,13 +84,15 @@ pub const EVENTS_BYTES: u32 = 256 * 1024;
 /// 2: `META`; `SOCKETS` a plain hash map of TCP sockets, `SOCKETS_UDP`;
 /// `Service::netns_cookie`; the `lb_sock_release` program.
 /// 3: `Service::daemon_states`.
-/// 4: `UDP_PEERS`; the sendmsg and recvmsg programs. A daemon of layout 4
-/// adopts pins of layout 3 and upgrades them (`UPGRADABLE_LAYOUT`).
-pub const LAYOUT_VERSION: u32 = 4;
+/// 4: `UDP_PEERS`; the sendmsg and recvmsg programs.
+/// 5: the external path's maps (`EXTERNAL`, `NODE_ADDRESSES`, `FLOWS`,
+/// `NAT_REPLIES`, `TRAFFIC`) and its XDP program. A daemon of layout 5
+/// adopts pins of layout 4 and upgrades them (`UPGRADABLE_LAYOUT`).
+pub const LAYOUT_VERSION: u32 = 5;
 /// The one older layout a daemon adopts, by adding what its layout lacks
 /// (maps and programs; nothing pinned changes shape) before it replaces
 /// the programs.
-pub const UPGRADABLE_LAYOUT: u32 = 3;
+pub const UPGRADABLE_LAYOUT: u32 = 4;
 
 /// Index of the layout version in `META`.
 pub const META_LAYOUT_VERSION: u32 = 0;
@@ -130,11 +143,37 @@ pub mod maps {
     /// [`UNMARKED_KERNEL`](crate::UNMARKED_KERNEL) and
     /// [`UNMARKED_REPLACED`](crate::UNMARKED_REPLACED).
     pub const UNMARKED: &str = "UNMARKED";
+    /// VIP → `u32` (reserved, zero): the VIPs the external path (XDP)
+    /// forwards packets from the network for (layout 5).
+    pub const EXTERNAL: &str = "EXTERNAL";
+    /// A server's address (port 0) → the node's own address toward it
+    /// (port 0): the source the external path gives forwarded packets.
+    pub const NODE_ADDRESSES: &str = "NODE_ADDRESSES";
+    /// [`FlowKey`](crate::FlowKey) → [`Flow`](crate::Flow), an LRU map.
+    pub const FLOWS: &str = "FLOWS";
+    /// [`NatKey`](crate::NatKey) → [`NatReply`](crate::NatReply), an LRU map.
+    pub const NAT_REPLIES: &str = "NAT_REPLIES";
+    /// Server → per-CPU [`Traffic`](crate::Traffic) forwarded to it.
+    pub const TRAFFIC: &str = "TRAFFIC";
     /// Every map the daemon pins, in one list so attach, adopt and detach agree.
-    pub const ALL: [&str; 9] =
-        [SERVICES, FAILED_AT, SOCKETS, CONNECTIONS, EVENTS, COUNTERS, SOCKETS_UDP, META, UDP_PEERS];
+    pub const ALL: [&str; 14] = [
+        SERVICES,
+        FAILED_AT,
+        SOCKETS,
+        CONNECTIONS,
+        EVENTS,
+        COUNTERS,
+        SOCKETS_UDP,
+        META,
+        UDP_PEERS,
+        EXTERNAL,
+        NODE_ADDRESSES,
+        FLOWS,
+        NAT_REPLIES,
+        TRAFFIC,
+    ];
     /// The maps pins of `UPGRADABLE_LAYOUT` lack (an upgrade creates them).
-    pub const NEW_IN_LAYOUT: [&str; 1] = [UDP_PEERS];
+    pub const NEW_IN_LAYOUT: [&str; 5] = [EXTERNAL, NODE_ADDRESSES, FLOWS, NAT_REPLIES, TRAFFIC];
 }
 
 /// Names of the programs in the object file; also their link pin names.
@@ -180,9 +219,14 @@ pub mod programs {
     /// an error.
     pub const REQUIRED: [&str; 8] =
         [CONNECT4, CONNECT6, SOCK_OPS, SOCK_RELEASE, SENDMSG4, SENDMSG6, RECVMSG4, RECVMSG6];
-    /// The programs pins of `UPGRADABLE_LAYOUT` lack (an upgrade attaches
-    /// them).
-    pub const NEW_IN_LAYOUT: [&str; 4] = [SENDMSG4, SENDMSG6, RECVMSG4, RECVMSG6];
+    /// The cgroup programs pins of `UPGRADABLE_LAYOUT` lack (an upgrade
+    /// attaches them).
+    pub const NEW_IN_LAYOUT: [&str; 0] = [];
+    /// XDP, the external path: forwards packets from the network for an
+    /// external VIP to its servers and translates their replies back.
+    /// Not a cgroup program: attached to interfaces, its links pinned
+    /// under `links/xdp/<interface>`.
+    pub const XDP: &str = "lb_xdp";
     /// The getpeername hooks (Linux 5.8+): without them applications see
     /// the server's address instead of the VIP; lb degrades and says so.
     pub const OPTIONAL: [&str; 2] = [GETPEERNAME4, GETPEERNAME6];
@@ -395,188 +439,6 @@ impl Event {
     }
 }
 
-/// Declares [`Reason`] from one table (variant, counter index, stable name),
-/// so that `ALL`, `COUNT` and `name` cannot disagree with the enum.
-macro_rules! reasons {
-    ($($(#[doc = $doc:literal])* $variant:ident = $index:literal => $name:literal,)*) => {
-        /// Why a program did what it did: the index of a per-CPU counter in
-        /// the `COUNTERS` array (the kernel counts `Reason::X as u32`). Every
-        /// early return of every program is counted.
-        ///
-        /// The values are the counters' indexes and [`Reason::name`] their
-        /// stable names in metrics and `lb status`: append new reasons, never
-        /// renumber or rename.
-        #[repr(u32)]
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-        pub enum Reason {
-            $($(#[doc = $doc])* $variant = $index,)*
-        }
-
-        impl Reason {
-            /// Number of reasons: the `COUNTERS` array's size.
-            pub const COUNT: usize = [$($index),*].len();
-
-            /// Every reason, in counter-index order (`Reason::ALL[i] as usize == i`).
-            pub const ALL: [Reason; Self::COUNT] = [$(Self::$variant),*];
-
-            /// The stable name in metrics (`reason` label) and `lb status`.
-            pub const fn name(self) -> &'static str {
-                match self {
-                    $(Self::$variant => $name,)*
-                }
-            }
-        }
-    };
-}
-
-reasons! {
-    /// connect: destination was a VIP and was rewritten.
-    ConnectRewritten = 0 => "connect_rewritten",
-    /// connect: destination is not a VIP; untouched.
-    ConnectNotVip = 1 => "connect_not_vip",
-    /// connect: the VIP's service has no server; connect refused (EPERM).
-    ConnectNoServer = 2 => "connect_no_server",
-    /// connect: every server failed recently; the first was used anyway.
-    ConnectAllFailed = 3 => "connect_all_failed",
-    /// connect: a recently failed server was skipped.
-    ConnectSkippedFailed = 4 => "connect_skipped_failed",
-    /// connect: protocol is neither TCP nor UDP; untouched.
-    ConnectOtherProtocol = 5 => "connect_other_protocol",
-    /// connect4: the selected server is IPv6, unreachable from an IPv4
-    /// socket; untouched and not tracked (the daemon's config check
-    /// prevents this).
-    ConnectFamilyMismatch = 6 => "connect_family_mismatch",
-    /// connect: the TCP socket table was full; rewritten but not tracked.
-    ConnectUntracked = 7 => "connect_untracked",
-    /// getpeername: the VIP was reported instead of the server.
-    GetpeernameRewritten = 8 => "getpeername_rewritten",
-    /// getpeername: not a socket connected through a VIP; untouched.
-    GetpeernameUntouched = 9 => "getpeername_untouched",
-    /// sock_ops: a tracked connect established.
-    SockopsEstablished = 10 => "sockops_established",
-    /// sock_ops: a tracked connect failed before establishing.
-    SockopsConnectFailed = 11 => "sockops_connect_failed",
-    /// sock_ops: a tracked connect's SYN timed out once.
-    SockopsConnectTimeout = 12 => "sockops_connect_timeout",
-    /// sock_ops: a tracked, established connection closed.
-    SockopsClosed = 13 => "sockops_closed",
-    /// sock_ops: a socket looked up in the socket table and not found
-    /// (a connect where connect4 cannot mark the sockets it tracks, or a
-    /// callback of an untracked socket); ignored.
-    SockopsUntracked = 14 => "sockops_untracked",
-    /// sock_ops: the event ring buffer was full; the event was dropped
-    /// (counts and failure marks are still updated).
-    EventDropped = 15 => "event_dropped",
-    /// Any program: a map update (or a lookup that cannot miss) failed.
-    MapError = 16 => "map_error",
-    /// connect: the socket is in another network namespace than the
-    /// daemon's, and the service's scope is `host`; untouched.
-    ConnectOtherNetns = 17 => "connect_other_netns",
-    /// connect: the connected-UDP socket table was full; rewritten but
-    /// not tracked (getpeername shows the server).
-    ConnectUntrackedUdp = 18 => "connect_untracked_udp",
-    /// sock_release: a TCP connect through a VIP was released by its
-    /// application before it established (a cancelled connect): marked so
-    /// that its close is no server failure (or untracked, if TCP is done
-    /// with it).
-    ReleaseCancelled = 19 => "release_cancelled",
-    /// sock_release: a connected-UDP socket through a VIP was released;
-    /// untracked.
-    ReleaseUdp = 20 => "release_udp",
-    /// sock_release: nothing to untrack (not a VIP socket, or an
-    /// established TCP connection, untracked by sock_ops when it closes).
-    ReleaseUntouched = 21 => "release_untouched",
-    /// sock_ops: `FAILED_AT` was full; a failed server was not marked, so
-    /// the kernel does not skip it.
-    FailedAtFull = 22 => "failed_at_full",
-    /// sock_ops: `CONNECTIONS` was full; an established connection was not
-    /// counted.
-    ConnectionsFull = 23 => "connections_full",
-    /// sock_ops: a connect its application gave up on (released before it
-    /// established) closed: untracked, with no failure mark and no event.
-    SockopsCancelled = 24 => "sockops_cancelled",
-    /// sendmsg: an unconnected UDP send to a VIP went to a newly chosen
-    /// server (the socket's first send to the VIP, or its server is no
-    /// longer usable or preferred), recorded for its answers.
-    SendmsgRewritten = 25 => "sendmsg_rewritten",
-    /// sendmsg: a send to a VIP went to the server the socket's earlier
-    /// sends to it went to.
-    SendmsgKept = 26 => "sendmsg_kept",
-    /// sendmsg: destination is not a VIP; untouched.
-    SendmsgNotVip = 27 => "sendmsg_not_vip",
-    /// sendmsg: not UDP (UDP-Lite); untouched.
-    SendmsgOtherProtocol = 28 => "sendmsg_other_protocol",
-    /// sendmsg: the socket is in another network namespace than the
-    /// daemon's, and the service's scope is `host`; untouched.
-    SendmsgOtherNetns = 29 => "sendmsg_other_netns",
-    /// sendmsg: the VIP's service has no server; the send is refused
-    /// (EPERM).
-    SendmsgNoServer = 30 => "sendmsg_no_server",
-    /// sendmsg: a recently failed server was skipped.
-    SendmsgSkippedFailed = 31 => "sendmsg_skipped_failed",
-    /// sendmsg: every server failed recently; the first was used anyway.
-    SendmsgAllFailed = 32 => "sendmsg_all_failed",
-    /// sendmsg: the chosen server's family cannot be sent to from this
-    /// socket (an IPv6 server from an IPv4 socket; an IPv4 server for an
-    /// IPv6 VIP, which the kernel refuses to rewrite a send to); untouched.
-    SendmsgFamilyMismatch = 33 => "sendmsg_family_mismatch",
-    /// connect or sendmsg: `UDP_PEERS` was full; the UDP socket's traffic
-    /// is rewritten, but what comes back shows the server's address.
-    UdpPeersFull = 34 => "udp_peers_full",
-    /// recvmsg: a datagram from a server the socket sent to through a VIP
-    /// is shown as from the VIP.
-    RecvmsgRewritten = 35 => "recvmsg_rewritten",
-    /// recvmsg: not from a server the socket sent to through a VIP;
-    /// untouched.
-    RecvmsgUntouched = 36 => "recvmsg_untouched",
-}
-
-impl Reason {
-    /// The index of this reason's counter in `COUNTERS`.
-    pub const fn index(self) -> u32 {
-        self as u32
-    }
-}
-
-/// A counter index that names no [`Reason`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct UnknownReason(pub u32);
-
-impl core::fmt::Display for UnknownReason {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        write!(f, "unknown counter reason {}", self.0)
-    }
-}
-
-impl core::error::Error for UnknownReason {}
-
-impl TryFrom<u32> for Reason {
-    type Error = UnknownReason;
-
-    fn try_from(value: u32) -> Result<Self, Self::Error> {
-        match Self::ALL.get(value as usize) {
-            Some(&reason) => Ok(reason),
-            None => Err(UnknownReason(value)),
-        }
-    }
-}
-
-impl From<Reason> for u32 {
-    fn from(reason: Reason) -> Self {
-        reason as u32
-    }
-}
-
-// Entry i of `Reason::ALL` must be reason i (the indexes are dense, from 0),
-// or `TryFrom<u32>` and the daemon's counter read would name the wrong one.
-const _: () = {
-    let mut i = 0;
-    while i < Reason::COUNT {
-        assert!(Reason::ALL[i] as usize == i);
-        i += 1;
-    }
-};
-
 // The kernel and the daemon must agree on these byte for byte.
 const _: () = assert!(size_of::<Endpoint>() == 20);
 const _: () = assert!(size_of::<Service>() == 20 * MAX_SERVERS + 24 + MAX_SERVERS);
@@ -588,67 +450,6 @@ const _: () = assert!(align_of::<Service>() == 8);
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn reason_names_are_the_stable_interface() {
-        // Metrics labels and `lb status` keys: changing one breaks dashboards.
-        let names: [&str; Reason::COUNT] = Reason::ALL.map(Reason::name);
-        assert_eq!(
-            names,
-            [
-                "connect_rewritten",
-                "connect_not_vip",
-                "connect_no_server",
-                "connect_all_failed",
-                "connect_skipped_failed",
-                "connect_other_protocol",
-                "connect_family_mismatch",
-                "connect_untracked",
-                "getpeername_rewritten",
-                "getpeername_untouched",
-                "sockops_established",
-                "sockops_connect_failed",
-                "sockops_connect_timeout",
-                "sockops_closed",
-                "sockops_untracked",
-                "event_dropped",
-                "map_error",
-                "connect_other_netns",
-                "connect_untracked_udp",
-                "release_cancelled",
-                "release_udp",
-                "release_untouched",
-                "failed_at_full",
-                "connections_full",
-                "sockops_cancelled",
-                "sendmsg_rewritten",
-                "sendmsg_kept",
-                "sendmsg_not_vip",
-                "sendmsg_other_protocol",
-                "sendmsg_other_netns",
-                "sendmsg_no_server",
-                "sendmsg_skipped_failed",
-                "sendmsg_all_failed",
-                "sendmsg_family_mismatch",
-                "udp_peers_full",
-                "recvmsg_rewritten",
-                "recvmsg_untouched",
-            ]
-        );
-    }
-
-    #[test]
-    fn reasons_round_trip_through_their_counter_index() {
-        for (i, reason) in Reason::ALL.into_iter().enumerate() {
-            assert_eq!(reason.index() as usize, i);
-            assert_eq!(Reason::try_from(i as u32), Ok(reason));
-        }
-        assert_eq!(
-            Reason::try_from(Reason::COUNT as u32),
-            Err(UnknownReason(Reason::COUNT as u32))
-        );
-        assert_eq!(Reason::try_from(u32::MAX), Err(UnknownReason(u32::MAX)));
-    }
 
     #[test]
     fn event_kinds_keep_their_wire_values() {

@@ -5,7 +5,10 @@ extern crate std;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use crate::{ConnKey, Endpoint, Event, Service, SockEntry, UdpPeers};
+use crate::{
+    ConnKey, Endpoint, Event, Flow, FlowKey, NatKey, NatReply, Service, SockEntry, Traffic,
+    UdpPeers,
+};
 
 // SAFETY: all of these are `#[repr(C)]`, made only of integers and arrays of
 // integers, with every padding byte spelled out as a field.
@@ -20,6 +23,16 @@ unsafe impl aya::Pod for ConnKey {}
 unsafe impl aya::Pod for Event {}
 // SAFETY: as above.
 unsafe impl aya::Pod for UdpPeers {}
+// SAFETY: as above.
+unsafe impl aya::Pod for FlowKey {}
+// SAFETY: as above.
+unsafe impl aya::Pod for Flow {}
+// SAFETY: as above.
+unsafe impl aya::Pod for NatKey {}
+// SAFETY: as above.
+unsafe impl aya::Pod for NatReply {}
+// SAFETY: as above.
+unsafe impl aya::Pod for Traffic {}
 
 impl Event {
     /// The record at the start of `bytes`, as `sock_ops` wrote it to the

@@ -25,6 +25,10 @@
 //!   only counted).
 //! - `lb_sock_release` (cgroup sock_release, `release.rs`): a released
 //!   socket leaves the socket tables (UDP at once; TCP as its state says).
+//! - `lb_xdp` (XDP, on the interfaces of external VIPs; `external.rs` over
+//!   `packet.rs`): packets from other machines to an external VIP go to a
+//!   server chosen as for a connect, with NAT; the servers' replies are
+//!   translated back. Failure marks and events are shared (`report.rs`).
 //!
 //! The programs are dumb and fast: the daemon decides the selection; the
 //! kernel only skips servers whose connect failed within the hold-down.
@@ -38,14 +42,16 @@
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    macros::{cgroup_sock, cgroup_sock_addr, map, sock_ops},
+    bindings::xdp_action,
+    macros::{cgroup_sock, cgroup_sock_addr, map, sock_ops, xdp},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
-    programs::{SockAddrContext, SockContext, SockOpsContext},
+    programs::{SockAddrContext, SockContext, SockOpsContext, XdpContext},
 };
 use lb_common::{
-    ConnKey, EVENTS_BYTES, Endpoint, MAX_CONNECTING_SOCKETS, MAX_FAILED_SERVERS, MAX_SERVER_PAIRS,
-    MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS, MAX_UDP_PEER_SOCKETS, META_SLOTS,
-    Reason, Service, SockEntry, UNMARKED_SLOTS, UdpPeers,
+    ConnKey, EVENTS_BYTES, Endpoint, Flow, FlowKey, MAX_CONNECTING_SOCKETS, MAX_EXTERNAL_FLOWS,
+    MAX_FAILED_SERVERS, MAX_SERVER_PAIRS, MAX_SERVICES, MAX_TRACKED_SOCKETS,
+    MAX_TRACKED_UDP_SOCKETS, MAX_UDP_PEER_SOCKETS, META_SLOTS, NatKey, NatReply, Reason, Service,
+    SockEntry, Traffic, UNMARKED_SLOTS, UdpPeers,
 };
 
 /// VIP → service (its selection). Written only by the daemon, one whole
@@ -123,6 +129,34 @@ static SCRATCH: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
 #[map]
 static UNMARKED: Array<u32> = Array::with_max_entries(UNMARKED_SLOTS, 0);
 
+/// External VIP → 0: the VIPs whose packets from the network `lb_xdp`
+/// forwards (their selections are in `SERVICES`). Written by the daemon.
+#[map]
+static EXTERNAL: HashMap<Endpoint, u32> =
+    HashMap::with_max_entries(MAX_SERVICES, BPF_F_NO_PREALLOC);
+
+/// A server's address (port 0) → the node's own address toward it (port
+/// 0): the source of packets forwarded to it. Written by the daemon, from
+/// the kernel's routes.
+#[map]
+static NODE_ADDRESSES: HashMap<Endpoint, Endpoint> =
+    HashMap::with_max_entries(MAX_FAILED_SERVERS, BPF_F_NO_PREALLOC);
+
+/// The external path's flows, client → VIP, and where they go (`external.rs`).
+#[map]
+static FLOWS: LruHashMap<FlowKey, Flow> = LruHashMap::with_max_entries(MAX_EXTERNAL_FLOWS, 0);
+
+/// The same flows as their replies carry them (server → NAT port), and
+/// whom to send those back to. An entry holds its NAT port.
+#[map]
+static NAT_REPLIES: LruHashMap<NatKey, NatReply> =
+    LruHashMap::with_max_entries(MAX_EXTERNAL_FLOWS, 0);
+
+/// Server → packets and bytes the external path forwarded to it, per CPU.
+#[map]
+static TRAFFIC: PerCpuHashMap<Endpoint, Traffic> =
+    PerCpuHashMap::with_max_entries(MAX_FAILED_SERVERS, 0);
+
 /// Per-CPU counters of every decision, indexed by `lb_common::Reason`.
 #[map]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Reason::COUNT as u32, 0);
@@ -198,7 +232,10 @@ macro_rules! ctx_write {
 
 // Each module uses the macros above, so they are declared after them.
 mod connect;
+mod external;
+mod packet;
 mod release;
+mod report;
 mod select;
 mod sock_ops;
 mod udp;
@@ -346,6 +383,17 @@ pub fn lb_sock_ops(ctx: SockOpsContext) -> u32 {
     sock_ops::handle(&ctx);
     // sock_ops programs return 1; the reply, if any, goes through set_reply.
     1
+}
+
+/// The external path: a packet from the network to an external VIP goes to
+/// a server, a server's reply back to its client (`external.rs`);
+/// anything else passes untouched.
+#[xdp]
+pub fn lb_xdp(ctx: XdpContext) -> u32 {
+    match packet::parse(&ctx) {
+        Some(p) => external::handle(&ctx, &p).unwrap_or(xdp_action::XDP_PASS),
+        None => xdp_action::XDP_PASS,
+    }
 }
 
 #[cfg(not(target_arch = "bpf"))]

@@ -1,5 +1,5 @@
 //! The choice of a server for a connect or a send to a VIP, shared by the
-//! connect and sendmsg programs: find the VIP's service, check the
+//! connect and sendmsg programs and the external path (XDP): find the VIP's service, check the
 //! socket's protocol and network namespace, and pick a server from the
 //! selection (`lb_common::choose`), skipping servers whose connects failed
 //! within the hold-down.
@@ -51,6 +51,18 @@ pub(crate) const SENDMSG: Hook = Hook {
     no_server: Reason::SendmsgNoServer,
     skipped_failed: Reason::SendmsgSkippedFailed,
     all_failed: Reason::SendmsgAllFailed,
+};
+
+/// xdp: packets from the network to an external VIP (no socket: the
+/// protocol and scope checks do not apply).
+pub(crate) const XDP: Hook = Hook {
+    tcp: true,
+    not_vip: Reason::XdpNotOurs,
+    other_protocol: Reason::XdpOtherProtocol,
+    other_netns: Reason::XdpNotOurs,
+    no_server: Reason::XdpNoServer,
+    skipped_failed: Reason::XdpSkippedFailed,
+    all_failed: Reason::XdpAllFailed,
 };
 
 /// The service of the VIP `dst`, if the socket behind `ctx` is one whose
@@ -138,6 +150,17 @@ pub(crate) fn preferred(service: &Service, server: &Endpoint) -> bool {
     let mut found = false;
     for i in 0..MAX_SERVERS {
         found |= (i as u32) < first && service.servers[i] == *server;
+    }
+    found
+}
+
+/// Whether `server` is still in `service`'s selection (a server the
+/// daemon removed is not, even as a last resort).
+#[inline(always)]
+pub(crate) fn selected(service: &Service, server: &Endpoint) -> bool {
+    let mut found = false;
+    for i in 0..MAX_SERVERS {
+        found |= (i as u32) < service.count && service.servers[i] == *server;
     }
     found
 }

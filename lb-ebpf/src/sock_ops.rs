@@ -12,17 +12,17 @@ use aya_ebpf::{
         BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE,
         BPF_TCP_ESTABLISHED, BPF_TCP_SYN_SENT,
     },
-    helpers::{bpf_get_socket_cookie, bpf_ktime_get_ns},
+    helpers::bpf_get_socket_cookie,
     programs::SockOpsContext,
 };
 use lb_common::{
-    ConnKey, Endpoint, Event, EventKind, Reason, SOCK_CONNECT_PENDING, SOCK_ESTABLISHED,
+    ConnKey, Endpoint, EventKind, Reason, SOCK_CONNECT_PENDING, SOCK_ESTABLISHED,
     SOCK_FAILURE_REPORTED, SOCK_UNCOUNTED, SockEntry, UNMARKED_KERNEL, UNMARKED_REPLACED,
 };
 
 use crate::{
-    AF_INET, CONNECTING, CONNECTIONS, E2BIG, EVENTS, FAILED_AT, SOCKETS, UNMARKED, atomic_add,
-    count,
+    AF_INET, CONNECTING, CONNECTIONS, E2BIG, FAILED_AT, SOCKETS, UNMARKED, atomic_add, count,
+    report::{emit, mark_failed},
 };
 
 /// Runs the callback `ctx` is for.
@@ -179,7 +179,7 @@ fn on_established(ctx: &SockOpsContext) {
     }
     count(Reason::SockopsEstablished);
     if recovered {
-        emit(cookie, entry, EventKind::Established);
+        emit(cookie, &entry.vip, &entry.server, EventKind::Established);
     }
 }
 
@@ -196,7 +196,7 @@ fn on_retransmit_timeout(ctx: &SockOpsContext) {
     entry.flags |= SOCK_FAILURE_REPORTED;
     mark_failed(&entry.server);
     count(Reason::SockopsConnectTimeout);
-    emit(cookie, entry, EventKind::ConnectTimeout);
+    emit(cookie, &entry.vip, &entry.server, EventKind::ConnectTimeout);
 }
 
 fn on_close(ctx: &SockOpsContext) {
@@ -218,7 +218,7 @@ fn on_close(ctx: &SockOpsContext) {
         if closed_by_tcp(ctx) {
             mark_failed(&entry.server);
             count(Reason::SockopsConnectFailed);
-            emit(cookie, &entry, EventKind::ConnectFailed);
+            emit(cookie, &entry.vip, &entry.server, EventKind::ConnectFailed);
         } else {
             // shutdown() or connect(AF_UNSPEC) in SYN_SENT: its application
             // gave up, as with close().
@@ -241,14 +241,6 @@ fn on_close(ctx: &SockOpsContext) {
 #[inline(always)]
 fn closed_by_tcp(ctx: &SockOpsContext) -> bool {
     ops_read!(ctx, packets_out) == 0
-}
-
-fn mark_failed(server: &Endpoint) {
-    // SAFETY: plain helper call without arguments.
-    let now = unsafe { bpf_ktime_get_ns() };
-    if let Err(e) = FAILED_AT.insert(server, now, u64::from(BPF_ANY)) {
-        count(if e == -E2BIG { Reason::FailedAtFull } else { Reason::MapError });
-    }
 }
 
 /// Adds `delta` to this CPU's count of `key`; false if the pair could not
@@ -278,22 +270,4 @@ fn add_connection(key: &ConnKey, delta: i64) -> bool {
             false
         }
     }
-}
-
-fn emit(cookie: u64, entry: &SockEntry, kind: EventKind) {
-    let Some(mut slot) = EVENTS.reserve::<Event>(0) else {
-        count(Reason::EventDropped);
-        return;
-    };
-    // SAFETY: plain helper call without arguments.
-    let time_ns = unsafe { bpf_ktime_get_ns() };
-    slot.write(Event {
-        cookie,
-        time_ns,
-        vip: entry.vip,
-        server: entry.server,
-        kind: kind as u32,
-        _pad: 0,
-    });
-    slot.submit(0);
 }

@@ -47,9 +47,9 @@ fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
 /// from its commit by `cargo xtask test`, `$LB_PREVIOUS_BIN`) runs with its
 /// own programs, and is stopped as systemd stops it (SIGTERM); this
 /// version starts on its pins. Its daemon adopts the previous one's maps
-/// and replaces the previous programs under the storm. Issue 24: the
-/// previous version's pins are of layout 3; the upgrade adds `UDP_PEERS`
-/// and attaches the sendmsg and recvmsg programs.
+/// and replaces the previous programs under the storm. Issue 25: the
+/// previous version's pins are of layout 4; the upgrade adds the external
+/// path's maps (no cgroup program is new).
 #[test]
 fn an_upgrade_from_the_previous_version_keeps_every_connect_rewritten() {
     if !privileged() {
@@ -76,11 +76,14 @@ fn an_upgrade_from_the_previous_version_keeps_every_connect_rewritten() {
         lb_user::datapath::read_layout_version(&daemon.bpffs).expect("reading the layout"),
         Some(lb_common::LAYOUT_VERSION)
     );
-    if added.is_empty() {
-        // A previous version of this layout: nothing was new to it.
-        return;
-    }
     assert_eq!(added, lb_common::programs::NEW_IN_LAYOUT, "{}", daemon.log());
+    for map in lb_common::maps::NEW_IN_LAYOUT {
+        assert!(
+            daemon.bpffs.join("maps").join(map).exists(),
+            "the upgrade did not add map {map}: {}",
+            daemon.log()
+        );
+    }
     assert!(
         daemon.log().contains("added the maps and programs of this layout"),
         "{}",

@@ -20,9 +20,9 @@ use crate::{
     cmd::{run_cmd, target_dir, workspace},
 };
 
-/// The commit of the previous version: main before the Trust issue (#23)
-/// changed the programs (connects that fail on the spot, atomic counts).
-pub const PREVIOUS: &str = "b20bc20ca99f7171645a0a8c0a51b0143be16dbc";
+/// The commit of the previous version: main with the UDP issue (#24)
+/// done, before the external path (#25) added its maps (layout 4).
+pub const PREVIOUS: &str = "a14d213096b8f9429862ca38a1329d722d17416d";
 
 /// The previous version's `lb`, built once under `target/previous/` (and
 /// kept there for the next run). `None` when this clone lacks its commit

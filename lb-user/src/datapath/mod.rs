@@ -34,6 +34,7 @@ mod pins;
 mod sockets;
 mod sys;
 mod upgrade;
+pub mod xdp;
 
 use std::{fs::File, net::SocketAddr, path::Path};
 

@@ -1,0 +1,130 @@
+//! The tables of the external path: packets from other machines to a VIP,
+//! forwarded by XDP with NAT (destination → the server, source → the
+//! node's own address toward it, with a port of [`NAT_PORT_FIRST`]..).
+//!
+//! - `FLOWS` ([`FlowKey`] → [`Flow`]): a client's flow to a VIP and where
+//!   it goes; the next packet of the flow goes there too while its server
+//!   is usable.
+//! - `NAT_REPLIES` ([`NatKey`] → [`NatReply`]): the same flow as the
+//!   server's replies carry it, to translate them back; its insertion
+//!   allocates the NAT port (a port is in use while its entry exists).
+//!
+//! Both are LRU maps of [`MAX_EXTERNAL_FLOWS`]: flows are never removed
+//! one by one (a TCP close is not tracked), the least recently used go
+//! first when the table is full.
+
+use crate::Endpoint;
+
+/// Flows the external path tracks (`FLOWS` and `NAT_REPLIES` each). LRU
+/// maps are preallocated: about 2.5 MB each at this size, on every node,
+/// external VIPs or not.
+pub const MAX_EXTERNAL_FLOWS: u32 = 16_384;
+
+/// The first source port the external path gives a forwarded flow, above
+/// the kernel's default ephemeral range (32768–60999, `ip_local_port_range`),
+/// so that a NAT port never collides with a connection the node makes
+/// itself from the same address.
+pub const NAT_PORT_FIRST: u16 = 61_000;
+/// How many NAT ports there are from [`NAT_PORT_FIRST`]: concurrent flows
+/// per (node address, server, protocol).
+pub const NAT_PORT_COUNT: u16 = 65_535 - NAT_PORT_FIRST + 1;
+
+/// The key of `FLOWS`: one flow from a client to a VIP, as its packets
+/// arrive.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FlowKey {
+    /// The client's address and port.
+    pub client: Endpoint,
+    /// The VIP and port it sent to.
+    pub vip: Endpoint,
+    /// `IPPROTO_TCP` or `IPPROTO_UDP`.
+    pub protocol: u8,
+    /// Explicit padding (zero).
+    pub _pad: [u8; 3],
+}
+
+/// The value of `FLOWS`: where a flow goes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Flow {
+    /// The server its packets go to.
+    pub server: Endpoint,
+    /// The source they get: the node's address toward the server and the
+    /// flow's NAT port.
+    pub node: Endpoint,
+    /// `bpf_ktime_get_ns()` of the first SYN sent to `server` (TCP; 0 for
+    /// UDP): a SYN of the flow seen again while the server has not
+    /// answered is a retransmission, and the server is failed.
+    pub syn_at_ns: u64,
+}
+
+/// The key of `NAT_REPLIES`: a forwarded flow as its replies carry it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct NatKey {
+    /// The server (the replies' source).
+    pub server: Endpoint,
+    /// The node's address and the flow's NAT port (their destination).
+    pub node: Endpoint,
+    /// `IPPROTO_TCP` or `IPPROTO_UDP`.
+    pub protocol: u8,
+    /// Explicit padding (zero).
+    pub _pad: [u8; 3],
+}
+
+/// `NatReply::flags`: the server answered the flow (anything but a reset):
+/// a SYN of the client seen again is a new attempt, no sign of a dead
+/// server, and a later reset no failure.
+pub const NAT_REPLY_ESTABLISHED: u32 = 1 << 0;
+/// `NatReply::flags`: the flow began with a SYN (`syn_seq` holds its
+/// sequence number): only a reset that answers it is a server's refusal.
+pub const NAT_REPLY_SYN: u32 = 1 << 1;
+
+/// The value of `NAT_REPLIES`: whom a reply goes back to, as whom, and the
+/// way back.
+///
+/// Replies go back the way the flow's packets came, with no lookup: out
+/// of the interface they arrived on, to the MAC address they came from
+/// (the client, or the router in front of it). So the node needs no route
+/// or neighbour entry for the client, and no reverse-path check drops a
+/// reply whose source (the VIP) is no address of the node.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NatReply {
+    /// The client (the reply's new destination).
+    pub client: Endpoint,
+    /// The VIP (its new source).
+    pub vip: Endpoint,
+    /// `NAT_REPLY_*` bits.
+    pub flags: u32,
+    /// The client's SYN's sequence number (host byte order), with
+    /// [`NAT_REPLY_SYN`]: a reset answering it acknowledges one more.
+    pub syn_seq: u32,
+    /// The interface the client's packets arrive on: where replies go out.
+    pub client_ifindex: u32,
+    /// The interface packets to the server leave by (0 until the first
+    /// one has): only a reset arriving there can fail the server, not one
+    /// forged from the client's side.
+    pub server_ifindex: u32,
+    /// The link layer replies are sent with: the MAC address the client's
+    /// packets came from (destination), then the one they came to
+    /// (source).
+    pub macs: [u8; 12],
+}
+/// Per-CPU packets and bytes the external path forwarded to one server
+/// (`TRAFFIC`, keyed by the server), replies not included.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Packets forwarded.
+    pub packets: u64,
+    /// Their bytes, from the IP header on.
+    pub bytes: u64,
+}
+
+const _: () = assert!(size_of::<FlowKey>() == 44);
+const _: () = assert!(size_of::<Flow>() == 48);
+const _: () = assert!(size_of::<NatKey>() == 44);
+const _: () = assert!(size_of::<NatReply>() == 68);
+const _: () = assert!(size_of::<Traffic>() == 16);

@@ -1,0 +1,330 @@
+//! Packets as the XDP program sees them: Ethernet, then IPv4 (no options,
+//! no fragments) or IPv6 (no extension headers), then TCP or UDP. Parsing
+//! names where the headers are and what they say; rewriting changes the
+//! addresses and ports with incremental checksum updates
+//! (`lb_common::checksum`); routing asks the kernel's FIB where the
+//! rewritten packet goes, and it is redirected there.
+//!
+//! Addresses are kept as `Endpoint`s (IPv4 as IPv4-mapped, words in
+//! network byte order, loaded as they lie), the same keys the socket path
+//! uses, so the selection, the failure marks and the flow tables all speak
+//! one form.
+
+use core::mem::size_of;
+
+use aya_ebpf::{
+    EbpfContext as _,
+    bindings::bpf_fib_lookup,
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect},
+    programs::XdpContext,
+};
+use lb_common::{Endpoint, Reason, checksum};
+
+use crate::{IPPROTO_TCP, IPPROTO_UDP, count};
+
+const ETH_HLEN: usize = 14;
+/// EtherTypes, as the 16-bit field reads in network byte order.
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+const IPV4_HLEN: usize = 20;
+const IPV6_HLEN: usize = 40;
+const TCP_HLEN: usize = 20;
+const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
+/// `BPF_FIB_LKUP_RET_SUCCESS`: the FIB found the route and the neighbour.
+const FIB_SUCCESS: i64 = 0;
+
+/// TCP flags (byte 13 of the header).
+pub(crate) const TCP_SYN: u8 = 0x02;
+pub(crate) const TCP_RST: u8 = 0x04;
+pub(crate) const TCP_ACK: u8 = 0x10;
+
+/// What a parsed packet says and where its headers are (absolute
+/// addresses, checked against the packet's end when parsed).
+pub(crate) struct Packet {
+    pub(crate) ipv6: bool,
+    /// The IP header.
+    l3: usize,
+    /// The TCP or UDP header.
+    l4: usize,
+    /// `IPPROTO_TCP` or `IPPROTO_UDP`.
+    pub(crate) protocol: u8,
+    pub(crate) src: Endpoint,
+    pub(crate) dst: Endpoint,
+    /// TCP flags; 0 for UDP.
+    pub(crate) tcp_flags: u8,
+    /// TCP: the acknowledgement number (host byte order); 0 for UDP.
+    pub(crate) tcp_ack: u32,
+    /// TCP: the sequence number (host byte order); 0 for UDP.
+    pub(crate) tcp_seq: u32,
+    /// Bytes from the IP header on.
+    pub(crate) ip_len: u32,
+}
+
+impl Packet {
+    /// A SYN opening a connection (no ACK).
+    pub(crate) fn is_syn(&self) -> bool {
+        self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+    }
+
+    pub(crate) fn is_rst(&self) -> bool {
+        self.tcp_flags & TCP_RST != 0
+    }
+}
+
+/// A pointer to a `T` at `offset` bytes into the packet, if the packet
+/// holds all of it (the check the verifier needs before every access).
+#[inline(always)]
+fn at<T>(ctx: &XdpContext, offset: usize) -> Option<*mut T> {
+    let start = ctx.data() + offset;
+    if start + size_of::<T>() > ctx.data_end() {
+        return None;
+    }
+    Some(start as *mut T)
+}
+
+/// Reads a `T` at `offset`; `None` past the end.
+#[inline(always)]
+fn read<T: Copy>(ctx: &XdpContext, offset: usize) -> Option<T> {
+    // SAFETY: `at` checked the bounds; packet data may be unaligned.
+    at::<T>(ctx, offset).map(|p| unsafe { p.read_unaligned() })
+}
+
+/// Writes `value` at `offset`; false past the end.
+#[inline(always)]
+fn write<T>(ctx: &XdpContext, offset: usize, value: T) -> bool {
+    match at::<T>(ctx, offset) {
+        Some(p) => {
+            // SAFETY: as in `read`.
+            unsafe { p.write_unaligned(value) };
+            true
+        }
+        None => false,
+    }
+}
+
+/// Parses the packet's headers: `None` (counted) for anything the
+/// external path does not forward, which is then passed untouched.
+#[inline(always)]
+pub(crate) fn parse(ctx: &XdpContext) -> Option<Packet> {
+    let Some(ethertype) = read::<u16>(ctx, 12) else {
+        count(Reason::XdpNotIp);
+        return None;
+    };
+    let ethertype = u16::from_be(ethertype);
+    let (ipv6, protocol, src, dst, ip_len, l4) = if ethertype == ETH_P_IP {
+        let Some(header) = read::<[u8; IPV4_HLEN]>(ctx, ETH_HLEN) else {
+            count(Reason::XdpTruncated);
+            return None;
+        };
+        // Version 4, no options; not a fragment (neither MF nor an offset).
+        if header[0] != 0x45 || u16::from_be_bytes([header[6], header[7]]) & 0x3fff != 0 {
+            count(Reason::XdpUnparsed);
+            return None;
+        }
+        let word =
+            |i: usize| u32::from_ne_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]]);
+        let ip_len = u32::from(u16::from_be_bytes([header[2], header[3]]));
+        (
+            false,
+            header[9],
+            Endpoint::from_v4_raw(word(12), 0),
+            Endpoint::from_v4_raw(word(16), 0),
+            ip_len,
+            ETH_HLEN + IPV4_HLEN,
+        )
+    } else if ethertype == ETH_P_IPV6 {
+        let Some(header) = read::<[u32; IPV6_HLEN / 4]>(ctx, ETH_HLEN) else {
+            count(Reason::XdpTruncated);
+            return None;
+        };
+        let bytes = header[1].to_ne_bytes();
+        let ip_len = u32::from(u16::from_be_bytes([bytes[0], bytes[1]])) + IPV6_HLEN as u32;
+        let src =
+            Endpoint { addr: [header[2], header[3], header[4], header[5]], port: 0, _pad: [0; 2] };
+        let dst =
+            Endpoint { addr: [header[6], header[7], header[8], header[9]], port: 0, _pad: [0; 2] };
+        (true, bytes[2], src, dst, ip_len, ETH_HLEN + IPV6_HLEN)
+    } else {
+        count(Reason::XdpNotIp);
+        return None;
+    };
+    let mut packet = Packet {
+        ipv6,
+        l3: ETH_HLEN,
+        l4,
+        protocol,
+        src,
+        dst,
+        tcp_flags: 0,
+        tcp_ack: 0,
+        tcp_seq: 0,
+        ip_len,
+    };
+    if u32::from(protocol) == IPPROTO_TCP {
+        let Some(tcp) = read::<[u32; TCP_HLEN / 4]>(ctx, l4) else {
+            count(Reason::XdpTruncated);
+            return None;
+        };
+        let ports = tcp[0].to_ne_bytes();
+        packet.src.port = u16::from_ne_bytes([ports[0], ports[1]]);
+        packet.dst.port = u16::from_ne_bytes([ports[2], ports[3]]);
+        packet.tcp_seq = u32::from_be(tcp[1]);
+        packet.tcp_ack = u32::from_be(tcp[2]);
+        packet.tcp_flags = tcp[3].to_ne_bytes()[1];
+    } else if u32::from(protocol) == IPPROTO_UDP {
+        let Some(ports) = read::<[u16; 2]>(ctx, l4) else {
+            count(Reason::XdpTruncated);
+            return None;
+        };
+        packet.src.port = ports[0];
+        packet.dst.port = ports[1];
+    } else if ipv6 && matches!(protocol, 0 | 43 | 44 | 50 | 51 | 60 | 135) {
+        // Hop-by-hop, routing, fragment, ESP, AH, destination options,
+        // mobility: extension headers lb does not walk.
+        count(Reason::XdpUnparsed);
+        return None;
+    } else {
+        count(Reason::XdpOtherProtocol);
+        return None;
+    }
+    Some(packet)
+}
+
+/// Where the L4 checksum is, and whether it may be left alone (IPv4 UDP
+/// without a checksum, field zero).
+#[inline(always)]
+fn l4_checksum(ctx: &XdpContext, p: &Packet) -> Option<(usize, u16, bool)> {
+    let offset = p.l4 + if u32::from(p.protocol) == IPPROTO_TCP { 16 } else { 6 };
+    let check = read::<u16>(ctx, offset)?;
+    let udp = u32::from(p.protocol) == IPPROTO_UDP;
+    Some((offset, check, udp && !p.ipv6 && check == 0))
+}
+
+/// Rewrites the packet's source to `src` and its destination to `dst`
+/// (addresses and ports), updating the IPv4 header checksum and the TCP or
+/// UDP checksum (whose pseudo-header holds the addresses) incrementally.
+/// False if the packet is shorter than parsed, which cannot happen.
+#[inline(always)]
+pub(crate) fn rewrite(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoint) -> bool {
+    let Some((check_at, mut check, no_checksum)) = l4_checksum(ctx, p) else { return false };
+    if p.ipv6 {
+        for i in 0..4 {
+            check = checksum::replace32(check, p.src.addr[i], src.addr[i]);
+            check = checksum::replace32(check, p.dst.addr[i], dst.addr[i]);
+        }
+        let ok = write(ctx, p.l3 + 8, src.addr) && write(ctx, p.l3 + 24, dst.addr);
+        if !ok {
+            return false;
+        }
+    } else {
+        let Some(ip_check) = read::<u16>(ctx, p.l3 + 10) else { return false };
+        let (old_src, old_dst) = (p.src.addr[3], p.dst.addr[3]);
+        let ip_check = checksum::replace32(ip_check, old_src, src.addr[3]);
+        let ip_check = checksum::replace32(ip_check, old_dst, dst.addr[3]);
+        check = checksum::replace32(check, old_src, src.addr[3]);
+        check = checksum::replace32(check, old_dst, dst.addr[3]);
+        let ok = write(ctx, p.l3 + 10, ip_check)
+            && write(ctx, p.l3 + 12, src.addr[3])
+            && write(ctx, p.l3 + 16, dst.addr[3]);
+        if !ok {
+            return false;
+        }
+    }
+    check = checksum::replace16(check, p.src.port, src.port);
+    check = checksum::replace16(check, p.dst.port, dst.port);
+    if u32::from(p.protocol) == IPPROTO_UDP {
+        check = checksum::udp_field(check);
+    }
+    if !no_checksum && !write(ctx, check_at, check) {
+        return false;
+    }
+    write(ctx, p.l4, [src.port, dst.port])
+}
+
+/// The TTL (IPv4) or hop limit (IPv6) of the packet; 0 if unreadable.
+#[inline(always)]
+pub(crate) fn ttl(ctx: &XdpContext, p: &Packet) -> u8 {
+    read::<u8>(ctx, p.l3 + if p.ipv6 { 7 } else { 8 }).unwrap_or(0)
+}
+
+/// Takes one off the TTL or hop limit, as a router does (the caller
+/// checked it is above 1).
+#[inline(always)]
+fn decrement_ttl(ctx: &XdpContext, p: &Packet) -> bool {
+    if p.ipv6 {
+        return write(ctx, p.l3 + 7, ttl(ctx, p).wrapping_sub(1));
+    }
+    // The TTL shares a checksummed 16-bit word with the protocol.
+    let Some(old) = read::<[u8; 2]>(ctx, p.l3 + 8) else { return false };
+    let new = [old[0].wrapping_sub(1), old[1]];
+    let Some(ip_check) = read::<u16>(ctx, p.l3 + 10) else { return false };
+    let ip_check = checksum::replace16(ip_check, u16::from_ne_bytes(old), u16::from_ne_bytes(new));
+    write(ctx, p.l3 + 8, new) && write(ctx, p.l3 + 10, ip_check)
+}
+
+/// The MAC addresses a packet came with: to send a reply back the way its
+/// request came, with no lookup.
+#[inline(always)]
+pub(crate) fn macs(ctx: &XdpContext) -> Option<[u8; 12]> {
+    read::<[u8; 12]>(ctx, 0)
+}
+
+/// Where the kernel's FIB sends the rewritten packet (now from `src` to
+/// `dst`): the interface toward `dst` and the next hop's MAC address,
+/// which are written into the packet (the TTL goes down by one); `None`
+/// (counted) when the FIB has no route or no neighbour entry for it. The
+/// packet cannot go up the kernel's stack instead: its source is now an
+/// address of the node's own, which the stack drops as martian.
+#[inline(always)]
+pub(crate) fn route(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoint) -> Option<u32> {
+    // SAFETY: a plain C struct of integers, for which zero is valid.
+    let mut fib: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    fib.family = if p.ipv6 { AF_INET6 } else { AF_INET };
+    fib.l4_protocol = p.protocol;
+    fib.sport = src.port;
+    fib.dport = dst.port;
+    fib.__bindgen_anon_1.tot_len = p.ip_len as u16;
+    // SAFETY: the context's fields are valid for the whole program run.
+    fib.ifindex = unsafe { (*ctx.ctx).ingress_ifindex };
+    if p.ipv6 {
+        fib.__bindgen_anon_3.ipv6_src = src.addr;
+        fib.__bindgen_anon_4.ipv6_dst = dst.addr;
+    } else {
+        fib.__bindgen_anon_3.ipv4_src = src.addr[3];
+        fib.__bindgen_anon_4.ipv4_dst = dst.addr[3];
+    }
+    // SAFETY: `fib` is a valid, writable `bpf_fib_lookup` of its full size.
+    let found =
+        unsafe { fib_lookup(ctx.as_ptr(), &raw mut fib, size_of::<bpf_fib_lookup>() as i32, 0) };
+    if found != FIB_SUCCESS {
+        count(Reason::XdpNoRoute);
+        return None;
+    }
+    let mut macs = [0u8; 12];
+    macs[..6].copy_from_slice(&fib.dmac);
+    macs[6..].copy_from_slice(&fib.smac);
+    if !set_link(ctx, p, macs) {
+        return None;
+    }
+    Some(fib.ifindex)
+}
+
+/// Writes the link layer a packet leaves with (destination MAC, then
+/// source MAC) and takes one off its TTL or hop limit, as a router does.
+#[inline(always)]
+pub(crate) fn set_link(ctx: &XdpContext, p: &Packet, macs: [u8; 12]) -> bool {
+    if decrement_ttl(ctx, p) && write(ctx, 0, macs) {
+        return true;
+    }
+    count(Reason::XdpTruncated);
+    false
+}
+
+/// Sends the packet out of `ifindex`.
+#[inline(always)]
+pub(crate) fn redirect(ifindex: u32) -> u32 {
+    count(Reason::XdpRedirected);
+    // SAFETY: plain helper call.
+    unsafe { bpf_redirect(ifindex, 0) as u32 }
+}
