@@ -20,6 +20,7 @@
 //! - [`fakes`]: what discovery talks to (a Kubernetes API server, DNS);
 //! - [`resolvers`]: real DNS servers (dnsmasq) and resolvers (glibc, dig,
 //!   musl) for the UDP tests;
+//! - [`packets`]: Ethernet frames for the XDP fixtures, built and checked;
 //! - `daemon` ([`Daemon`]) over `bpffs` (its pins' mount);
 //! - `client` ([`Client`], [`Connect`]) over `cgroup` ([`TestCgroup`]);
 //! - `backend` ([`Backend`]), `service` ([`ServiceBuilder`]), `netns`
@@ -39,6 +40,7 @@ pub mod hold_backend;
 mod leak;
 pub mod load;
 mod netns;
+pub mod packets;
 pub mod resolvers;
 mod service;
 pub mod supervisor;

@@ -22,10 +22,11 @@ const BOOT_ALLOWANCE_SECS: u64 = 240;
 /// Console lines shown when a boot did not produce results.
 const TAIL_LINES: usize = 40;
 /// Modules the tests need that Debian builds as modules: `SOCK_DESTROY`
-/// goes through netlink sock_diag to inet_diag and its TCP/UDP handlers.
+/// goes through netlink sock_diag to inet_diag and its TCP/UDP handlers;
+/// the external path's tests build topologies of veth pairs.
 /// The kernel would autoload them, but loading them up front makes a
 /// missing one visible in the log instead of as an obscure test failure.
-const GUEST_MODULES: [&str; 3] = ["inet_diag", "tcp_diag", "udp_diag"];
+const GUEST_MODULES: [&str; 4] = ["inet_diag", "tcp_diag", "udp_diag", "veth"];
 /// Modules udev would load for the emulated machine (q35 with its
 /// watchdogs, SATA and CD-ROM, CPU frequency and crypto drivers) that
 /// nothing here uses. Under software emulation they cost boot time:

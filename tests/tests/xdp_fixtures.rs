@@ -1,0 +1,503 @@
+//! Packet fixtures of the external path (issue 25, items 1, 2 and 6): the
+//! XDP program, loaded on maps of its own, runs under `BPF_PROG_TEST_RUN`
+//! on frames built here; each case checks the verdict and the frame the
+//! program made (addresses, ports, MACs, TTL, and every checksum, by a
+//! full recomputation in `lb_tests::packets`), and what it left in its
+//! maps. Needs root; see `lb_tests::privileged`.
+//!
+//! Each case runs in a network namespace of its own (`in_new_netns`) whose
+//! routes and neighbours the test sets, so the kernel's FIB, which the
+//! program asks where a packet goes, answers the same on every machine:
+//!
+//! ```text
+//!  clients ── ext0 [node] srv0 ── servers
+//!  198.18.0.0/24     198.18.2.1 → 198.18.2.2, .3 (permanent neighbours)
+//!  2001:2::/64       2001:2:0:2::1 → ::2, ::3
+//! ```
+//!
+//! IPv6 uses 2001:2::/48, the IPv6 benchmarking range (RFC 5180), as
+//! 198.18.0.0/15 is IPv4's. Nothing is sent: a redirect under
+//! `BPF_PROG_TEST_RUN` only returns its verdict.
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    process::Command,
+};
+
+use aya::{
+    Ebpf,
+    maps::{HashMap, PerCpuArray},
+    programs::{TestRun, TestRunOptions, Xdp},
+};
+use lb_common::{
+    Endpoint, MAX_SERVERS, NAT_PORT_COUNT, NAT_PORT_FIRST, NatKey, NatReply, Reason, Service, maps,
+    programs,
+};
+use lb_tests::{
+    in_new_netns,
+    packets::{Flags, Mac, Segment, read_frame},
+    privileged,
+};
+
+const XDP_DROP: u32 = 1;
+const XDP_PASS: u32 = 2;
+const XDP_REDIRECT: u32 = 4;
+
+/// The client's router, as the node sees it.
+const CLIENT_MAC: Mac = [2, 0, 0, 0, 0, 1];
+/// The node's interface toward clients (`ext0`).
+const EXT_MAC: Mac = [2, 0, 0, 0, 0, 2];
+/// The node's interface toward servers (`srv0`).
+const SRV_MAC: Mac = [2, 0, 0, 0, 2, 1];
+/// The servers' MACs, by their last address byte.
+const SERVER_MACS: [(u8, Mac); 2] = [(2, [2, 0, 0, 0, 2, 2]), (3, [2, 0, 0, 0, 2, 3])];
+
+/// One family's addresses.
+struct Family {
+    vip: SocketAddr,
+    servers: [SocketAddr; 2],
+    /// The node's address toward the servers (the NAT source).
+    node: IpAddr,
+    client: SocketAddr,
+}
+
+fn v4() -> Family {
+    Family {
+        vip: "198.18.1.100:80".parse().unwrap(),
+        servers: ["198.18.2.2:8080".parse().unwrap(), "198.18.2.3:8080".parse().unwrap()],
+        node: "198.18.2.1".parse().unwrap(),
+        client: "198.18.0.10:40000".parse().unwrap(),
+    }
+}
+
+fn v6() -> Family {
+    Family {
+        vip: "[2001:2:0:1::100]:80".parse().unwrap(),
+        servers: ["[2001:2:0:2::2]:8080".parse().unwrap(), "[2001:2:0:2::3]:8080".parse().unwrap()],
+        node: "2001:2:0:2::1".parse().unwrap(),
+        client: "[2001:2::10]:40000".parse().unwrap(),
+    }
+}
+
+fn sh(args: &[&str]) {
+    let out = Command::new(args[0]).args(&args[1..]).output().expect("running ip");
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn ifindex(name: &str) -> u32 {
+    let c = std::ffi::CString::new(name).unwrap();
+    // SAFETY: a valid C string.
+    let index = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    assert_ne!(index, 0, "no interface {name}");
+    index
+}
+
+/// The node: the topology above in this thread's network namespace, and
+/// the XDP program loaded with both families' services in its maps.
+struct Node {
+    ebpf: Ebpf,
+    /// `srv0`: where packets to the servers leave, and replies arrive.
+    srv0: u32,
+    /// Whether this kernel takes the interface a test packet arrives on
+    /// (an input `xdp_md`, Linux 5.14+); before, every one arrives on
+    /// loopback.
+    ingress: std::cell::Cell<Option<bool>>,
+}
+
+impl Node {
+    fn new() -> Self {
+        sh(&[
+            "ip",
+            "link",
+            "add",
+            "ext0",
+            "address",
+            "02:00:00:00:00:02",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "srv0",
+            "address",
+            "02:00:00:00:02:01",
+        ]);
+        for dev in ["ext0", "srv0"] {
+            sh(&["ip", "link", "set", dev, "up"]);
+        }
+        sh(&["ip", "addr", "add", "198.18.0.1/24", "dev", "ext0"]);
+        sh(&["ip", "addr", "add", "198.18.2.1/24", "dev", "srv0"]);
+        sh(&["ip", "-6", "addr", "add", "2001:2::1/64", "dev", "ext0", "nodad"]);
+        sh(&["ip", "-6", "addr", "add", "2001:2:0:2::1/64", "dev", "srv0", "nodad"]);
+        for (last, mac) in SERVER_MACS {
+            let mac = mac.map(|b| format!("{b:02x}")).join(":");
+            for ip in [format!("198.18.2.{last}"), format!("2001:2:0:2::{last}")] {
+                sh(&[
+                    "ip",
+                    "neigh",
+                    "replace",
+                    &ip,
+                    "lladdr",
+                    &mac,
+                    "dev",
+                    "srv0",
+                    "nud",
+                    "permanent",
+                ]);
+            }
+        }
+        // The FIB answers for forwarding only where forwarding is on.
+        for path in
+            ["/proc/sys/net/ipv4/conf/all/forwarding", "/proc/sys/net/ipv6/conf/all/forwarding"]
+        {
+            std::fs::write(path, "1").unwrap_or_else(|e| panic!("writing {path}: {e}"));
+        }
+        let ebpf = lb_user::datapath::xdp::load_unattached().expect("loading the XDP program");
+        let mut node = Node { ebpf, srv0: ifindex("srv0"), ingress: std::cell::Cell::new(None) };
+        for family in [v4(), v6()] {
+            node.serve(&family, &family.servers);
+            let mut addresses: HashMap<_, Endpoint, Endpoint> =
+                HashMap::try_from(node.ebpf.map_mut(maps::NODE_ADDRESSES).unwrap()).unwrap();
+            for server in family.servers {
+                addresses.insert(host(server.ip()), host(family.node), 0).unwrap();
+            }
+        }
+        node
+    }
+
+    /// Makes `family`'s VIP external with `servers` selected, in order.
+    fn serve(&mut self, family: &Family, servers: &[SocketAddr]) {
+        let mut service = Service {
+            count: servers.len() as u32,
+            hold_down_ns: 10_000_000_000,
+            ..Service::default()
+        };
+        for (i, s) in servers.iter().enumerate().take(MAX_SERVERS) {
+            service.servers[i] = Endpoint::from(*s);
+        }
+        let mut services: HashMap<_, Endpoint, Service> =
+            HashMap::try_from(self.ebpf.map_mut(maps::SERVICES).unwrap()).unwrap();
+        services.insert(Endpoint::from(family.vip), service, 0).unwrap();
+        let mut external: HashMap<_, Endpoint, u32> =
+            HashMap::try_from(self.ebpf.map_mut(maps::EXTERNAL).unwrap()).unwrap();
+        external.insert(Endpoint::from(family.vip), 0, 0).unwrap();
+    }
+
+    /// Runs the program on `frame` as if it arrived on `ingress` (loopback
+    /// when `None`, or when this kernel cannot say: see
+    /// [`Node::knows_ingress`]): its verdict and the frame it left.
+    fn run(&self, frame: &[u8], ingress: Option<u32>) -> (u32, Vec<u8>) {
+        let ingress = ingress.filter(|_| self.knows_ingress());
+        self.try_run(frame, ingress).expect("BPF_PROG_TEST_RUN")
+    }
+
+    /// Whether test packets can arrive on an interface of choice (Linux
+    /// 5.14+ takes an input `xdp_md`; before, it refuses one).
+    fn knows_ingress(&self) -> bool {
+        if let Some(known) = self.ingress.get() {
+            return known;
+        }
+        let probe =
+            Segment::udp((EXT_MAC, CLIENT_MAC), v4().client, "198.18.9.9:9".parse().unwrap(), b"");
+        let known = self.try_run(&probe.frame(), Some(self.srv0)).is_ok();
+        if !known {
+            eprintln!(
+                "this kernel runs test packets on loopback only (an input xdp_md needs Linux 5.14)"
+            );
+        }
+        self.ingress.set(Some(known));
+        known
+    }
+
+    fn try_run(
+        &self,
+        frame: &[u8],
+        ingress: Option<u32>,
+    ) -> Result<(u32, Vec<u8>), aya::programs::ProgramError> {
+        let program: &Xdp = self.ebpf.program(programs::XDP).unwrap().try_into().unwrap();
+        let mut out = vec![0u8; frame.len() + 512];
+        // `struct xdp_md`: data, data_end, data_meta, ingress_ifindex,
+        // rx_queue_index, egress_ifindex.
+        let ctx: Vec<u8> = [0, frame.len() as u32, 0, ingress.unwrap_or(0), 0, 0]
+            .iter()
+            .flat_map(|w| w.to_ne_bytes())
+            .collect();
+        let result = program.test_run(TestRunOptions {
+            data_in: Some(frame),
+            data_out: Some(&mut out),
+            ctx_in: ingress.map(|_| ctx.as_slice()),
+            ..TestRunOptions::default()
+        })?;
+        out.truncate(result.data_size_out as usize);
+        Ok((result.return_value, out))
+    }
+
+    fn counter(&self, reason: Reason) -> u64 {
+        let counters: PerCpuArray<_, u64> =
+            PerCpuArray::try_from(self.ebpf.map(maps::COUNTERS).unwrap()).unwrap();
+        counters.get(&reason.index(), 0).unwrap().iter().sum()
+    }
+
+    fn failed(&self, server: SocketAddr) -> bool {
+        let failed: HashMap<_, Endpoint, u64> =
+            HashMap::try_from(self.ebpf.map(maps::FAILED_AT).unwrap()).unwrap();
+        failed.get(&Endpoint::from(server), 0).is_ok()
+    }
+}
+
+/// The address alone, as `NODE_ADDRESSES` keys and values hold it.
+fn host(ip: IpAddr) -> Endpoint {
+    Endpoint::from(SocketAddr::new(ip, 0))
+}
+
+fn server_mac(server: SocketAddr) -> Mac {
+    let last = match server.ip() {
+        IpAddr::V4(ip) => ip.octets()[3],
+        IpAddr::V6(ip) => ip.octets()[15],
+    };
+    SERVER_MACS.iter().find(|(l, _)| *l == last).expect("a server's MAC").1
+}
+
+/// Runs `case` for IPv4 and for IPv6, each on a node of its own.
+fn both_families(case: fn(&mut Node, &Family)) {
+    if !privileged() {
+        return;
+    }
+    for family in [v4(), v6()] {
+        in_new_netns(move || {
+            let mut node = Node::new();
+            case(&mut node, &family);
+        });
+    }
+}
+
+/// A client's segment to the VIP, as it arrives from its router.
+fn from_client(f: &Family, client: SocketAddr, flags: Flags, seq: u32) -> Segment {
+    Segment::tcp((EXT_MAC, CLIENT_MAC), client, f.vip, flags, seq, 0)
+}
+
+/// Sends the client's SYN and checks what the program made of it: a
+/// redirect out of `srv0` to a server, with the node's address and a NAT
+/// port as source. Returns the frame as it left.
+fn forwarded(node: &Node, f: &Family, client: SocketAddr, seq: u32) -> Segment {
+    let (verdict, out) = node.run(&from_client(f, client, Flags::SYN, seq).frame(), None);
+    assert_eq!(verdict, XDP_REDIRECT, "the SYN was not redirected");
+    let out = read_frame(&out).expect("the forwarded frame");
+    assert!(f.servers.contains(&out.dst), "forwarded to {}, not a server", out.dst);
+    assert_eq!(out.src.ip(), f.node, "the source is not the node's address toward the server");
+    let nat = out.src.port();
+    assert!(
+        (NAT_PORT_FIRST..=NAT_PORT_FIRST.saturating_add(NAT_PORT_COUNT - 1)).contains(&nat),
+        "NAT port {nat}"
+    );
+    assert_eq!(out.macs, (server_mac(out.dst), SRV_MAC), "link layer of the forwarded frame");
+    assert_eq!(out.ttl, 63, "a router takes one off the TTL");
+    assert_eq!(out.tcp.unwrap().seq, seq);
+    out
+}
+
+/// The server's answer to the forwarded `to`, as it arrives on `srv0`.
+fn from_server(to: &Segment, flags: Flags) -> Segment {
+    let ack = to.tcp.unwrap().seq.wrapping_add(1);
+    Segment::tcp((SRV_MAC, server_mac(to.dst)), to.dst, to.src, flags, 7_000, ack)
+}
+
+#[test]
+fn a_syn_goes_to_the_first_server_and_its_flow_stays_there() {
+    both_families(|node, f| {
+        let first = forwarded(node, f, f.client, 1_000);
+        assert_eq!(first.dst, f.servers[0], "failover picks the first usable server");
+        // The next segment of the flow: same server, same NAT port.
+        let (verdict, out) = node.run(&from_client(f, f.client, Flags::ACK, 1_001).frame(), None);
+        assert_eq!(verdict, XDP_REDIRECT);
+        let out = read_frame(&out).unwrap();
+        assert_eq!(
+            (out.src, out.dst),
+            (first.src, first.dst),
+            "the flow changed its NAT or server"
+        );
+        assert_eq!(node.counter(Reason::XdpNewFlow), 1);
+        assert_eq!(node.counter(Reason::XdpForwarded), 1);
+    });
+}
+
+#[test]
+fn replies_go_back_to_the_client_from_the_vip_the_way_they_came() {
+    both_families(|node, f| {
+        let out = forwarded(node, f, f.client, 1_000);
+        let (verdict, back) = node.run(&from_server(&out, Flags::SYN_ACK).frame(), Some(node.srv0));
+        assert_eq!(verdict, XDP_REDIRECT, "the reply was not redirected");
+        let back = read_frame(&back).expect("the translated reply");
+        assert_eq!(
+            (back.src, back.dst),
+            (f.vip, f.client),
+            "the reply is not from the VIP to the client"
+        );
+        assert_eq!(
+            back.macs,
+            (CLIENT_MAC, EXT_MAC),
+            "the reply does not go back the way the SYN came"
+        );
+        assert_eq!(back.ttl, 63);
+        assert_eq!(back.tcp.unwrap().ack, 1_001);
+        assert_eq!(node.counter(Reason::XdpReplied), 1);
+    });
+}
+
+#[test]
+fn udp_both_ways_with_and_without_an_ipv4_checksum() {
+    both_families(|node, f| {
+        let query = Segment::udp((EXT_MAC, CLIENT_MAC), f.client, f.vip, b"query");
+        let mut frame = query.frame();
+        if f.vip.is_ipv4() {
+            // IPv4 UDP may carry no checksum: it must stay none.
+            let at = 14 + 20 + 6;
+            frame[at..at + 2].copy_from_slice(&[0, 0]);
+        }
+        let (verdict, out) = node.run(&frame, None);
+        assert_eq!(verdict, XDP_REDIRECT);
+        let out_seg = read_frame(&out).expect("the forwarded datagram");
+        assert_eq!(out_seg.dst, f.servers[0]);
+        assert_eq!(out_seg.payload, b"query");
+        if f.vip.is_ipv4() {
+            assert_eq!(&out[14 + 20 + 6..14 + 20 + 8], &[0, 0], "a checksum appeared");
+        }
+        let answer =
+            Segment::udp((SRV_MAC, server_mac(out_seg.dst)), out_seg.dst, out_seg.src, b"answer");
+        let (verdict, back) = node.run(&answer.frame(), Some(node.srv0));
+        assert_eq!(verdict, XDP_REDIRECT);
+        let back = read_frame(&back).expect("the translated answer");
+        assert_eq!(
+            (back.src, back.dst, back.payload.as_slice()),
+            (f.vip, f.client, &b"answer"[..])
+        );
+    });
+}
+
+#[test]
+fn what_is_not_ours_passes_untouched() {
+    both_families(|node, f| {
+        let other_port = SocketAddr::new(f.vip.ip(), 81);
+        let stray_reply = Segment::tcp(
+            (SRV_MAC, server_mac(f.servers[0])),
+            f.servers[0],
+            SocketAddr::new(f.node, 61_001),
+            Flags::SYN_ACK,
+            1,
+            1,
+        );
+        let frames = [
+            Segment::tcp((EXT_MAC, CLIENT_MAC), f.client, other_port, Flags::SYN, 1, 0).frame(),
+            stray_reply.frame(),
+            // ARP: neither IPv4 nor IPv6.
+            {
+                let mut arp = vec![0u8; 42];
+                arp[..6].copy_from_slice(&[0xff; 6]);
+                arp[6..12].copy_from_slice(&CLIENT_MAC);
+                arp[12..14].copy_from_slice(&[0x08, 0x06]);
+                arp
+            },
+        ];
+        for frame in frames {
+            let (verdict, out) = node.run(&frame, None);
+            assert_eq!((verdict, out), (XDP_PASS, frame), "a packet not for lb was touched");
+        }
+        assert_eq!(node.counter(Reason::XdpNotOurs), 2);
+        assert_eq!(node.counter(Reason::XdpNotIp), 1);
+        // A TTL that would run out: the kernel answers it.
+        let mut last_hop = from_client(f, f.client, Flags::SYN, 1);
+        last_hop.ttl = 1;
+        let frame = last_hop.frame();
+        assert_eq!(node.run(&frame, None), (XDP_PASS, frame));
+        assert_eq!(node.counter(Reason::XdpTtlExceeded), 1);
+    });
+}
+
+#[test]
+fn a_reset_answering_the_syn_fails_the_server_and_the_next_syn_goes_elsewhere() {
+    both_families(|node, f| {
+        let out = forwarded(node, f, f.client, 5_000);
+        assert_eq!(out.dst, f.servers[0]);
+        // Forged on the clients' side (arriving on loopback, not srv0): no mark.
+        let rst = from_server(&out, Flags::RST_ACK).frame();
+        let (verdict, _) = node.run(&rst, None);
+        assert_eq!(verdict, XDP_REDIRECT, "the reset still goes back to the client");
+        assert!(!node.failed(f.servers[0]), "a reset from the wrong side failed the server");
+        if !node.knows_ingress() {
+            eprintln!(
+                "SKIPPED: the server's own reset (it must arrive on srv0, and this kernel cannot say so)"
+            );
+            return;
+        }
+        // A reset that does not acknowledge the SYN: no mark either.
+        let mut wrong_ack = from_server(&out, Flags::RST_ACK);
+        wrong_ack.tcp.as_mut().unwrap().ack = 1;
+        node.run(&wrong_ack.frame(), Some(node.srv0));
+        assert!(!node.failed(f.servers[0]), "a reset not answering the SYN failed the server");
+        // The server's own refusal.
+        node.run(&rst, Some(node.srv0));
+        assert!(node.failed(f.servers[0]), "the refusal did not mark the server");
+        assert_eq!(node.counter(Reason::XdpServerReset), 1);
+        let client2 = SocketAddr::new(f.client.ip(), 40_001);
+        let next = forwarded(node, f, client2, 9_000);
+        assert_eq!(next.dst, f.servers[1], "the next SYN went to the failed server");
+        assert_eq!(node.counter(Reason::XdpSkippedFailed), 1);
+    });
+}
+
+#[test]
+fn a_syn_sent_again_unanswered_fails_the_server_and_moves_the_flow() {
+    both_families(|node, f| {
+        let first = forwarded(node, f, f.client, 5_000);
+        assert_eq!(first.dst, f.servers[0]);
+        let again = forwarded(node, f, f.client, 5_000);
+        assert_eq!(again.dst, f.servers[1], "the retransmitted SYN stayed on the silent server");
+        assert!(node.failed(f.servers[0]));
+        assert_eq!(node.counter(Reason::XdpSynRetransmitted), 1);
+        // Answered, a SYN on the same ports is a new connection: it stays.
+        let (verdict, _) = node.run(&from_server(&again, Flags::SYN_ACK).frame(), Some(node.srv0));
+        assert_eq!(verdict, XDP_REDIRECT);
+        let later = forwarded(node, f, f.client, 77_000);
+        assert_eq!((later.dst, later.src), (again.dst, again.src));
+        assert!(!node.failed(f.servers[1]));
+    });
+}
+
+#[test]
+fn a_removed_server_loses_its_flows_to_the_next() {
+    both_families(|node, f| {
+        let first = forwarded(node, f, f.client, 1);
+        assert_eq!(first.dst, f.servers[0]);
+        node.serve(f, &f.servers[1..]);
+        let (verdict, out) = node.run(&from_client(f, f.client, Flags::ACK, 2).frame(), None);
+        assert_eq!(verdict, XDP_REDIRECT);
+        assert_eq!(read_frame(&out).unwrap().dst, f.servers[1]);
+        assert_eq!(node.counter(Reason::XdpFlowMoved), 1);
+    });
+}
+
+#[test]
+fn no_server_or_no_nat_port_refuses_the_flow() {
+    both_families(|node, f| {
+        node.serve(f, &[]);
+        let syn = from_client(f, f.client, Flags::SYN, 1).frame();
+        assert_eq!(node.run(&syn, None).0, XDP_DROP, "a service with no server must refuse");
+        assert_eq!(node.counter(Reason::XdpNoServer), 1);
+
+        // Every NAT port toward the first server taken.
+        node.serve(f, &f.servers);
+        let mut nat: HashMap<_, NatKey, NatReply> =
+            HashMap::try_from(node.ebpf.map_mut(maps::NAT_REPLIES).unwrap()).unwrap();
+        let mut key = NatKey {
+            server: Endpoint::from(f.servers[0]),
+            node: host(f.node),
+            protocol: 6,
+            _pad: [0; 3],
+        };
+        for port in NAT_PORT_FIRST..=NAT_PORT_FIRST + (NAT_PORT_COUNT - 1) {
+            key.node.port = port.to_be();
+            nat.insert(key, NatReply::default(), 0).unwrap();
+        }
+        assert_eq!(node.run(&syn, None).0, XDP_DROP, "a flow with no NAT port must be refused");
+        assert_eq!(node.counter(Reason::XdpNatPortsExhausted), 1);
+    });
+}
