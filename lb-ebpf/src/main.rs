@@ -157,6 +157,12 @@ static NAT_REPLIES: LruHashMap<NatKey, NatReply> =
 static TRAFFIC: PerCpuHashMap<Endpoint, Traffic> =
     PerCpuHashMap::with_max_entries(MAX_FAILED_SERVERS, 0);
 
+/// One parsed packet per CPU (`packet::Packet`) for `lb_xdp`: kept off the
+/// stack, which holds 512 bytes for the whole call chain (Linux 5.10
+/// refused the program with it on the stack). Kernel-only, never pinned.
+#[map]
+static PACKET: PerCpuArray<packet::Packet> = PerCpuArray::with_max_entries(1, 0);
+
 /// Per-CPU counters of every decision, indexed by `lb_common::Reason`.
 #[map]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Reason::COUNT as u32, 0);
@@ -390,10 +396,17 @@ pub fn lb_sock_ops(ctx: SockOpsContext) -> u32 {
 /// anything else passes untouched.
 #[xdp]
 pub fn lb_xdp(ctx: XdpContext) -> u32 {
-    match packet::parse(&ctx) {
-        Some(p) => external::handle(&ctx, &p).unwrap_or(xdp_action::XDP_PASS),
-        None => xdp_action::XDP_PASS,
+    let Some(slot) = PACKET.get_ptr_mut(0) else {
+        count(Reason::MapError);
+        return xdp_action::XDP_PASS;
+    };
+    // SAFETY: this CPU's slot, used by this program run alone (XDP runs
+    // with preemption off: one packet per CPU at a time).
+    let p = unsafe { &mut *slot };
+    if !packet::parse(&ctx, p) {
+        return xdp_action::XDP_PASS;
     }
+    external::handle(&ctx, p).unwrap_or(xdp_action::XDP_PASS)
 }
 
 #[cfg(not(target_arch = "bpf"))]

@@ -43,10 +43,6 @@ pub(crate) const TCP_ACK: u8 = 0x10;
 /// addresses, checked against the packet's end when parsed).
 pub(crate) struct Packet {
     pub(crate) ipv6: bool,
-    /// The IP header.
-    l3: usize,
-    /// The TCP or UDP header.
-    l4: usize,
     /// `IPPROTO_TCP` or `IPPROTO_UDP`.
     pub(crate) protocol: u8,
     pub(crate) src: Endpoint,
@@ -61,7 +57,18 @@ pub(crate) struct Packet {
     pub(crate) ip_len: u32,
 }
 
+/// Where the IP header starts: right after Ethernet (no VLAN tag).
+const L3: usize = ETH_HLEN;
+
 impl Packet {
+    /// Where the TCP or UDP header starts. A constant on each branch, never
+    /// a value read back from the packet's map slot, which the verifier
+    /// would not let near a packet pointer.
+    #[inline(always)]
+    fn l4(&self) -> usize {
+        if self.ipv6 { L3 + IPV6_HLEN } else { L3 + IPV4_HLEN }
+    }
+
     /// A SYN opening a connection (no ACK).
     pub(crate) fn is_syn(&self) -> bool {
         self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
@@ -103,10 +110,16 @@ fn write<T>(ctx: &XdpContext, offset: usize, value: T) -> bool {
     }
 }
 
-/// Parses the packet's headers: `None` (counted) for anything the
-/// external path does not forward, which is then passed untouched.
+/// Parses the packet's headers into `packet`: false (counted) for
+/// anything the external path does not forward, which is then passed
+/// untouched.
 #[inline(always)]
-pub(crate) fn parse(ctx: &XdpContext) -> Option<Packet> {
+pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> bool {
+    parse_headers(ctx, packet).is_some()
+}
+
+#[inline(always)]
+fn parse_headers(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
     let Some(ethertype) = read::<u16>(ctx, 12) else {
         count(Reason::XdpNotIp);
         return None;
@@ -149,18 +162,7 @@ pub(crate) fn parse(ctx: &XdpContext) -> Option<Packet> {
         count(Reason::XdpNotIp);
         return None;
     };
-    let mut packet = Packet {
-        ipv6,
-        l3: ETH_HLEN,
-        l4,
-        protocol,
-        src,
-        dst,
-        tcp_flags: 0,
-        tcp_ack: 0,
-        tcp_seq: 0,
-        ip_len,
-    };
+    *packet = Packet { ipv6, protocol, src, dst, tcp_flags: 0, tcp_ack: 0, tcp_seq: 0, ip_len };
     if u32::from(protocol) == IPPROTO_TCP {
         let Some(tcp) = read::<[u32; TCP_HLEN / 4]>(ctx, l4) else {
             count(Reason::XdpTruncated);
@@ -188,14 +190,14 @@ pub(crate) fn parse(ctx: &XdpContext) -> Option<Packet> {
         count(Reason::XdpOtherProtocol);
         return None;
     }
-    Some(packet)
+    Some(())
 }
 
 /// Where the L4 checksum is, and whether it may be left alone (IPv4 UDP
 /// without a checksum, field zero).
 #[inline(always)]
 fn l4_checksum(ctx: &XdpContext, p: &Packet) -> Option<(usize, u16, bool)> {
-    let offset = p.l4 + if u32::from(p.protocol) == IPPROTO_TCP { 16 } else { 6 };
+    let offset = p.l4() + if u32::from(p.protocol) == IPPROTO_TCP { 16 } else { 6 };
     let check = read::<u16>(ctx, offset)?;
     let udp = u32::from(p.protocol) == IPPROTO_UDP;
     Some((offset, check, udp && !p.ipv6 && check == 0))
@@ -213,20 +215,20 @@ pub(crate) fn rewrite(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoi
             check = checksum::replace32(check, p.src.addr[i], src.addr[i]);
             check = checksum::replace32(check, p.dst.addr[i], dst.addr[i]);
         }
-        let ok = write(ctx, p.l3 + 8, src.addr) && write(ctx, p.l3 + 24, dst.addr);
+        let ok = write(ctx, L3 + 8, src.addr) && write(ctx, L3 + 24, dst.addr);
         if !ok {
             return false;
         }
     } else {
-        let Some(ip_check) = read::<u16>(ctx, p.l3 + 10) else { return false };
+        let Some(ip_check) = read::<u16>(ctx, L3 + 10) else { return false };
         let (old_src, old_dst) = (p.src.addr[3], p.dst.addr[3]);
         let ip_check = checksum::replace32(ip_check, old_src, src.addr[3]);
         let ip_check = checksum::replace32(ip_check, old_dst, dst.addr[3]);
         check = checksum::replace32(check, old_src, src.addr[3]);
         check = checksum::replace32(check, old_dst, dst.addr[3]);
-        let ok = write(ctx, p.l3 + 10, ip_check)
-            && write(ctx, p.l3 + 12, src.addr[3])
-            && write(ctx, p.l3 + 16, dst.addr[3]);
+        let ok = write(ctx, L3 + 10, ip_check)
+            && write(ctx, L3 + 12, src.addr[3])
+            && write(ctx, L3 + 16, dst.addr[3]);
         if !ok {
             return false;
         }
@@ -239,13 +241,13 @@ pub(crate) fn rewrite(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoi
     if !no_checksum && !write(ctx, check_at, check) {
         return false;
     }
-    write(ctx, p.l4, [src.port, dst.port])
+    write(ctx, p.l4(), [src.port, dst.port])
 }
 
 /// The TTL (IPv4) or hop limit (IPv6) of the packet; 0 if unreadable.
 #[inline(always)]
 pub(crate) fn ttl(ctx: &XdpContext, p: &Packet) -> u8 {
-    read::<u8>(ctx, p.l3 + if p.ipv6 { 7 } else { 8 }).unwrap_or(0)
+    read::<u8>(ctx, L3 + if p.ipv6 { 7 } else { 8 }).unwrap_or(0)
 }
 
 /// Takes one off the TTL or hop limit, as a router does (the caller
@@ -253,14 +255,14 @@ pub(crate) fn ttl(ctx: &XdpContext, p: &Packet) -> u8 {
 #[inline(always)]
 fn decrement_ttl(ctx: &XdpContext, p: &Packet) -> bool {
     if p.ipv6 {
-        return write(ctx, p.l3 + 7, ttl(ctx, p).wrapping_sub(1));
+        return write(ctx, L3 + 7, ttl(ctx, p).wrapping_sub(1));
     }
     // The TTL shares a checksummed 16-bit word with the protocol.
-    let Some(old) = read::<[u8; 2]>(ctx, p.l3 + 8) else { return false };
+    let Some(old) = read::<[u8; 2]>(ctx, L3 + 8) else { return false };
     let new = [old[0].wrapping_sub(1), old[1]];
-    let Some(ip_check) = read::<u16>(ctx, p.l3 + 10) else { return false };
+    let Some(ip_check) = read::<u16>(ctx, L3 + 10) else { return false };
     let ip_check = checksum::replace16(ip_check, u16::from_ne_bytes(old), u16::from_ne_bytes(new));
-    write(ctx, p.l3 + 8, new) && write(ctx, p.l3 + 10, ip_check)
+    write(ctx, L3 + 8, new) && write(ctx, L3 + 10, ip_check)
 }
 
 /// The MAC addresses a packet came with: to send a reply back the way its
