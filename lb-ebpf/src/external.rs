@@ -2,12 +2,13 @@
 //! forwarded to a server with NAT, and the servers' replies translated
 //! back (`lb_xdp`, on the interfaces the daemon attaches it to).
 //!
-//! A client's packet to VIP:port (`forward`) belongs to a flow (`FLOWS`):
-//! its first packet gets a server, chosen as a connect to the VIP would be
+//! A client's packet to VIP:port belongs to a flow (`FLOWS`, `lookup`):
+//! its first packet gets a server (`new_flow`), chosen as a connect to the VIP would be
 //! (`select.rs`), and a NAT port, allocated by inserting the flow's reply
 //! key into `NAT_REPLIES`. Its packets leave with the server as
 //! destination and the node's own address toward that server
-//! (`NODE_ADDRESSES`) and the NAT port as source, by the kernel's FIB.
+//! (`NODE_ADDRESSES`) and the NAT port as source, by the kernel's FIB
+//! (`send`).
 //! A flow keeps its server while the server is in the selection and
 //! usable; then its next packet chooses again.
 //!
@@ -295,20 +296,23 @@ fn swapped(macs: [u8; 12]) -> [u8; 12] {
     out
 }
 
-/// Counts a packet of `bytes` forwarded to `server`.
+/// Counts a packet of `bytes` forwarded to `server`, as sock_ops counts
+/// connections (`add_connection`): the first packet to a server on any CPU
+/// creates its entry (the other CPUs' slots start at zero); one that lost
+/// that race to another CPU adds to the entry it made.
 #[inline(always)]
 fn add_traffic(server: &Endpoint, bytes: u32) {
-    if let Some(traffic) = TRAFFIC.get_ptr_mut(server) {
-        // SAFETY: a per-CPU map value of two u64s, valid for the program run.
-        unsafe {
-            atomic_add(&raw mut (*traffic).packets, 1);
-            atomic_add(&raw mut (*traffic).bytes, u64::from(bytes));
-        }
-        return;
+    if TRAFFIC.get_ptr_mut(server).is_none() {
+        let _ = TRAFFIC.insert(server, &Traffic::default(), u64::from(BPF_NOEXIST));
     }
-    let first = Traffic { packets: 1, bytes: u64::from(bytes) };
-    if TRAFFIC.insert(server, &first, u64::from(BPF_NOEXIST)).is_err() {
-        // Another CPU created it first, or the map is full: uncounted.
+    let Some(traffic) = TRAFFIC.get_ptr_mut(server) else {
+        // The map is full: uncounted.
         count(Reason::MapError);
+        return;
+    };
+    // SAFETY: a per-CPU map value of two u64s, valid for the program run.
+    unsafe {
+        atomic_add(&raw mut (*traffic).packets, 1);
+        atomic_add(&raw mut (*traffic).bytes, u64::from(bytes));
     }
 }

@@ -174,6 +174,7 @@ static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Reason::COUNT 
 static META: Array<u32> = Array::with_max_entries(META_SLOTS, 0);
 
 const AF_INET: u32 = 2;
+const AF_INET6: u32 = 10;
 const IPPROTO_TCP: u32 = 6;
 const IPPROTO_UDP: u32 = 17;
 
@@ -403,7 +404,7 @@ pub fn lb_xdp(ctx: XdpContext) -> u32 {
     // SAFETY: this CPU's slot, used by this program run alone (XDP runs
     // with preemption off: one packet per CPU at a time).
     let p = unsafe { &mut *slot };
-    if !packet::parse(&ctx, p) {
+    if packet::parse(&ctx, p).is_none() {
         return xdp_action::XDP_PASS;
     }
     external::handle(&ctx, p).unwrap_or(xdp_action::XDP_PASS)

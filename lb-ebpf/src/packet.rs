@@ -20,7 +20,7 @@ use aya_ebpf::{
 };
 use lb_common::{Endpoint, Reason, checksum};
 
-use crate::{IPPROTO_TCP, IPPROTO_UDP, count};
+use crate::{AF_INET, AF_INET6, IPPROTO_TCP, IPPROTO_UDP, count};
 
 const ETH_HLEN: usize = 14;
 /// EtherTypes, as the 16-bit field reads in network byte order.
@@ -29,8 +29,6 @@ const ETH_P_IPV6: u16 = 0x86dd;
 const IPV4_HLEN: usize = 20;
 const IPV6_HLEN: usize = 40;
 const TCP_HLEN: usize = 20;
-const AF_INET: u8 = 2;
-const AF_INET6: u8 = 10;
 /// `BPF_FIB_LKUP_RET_SUCCESS`: the FIB found the route and the neighbour.
 const FIB_SUCCESS: i64 = 0;
 
@@ -39,8 +37,8 @@ pub(crate) const TCP_SYN: u8 = 0x02;
 pub(crate) const TCP_RST: u8 = 0x04;
 pub(crate) const TCP_ACK: u8 = 0x10;
 
-/// What a parsed packet says and where its headers are (absolute
-/// addresses, checked against the packet's end when parsed).
+/// What a parsed packet says. Its headers start at constant offsets
+/// (`L3`, `Packet::l4`), checked against the packet's end at every access.
 pub(crate) struct Packet {
     pub(crate) ipv6: bool,
     /// `IPPROTO_TCP` or `IPPROTO_UDP`.
@@ -110,16 +108,11 @@ fn write<T>(ctx: &XdpContext, offset: usize, value: T) -> bool {
     }
 }
 
-/// Parses the packet's headers into `packet`: false (counted) for
+/// Parses the packet's headers into `packet`: `None` (counted) for
 /// anything the external path does not forward, which is then passed
 /// untouched.
 #[inline(always)]
-pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> bool {
-    parse_headers(ctx, packet).is_some()
-}
-
-#[inline(always)]
-fn parse_headers(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
+pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
     let Some(ethertype) = read::<u16>(ctx, 12) else {
         count(Reason::XdpNotIp);
         return None;
@@ -282,7 +275,7 @@ pub(crate) fn macs(ctx: &XdpContext) -> Option<[u8; 12]> {
 pub(crate) fn route(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoint) -> Option<u32> {
     // SAFETY: a plain C struct of integers, for which zero is valid.
     let mut fib: bpf_fib_lookup = unsafe { core::mem::zeroed() };
-    fib.family = if p.ipv6 { AF_INET6 } else { AF_INET };
+    fib.family = (if p.ipv6 { AF_INET6 } else { AF_INET }) as u8;
     fib.l4_protocol = p.protocol;
     fib.sport = src.port;
     fib.dport = dst.port;
