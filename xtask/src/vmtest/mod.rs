@@ -40,6 +40,7 @@ use std::{
     fmt::Write as _,
     fs,
     path::{Path, PathBuf},
+    process::Command,
     time::{Duration, Instant},
 };
 
@@ -258,10 +259,10 @@ fn build(base: &Path) -> anyhow::Result<Binaries> {
     for (name, _) in CLIENTS {
         let client =
             clients.get(name).with_context(|| format!("cargo reported no {name} binary"))?;
-        pin(client, &bin.join(name))?;
+        pin_stripped(client, &bin.join(name))?;
     }
     for test in &tests {
-        pin(&test.path, &bin.join(&test.name))?;
+        pin_stripped(&test.path, &bin.join(&test.name))?;
     }
     Ok(Binaries { dir: bin, tests: tests.into_iter().map(|test| test.name).collect() })
 }
@@ -274,6 +275,27 @@ fn pin(from: &Path, to: &Path) -> anyhow::Result<()> {
             .with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
     }
     Ok(())
+}
+
+/// A copy of the debug build `from` without its debug information: the
+/// guest copies every binary into memory (a tmpfs of half its 2 GB), and
+/// with it the test binaries came to 1 GB, past that, and died of SIGBUS.
+/// Without it they are a tenth of that; backtraces keep function names
+/// (the symbol table stays), not file and line. Without `objcopy`
+/// (binutils) the binary goes whole, as before.
+fn pin_stripped(from: &Path, to: &Path) -> anyhow::Result<()> {
+    let stripped = Command::new("objcopy").arg("--strip-debug").arg(from).arg(to).status();
+    match stripped {
+        Ok(status) if status.success() => Ok(()),
+        other => {
+            println!(
+                "vmtest: objcopy --strip-debug {} failed ({other:?}); the guest gets it whole",
+                from.display()
+            );
+            let _ = fs::remove_file(to);
+            pin(from, to)
+        }
+    }
 }
 
 /// Picks the test executables and the client binaries ([`CLIENTS`]) out
