@@ -7,7 +7,8 @@
 //!   in `mod.rs`, one file per job beside it);
 //! - `datapath/` (loading, attaching, pinning, adopting and upgrading the
 //!   eBPF programs; map reads and writes), `metrics` (Prometheus), `health`
-//!   (tcp, http, https checks), `discovery/` (EndpointSlices, DNS),
+//!   (tcp, http, https checks), `discovery/` (EndpointSlices, DNS), `routes`
+//!   (the kernel's route to a server, over netlink),
 //!   `status` (the status view and its table);
 //! - `balancer` (the server state machine: sans-I/O, simulated-time tests),
 //!   `cli` (the command line), `reload` (a reload's plan: pure);
@@ -33,6 +34,7 @@ pub mod health;
 pub mod metrics;
 pub mod netns;
 pub mod reload;
+pub mod routes;
 pub mod sock_destroy;
 pub mod state;
 pub mod status;

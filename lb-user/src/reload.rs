@@ -47,6 +47,10 @@ pub struct Update {
     pub kernel: bool,
     /// The discovery source: its task restarts with the new settings.
     pub discovery: bool,
+    /// `[service.external]`: the external path's tables and XDP
+    /// attachments follow (they are made to match every service's after
+    /// any reload).
+    pub external: bool,
 }
 
 /// What a reload does, decided before anything is touched.
@@ -127,12 +131,14 @@ fn changes<S: Borrow<Service>>(old: &[S], new: &[Service]) -> Vec<Change> {
             health,
             discovery,
             scope,
+            external,
         } = previous;
         let what = Update {
             policy_or_health: *policy != wanted.policy || *health != wanted.health,
             servers: *servers != wanted.servers || *default != wanted.default,
             kernel: *hold_down != wanted.hold_down || *scope != wanted.scope,
             discovery: *discovery != wanted.discovery,
+            external: *external != wanted.external,
         };
         if what != Update::default() {
             changes.push(Change::Update { service: wanted.clone(), what });
@@ -159,6 +165,7 @@ mod tests {
             health: HealthConfig::default(),
             discovery: None,
             scope: crate::config::Scope::Host,
+            external: None,
         }
     }
 
@@ -223,6 +230,13 @@ mod tests {
             });
         };
         assert_eq!(update(dns), Update { discovery: true, ..Update::default() });
+        let external = |s: &mut Service| {
+            s.external = Some(crate::config::External {
+                interfaces: vec!["eth1".into()],
+                announce: crate::config::Announce::None,
+            });
+        };
+        assert_eq!(update(external), Update { external: true, ..Update::default() });
         assert_eq!(
             update(|s| {
                 s.hold_down = Duration::from_secs(1);

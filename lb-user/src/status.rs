@@ -238,6 +238,7 @@ mod tests {
             health: HealthConfig::default(),
             discovery: None,
             scope: config::Scope::Host,
+            external: None,
         };
         let now = Instant::now();
         let checks = Checks { rise: 1, fall: 1, passive_only: false };

@@ -7,13 +7,15 @@
 //! - `reparse`: a reload's parse of only the service tables that changed;
 //! - `parse`: the file and its `[[service]]` tables, checked each on its
 //!   own and then against one another; `values`: one value or sub-table
-//!   (durations, addresses, `[service.health]`, `[service.discovery]`);
+//!   (durations, addresses, `[service.health]`, `[service.discovery]`),
+//!   `external`: `[service.external]`;
 //! - `raw`: the file as written (serde); `paths`: the paths a client
 //!   command needs, read leniently;
 //! - `servers`: the one set of rules for a server list, whatever its
 //!   source; `problems`: what is wrong with a file, and how it is worded;
 //! - `model`: the validated configuration and its defaults.
 
+mod external;
 mod model;
 mod parse;
 mod paths;
@@ -26,9 +28,9 @@ mod values;
 use std::path::Path;
 
 pub use model::{
-    CheckKind, Config, DEFAULT_BPFFS, DEFAULT_CONFIG_PATH, DEFAULT_CONTROL_SOCKET,
+    Announce, CheckKind, Config, DEFAULT_BPFFS, DEFAULT_CONFIG_PATH, DEFAULT_CONTROL_SOCKET,
     DEFAULT_DEBOUNCE, DEFAULT_DNS_REFRESH_MAX, DEFAULT_DNS_REFRESH_MIN, DEFAULT_HOLD_DOWN,
-    DEFAULT_STATE_DIR, Daemon, Discovery, HealthConfig, Policy, PortRef, Scope, Service,
+    DEFAULT_STATE_DIR, Daemon, Discovery, External, HealthConfig, Policy, PortRef, Scope, Service,
 };
 pub use paths::ClientPaths;
 pub use problems::{ConfigError, Problem};

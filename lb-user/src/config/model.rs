@@ -100,6 +100,38 @@ pub struct Service {
     pub discovery: Option<Discovery>,
     /// Whose connects to the VIP are rewritten.
     pub scope: Scope,
+    /// The `[service.external]` table: the VIP is also served to clients
+    /// on other machines (the XDP path); `None`: to local clients only.
+    pub external: Option<External>,
+}
+
+/// The `[service.external]` table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct External {
+    /// Where clients' packets to the VIP arrive (the XDP program is
+    /// attached there, and on the interfaces toward the servers).
+    pub interfaces: Vec<String>,
+    /// How other machines learn that the VIP is here.
+    pub announce: Announce,
+}
+
+/// How the node tells its neighbours that a VIP is here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Announce {
+    /// Not at all: routing the VIP to the node is the operator's job.
+    None,
+    /// ARP replies (IPv4) and neighbour advertisements (IPv6) for the VIP
+    /// on the listed interfaces, while the service has a usable server.
+    Arp,
+}
+
+impl fmt::Display for Announce {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::None => "none",
+            Self::Arp => "arp",
+        })
+    }
 }
 
 /// Whose connects to a VIP are rewritten.

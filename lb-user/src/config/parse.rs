@@ -8,6 +8,7 @@ use lb_common::{MAX_SERVICES, MAX_TRACKED_SOCKETS};
 use toml::Spanned;
 
 use super::{
+    external::parse_external,
     ConfigError,
     model::{
         Config, DEFAULT_BPFFS, DEFAULT_CONTROL_SOCKET, DEFAULT_HOLD_DOWN, DEFAULT_STATE_DIR,
@@ -238,6 +239,10 @@ pub(super) fn read_services(
                 Scope::Host
             }
         };
+        let external = raw.external.map(|e| {
+            let line = at(e.span());
+            parse_external(e.into_inner(), vip, line, key.table("external."), problems)
+        });
         if servers.is_empty() && default.is_none() && discovery.is_none() {
             problems.push(Problem::new(
                 at(raw.name.span()),
@@ -257,6 +262,7 @@ pub(super) fn read_services(
                     health,
                     discovery,
                     scope,
+                    external,
                 },
                 server_lines,
                 default_line: raw.default.as_ref().map(|d| line_of(d.span())),

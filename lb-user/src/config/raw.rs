@@ -42,6 +42,15 @@ pub(super) struct RawService {
     pub(super) health: Option<Spanned<RawHealth>>,
     pub(super) discovery: Option<Spanned<RawDiscovery>>,
     pub(super) scope: Option<Spanned<String>>,
+    pub(super) external: Option<Spanned<RawExternal>>,
+}
+
+/// `[service.external]`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawExternal {
+    pub(super) interfaces: Vec<String>,
+    pub(super) announce: Option<String>,
 }
 
 /// `[service.discovery]`.

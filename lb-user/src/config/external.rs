@@ -1,0 +1,121 @@
+//! `[service.external]`: the VIP served to clients on other machines
+//! through the XDP path, on which interfaces, and how it is announced.
+
+use std::net::SocketAddr;
+
+use super::{
+    model::{Announce, External},
+    problems::{Key, Problem},
+    raw::RawExternal,
+};
+
+/// The longest interface name Linux takes (`IFNAMSIZ` less its NUL).
+const MAX_IFNAME: usize = 15;
+
+/// `[service.external]` of the service whose VIP is `vip` (`at`: the
+/// table's key). Whether the interfaces exist is the daemon's to see: one
+/// may appear after lb starts (a bond, a VLAN), and status says which are
+/// missing.
+pub(super) fn parse_external(
+    raw: RawExternal,
+    vip: Option<SocketAddr>,
+    line: Option<usize>,
+    at: Key,
+    problems: &mut Vec<Problem>,
+) -> External {
+    let mut problem = |key: Key, what: String| problems.push(Problem::new(line, key, what));
+    if let Some(vip) = vip
+        && vip.ip().is_loopback()
+    {
+        problem(
+            at.at("interfaces"),
+            format!(
+                "{vip} is a loopback address, which no other machine can reach; give the service a VIP routed \
+                 to this node"
+            ),
+        );
+    }
+    if raw.interfaces.is_empty() {
+        problem(
+            at.at("interfaces"),
+            "must name at least one interface where clients' packets arrive (e.g. [\"eth1\"])".to_owned(),
+        );
+    }
+    let mut interfaces: Vec<String> = Vec::with_capacity(raw.interfaces.len());
+    for (i, name) in raw.interfaces.into_iter().enumerate() {
+        if let Some(why) = bad_interface_name(&name) {
+            problem(at.at("interfaces").nth(i), format!("{name:?} is not an interface name: {why}"));
+        } else if interfaces.contains(&name) {
+            problem(at.at("interfaces").nth(i), format!("{name:?} is listed twice"));
+        } else {
+            interfaces.push(name);
+        }
+    }
+    let announce = match raw.announce.as_deref() {
+        None | Some("none") => Announce::None,
+        Some("arp") => Announce::Arp,
+        Some(other) => {
+            problem(
+                at.at("announce"),
+                format!("{other:?} is not a way to announce; use \"arp\" or \"none\""),
+            );
+            Announce::None
+        }
+    };
+    External { interfaces, announce }
+}
+
+/// Why `name` cannot name a Linux network interface, if it cannot.
+fn bad_interface_name(name: &str) -> Option<&'static str> {
+    if name.is_empty() {
+        Some("empty")
+    } else if name.len() > MAX_IFNAME {
+        Some("longer than 15 bytes")
+    } else if name == "." || name == ".." {
+        Some("reserved")
+    } else if name.chars().any(|c| c == '/' || c == ':' || c.is_whitespace() || c.is_control()) {
+        Some("has '/', ':' or a space")
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{parse, problems};
+    use crate::config::{Announce, External};
+
+    const EXTERNAL: &str = r#"
+        [[service]]
+        name = "web"
+        vip = "198.18.1.100:80"
+        servers = ["198.18.2.2:8080"]
+        [service.external]
+        interfaces = ["eth1", "eth2"]
+    "#;
+
+    #[test]
+    fn an_external_table_parses_with_its_default() {
+        let config = parse(EXTERNAL).unwrap();
+        let expected =
+            External { interfaces: vec!["eth1".into(), "eth2".into()], announce: Announce::None };
+        assert_eq!(config.services[0].external, Some(expected));
+        let arp = parse(&format!("{EXTERNAL}announce = \"arp\"\n")).unwrap();
+        assert_eq!(arp.services[0].external.as_ref().unwrap().announce, Announce::Arp);
+    }
+
+    #[test]
+    fn bad_external_settings_are_named() {
+        let bad = EXTERNAL.replace(r#"["eth1", "eth2"]"#, r#"["eth1", "eth1", "a/b", "averyveryverylongname"]"#);
+        let text = problems(&bad);
+        assert!(text.contains("external.interfaces[1]") && text.contains("listed twice"), "{text}");
+        assert!(text.contains("\"a/b\" is not an interface name"), "{text}");
+        assert!(text.contains("longer than 15 bytes"), "{text}");
+        let none = problems(&EXTERNAL.replace(r#"["eth1", "eth2"]"#, "[]"));
+        assert!(none.contains("must name at least one interface"), "{none}");
+        let how = problems(&format!("{EXTERNAL}announce = \"bgp\"\n"));
+        assert!(how.contains("\"bgp\" is not a way to announce"), "{how}");
+        let lo = problems(&EXTERNAL.replace("198.18.1.100:80", "127.0.0.1:80"));
+        assert!(lo.contains("loopback address, which no other machine can reach"), "{lo}");
+    }
+}

@@ -1,0 +1,127 @@
+//! The kernel's routes, asked over netlink (`RTM_GETROUTE`, what `ip route
+//! get` does): which interface a server is reached through, and the node's
+//! own address toward it. The external path's NAT uses that address as the
+//! source of what it forwards, and the XDP program must run on that
+//! interface, where the server's replies arrive.
+
+use std::{
+    ffi::{CStr, CString},
+    io,
+    net::{IpAddr, SocketAddr, UdpSocket},
+};
+
+use netlink_packet_core::{
+    NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload, NetlinkSerializable,
+};
+use netlink_packet_route::{
+    AddressFamily, RouteNetlinkMessage,
+    route::{RouteAddress, RouteAttribute, RouteMessage},
+};
+use netlink_sys::{Socket, SocketAddr as NetlinkAddr, protocols::NETLINK_ROUTE};
+
+/// Where the kernel sends packets to one address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Route {
+    /// The interface they leave by.
+    pub ifindex: u32,
+    /// The node's source address for them.
+    pub source: IpAddr,
+}
+
+/// The kernel's route to `to`, from this network namespace's tables.
+pub fn route_to(to: IpAddr) -> io::Result<Route> {
+    let mut message = RouteMessage::default();
+    message.header.address_family =
+        if to.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
+    message.header.destination_prefix_length = if to.is_ipv4() { 32 } else { 128 };
+    message.attributes.push(RouteAttribute::Destination(RouteAddress::from(to)));
+    let mut socket = Socket::new(NETLINK_ROUTE)?;
+    socket.bind_auto()?;
+    socket.connect(&NetlinkAddr::new(0, 0))?;
+    send(&socket, NLM_F_REQUEST, RouteNetlinkMessage::GetRoute(message))?;
+    let (buf, _) = socket.recv_from_full()?;
+    let reply = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("RTM_GETROUTE: {e}")))?;
+    let route = match reply.payload {
+        NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(route)) => route,
+        NetlinkPayload::Error(e) => return Err(e.to_io()),
+        other => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("RTM_GETROUTE answered with {other:?}"),
+            ));
+        }
+    };
+    let mut ifindex = None;
+    let mut source = None;
+    for attribute in route.attributes {
+        match attribute {
+            RouteAttribute::Oif(index) => ifindex = Some(index),
+            RouteAttribute::PrefSource(RouteAddress::Inet(a)) => source = Some(IpAddr::V4(a)),
+            RouteAttribute::PrefSource(RouteAddress::Inet6(a)) => source = Some(IpAddr::V6(a)),
+            _ => {}
+        }
+    }
+    let ifindex = ifindex.ok_or_else(|| {
+        io::Error::new(io::ErrorKind::NotFound, format!("the route to {to} has no interface"))
+    })?;
+    let source = match source {
+        Some(source) => source,
+        None => source_toward(to)?,
+    };
+    Ok(Route { ifindex, source })
+}
+
+/// The source address the kernel gives a socket that dials `to`: a UDP
+/// socket's connect sends nothing.
+fn source_toward(to: IpAddr) -> io::Result<IpAddr> {
+    let any: IpAddr = if to.is_ipv4() { [0, 0, 0, 0].into() } else { [0u16; 8].into() };
+    let socket = UdpSocket::bind(SocketAddr::new(any, 0))?;
+    socket.connect(SocketAddr::new(to, 9))?;
+    Ok(socket.local_addr()?.ip())
+}
+
+/// The index of the interface `name` in this network namespace, if any.
+pub fn ifindex(name: &str) -> Option<u32> {
+    let name = CString::new(name).ok()?;
+    // SAFETY: a valid NUL-terminated string.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    (index != 0).then_some(index)
+}
+
+/// The name of the interface `index` in this network namespace, if any.
+pub fn ifname(index: u32) -> Option<String> {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: `buf` holds IF_NAMESIZE bytes, as if_indextoname requires.
+    let name = unsafe { libc::if_indextoname(index, buf.as_mut_ptr()) };
+    if name.is_null() {
+        return None;
+    }
+    // SAFETY: if_indextoname wrote a NUL-terminated name into `buf`.
+    Some(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+}
+
+fn send<T: NetlinkSerializable>(socket: &Socket, flags: u16, payload: T) -> io::Result<()> {
+    let mut header = NetlinkHeader::default();
+    header.flags = flags;
+    let mut message = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(payload));
+    message.finalize();
+    let mut buf = vec![0; message.buffer_len()];
+    message.serialize(&mut buf);
+    socket.send(&buf, 0)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_is_reached_through_lo_from_itself() {
+        let route = route_to([127, 0, 0, 1].into()).unwrap();
+        assert_eq!(ifname(route.ifindex).as_deref(), Some("lo"));
+        assert_eq!(route.source, IpAddr::from([127, 0, 0, 1]));
+        assert_eq!(ifindex("lo"), Some(route.ifindex));
+        assert_eq!(ifindex("no-such-if"), None);
+    }
+}
