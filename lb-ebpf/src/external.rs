@@ -49,6 +49,12 @@ use crate::{
 /// NAT ports tried for a new flow before it is refused.
 const NAT_TRIES: u32 = 8;
 
+/// The soonest a client's SYN sent again counts as a retransmission: no
+/// TCP retransmits a SYN sooner (Linux waits 1 s, RFC 6298 at least 1 s).
+/// One sooner is a duplicate, or forged to fail a server that has had no
+/// time to answer: it follows the first and fails nothing.
+const SYN_RETRANSMIT_MIN_NS: u64 = 900_000_000;
+
 /// What `lookup` found for a client's packet to an external VIP.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Step {
@@ -157,6 +163,9 @@ fn keeps(service: &Service, flow: &Flow, p: &Packet, now: u64) -> bool {
     let flags = unsafe { NAT_REPLIES.get(&reply_key(flow, p.protocol)) }.map_or(0, |r| r.flags);
     if flags & NAT_REPLY_ESTABLISHED != 0 {
         // A new connection on the same ports, after the last one.
+        return true;
+    }
+    if now.wrapping_sub(flow.syn_at_ns) < SYN_RETRANSMIT_MIN_NS {
         return true;
     }
     count(Reason::XdpSynRetransmitted);

@@ -30,8 +30,8 @@ use aya::{
     programs::{TestRun, TestRunOptions, Xdp},
 };
 use lb_common::{
-    Endpoint, MAX_SERVERS, NAT_PORT_COUNT, NAT_PORT_FIRST, NatKey, NatReply, Reason, Service, maps,
-    programs,
+    Endpoint, Flow, FlowKey, MAX_SERVERS, NAT_PORT_COUNT, NAT_PORT_FIRST, NatKey, NatReply, Reason,
+    Service, maps, programs,
 };
 use lb_tests::{
     in_new_netns,
@@ -235,6 +235,18 @@ impl Node {
         let counters: PerCpuArray<_, u64> =
             PerCpuArray::try_from(self.ebpf.map(maps::COUNTERS).unwrap()).unwrap();
         counters.get(&reason.index(), 0).unwrap().iter().sum()
+    }
+
+    /// Moves every flow's SYN `by` into the past, as if the client had
+    /// waited that long before sending it again.
+    fn age_syns(&mut self, by: std::time::Duration) {
+        let mut flows: HashMap<_, FlowKey, Flow> =
+            HashMap::try_from(self.ebpf.map_mut(maps::FLOWS).unwrap()).unwrap();
+        let all: Vec<(FlowKey, Flow)> = flows.iter().map(Result::unwrap).collect();
+        for (key, mut flow) in all {
+            flow.syn_at_ns = flow.syn_at_ns.saturating_sub(by.as_nanos() as u64);
+            flows.insert(key, flow, 0).unwrap();
+        }
     }
 
     fn failed(&self, server: SocketAddr) -> bool {
@@ -449,6 +461,11 @@ fn a_syn_sent_again_unanswered_fails_the_server_and_moves_the_flow() {
     both_families(|node, f| {
         let first = forwarded(node, f, f.client, 5_000);
         assert_eq!(first.dst, f.servers[0]);
+        // At once: a duplicate (or a forgery), not a retransmission.
+        let duplicate = forwarded(node, f, f.client, 5_000);
+        assert_eq!(duplicate.dst, f.servers[0], "a duplicate SYN moved the flow");
+        assert!(!node.failed(f.servers[0]), "a duplicate SYN failed the server");
+        node.age_syns(std::time::Duration::from_secs(1));
         let again = forwarded(node, f, f.client, 5_000);
         assert_eq!(again.dst, f.servers[1], "the retransmitted SYN stayed on the silent server");
         assert!(node.failed(f.servers[0]));
