@@ -11,10 +11,14 @@ use std::{
 };
 
 use netlink_packet_core::{
-    NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload, NetlinkSerializable,
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_REPLACE, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
+    NetlinkPayload, NetlinkSerializable,
 };
 use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
+    neighbour::{
+        NeighbourAddress, NeighbourAttribute, NeighbourFlags, NeighbourMessage, NeighbourState,
+    },
     route::{RouteAddress, RouteAttribute, RouteMessage},
 };
 use netlink_sys::{Socket, SocketAddr as NetlinkAddr, protocols::NETLINK_ROUTE};
@@ -26,6 +30,9 @@ pub struct Route {
     pub ifindex: u32,
     /// The node's source address for them.
     pub source: IpAddr,
+    /// Whose link-layer address they are sent to: the route's gateway, or
+    /// the address itself when it is on the link.
+    pub next_hop: IpAddr,
 }
 
 /// The kernel's route to `to`, from this network namespace's tables.
@@ -54,9 +61,12 @@ pub fn route_to(to: IpAddr) -> io::Result<Route> {
     };
     let mut ifindex = None;
     let mut source = None;
+    let mut next_hop = to;
     for attribute in route.attributes {
         match attribute {
             RouteAttribute::Oif(index) => ifindex = Some(index),
+            RouteAttribute::Gateway(RouteAddress::Inet(a)) => next_hop = IpAddr::V4(a),
+            RouteAttribute::Gateway(RouteAddress::Inet6(a)) => next_hop = IpAddr::V6(a),
             RouteAttribute::PrefSource(RouteAddress::Inet(a)) => source = Some(IpAddr::V4(a)),
             RouteAttribute::PrefSource(RouteAddress::Inet6(a)) => source = Some(IpAddr::V6(a)),
             _ => {}
@@ -69,7 +79,37 @@ pub fn route_to(to: IpAddr) -> io::Result<Route> {
         Some(source) => source,
         None => source_toward(to)?,
     };
-    Ok(Route { ifindex, source })
+    Ok(Route { ifindex, source, next_hop })
+}
+
+/// Asks the kernel to resolve `route`'s next hop's link-layer address
+/// now (a neighbour entry with `NTF_USE`, as a packet sent there would),
+/// and to keep it fresh: the XDP program's FIB lookup finds only resolved
+/// neighbours and does not start a resolution itself. An entry that is
+/// already there is only used, not changed.
+pub fn resolve_next_hop(route: &Route) -> io::Result<()> {
+    let mut message = NeighbourMessage::default();
+    message.header.family =
+        if route.next_hop.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
+    message.header.ifindex = route.ifindex;
+    message.header.state = NeighbourState::None;
+    message.header.flags = NeighbourFlags::Use;
+    message.attributes.push(NeighbourAttribute::Destination(match route.next_hop {
+        IpAddr::V4(a) => NeighbourAddress::Inet(a),
+        IpAddr::V6(a) => NeighbourAddress::Inet6(a),
+    }));
+    let mut socket = Socket::new(NETLINK_ROUTE)?;
+    socket.bind_auto()?;
+    socket.connect(&NetlinkAddr::new(0, 0))?;
+    let flags = NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE;
+    send(&socket, flags, RouteNetlinkMessage::NewNeighbour(message))?;
+    let (buf, _) = socket.recv_from_full()?;
+    let reply = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("RTM_NEWNEIGH: {e}")))?;
+    match reply.payload {
+        NetlinkPayload::Error(e) if e.code.is_some() => Err(e.to_io()),
+        _ => Ok(()),
+    }
 }
 
 /// The source address the kernel gives a socket that dials `to`: a UDP
@@ -121,6 +161,7 @@ mod tests {
         let route = route_to([127, 0, 0, 1].into()).unwrap();
         assert_eq!(ifname(route.ifindex).as_deref(), Some("lo"));
         assert_eq!(route.source, IpAddr::from([127, 0, 0, 1]));
+        assert_eq!(route.next_hop, IpAddr::from([127, 0, 0, 1]));
         assert_eq!(ifindex("lo"), Some(route.ifindex));
         assert_eq!(ifindex("no-such-if"), None);
     }

@@ -6,7 +6,7 @@ use std::{fmt::Write as _, net::SocketAddr, time::Duration};
 use crate::{
     balancer::{Balancer, Readiness},
     config,
-    control::{DiscoveryStatus, ServerStatus, ServiceStatus, Status},
+    control::{DiscoveryStatus, ExternalStatus, ServerStatus, ServiceStatus, Status},
 };
 
 /// What status needs from the kernel's maps.
@@ -48,6 +48,7 @@ pub fn service(
             .collect(),
         scope: config.scope.to_string(),
         discovery: discovery.cloned(),
+        external: None,
     }
 }
 
@@ -76,6 +77,14 @@ pub fn table(status: &Status) -> String {
             s.scope,
             selected.join(", ")
         );
+        if let Some(e) = &s.external {
+            let announcing = match (e.announce.as_str(), e.announcing) {
+                ("none", _) => "not announced (routing is the operator's)",
+                (_, true) => "announcing",
+                (_, false) => "withdrawn",
+            };
+            let _ = writeln!(out, "  external on {}: {announcing}", e.interfaces.join(", "));
+        }
         if let Some(d) = &s.discovery {
             let synced = d.last_success.map_or_else(
                 || "not synced yet".to_owned(),
@@ -176,6 +185,9 @@ pub fn table(status: &Status) -> String {
             datapath.counters.get("connect_untracked").copied().unwrap_or(0)
         );
     }
+    if let Some(external) = &datapath.external {
+        external_table(&mut out, external);
+    }
     for (name, present) in [
         ("getpeername hooks", datapath.features.getpeername),
         ("closing connections (SOCK_DESTROY)", datapath.features.sock_destroy),
@@ -193,6 +205,30 @@ pub fn table(status: &Status) -> String {
         }
     }
     out
+}
+
+/// The external path's lines of `lb status`.
+fn external_table(out: &mut String, external: &ExternalStatus) {
+    let _ = writeln!(
+        out,
+        "external path: {} flows (of {}), {} NAT ports in use{}",
+        external.flows,
+        external.flow_capacity,
+        external.nat_ports,
+        if external.forwarding { "" } else { "; IP FORWARDING IS OFF: nothing is forwarded" }
+    );
+    for interface in &external.interfaces {
+        let how = match (&interface.mode, &interface.error) {
+            (Some(mode), _) => format!("xdp {mode}"),
+            (None, Some(error)) => format!("NOT ATTACHED: {error}"),
+            (None, None) => "not attached".to_owned(),
+        };
+        let _ = writeln!(out, "  interface {} ({}): {how}", interface.name, interface.role);
+    }
+    for t in &external.traffic {
+        let _ =
+            writeln!(out, "  forwarded to {}: {} packets, {} bytes", t.server, t.packets, t.bytes);
+    }
 }
 
 #[cfg(test)]

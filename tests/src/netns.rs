@@ -129,3 +129,86 @@ pub fn loopback_up() -> std::io::Result<()> {
     }
     Ok(())
 }
+
+/// A network namespace of the test's own beside the one it runs in: a
+/// thread that made it and runs what it is given there ([`Self::run`]).
+/// Sockets made in it stay in it wherever they are used. Dropping it ends
+/// the thread; the namespace (and the veth ends in it) goes with the last
+/// socket or process in it.
+pub struct Namespace {
+    /// The thread's id, which `ip link ... netns <tid>` takes.
+    pub tid: i32,
+    jobs: Option<std::sync::mpsc::Sender<Box<dyn FnOnce() + Send>>>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl Namespace {
+    /// A new network namespace with loopback up.
+    pub fn new() -> Self {
+        let (jobs, inbox) = std::sync::mpsc::channel::<Box<dyn FnOnce() + Send>>();
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let thread = thread::spawn(move || {
+            // SAFETY: unshare(CLONE_NEWNET) takes no pointers and affects
+            // only this thread.
+            let unshared = unsafe { libc::unshare(libc::CLONE_NEWNET) };
+            assert_eq!(unshared, 0, "unshare(CLONE_NEWNET): {}", std::io::Error::last_os_error());
+            loopback_up().expect("bringing lo up in the new network namespace");
+            // SAFETY: gettid has no preconditions.
+            let _ = tid_tx.send(unsafe { libc::gettid() });
+            for job in inbox {
+                job();
+            }
+        });
+        let tid = tid_rx.recv().expect("the namespace's thread died");
+        Self { tid, jobs: Some(jobs), thread: Some(thread) }
+    }
+
+    /// Runs `job` in the namespace and returns what it returns.
+    pub fn run<T: Send + 'static>(&self, job: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let job = Box::new(move || {
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+            let _ = tx.send(result);
+        });
+        self.jobs
+            .as_ref()
+            .expect("namespace dropped")
+            .send(job)
+            .expect("the namespace's thread died");
+        match rx.recv().expect("the namespace's thread died") {
+            Ok(value) => value,
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
+
+    /// Runs a command (`ip ...`) in the namespace; panics if it fails.
+    pub fn sh(&self, args: &[&str]) {
+        let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        self.run(move || sh(&args));
+    }
+}
+
+impl Default for Namespace {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for Namespace {
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Runs a command in the calling thread's network namespace; panics with
+/// its error output if it fails.
+pub fn sh<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(args: &[S]) {
+    let out = std::process::Command::new(&args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap_or_else(|e| panic!("running {args:?}: {e}"));
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}

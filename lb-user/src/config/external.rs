@@ -38,13 +38,17 @@ pub(super) fn parse_external(
     if raw.interfaces.is_empty() {
         problem(
             at.at("interfaces"),
-            "must name at least one interface where clients' packets arrive (e.g. [\"eth1\"])".to_owned(),
+            "must name at least one interface where clients' packets arrive (e.g. [\"eth1\"])"
+                .to_owned(),
         );
     }
     let mut interfaces: Vec<String> = Vec::with_capacity(raw.interfaces.len());
     for (i, name) in raw.interfaces.into_iter().enumerate() {
         if let Some(why) = bad_interface_name(&name) {
-            problem(at.at("interfaces").nth(i), format!("{name:?} is not an interface name: {why}"));
+            problem(
+                at.at("interfaces").nth(i),
+                format!("{name:?} is not an interface name: {why}"),
+            );
         } else if interfaces.contains(&name) {
             problem(at.at("interfaces").nth(i), format!("{name:?} is listed twice"));
         } else {
@@ -53,7 +57,16 @@ pub(super) fn parse_external(
     }
     let announce = match raw.announce.as_deref() {
         None | Some("none") => Announce::None,
-        Some("arp") => Announce::Arp,
+        Some("arp") => {
+            // Announcing is not built yet: refused rather than accepted and
+            // silently not done, which would leave clients without a route.
+            problem(
+                at.at("announce"),
+                "\"arp\" is not built yet (issue 25): use \"none\" and route the VIP to this node"
+                    .to_owned(),
+            );
+            Announce::Arp
+        }
         Some(other) => {
             problem(
                 at.at("announce"),
@@ -100,13 +113,14 @@ mod tests {
         let expected =
             External { interfaces: vec!["eth1".into(), "eth2".into()], announce: Announce::None };
         assert_eq!(config.services[0].external, Some(expected));
-        let arp = parse(&format!("{EXTERNAL}announce = \"arp\"\n")).unwrap();
-        assert_eq!(arp.services[0].external.as_ref().unwrap().announce, Announce::Arp);
+        let arp = problems(&format!("{EXTERNAL}announce = \"arp\"\n"));
+        assert!(arp.contains("\"arp\" is not built yet"), "{arp}");
     }
 
     #[test]
     fn bad_external_settings_are_named() {
-        let bad = EXTERNAL.replace(r#"["eth1", "eth2"]"#, r#"["eth1", "eth1", "a/b", "averyveryverylongname"]"#);
+        let bad = EXTERNAL
+            .replace(r#"["eth1", "eth2"]"#, r#"["eth1", "eth1", "a/b", "averyveryverylongname"]"#);
         let text = problems(&bad);
         assert!(text.contains("external.interfaces[1]") && text.contains("listed twice"), "{text}");
         assert!(text.contains("\"a/b\" is not an interface name"), "{text}");

@@ -8,8 +8,8 @@ use lb_common::{MAX_SERVICES, MAX_TRACKED_SOCKETS};
 use toml::Spanned;
 
 use super::{
-    external::parse_external,
     ConfigError,
+    external::parse_external,
     model::{
         Config, DEFAULT_BPFFS, DEFAULT_CONTROL_SOCKET, DEFAULT_HOLD_DOWN, DEFAULT_STATE_DIR,
         Daemon, HealthConfig, Policy, SOCKET_TABLE_SIZES, Scope, Service,

@@ -9,7 +9,6 @@
 //! --json`).
 
 use std::{
-    collections::BTreeMap,
     net::SocketAddr,
     os::unix::fs::{DirBuilderExt as _, FileTypeExt as _, PermissionsExt as _},
     path::Path,
@@ -98,175 +97,13 @@ pub enum Response {
     },
 }
 
-/// `lb status --json`. Fields are only ever added, never changed.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Status {
-    /// Every service, in the config's order.
-    pub services: Vec<ServiceStatus>,
-    /// The kernel side: where it is attached, its counters and features.
-    #[serde(default)]
-    pub datapath: DatapathStatus,
-    /// The config file and its last reload.
-    #[serde(default)]
-    pub config: ConfigStatus,
-}
+mod status;
 
-/// The config file the daemon runs.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConfigStatus {
-    /// Its path, as the daemon was given it.
-    pub path: String,
-    /// The last reload (SIGHUP or `lb reload`), if any.
-    pub last_reload: Option<ReloadStatus>,
-}
-
-/// How a reload went.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReloadStatus {
-    /// The new config was applied.
-    pub ok: bool,
-    /// Why it failed (the old config keeps serving), or `null`.
-    pub error: Option<String>,
-    /// Seconds since the Unix epoch.
-    pub at: u64,
-}
-
-/// One service: the balancer's view and the kernel's, side by side.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ServiceStatus {
-    /// Its name in the config.
-    pub name: String,
-    /// The address clients connect to.
-    pub vip: SocketAddr,
-    /// `failover` or `spread`.
-    pub policy: String,
-    /// The selection in the kernel, best first.
-    pub selected: Vec<SocketAddr>,
-    /// Every server of the service, in the list's order.
-    pub servers: Vec<ServerStatus>,
-    /// Whose connects are rewritten: `host` (this network namespace) or `all`.
-    #[serde(default)]
-    pub scope: String,
-    /// The discovery source, if the service has one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub discovery: Option<DiscoveryStatus>,
-}
-
-/// How a service's discovery is going.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DiscoveryStatus {
-    /// `kubernetes` or `dns`.
-    pub source: String,
-    /// Seconds since the Unix epoch of the last successful sync, or `null`.
-    pub last_success: Option<u64>,
-    /// Why the last sync failed, or why its result was not applied (an
-    /// empty list keeps the last one); `null` when the last sync applied.
-    pub last_error: Option<String>,
-    /// Endpoints left out of the last list: a service holds at most 16.
-    pub truncated: usize,
-}
-
-/// One server of a service.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ServerStatus {
-    /// Where its connections go.
-    pub address: SocketAddr,
-    /// Live connections through the VIP to this server.
-    pub connections: i64,
-    /// `active`, `preferred`, `healthy`, `recovering`, `unchecked`,
-    /// `standby`, `failed` (see the balancer).
-    pub state: String,
-    /// Result of the last health check; `null` until one is known.
-    pub healthy: Option<bool>,
-    /// Error of the last failed health check, or `null`.
-    pub last_check: Option<String>,
-    /// `ready`, `serving` (drained) or `terminating`.
-    pub readiness: String,
-    /// It is the service's default (preferred while healthy).
-    pub default: bool,
-    /// A connect to it through a VIP failed within the hold-down; the
-    /// kernel skips it while another server is usable.
-    pub recently_failed: bool,
-}
-
-/// The kernel programs and maps.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DatapathStatus {
-    /// The cgroup the programs are attached to.
-    pub cgroup: String,
-    /// Where the programs and maps are pinned.
-    pub bpffs: String,
-    /// The programs were already attached when this daemon started.
-    pub adopted: bool,
-    /// The kernel's per-reason decision counters.
-    pub counters: BTreeMap<String, u64>,
-    /// Optional kernel features and whether this kernel has them.
-    #[serde(default)]
-    pub features: Features,
-    /// Sockets the kernel tracks as connected through a VIP, by table.
-    #[serde(default)]
-    pub tracked_sockets: TrackedSockets,
-}
-
-/// Sockets in the kernel's socket tables.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TrackedSockets {
-    /// TCP sockets that connected through a VIP and are not closed yet.
-    pub tcp: usize,
-    /// Connected UDP sockets (tracked apart: they never take TCP's slots).
-    pub udp: usize,
-    /// How many TCP sockets the table holds (`[daemon] socket_table` at
-    /// attach).
-    #[serde(default)]
-    pub tcp_capacity: usize,
-    /// How many connected UDP sockets the table holds.
-    #[serde(default)]
-    pub udp_capacity: usize,
-    /// The TCP table is full: connects through VIPs are still rewritten,
-    /// but not tracked (`connect_untracked` counts them).
-    #[serde(default)]
-    pub tcp_full: bool,
-    /// UDP sockets that sent or connected to a VIP (`UDP_PEERS`): what
-    /// their servers send back is shown as from the VIP.
-    #[serde(default)]
-    pub udp_peers: usize,
-    /// How many UDP sockets `UDP_PEERS` holds.
-    #[serde(default)]
-    pub udp_peers_capacity: usize,
-    /// The reverse mapping: how many of those sockets see each server as
-    /// its VIP.
-    #[serde(default)]
-    pub udp_reverse: Vec<UdpReverse>,
-}
-
-/// One row of the UDP reverse mapping in `lb status`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UdpReverse {
-    /// The VIP the sockets sent to.
-    pub vip: SocketAddr,
-    /// The server that got their datagrams; what it sends back to them
-    /// comes from `vip`.
-    pub server: SocketAddr,
-    /// How many sockets.
-    pub sockets: usize,
-}
-
-/// Optional kernel features.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Features {
-    /// getpeername hooks (Linux 5.8+): applications see the VIP as peer.
-    pub getpeername: bool,
-    /// Netlink SOCK_DESTROY (CONFIG_INET_DIAG_DESTROY): closing connections.
-    pub sock_destroy: bool,
-    /// `scope = "host"` can tell network namespaces apart (Linux 5.14+, or
-    /// the daemon in the initial namespace); without it, host acts as all.
-    #[serde(default)]
-    pub netns_scope: bool,
-    /// lb may enter other network namespaces (CAP_SYS_ADMIN), so it closes
-    /// the connections pods made through `scope = "all"` VIPs too.
-    #[serde(default)]
-    pub close_in_pods: bool,
-}
+pub use status::{
+    ConfigStatus, DatapathStatus, DiscoveryStatus, ExternalStatus, Features, InterfaceStatus,
+    ReloadStatus, ServerStatus, ServiceExternal, ServiceStatus, Status, TrackedSockets,
+    TrafficStatus, UdpReverse,
+};
 
 /// Sends one request to the daemon behind `socket` and returns its answer.
 pub async fn call(socket: &Path, request: &Request) -> anyhow::Result<Response> {

@@ -113,11 +113,12 @@ impl Daemon {
         }
         let mut entry = service.entry();
         entry.value = value;
+        self.before_external_write(i, &entry.value.selection.servers);
         match self.datapath.write(&entry) {
             Ok(()) if reordered => self.written(i),
             Ok(()) => {}
             Err(e) => {
-                error!(service = %service.config.name, "writing the selection failed: {e:#}");
+                error!(service = %self.services[i].config.name, "writing the selection failed: {e:#}");
             }
         }
     }

@@ -13,6 +13,7 @@
 //!   and the tick's look at the datapath;
 //! - `apply`: a balancer's effects carried out (one write per change);
 //! - `discovered`: discovered lists to server lists;
+//! - `external`: the external path (XDP) kept in step with the services;
 //! - `closing`: VIP connections closed in the background;
 //! - `requests`: control requests and metrics scrapes;
 //! - `reload`: a reload's plan (`crate::reload::plan`) executed;
@@ -29,6 +30,7 @@ mod census;
 mod closer;
 mod closing;
 mod discovered;
+mod external;
 mod inputs;
 mod owner;
 mod reload;
@@ -97,6 +99,9 @@ pub async fn run(options: Options) -> anyhow::Result<Ended> {
     if let Some(every) = watchdog {
         info!(?every, "systemd watchdog enabled; pinging every second");
     }
+    // Before the first request: adopted XDP programs serve on with what
+    // their maps hold until here.
+    daemon.sync_external(true);
     let exit = loop {
         let deadline = daemon.timers.next().map(tokio::time::Instant::from_std);
         tokio::select! {
@@ -107,6 +112,7 @@ pub async fn run(options: Options) -> anyhow::Result<Ended> {
             () = sleep_until(deadline) => daemon.on_deadlines(Instant::now()),
             _ = tick.tick() => {
                 daemon.metrics.expire(Instant::now());
+                daemon.sync_external(false);
                 daemon.watch_socket_table(Instant::now());
                 if watchdog.is_some() {
                     let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);

@@ -15,8 +15,8 @@ use lb_common::Event;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    census::Census, closer::Closer, saver::Saver, service::Service, timers::Timers,
-    watch::TableWatch,
+    census::Census, closer::Closer, external::External, saver::Saver, service::Service,
+    timers::Timers, watch::TableWatch,
 };
 use crate::{
     balancer::{CloseReason, Health},
@@ -126,6 +126,8 @@ pub(super) struct Daemon {
     pub(super) started_ns: u64,
     /// A full TCP socket table, logged from the tick.
     pub(super) table_watch: TableWatch,
+    /// The external path's routes and interfaces ([`Self::sync_external`]).
+    pub(super) external: External,
 }
 
 impl Daemon {

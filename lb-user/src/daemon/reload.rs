@@ -134,6 +134,8 @@ impl Daemon {
             }
         }
         self.keep_config_order(&config.services);
+        // The NAT sources of new servers go in before any selection has them.
+        self.sync_external(false);
         for name in &plan.writes {
             let i = self.index(name)?;
             match self.datapath.write(&self.services[i].entry()) {

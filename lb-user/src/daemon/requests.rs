@@ -79,6 +79,7 @@ fn datapath_status(
             close_in_pods,
         },
         tracked_sockets: TrackedSockets::default(),
+        external: None,
     }
 }
 
@@ -160,14 +161,16 @@ impl Daemon {
     /// thread. A status of thousands of services reads thousands of map
     /// entries (milliseconds), which no kernel report waits behind.
     pub(super) fn answer_status(&self, reply: oneshot::Sender<Response>) {
-        let services: Vec<(config::Service, Balancer, Option<DiscoveryStatus>)> = self
+        let services: Vec<(config::Service, Balancer, Option<DiscoveryStatus>, _)> = self
             .services
             .iter()
-            .map(|s| {
+            .enumerate()
+            .map(|(i, s)| {
                 (
                     s.config.clone(),
                     s.balancer.clone(),
                     s.discovery.as_ref().map(|d| d.status.clone()),
+                    self.service_external(i),
                 )
             })
             .collect();
@@ -182,12 +185,16 @@ impl Daemon {
             self.sock_destroy,
             self.close_in_pods,
         );
+        datapath.external = self.external_status();
         self.census.then(move |maps, tracked| {
             let kernel = KernelSnapshot::of(maps);
             let services = services
                 .iter()
-                .map(|(config, balancer, discovery)| {
-                    status::service(config, balancer, discovery.as_ref(), &kernel)
+                .map(|(config, balancer, discovery, external)| {
+                    let mut service =
+                        status::service(config, balancer, discovery.as_ref(), &kernel);
+                    service.external = external.clone();
+                    service
                 })
                 .collect();
             datapath.counters =
@@ -207,6 +214,7 @@ impl Daemon {
             }
         }
         self.metrics.record_decisions(&maps.counters());
+        self.metrics.external.set(self.external_status());
         let tracked = self.census.latest();
         self.metrics.set_tracked_sockets("tcp", tracked.tcp, tracked.tcp_capacity);
         self.metrics.set_tracked_sockets("udp", tracked.udp, tracked.udp_capacity);

@@ -20,6 +20,7 @@ use tracing::{error, info, warn};
 use super::{
     census::Census,
     closer::Closer,
+    external::External,
     owner::{After, Daemon, Message, Options},
     saver::Saver,
     service::Service,
@@ -174,6 +175,7 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         by_name: HashMap::new(),
         by_vip: HashMap::new(),
         table_watch,
+        external: External::default(),
     };
     daemon.reindex();
     for i in 0..daemon.services.len() {

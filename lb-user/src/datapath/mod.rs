@@ -28,6 +28,7 @@
 //! `upgrade` the `META` map and the programs' replacement, `sys` the raw
 //! system calls aya does not offer.
 
+mod external;
 mod maps;
 mod object;
 mod pins;
@@ -36,7 +37,12 @@ mod sys;
 mod upgrade;
 pub mod xdp;
 
-use std::{fs::File, net::SocketAddr, path::Path};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fs::File,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+};
 
 use anyhow::Context as _;
 use aya::{
@@ -51,6 +57,7 @@ use lb_common::{NETNS_ANY, maps as map_names, programs};
 use tracing::{info, warn};
 
 pub use self::{
+    external::{ExternalMaps, Forwarded},
     maps::{Forgotten, PinnedMaps, VipEntry, failed_within},
     object::KernelLogger,
     pins::detach,
@@ -74,6 +81,12 @@ use self::{
 /// The attached datapath: handles to its maps, and the pin directory's lock.
 pub struct Datapath {
     maps: PinnedMaps,
+    /// The external path's maps.
+    external: ExternalMaps,
+    /// `lb_xdp` on the pinned maps, loaded when an interface first needs it.
+    xdp: Option<xdp::Program>,
+    /// The pin directory.
+    bpffs: PathBuf,
     events: Option<RingBuf<MapData>>,
     /// Whether the programs were already attached when we started.
     pub adopted: bool,
@@ -225,6 +238,9 @@ impl Datapath {
         let events = RingBuf::try_from(map(map_names::EVENTS)?).context("pinned map EVENTS")?;
         Ok(Self {
             maps: PinnedMaps::from_maps(map)?,
+            external: ExternalMaps::from_maps(map)?,
+            xdp: None,
+            bpffs: bpffs.to_owned(),
             events: Some(events),
             adopted: true,
             getpeername: has_getpeername(bpffs),
@@ -264,9 +280,13 @@ impl Datapath {
             ebpf.take_map(name).with_context(|| format!("map {name} missing from the eBPF object"))
         };
         let events = RingBuf::try_from(take(map_names::EVENTS)?).context("map EVENTS")?;
-        let maps = PinnedMaps::from_maps(take)?;
+        let maps = PinnedMaps::from_maps(&mut take)?;
+        let external = ExternalMaps::from_maps(&mut take)?;
         let mut datapath = Self {
             maps,
+            external,
+            xdp: None,
+            bpffs: bpffs.to_owned(),
             events: Some(events),
             adopted: false,
             getpeername: false,
@@ -310,6 +330,59 @@ impl Datapath {
     /// ([`PinnedMaps::forget`]).
     pub fn forget(&mut self, live: &[(SocketAddr, Vec<SocketAddr>)]) -> anyhow::Result<Forgotten> {
         self.maps.forget(live)
+    }
+
+    /// The external path's maps, to write ([`ExternalMaps::set_vips`], ...).
+    pub fn external(&mut self) -> &mut ExternalMaps {
+        &mut self.external
+    }
+
+    /// The external path's maps, to read.
+    pub fn external_maps(&self) -> &ExternalMaps {
+        &self.external
+    }
+
+    /// The interfaces `lb_xdp` is attached to, and how.
+    pub fn xdp_attachments(&self) -> Vec<(String, xdp::Mode)> {
+        xdp::attachments(&self.bpffs)
+    }
+
+    /// Makes `lb_xdp` run on exactly the interfaces `wanted`: attaches it
+    /// where it is missing (natively where the driver can), detaches it
+    /// from the others. Returns each wanted interface's mode, or why it is
+    /// not attached; one interface's failure does not stop the others.
+    pub fn sync_xdp(
+        &mut self,
+        wanted: &BTreeSet<String>,
+    ) -> BTreeMap<String, Result<xdp::Mode, String>> {
+        let attached: BTreeMap<String, xdp::Mode> = self.xdp_attachments().into_iter().collect();
+        for name in attached.keys().filter(|name| !wanted.contains(*name)) {
+            match xdp::release(&self.bpffs, name) {
+                Ok(()) => info!(interface = %name, "{} detached", programs::XDP),
+                Err(e) => warn!(interface = %name, "detaching {}: {e:#}", programs::XDP),
+            }
+        }
+        let mut outcome = BTreeMap::new();
+        for name in wanted {
+            if let Some(mode) = attached.get(name) {
+                outcome.insert(name.clone(), Ok(*mode));
+                continue;
+            }
+            let mut attach = || -> anyhow::Result<xdp::Mode> {
+                if self.xdp.is_none() {
+                    self.xdp = Some(xdp::Program::load(&self.bpffs)?);
+                }
+                let program = self.xdp.as_mut().expect("loaded just above");
+                program.attach(&self.bpffs, name)
+            };
+            let result = attach().map_err(|e| format!("{e:#}"));
+            match &result {
+                Ok(mode) => info!(interface = %name, %mode, "{} attached", programs::XDP),
+                Err(e) => warn!(interface = %name, "{e}"),
+            }
+            outcome.insert(name.clone(), result);
+        }
+        outcome
     }
 
     /// The kernel log reader (only with `--bpf-log`); can be taken once.

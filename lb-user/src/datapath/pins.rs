@@ -2,7 +2,8 @@
 //! its owner, the bpffs mount it needs, and `detach`, which removes it all.
 //!
 //! Layout under the configured bpffs directory: `links/<program>` (one
-//! cgroup link per program) and `maps/<MAP>`.
+//! cgroup link per program), `links/xdp-<mode>/<interface>` (the external
+//! path's, see `xdp`) and `maps/<MAP>`.
 
 use std::{
     collections::HashMap,
@@ -177,6 +178,11 @@ pub(super) fn remove_pins(bpffs: &Path) -> anyhow::Result<Vec<PathBuf>> {
         links.push((name, ids));
         removed.push(path);
     }
+    // An XDP link detaches as its last reference goes.
+    for path in super::xdp::link_pins(bpffs) {
+        std::fs::remove_file(&path).with_context(|| format!("unpinning {}", path.display()))?;
+        removed.push(path);
+    }
     wait_detached(&links);
     for path in maps::ALL.iter().map(|m| maps_dir(bpffs).join(m)) {
         match std::fs::remove_file(&path) {
@@ -185,7 +191,8 @@ pub(super) fn remove_pins(bpffs: &Path) -> anyhow::Result<Vec<PathBuf>> {
             Err(e) => return Err(e).with_context(|| format!("removing {}", path.display())),
         }
     }
-    for dir in [links_dir(bpffs), maps_dir(bpffs)] {
+    let [native, generic] = super::xdp::link_dirs(bpffs);
+    for dir in [native, generic, links_dir(bpffs), maps_dir(bpffs)] {
         match std::fs::remove_dir(&dir) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}

@@ -10,7 +10,7 @@ use std::{
 
 use anyhow::{Context as _, bail};
 use aya::{
-    Ebpf, EbpfLoader,
+    Ebpf,
     maps::{Array, MapData},
 };
 use lb_common::{
@@ -23,6 +23,7 @@ use super::{
     object::{EBPF_OBJECT, KernelLogger, load_object, load_program},
     pins::{links_dir, maps_dir, open_pinned_map},
     sys::{bpf_link_update, bpf_obj_get, pinned_link_ids},
+    xdp::{self, on_pinned_maps},
 };
 
 /// Writes this lb's layout version and programs' fingerprint into the
@@ -113,15 +114,9 @@ pub(super) fn replace_programs(
     cgroup: &Path,
     bpf_log: bool,
 ) -> anyhow::Result<Option<KernelLogger>> {
-    let pins: Vec<(&str, PathBuf)> =
-        maps::ALL.iter().map(|m| (*m, maps_dir(bpffs).join(m))).collect();
-    let mut loader = EbpfLoader::new();
-    for (name, path) in &pins {
-        // Reuse the pinned map (of the same layout: checked before).
-        loader.map_pin_path(name, path.as_path());
-    }
-    let (mut ebpf, logger) =
-        load_object(loader, bpf_log).context("loading the eBPF object on the pinned maps")?;
+    // The pinned maps are of the same layout: checked before.
+    let (mut ebpf, logger) = load_object(on_pinned_maps(bpffs), bpf_log)
+        .context("loading the eBPF object on the pinned maps")?;
     // The sockets the running programs track carry no mark of these
     // programs (a connect may also run connect4 under the old programs and
     // its sock_ops under the new ones; with TCP Fast Open, the first send
@@ -156,6 +151,7 @@ pub(super) fn replace_programs(
         bpf_link_update(link_fd.as_fd(), program.as_fd())
             .with_context(|| format!("updating link {} to the new {name}", link.display()))?;
     }
+    xdp::replace(&mut ebpf, bpffs)?;
     let missing: Vec<&str> =
         programs::NEW_IN_LAYOUT.into_iter().filter(|p| !links.join(p).exists()).collect();
     if !missing.is_empty() {

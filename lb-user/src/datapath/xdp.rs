@@ -1,24 +1,208 @@
-//! The external path's XDP program (`lb_xdp`) as userspace loads it.
+//! The external path's XDP program (`lb_xdp`) as userspace loads and
+//! attaches it.
+//!
+//! One program on every interface of the external path, each attachment a
+//! bpf_link pinned at `links/xdp-native/<interface>` or
+//! `links/xdp-generic/<interface>`: the directory records the mode, which
+//! the kernel's link info does not. While the pin exists the program runs
+//! (fail-static); removing it detaches the program at once.
 //!
 //! [`load_unattached`] loads it on fresh, unpinned maps, attached nowhere:
 //! for the packet fixtures (`tests/xdp_fixtures.rs`), which run it with
 //! `BPF_PROG_TEST_RUN`, and the benchmark of its program time.
 
-use anyhow::Context as _;
-use aya::{Ebpf, EbpfLoader, programs::Xdp};
-use lb_common::programs;
+use std::{
+    fmt, io,
+    os::fd::AsFd as _,
+    path::{Path, PathBuf},
+};
 
-use super::object::load_object;
+use anyhow::Context as _;
+use aya::{
+    Ebpf, EbpfLoader,
+    programs::{
+        ProgramError, Xdp,
+        links::{FdLink, PinnedLink},
+        xdp::XdpMode,
+    },
+};
+use lb_common::{maps, programs};
+
+use super::{
+    object::load_object,
+    pins::{links_dir, maps_dir},
+    sys::{bpf_link_update, bpf_obj_get},
+};
 
 /// The eBPF object with `lb_xdp` loaded (verified) on maps of its own,
 /// pinned and attached nowhere: the caller fills the maps and runs the
 /// program with `BPF_PROG_TEST_RUN` (`aya::programs::TestRun`).
 pub fn load_unattached() -> anyhow::Result<Ebpf> {
     let (mut ebpf, _) = load_object(EbpfLoader::new(), false)?;
-    let program: &mut Xdp = ebpf
-        .program_mut(programs::XDP)
-        .with_context(|| format!("program {} missing from the eBPF object", programs::XDP))?
-        .try_into()?;
-    program.load().with_context(|| format!("loading {}", programs::XDP))?;
+    xdp_program(&mut ebpf)?.load().with_context(|| format!("loading {}", programs::XDP))?;
     Ok(ebpf)
+}
+
+/// Where an XDP program runs on an interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Mode {
+    /// In the driver, before any socket buffer is made.
+    Native,
+    /// In the stack, after the driver made a socket buffer (any driver;
+    /// slower).
+    Generic,
+}
+
+impl Mode {
+    const ALL: [Self; 2] = [Self::Native, Self::Generic];
+
+    fn dir(self, bpffs: &Path) -> PathBuf {
+        links_dir(bpffs).join(match self {
+            Self::Native => "xdp-native",
+            Self::Generic => "xdp-generic",
+        })
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Native => "native",
+            Self::Generic => "generic",
+        })
+    }
+}
+
+/// The interfaces the pinned XDP links are on, with their mode.
+pub fn attachments(bpffs: &Path) -> Vec<(String, Mode)> {
+    let mut found = Vec::new();
+    for mode in Mode::ALL {
+        let Ok(entries) = std::fs::read_dir(mode.dir(bpffs)) else { continue };
+        for entry in entries.flatten() {
+            if let Some(name) = entry.file_name().to_str() {
+                found.push((name.to_owned(), mode));
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Every pinned XDP link's path.
+pub(super) fn link_pins(bpffs: &Path) -> Vec<PathBuf> {
+    attachments(bpffs).into_iter().map(|(name, mode)| mode.dir(bpffs).join(name)).collect()
+}
+
+/// The directories of the XDP links' pins.
+pub(super) fn link_dirs(bpffs: &Path) -> [PathBuf; 2] {
+    Mode::ALL.map(|mode| mode.dir(bpffs))
+}
+
+/// `lb_xdp` loaded on the maps pinned under a bpffs directory, to attach.
+pub(super) struct Program {
+    ebpf: Ebpf,
+}
+
+impl Program {
+    /// Loads `lb_xdp` on the maps pinned under `bpffs`.
+    pub(super) fn load(bpffs: &Path) -> anyhow::Result<Self> {
+        let (mut ebpf, _) = load_object(on_pinned_maps(bpffs), false)
+            .context("loading the eBPF object on the pinned maps")?;
+        xdp_program(&mut ebpf)?.load().with_context(|| format!("loading {}", programs::XDP))?;
+        Ok(Self { ebpf })
+    }
+
+    /// Attaches the program to `interface`, natively where its driver can
+    /// and generically otherwise, and pins the link. Returns the mode.
+    pub(super) fn attach(&mut self, bpffs: &Path, interface: &str) -> anyhow::Result<Mode> {
+        let program = xdp_program(&mut self.ebpf)?;
+        let (id, mode) = match program.attach(interface, XdpMode::Driver) {
+            Ok(id) => (id, Mode::Native),
+            Err(native) => match program.attach(interface, XdpMode::Skb) {
+                Ok(id) => {
+                    tracing::warn!(
+                        interface,
+                        "the driver cannot run XDP natively ({native}); attached in generic mode, which is slower"
+                    );
+                    (id, Mode::Generic)
+                }
+                Err(e) => return Err(explain(e, interface)),
+            },
+        };
+        let link: FdLink = program
+            .take_link(id)?
+            .try_into()
+            .context("this kernel attached XDP without a bpf_link (Linux 5.9+ needed)")?;
+        let dir = mode.dir(bpffs);
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let path = dir.join(interface);
+        link.pin(&path).with_context(|| format!("pinning link {}", path.display()))?;
+        Ok(mode)
+    }
+}
+
+/// The pinned link of `interface`'s XDP program removed: the program
+/// detaches from it.
+pub(super) fn release(bpffs: &Path, interface: &str) -> anyhow::Result<()> {
+    for mode in Mode::ALL {
+        let path = mode.dir(bpffs).join(interface);
+        if path.exists() {
+            PinnedLink::from_pin(&path)
+                .with_context(|| format!("opening pinned link {}", path.display()))?
+                .unpin()
+                .with_context(|| format!("unpinning {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Points every pinned XDP link at `ebpf`'s `lb_xdp` (loaded here), one
+/// `BPF_LINK_UPDATE` each: a packet meets the old program or the new one.
+pub(super) fn replace(ebpf: &mut Ebpf, bpffs: &Path) -> anyhow::Result<()> {
+    let pins = link_pins(bpffs);
+    if pins.is_empty() {
+        return Ok(());
+    }
+    let program = xdp_program(ebpf)?;
+    program.load().with_context(|| format!("loading {}", programs::XDP))?;
+    let program = program.fd().with_context(|| format!("program {}", programs::XDP))?;
+    for link in pins {
+        let link_fd = bpf_obj_get(&link)
+            .with_context(|| format!("opening pinned link {}", link.display()))?;
+        bpf_link_update(link_fd.as_fd(), program.as_fd()).with_context(|| {
+            format!("updating link {} to the new {}", link.display(), programs::XDP)
+        })?;
+    }
+    Ok(())
+}
+
+/// A loader that reuses every map pinned under `bpffs`.
+pub(super) fn on_pinned_maps(bpffs: &Path) -> EbpfLoader<'static> {
+    let mut loader = EbpfLoader::new();
+    for name in maps::ALL {
+        loader.map_pin_path(name, maps_dir(bpffs).join(name));
+    }
+    loader
+}
+
+fn xdp_program(ebpf: &mut Ebpf) -> anyhow::Result<&mut Xdp> {
+    let program = ebpf
+        .program_mut(programs::XDP)
+        .with_context(|| format!("program {} missing from the eBPF object", programs::XDP))?;
+    Ok(program.try_into()?)
+}
+
+/// An attach error, with what an operator can do about the usual ones.
+fn explain(error: ProgramError, interface: &str) -> anyhow::Error {
+    let busy = matches!(&error, ProgramError::SyscallError(e) if e.io_error.raw_os_error() == Some(libc::EBUSY));
+    let unknown = matches!(error, ProgramError::UnknownInterface { .. });
+    let hint = if busy {
+        ": another XDP program is attached there (see `ip link show dev IFACE`); lb does not replace it"
+    } else if unknown {
+        ": no such interface in lb's network namespace"
+    } else {
+        ""
+    };
+    anyhow::Error::new(io::Error::other(format!("{error}{hint}")))
+        .context(format!("attaching {} to {interface}", programs::XDP))
 }

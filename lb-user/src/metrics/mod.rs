@@ -15,6 +15,7 @@
 //! descriptors or time; extra connections are closed at once, idle ones
 //! after a short timeout.
 
+mod external;
 mod serve;
 
 use std::{
@@ -37,7 +38,10 @@ use prometheus_client::{
     registry::Registry,
 };
 
-pub use self::serve::{Limits, ScrapeRequest, serve};
+pub use self::{
+    external::ExternalSeries,
+    serve::{Limits, ScrapeRequest, serve},
+};
 use crate::balancer::{CloseReason, State};
 
 /// Labels of a per-server series.
@@ -255,6 +259,9 @@ pub struct Metrics {
     pub tracked_sockets: Family<ProtocolLabels, Gauge>,
     /// `lb_tracked_sockets_capacity`: how many each table holds.
     pub tracked_sockets_capacity: Family<ProtocolLabels, Gauge>,
+    /// The external path's series (`lb_external_*`), from the snapshot
+    /// each scrape takes.
+    pub external: ExternalSeries,
     /// Kernel counters as last read, to turn them into counter increments.
     last_decisions: HashMap<&'static str, u64>,
 }
@@ -275,6 +282,8 @@ impl Metrics {
         let mut registry = Registry::default();
         let servers = Arc::new(Mutex::new(Servers::new()));
         registry.register_collector(Box::new(ServerCollector(Arc::clone(&servers))));
+        let external = ExternalSeries::default();
+        registry.register_collector(Box::new(external.clone()));
         let selection_changes = Family::default();
         registry.register(
             "lb_selection_changes",
@@ -352,6 +361,7 @@ impl Metrics {
             discovery_last_success,
             discovery_truncated,
             discovery_dropped,
+            external,
             last_decisions: HashMap::new(),
         }
     }

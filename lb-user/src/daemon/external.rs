@@ -1,0 +1,237 @@
+//! The external path kept in step with the services: the VIPs it serves,
+//! the node's address toward each of their servers (the NAT source) and
+//! the interfaces `lb_xdp` runs on, those the services list (clients'
+//! packets arrive there) and those the servers are reached through
+//! (their replies arrive there). Routes are asked of the kernel once per
+//! server and again every [`ROUTES_REFRESH`], and each time the next hop's
+//! link-layer address is asked for: the program forwards only to resolved
+//! neighbours.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    net::{IpAddr, SocketAddr},
+    time::{Duration, Instant},
+};
+
+use tracing::{info, warn};
+
+use super::owner::Daemon;
+use crate::{
+    control::{ExternalStatus, InterfaceStatus, ServiceExternal, TrafficStatus},
+    datapath::xdp::Mode,
+    routes::{self, Route},
+};
+
+/// How often the routes to the servers are asked again (a route that
+/// changes moves the NAT source and the interface replies arrive on).
+pub(super) const ROUTES_REFRESH: Duration = Duration::from_secs(30);
+
+/// What the daemon keeps of the external path between two syncs.
+#[derive(Default)]
+pub(super) struct External {
+    /// The kernel's route to each server of a service with
+    /// `[service.external]`, or why there is none.
+    routes: HashMap<IpAddr, Result<Route, String>>,
+    /// When `routes` were last all asked again.
+    refreshed: Option<Instant>,
+    /// Each interface the program should run on: why, and how it went.
+    interfaces: BTreeMap<String, (Role, Result<Mode, String>)>,
+    /// Whether the kernel forwards IPv4 and IPv6, as last read.
+    forwarding: Option<bool>,
+}
+
+/// Why `lb_xdp` runs on an interface.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Role {
+    /// A service lists it: clients' packets arrive there.
+    clients: bool,
+    /// A server is reached through it: its replies arrive there.
+    servers: bool,
+}
+
+impl Role {
+    fn name(self) -> &'static str {
+        match (self.clients, self.servers) {
+            (true, true) => "clients, servers",
+            (true, false) => "clients",
+            _ => "servers",
+        }
+    }
+}
+
+impl Daemon {
+    /// Makes the external path's maps and XDP attachments match the
+    /// services; with `refresh`, asks every server's route again. Nothing
+    /// here fails the daemon: what cannot be done is logged and shown by
+    /// `lb status`, and tried again at the next sync.
+    pub(super) fn sync_external(&mut self, refresh: bool) {
+        let external: Vec<usize> = (0..self.services.len())
+            .filter(|&i| self.services[i].config.external.is_some())
+            .collect();
+        let vips: HashSet<SocketAddr> =
+            external.iter().map(|&i| self.services[i].config.vip).collect();
+        if let Err(e) = self.datapath.external().set_vips(&vips) {
+            warn!("writing the external VIPs: {e:#}");
+        }
+        let servers: HashSet<IpAddr> = external
+            .iter()
+            .flat_map(|&i| self.services[i].balancer.servers().iter().map(|s| s.addr.ip()))
+            .collect();
+        let state = &mut self.external;
+        let now = Instant::now();
+        let refresh = refresh || state.refreshed.is_none_or(|at| now - at >= ROUTES_REFRESH);
+        if refresh {
+            state.refreshed = Some(now);
+        }
+        state.routes.retain(|server, _| servers.contains(server));
+        for &server in &servers {
+            if !refresh && state.routes.contains_key(&server) {
+                continue;
+            }
+            let route = routes::route_to(server).map_err(|e| format!("no route to {server}: {e}"));
+            if let Ok(route) = &route
+                && route.source != route.next_hop
+                && let Err(e) = routes::resolve_next_hop(route)
+            {
+                warn!(%server, next_hop = %route.next_hop, "asking the kernel to resolve the next hop: {e}");
+            }
+            let before = state.routes.insert(server, route.clone());
+            match (&route, before) {
+                (Err(e), before) if !matches!(before, Some(Err(_))) => warn!("external path: {e}"),
+                (Ok(route), Some(Ok(old))) if old != *route => {
+                    info!(%server, ?route, "the route to a server changed");
+                }
+                _ => {}
+            }
+        }
+        let addresses: HashMap<IpAddr, IpAddr> = state
+            .routes
+            .iter()
+            .filter_map(|(server, route)| Some((*server, route.as_ref().ok()?.source)))
+            .collect();
+        if let Err(e) = self.datapath.external().set_node_addresses(&addresses) {
+            warn!("writing the node's addresses toward the servers: {e:#}");
+        }
+        let mut roles: BTreeMap<String, Role> = BTreeMap::new();
+        for &i in &external {
+            for name in
+                &self.services[i].config.external.as_ref().expect("filtered above").interfaces
+            {
+                roles.entry(name.clone()).or_default().clients = true;
+            }
+        }
+        for route in state.routes.values().flatten() {
+            match routes::ifname(route.ifindex) {
+                // A server on this node: nothing arrives from it on a wire.
+                Some(name) if name == "lo" => {}
+                Some(name) => roles.entry(name).or_default().servers = true,
+                None => {}
+            }
+        }
+        let wanted: BTreeSet<String> = roles.keys().cloned().collect();
+        let attached = self.datapath.sync_xdp(&wanted);
+        self.external.interfaces = attached
+            .into_iter()
+            .map(|(name, result)| {
+                let role = roles.get(&name).copied().unwrap_or_default();
+                (name, (role, result))
+            })
+            .collect();
+        let families = (vips.iter().any(SocketAddr::is_ipv4), vips.iter().any(SocketAddr::is_ipv6));
+        if !external.is_empty() {
+            self.watch_forwarding(families);
+        }
+    }
+
+    /// Before service `i`'s selection `servers` is written: the routes of
+    /// servers new to the external path are asked now, so that its first
+    /// packets find the NAT source (the tick would be up to a second late).
+    pub(super) fn before_external_write(&mut self, i: usize, servers: &[SocketAddr]) {
+        if self.services[i].config.external.is_some()
+            && servers.iter().any(|s| !self.external.routes.contains_key(&s.ip()))
+        {
+            self.sync_external(false);
+        }
+    }
+
+    /// Warns when the kernel does not forward: its FIB then refuses every
+    /// lookup of the XDP program, which forwards nothing.
+    fn watch_forwarding(&mut self, (v4, v6): (bool, bool)) {
+        let on = forwarding(v4, v6);
+        if on != self.external.forwarding.unwrap_or(true)
+            || (self.external.forwarding.is_none() && !on)
+        {
+            if on {
+                info!("IP forwarding is on: the external path forwards");
+            } else {
+                warn!(
+                    "IP forwarding is off (net.ipv4.ip_forward or net.ipv6.conf.all.forwarding, for the external \
+                     VIPs' families): the external path forwards nothing until it is on (sysctl -w net.ipv4.ip_forward=1)"
+                );
+            }
+        }
+        self.external.forwarding = Some(on);
+    }
+
+    /// A service's external path in `lb status`.
+    pub(super) fn service_external(&self, i: usize) -> Option<ServiceExternal> {
+        let external = self.services[i].config.external.as_ref()?;
+        Some(ServiceExternal {
+            interfaces: external.interfaces.clone(),
+            announce: external.announce.to_string(),
+            announcing: false,
+        })
+    }
+
+    /// The external path in `lb status`, when a service has one or a
+    /// program is still attached.
+    pub(super) fn external_status(&self) -> Option<ExternalStatus> {
+        let attached = self.datapath.xdp_attachments();
+        if self.external.interfaces.is_empty() && attached.is_empty() {
+            return None;
+        }
+        let mut interfaces: Vec<InterfaceStatus> = self
+            .external
+            .interfaces
+            .iter()
+            .map(|(name, (role, result))| InterfaceStatus {
+                name: name.clone(),
+                role: role.name().to_owned(),
+                mode: result.as_ref().ok().map(ToString::to_string),
+                error: result.as_ref().err().cloned(),
+            })
+            .collect();
+        for (name, mode) in attached {
+            if !self.external.interfaces.contains_key(&name) {
+                interfaces.push(InterfaceStatus {
+                    name,
+                    role: "none (left from an earlier config)".to_owned(),
+                    mode: Some(mode.to_string()),
+                    error: None,
+                });
+            }
+        }
+        let maps = self.datapath.external_maps();
+        Some(ExternalStatus {
+            interfaces,
+            flows: maps.flows(),
+            flow_capacity: lb_common::MAX_EXTERNAL_FLOWS as usize,
+            nat_ports: maps.nat_ports(),
+            nat_port_capacity: usize::from(lb_common::NAT_PORT_COUNT),
+            traffic: maps
+                .traffic()
+                .into_iter()
+                .map(|(server, t)| TrafficStatus { server, packets: t.packets, bytes: t.bytes })
+                .collect(),
+            forwarding: self.external.forwarding.unwrap_or(false),
+        })
+    }
+}
+
+/// Whether this network namespace forwards the families asked for (IPv4,
+/// IPv6).
+fn forwarding(v4: bool, v6: bool) -> bool {
+    let on = |path: &str| std::fs::read_to_string(path).is_ok_and(|v| v.trim() == "1");
+    (!v4 || on("/proc/sys/net/ipv4/ip_forward"))
+        && (!v6 || on("/proc/sys/net/ipv6/conf/all/forwarding"))
+}

@@ -1,0 +1,133 @@
+//! The external path's pinned maps as the daemon reads and writes them:
+//! which VIPs it serves (`EXTERNAL`), the node's address toward each
+//! server (`NODE_ADDRESSES`), and what it counts: flows, NAT ports,
+//! traffic per server.
+
+use std::{
+    collections::{BTreeMap, HashMap as StdHashMap, HashSet},
+    net::{IpAddr, SocketAddr},
+};
+
+use anyhow::Context as _;
+use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap};
+use lb_common::{Endpoint, Flow, FlowKey, NatKey, NatReply, Traffic, maps};
+
+/// Handles to the external path's pinned maps.
+pub struct ExternalMaps {
+    vips: HashMap<MapData, Endpoint, u32>,
+    node_addresses: HashMap<MapData, Endpoint, Endpoint>,
+    flows: HashMap<MapData, FlowKey, Flow>,
+    nat: HashMap<MapData, NatKey, NatReply>,
+    traffic: PerCpuHashMap<MapData, Endpoint, Traffic>,
+}
+
+/// What the external path forwarded to one server, over every CPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Forwarded {
+    /// Packets.
+    pub packets: u64,
+    /// Their bytes (IP header and payload).
+    pub bytes: u64,
+}
+
+impl ExternalMaps {
+    pub(super) fn from_maps(
+        mut map: impl FnMut(&str) -> anyhow::Result<Map>,
+    ) -> anyhow::Result<Self> {
+        macro_rules! typed {
+            ($kind:ident, $name:expr) => {
+                $kind::try_from(map($name)?)
+                    .with_context(|| format!("map {} has an unexpected type or size", $name))?
+            };
+        }
+        Ok(Self {
+            vips: typed!(HashMap, maps::EXTERNAL),
+            node_addresses: typed!(HashMap, maps::NODE_ADDRESSES),
+            flows: typed!(HashMap, maps::FLOWS),
+            nat: typed!(HashMap, maps::NAT_REPLIES),
+            traffic: typed!(PerCpuHashMap, maps::TRAFFIC),
+        })
+    }
+
+    /// Makes `EXTERNAL` hold exactly `vips`. Returns how many entries
+    /// changed.
+    pub fn set_vips(&mut self, vips: &HashSet<SocketAddr>) -> anyhow::Result<usize> {
+        let wanted: HashSet<Endpoint> = vips.iter().copied().map(Endpoint::from).collect();
+        let present: HashSet<Endpoint> = self.vips.keys().filter_map(Result::ok).collect();
+        let mut changed = 0;
+        for vip in wanted.difference(&present) {
+            self.vips
+                .insert(vip, 0, 0)
+                .with_context(|| format!("writing {} to EXTERNAL", SocketAddr::from(*vip)))?;
+            changed += 1;
+        }
+        for vip in present.difference(&wanted) {
+            remove(&mut self.vips, vip).context("removing a VIP from EXTERNAL")?;
+            changed += 1;
+        }
+        Ok(changed)
+    }
+
+    /// Makes `NODE_ADDRESSES` hold exactly `addresses` (server → the node's
+    /// address toward it). Returns how many entries changed.
+    pub fn set_node_addresses(
+        &mut self,
+        addresses: &StdHashMap<IpAddr, IpAddr>,
+    ) -> anyhow::Result<usize> {
+        let host = |ip: IpAddr| Endpoint::from(SocketAddr::new(ip, 0));
+        let wanted: StdHashMap<Endpoint, Endpoint> =
+            addresses.iter().map(|(server, node)| (host(*server), host(*node))).collect();
+        let present: StdHashMap<Endpoint, Endpoint> =
+            self.node_addresses.iter().filter_map(Result::ok).collect();
+        let mut changed = 0;
+        for (server, node) in &wanted {
+            if present.get(server) != Some(node) {
+                self.node_addresses.insert(server, node, 0).with_context(|| {
+                    format!("writing {} to NODE_ADDRESSES", SocketAddr::from(*server).ip())
+                })?;
+                changed += 1;
+            }
+        }
+        for server in present.keys().filter(|s| !wanted.contains_key(s)) {
+            remove(&mut self.node_addresses, server)
+                .context("removing a server from NODE_ADDRESSES")?;
+            changed += 1;
+        }
+        Ok(changed)
+    }
+
+    /// Flows in the flow table.
+    pub fn flows(&self) -> usize {
+        self.flows.keys().filter(Result::is_ok).count()
+    }
+
+    /// NAT ports held (one per flow's reply key).
+    pub fn nat_ports(&self) -> usize {
+        self.nat.keys().filter(Result::is_ok).count()
+    }
+
+    /// What was forwarded to each server, summed over the CPUs.
+    pub fn traffic(&self) -> BTreeMap<SocketAddr, Forwarded> {
+        let mut found = BTreeMap::new();
+        for (server, per_cpu) in self.traffic.iter().filter_map(Result::ok) {
+            let total = per_cpu.iter().fold(Forwarded::default(), |sum, t| Forwarded {
+                packets: sum.packets + t.packets,
+                bytes: sum.bytes + t.bytes,
+            });
+            found.insert(SocketAddr::from(server), total);
+        }
+        found
+    }
+}
+
+/// Removes `key`; one already gone is no error.
+fn remove<V: aya::Pod>(
+    map: &mut HashMap<MapData, Endpoint, V>,
+    key: &Endpoint,
+) -> Result<(), MapError> {
+    match map.remove(key) {
+        Err(MapError::KeyNotFound) | Ok(()) => Ok(()),
+        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        Err(e) => Err(e),
+    }
+}

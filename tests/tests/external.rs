@@ -1,0 +1,336 @@
+//! The external path end to end (issue 25, items 1, 2, 4 and 6): clients
+//! in a network namespace of their own reach a VIP through the node,
+//! whose daemon attaches `lb_xdp` to the node's interfaces and forwards
+//! with NAT to servers in a third namespace. Needs root; see
+//! `lb_tests::privileged`.
+//!
+//! ```text
+//!  [client ns] c0 ──── ext0 [node ns: lb run] srv0 ──── s0 [server ns]
+//!  198.18.0.10/24      198.18.0.1   198.18.2.1        198.18.2.2, .3 (s1, s2)
+//!  2001:2::10/64       2001:2::1    2001:2:0:2::1     2001:2:0:2::2, ::3
+//! ```
+//!
+//! The VIPs (198.18.1.100:80, [2001:2:0:1::100]:80) are routed to the node
+//! by the client's routes (`announce = "none"`). A veth that an XDP
+//! program redirects into must have NAPI on its peer: c0 and s0 carry
+//! `lb_xdp` on empty maps of their own, which passes every packet (on
+//! Linux 5.13+ GRO on the peer would do as well; this works from 5.10).
+
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    net::{SocketAddr, TcpStream},
+    time::Duration,
+};
+
+use aya::programs::{Xdp, xdp::XdpMode};
+use lb_tests::{Backend, Daemon, Namespace, TestCgroup, in_new_netns, privileged, sh, wait_until};
+
+const VIP4: &str = "198.18.1.100:80";
+const VIP6: &str = "[2001:2:0:1::100]:80";
+
+/// The three namespaces and what runs in them; the test body runs in the
+/// node's (`in_new_netns`).
+struct Topology {
+    client: Namespace,
+    servers: Namespace,
+    /// The pass-through programs on c0 and s0, attached while this lives.
+    _peers: Vec<aya::Ebpf>,
+}
+
+impl Topology {
+    /// Builds the picture above; the calling thread is the node.
+    fn new() -> Self {
+        let client = Namespace::new();
+        let servers = Namespace::new();
+        let (c, s) = (client.tid.to_string(), servers.tid.to_string());
+        sh(&["ip", "link", "add", "ext0", "type", "veth", "peer", "name", "c0", "netns", &c]);
+        sh(&["ip", "link", "add", "srv0", "type", "veth", "peer", "name", "s0", "netns", &s]);
+        for (dev, v4, v6) in [
+            ("ext0", "198.18.0.1/24", "2001:2::1/64"),
+            ("srv0", "198.18.2.1/24", "2001:2:0:2::1/64"),
+        ] {
+            sh(&["ip", "addr", "add", v4, "dev", dev]);
+            sh(&["ip", "addr", "add", v6, "dev", dev, "nodad"]);
+            sh(&["ip", "link", "set", dev, "up"]);
+        }
+        sh(&["sysctl", "-qw", "net.ipv4.ip_forward=1"]);
+        sh(&["sysctl", "-qw", "net.ipv6.conf.all.forwarding=1"]);
+        client.sh(&["ip", "addr", "add", "198.18.0.10/24", "dev", "c0"]);
+        client.sh(&["ip", "addr", "add", "2001:2::10/64", "dev", "c0", "nodad"]);
+        client.sh(&["ip", "link", "set", "c0", "up"]);
+        client.sh(&["ip", "route", "add", "198.18.1.0/24", "via", "198.18.0.1"]);
+        client.sh(&["ip", "route", "add", "2001:2:0:1::/64", "via", "2001:2::1"]);
+        for a in ["198.18.2.2/24", "198.18.2.3/24"] {
+            servers.sh(&["ip", "addr", "add", a, "dev", "s0"]);
+        }
+        for a in ["2001:2:0:2::2/64", "2001:2:0:2::3/64"] {
+            servers.sh(&["ip", "addr", "add", a, "dev", "s0", "nodad"]);
+        }
+        servers.sh(&["ip", "link", "set", "s0", "up"]);
+        // A veth hands the stack's packets over with the TCP and UDP
+        // checksums left to "hardware" (CHECKSUM_PARTIAL); a frame the XDP
+        // program redirects loses that mark and arrives with a checksum
+        // that was never finished. A real client's NIC finishes it.
+        client.run(|| tx_checksums_off("c0"));
+        servers.run(|| tx_checksums_off("s0"));
+        let peers = vec![client.run(|| pass_through("c0")), servers.run(|| pass_through("s0"))];
+        Self { client, servers, _peers: peers }
+    }
+
+    /// A server in the servers' namespace that answers with its name.
+    fn server(&self, name: &str, addr: &str) -> Backend {
+        let (name, addr): (String, SocketAddr) = (name.to_owned(), addr.parse().unwrap());
+        self.servers.run(move || Backend::start(&name, addr))
+    }
+
+    /// A TCP connection from the client's namespace.
+    fn connect(&self, to: &str) -> std::io::Result<TcpStream> {
+        let to: SocketAddr = to.parse().unwrap();
+        self.client.run(move || TcpStream::connect_timeout(&to, Duration::from_secs(3)))
+    }
+
+    /// Which server a new connection to `to` reaches, or why none.
+    fn ask(&self, to: &str) -> Result<String, String> {
+        let stream = self.connect(to).map_err(|e| e.to_string())?;
+        who(&stream)
+    }
+
+    /// Which server answers a UDP datagram to `to`.
+    fn ask_udp(&self, to: &str) -> Result<String, String> {
+        let to: SocketAddr = to.parse().unwrap();
+        self.client.run(move || {
+            let any: SocketAddr =
+                if to.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().unwrap();
+            let socket = std::net::UdpSocket::bind(any).map_err(|e| e.to_string())?;
+            socket.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            socket.send_to(b"who", to).map_err(|e| e.to_string())?;
+            let mut buf = [0u8; 64];
+            let (n, from) = socket.recv_from(&mut buf).map_err(|e| e.to_string())?;
+            if from != to {
+                return Err(format!("the answer came from {from}, not the VIP {to}"));
+            }
+            Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+        })
+    }
+}
+
+/// `lb_xdp` on its own empty maps, natively on `dev`: passes every packet,
+/// and gives the veth the NAPI that redirected packets need.
+fn pass_through(dev: &str) -> aya::Ebpf {
+    let mut ebpf = lb_user::datapath::xdp::load_unattached().expect("loading lb_xdp");
+    let program: &mut Xdp = ebpf.program_mut("lb_xdp").unwrap().try_into().unwrap();
+    program.attach(dev, XdpMode::Driver).unwrap_or_else(|e| panic!("attaching to {dev}: {e}"));
+    ebpf
+}
+
+/// Turns `dev`'s transmit checksum offload off (`ethtool -K dev tx off`,
+/// by its ioctl): the stack then finishes every checksum itself.
+fn tx_checksums_off(dev: &str) {
+    const ETHTOOL_STXCSUM: u32 = 0x17;
+    #[repr(C)]
+    struct EthtoolValue {
+        cmd: u32,
+        data: u32,
+    }
+    let mut value = EthtoolValue { cmd: ETHTOOL_STXCSUM, data: 0 };
+    // SAFETY: a zeroed ifreq is valid; the socket is owned at once; the
+    // ioctl reads `value` through the pointer while it lives.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let fd = <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd);
+        let mut ifr: libc::ifreq = std::mem::zeroed();
+        for (dst, src) in ifr.ifr_name.iter_mut().zip(dev.as_bytes()) {
+            *dst = *src as libc::c_char;
+        }
+        ifr.ifr_ifru.ifru_data = (&raw mut value).cast();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&fd);
+        assert_eq!(
+            libc::ioctl(fd, libc::SIOCETHTOOL, &mut ifr),
+            0,
+            "ETHTOOL_STXCSUM on {dev}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// The server's name, as it answers `who` on a connection.
+fn who(mut stream: &TcpStream) -> Result<String, String> {
+    stream.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    stream.write_all(b"who\n").map_err(|e| e.to_string())?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line).map_err(|e| e.to_string())?;
+    if line.is_empty() {
+        return Err("closed without an answer".to_owned());
+    }
+    Ok(line.trim().to_owned())
+}
+
+fn services(check: &str) -> String {
+    let mut toml = String::new();
+    for (name, vip, servers) in [
+        ("web4", VIP4, r#"["198.18.2.2:8080", "198.18.2.3:8080"]"#),
+        ("web6", VIP6, r#"["[2001:2:0:2::2]:8080", "[2001:2:0:2::3]:8080"]"#),
+    ] {
+        toml.push_str(&format!(
+            "[[service]]\nname = \"{name}\"\nvip = \"{vip}\"\nservers = {servers}\nhold_down = \"60s\"\n\
+             [service.health]\ncheck = \"{check}\"\ninterval = \"200ms\"\ntimeout = \"200ms\"\n\
+             [service.external]\ninterfaces = [\"ext0\"]\n"
+        ));
+    }
+    toml
+}
+
+/// Whether an XDP program is attached to `dev` (in this namespace).
+fn has_xdp(dev: &str) -> bool {
+    let out =
+        std::process::Command::new("ip").args(["-d", "link", "show", "dev", dev]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).contains("prog/xdp")
+}
+
+/// Items 1, 4, 5 and 6: TCP and UDP, IPv4 and IPv6, from another
+/// machine's namespace to the first server of each VIP, with status and
+/// counters saying so; `lb detach` removes every XDP program lb attached.
+#[test]
+fn external_clients_reach_the_selected_server() {
+    if !privileged() {
+        return;
+    }
+    in_new_netns(|| {
+        let net = Topology::new();
+        let (_s1, _s2) = (net.server("s1", "198.18.2.2:8080"), net.server("s2", "198.18.2.3:8080"));
+        let (_s1v6, _s2v6) =
+            (net.server("s1", "[2001:2:0:2::2]:8080"), net.server("s2", "[2001:2:0:2::3]:8080"));
+        let cgroup = TestCgroup::new("external");
+        let daemon = Daemon::start("external", &cgroup, &services("tcp"));
+        let status = daemon.status();
+        let interfaces = &status["datapath"]["external"]["interfaces"];
+        for (name, role) in [("ext0", "clients"), ("srv0", "servers")] {
+            let row = interfaces.as_array().unwrap().iter().find(|i| i["name"] == name);
+            let row = row.unwrap_or_else(|| panic!("no {name} in {interfaces}\n{}", daemon.log()));
+            assert_eq!(
+                (row["role"].as_str(), row["mode"].as_str()),
+                (Some(role), Some("native")),
+                "{row}"
+            );
+            assert!(has_xdp(name), "no XDP program on {name}");
+        }
+        assert!(
+            wait_until(Duration::from_secs(10), || daemon
+                .server_field("198.18.2.2:8080".parse().unwrap(), "state")
+                == "active"),
+            "{}",
+            daemon.log()
+        );
+        for vip in [VIP4, VIP6] {
+            for _ in 0..5 {
+                assert_eq!(
+                    net.ask(vip).as_deref(),
+                    Ok("s1"),
+                    "TCP to {vip}\n{}",
+                    daemon.status()["datapath"]
+                );
+            }
+            assert_eq!(net.ask_udp(vip).as_deref(), Ok("s1"), "UDP to {vip}");
+        }
+        let status = daemon.status();
+        let external = &status["datapath"]["external"];
+        assert!(external["flows"].as_u64().unwrap() >= 12, "{external}");
+        assert!(external["nat_ports"].as_u64().unwrap() >= 12, "{external}");
+        let traffic = external["traffic"].as_array().unwrap();
+        let to = |server: &str| {
+            traffic.iter().find(|t| t["server"] == server).map(|t| t["packets"].as_u64().unwrap())
+        };
+        assert!(to("198.18.2.2:8080").unwrap_or(0) >= 5 * 3, "{external}");
+        assert!(to("[2001:2:0:2::2]:8080").unwrap_or(0) >= 5 * 3, "{external}");
+        assert_eq!(to("198.18.2.3:8080"), None, "nothing went to s2: {external}");
+        assert!(daemon.counter("xdp_new_flow") >= 12);
+        assert!(daemon.counter("xdp_replied") >= 12);
+        assert_eq!(status["services"][0]["external"]["interfaces"][0], "ext0");
+
+        daemon.lb(&["detach"]);
+        for dev in ["ext0", "srv0"] {
+            assert!(!has_xdp(dev), "lb detach left an XDP program on {dev}");
+        }
+        drop(daemon);
+        drop(cgroup);
+    });
+}
+
+/// Items 2 and 4: a server killed under load costs at most the connects
+/// in flight, the kernel moving to the next server at once (the health
+/// checks are off: only the reset marks it); with the daemon SIGKILLed a
+/// held flow keeps working and new ones are forwarded; a restarted daemon
+/// adopts the programs and the flow lives on.
+#[test]
+fn external_flows_survive_failover_and_the_daemon() {
+    if !privileged() {
+        return;
+    }
+    in_new_netns(|| {
+        let net = Topology::new();
+        let s1 = net.server("s1", "198.18.2.2:8080");
+        let _s2 = net.server("s2", "198.18.2.3:8080");
+        let cgroup = TestCgroup::new("external-failover");
+        let mut daemon = Daemon::start("external-failover", &cgroup, &services("none"));
+        assert_eq!(net.ask(VIP4).as_deref(), Ok("s1"), "{}", daemon.log());
+        net.servers.run(move || s1.stop());
+        let answers: Vec<Result<String, String>> = (0..20).map(|_| net.ask(VIP4)).collect();
+        let failed = answers.iter().filter(|a| a.is_err()).count();
+        assert!(failed <= 1, "a killed server cost {failed} connects: {answers:?}");
+        assert!(answers.iter().skip(1).all(|a| a.as_deref() == Ok("s2")), "{answers:?}");
+        assert!(daemon.counter("xdp_server_reset") >= 1);
+
+        let held = net.connect(VIP4).unwrap();
+        assert_eq!(who(&held).as_deref(), Ok("s2"));
+        daemon.kill();
+        assert_eq!(net.ask(VIP4).as_deref(), Ok("s2"), "new flows with the daemon dead");
+        (&held).write_all(b"still there\n").expect("the held flow broke with the daemon dead");
+        daemon.restart();
+        assert_eq!(daemon.status()["datapath"]["adopted"], true);
+        assert_eq!(net.ask(VIP4).as_deref(), Ok("s2"), "new flows after the restart");
+        // The held flow carries data both ways: the server sees our close
+        // and closes too, and we read its end (a reset would be an error).
+        held.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut rest = String::new();
+        let read = std::io::Read::read_to_string(&mut &held, &mut rest);
+        assert!(read.is_ok(), "the held flow was reset: {read:?}");
+        drop(daemon);
+        drop(cgroup);
+    });
+}
+
+/// Item 4 and reload: a reload that removes a service's external table
+/// detaches the programs; one that adds it back attaches them again.
+#[test]
+fn a_reload_attaches_and_detaches_the_external_path() {
+    if !privileged() {
+        return;
+    }
+    in_new_netns(|| {
+        let net = Topology::new();
+        let _s1 = net.server("s1", "198.18.2.2:8080");
+        let cgroup = TestCgroup::new("external-reload");
+        let local_only = "[[service]]\nname = \"web4\"\nvip = \"198.18.1.100:80\"\nservers = [\"198.18.2.2:8080\"]\n";
+        let daemon = Daemon::start("external-reload", &cgroup, local_only);
+        assert!(!has_xdp("ext0"));
+        assert!(net.ask(VIP4).is_err(), "the VIP answered with no external path");
+        daemon.write_config(
+            &cgroup,
+            &format!("{local_only}[service.external]\ninterfaces = [\"ext0\"]\n"),
+        );
+        daemon.lb(&["reload"]);
+        assert!(has_xdp("ext0") && has_xdp("srv0"), "{}", daemon.log());
+        assert!(
+            wait_until(Duration::from_secs(10), || net.ask(VIP4).as_deref() == Ok("s1")),
+            "{}",
+            daemon.log()
+        );
+        daemon.write_config(&cgroup, local_only);
+        daemon.lb(&["reload"]);
+        assert!(!has_xdp("ext0") && !has_xdp("srv0"), "{}", daemon.log());
+        assert!(daemon.status()["datapath"]["external"].is_null());
+        drop(daemon);
+        drop(cgroup);
+    });
+}
