@@ -123,6 +123,28 @@ pub struct Traffic {
     pub bytes: u64,
 }
 
+/// `ANNOUNCE`'s key: an address the node announces on one interface.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AnnounceKey {
+    /// The interface (its index) the address is announced on.
+    pub ifindex: u32,
+    /// The address, as an [`Endpoint`]'s (IPv4 as IPv4-mapped IPv6).
+    pub addr: [u32; 4],
+}
+
+/// `ANNOUNCE`'s value: what the answers say.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AnnounceValue {
+    /// The interface's MAC address: where the address is.
+    pub mac: [u8; 6],
+    /// Zero.
+    pub _pad: [u8; 2],
+}
+
+const _: () = assert!(size_of::<AnnounceKey>() == 20);
+const _: () = assert!(size_of::<AnnounceValue>() == 8);
 const _: () = assert!(size_of::<FlowKey>() == 44);
 const _: () = assert!(size_of::<Flow>() == 48);
 const _: () = assert!(size_of::<NatKey>() == 44);

@@ -26,8 +26,8 @@ mod udp;
 pub mod user;
 
 pub use external::{
-    Flow, FlowKey, MAX_EXTERNAL_FLOWS, NAT_PORT_COUNT, NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED,
-    NAT_REPLY_SYN, NatKey, NatReply, Traffic,
+    AnnounceKey, AnnounceValue, Flow, FlowKey, MAX_EXTERNAL_FLOWS, NAT_PORT_COUNT, NAT_PORT_FIRST,
+    NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN, NatKey, NatReply, Traffic,
 };
 pub use reason::{Reason, UnknownReason};
 pub use udp::{UdpPeer, UdpPeers};
@@ -86,13 +86,15 @@ pub const EVENTS_BYTES: u32 = 256 * 1024;
 /// 3: `Service::daemon_states`.
 /// 4: `UDP_PEERS`; the sendmsg and recvmsg programs.
 /// 5: the external path's maps (`EXTERNAL`, `NODE_ADDRESSES`, `FLOWS`,
-/// `NAT_REPLIES`, `TRAFFIC`) and its XDP program. A daemon of layout 5
-/// adopts pins of layout 4 and upgrades them (`UPGRADABLE_LAYOUT`).
-pub const LAYOUT_VERSION: u32 = 5;
+/// `NAT_REPLIES`, `TRAFFIC`) and its XDP program.
+/// 6: `ANNOUNCE`, the addresses the XDP program answers ARP and neighbour
+/// solicitations for. A daemon of layout 6 adopts pins of layout 5 and
+/// upgrades them (`UPGRADABLE_LAYOUT`).
+pub const LAYOUT_VERSION: u32 = 6;
 /// The one older layout a daemon adopts, by adding what its layout lacks
 /// (maps and programs; nothing pinned changes shape) before it replaces
 /// the programs.
-pub const UPGRADABLE_LAYOUT: u32 = 4;
+pub const UPGRADABLE_LAYOUT: u32 = 5;
 
 /// Index of the layout version in `META`.
 pub const META_LAYOUT_VERSION: u32 = 0;
@@ -155,8 +157,12 @@ pub mod maps {
     pub const NAT_REPLIES: &str = "NAT_REPLIES";
     /// Server → per-CPU [`Traffic`](crate::Traffic) forwarded to it.
     pub const TRAFFIC: &str = "TRAFFIC";
+    /// [`AnnounceKey`](crate::AnnounceKey) (interface, address) →
+    /// [`AnnounceValue`](crate::AnnounceValue) (its MAC): what the XDP
+    /// program answers ARP requests and neighbour solicitations for (layout 6).
+    pub const ANNOUNCE: &str = "ANNOUNCE";
     /// Every map the daemon pins, in one list so attach, adopt and detach agree.
-    pub const ALL: [&str; 14] = [
+    pub const ALL: [&str; 15] = [
         SERVICES,
         FAILED_AT,
         SOCKETS,
@@ -171,9 +177,10 @@ pub mod maps {
         FLOWS,
         NAT_REPLIES,
         TRAFFIC,
+        ANNOUNCE,
     ];
     /// The maps pins of `UPGRADABLE_LAYOUT` lack (an upgrade creates them).
-    pub const NEW_IN_LAYOUT: [&str; 5] = [EXTERNAL, NODE_ADDRESSES, FLOWS, NAT_REPLIES, TRAFFIC];
+    pub const NEW_IN_LAYOUT: [&str; 1] = [ANNOUNCE];
 }
 
 /// Names of the programs in the object file; also their link pin names.
@@ -225,7 +232,7 @@ pub mod programs {
     /// XDP, the external path: forwards packets from the network for an
     /// external VIP to its servers and translates their replies back.
     /// Not a cgroup program: attached to interfaces, its links pinned
-    /// under `links/xdp/<interface>`.
+    /// under `links/xdp-<mode>/<interface>`.
     pub const XDP: &str = "lb_xdp";
     /// The getpeername hooks (Linux 5.8+): without them applications see
     /// the server's address instead of the VIP; lb degrades and says so.

@@ -187,6 +187,12 @@ reasons! {
     XdpNoRoute = 55 => "xdp_no_route",
     /// xdp: the rewritten packet was sent out by redirect.
     XdpRedirected = 56 => "xdp_redirected",
+    /// xdp: an ARP request for an announced VIP, answered with the
+    /// interface's MAC.
+    XdpArpAnswered = 57 => "xdp_arp_answered",
+    /// xdp: a neighbour solicitation for an announced VIP, answered with a
+    /// neighbour advertisement.
+    XdpNdpAnswered = 58 => "xdp_ndp_answered",
 }
 
 impl Reason {
@@ -303,6 +309,8 @@ mod tests {
                 "xdp_ttl_exceeded",
                 "xdp_no_route",
                 "xdp_redirected",
+                "xdp_arp_answered",
+                "xdp_ndp_answered",
             ]
         );
     }

@@ -6,8 +6,8 @@ extern crate std;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use crate::{
-    ConnKey, Endpoint, Event, Flow, FlowKey, NatKey, NatReply, Service, SockEntry, Traffic,
-    UdpPeers,
+    AnnounceKey, AnnounceValue, ConnKey, Endpoint, Event, Flow, FlowKey, NatKey, NatReply, Service,
+    SockEntry, Traffic, UdpPeers,
 };
 
 // SAFETY: all of these are `#[repr(C)]`, made only of integers and arrays of
@@ -33,6 +33,10 @@ unsafe impl aya::Pod for NatKey {}
 unsafe impl aya::Pod for NatReply {}
 // SAFETY: as above.
 unsafe impl aya::Pod for Traffic {}
+// SAFETY: as above.
+unsafe impl aya::Pod for AnnounceKey {}
+// SAFETY: as above.
+unsafe impl aya::Pod for AnnounceValue {}
 
 impl Event {
     /// The record at the start of `bytes`, as `sock_ops` wrote it to the

@@ -48,10 +48,10 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockContext, SockOpsContext, XdpContext},
 };
 use lb_common::{
-    ConnKey, EVENTS_BYTES, Endpoint, Flow, FlowKey, MAX_CONNECTING_SOCKETS, MAX_EXTERNAL_FLOWS,
-    MAX_FAILED_SERVERS, MAX_SERVER_PAIRS, MAX_SERVICES, MAX_TRACKED_SOCKETS,
-    MAX_TRACKED_UDP_SOCKETS, MAX_UDP_PEER_SOCKETS, META_SLOTS, NatKey, NatReply, Reason, Service,
-    SockEntry, Traffic, UNMARKED_SLOTS, UdpPeers,
+    AnnounceKey, AnnounceValue, ConnKey, EVENTS_BYTES, Endpoint, Flow, FlowKey,
+    MAX_CONNECTING_SOCKETS, MAX_EXTERNAL_FLOWS, MAX_FAILED_SERVERS, MAX_SERVER_PAIRS, MAX_SERVICES,
+    MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS, MAX_UDP_PEER_SOCKETS, META_SLOTS, NatKey,
+    NatReply, Reason, Service, SockEntry, Traffic, UNMARKED_SLOTS, UdpPeers,
 };
 
 /// VIP → service (its selection). Written only by the daemon, one whole
@@ -157,6 +157,13 @@ static NAT_REPLIES: LruHashMap<NatKey, NatReply> =
 static TRAFFIC: PerCpuHashMap<Endpoint, Traffic> =
     PerCpuHashMap::with_max_entries(MAX_FAILED_SERVERS, 0);
 
+/// (Interface, address) → the interface's MAC: the VIPs whose ARP
+/// requests and neighbour solicitations `lb_xdp` answers there
+/// (`announce.rs`). Written by the daemon.
+#[map]
+static ANNOUNCE: HashMap<AnnounceKey, AnnounceValue> =
+    HashMap::with_max_entries(MAX_SERVICES, BPF_F_NO_PREALLOC);
+
 /// One parsed packet per CPU (`packet::Packet`) for `lb_xdp`: kept off the
 /// stack, which holds 512 bytes for the whole call chain (Linux 5.10
 /// refused the program with it on the stack). Kernel-only, never pinned.
@@ -238,6 +245,7 @@ macro_rules! ctx_write {
 }
 
 // Each module uses the macros above, so they are declared after them.
+mod announce;
 mod connect;
 mod external;
 mod packet;
@@ -404,6 +412,10 @@ pub fn lb_xdp(ctx: XdpContext) -> u32 {
     // SAFETY: this CPU's slot, used by this program run alone (XDP runs
     // with preemption off: one packet per CPU at a time).
     let p = unsafe { &mut *slot };
+    let answered = announce::answer(&ctx);
+    if answered != announce::NOT_ASKED {
+        return answered;
+    }
     if packet::parse(&ctx, p).is_none() {
         return xdp_action::XDP_PASS;
     }

@@ -90,14 +90,14 @@ fn at<T>(ctx: &XdpContext, offset: usize) -> Option<*mut T> {
 
 /// Reads a `T` at `offset`; `None` past the end.
 #[inline(always)]
-fn read<T: Copy>(ctx: &XdpContext, offset: usize) -> Option<T> {
+pub(crate) fn read<T: Copy>(ctx: &XdpContext, offset: usize) -> Option<T> {
     // SAFETY: `at` checked the bounds; packet data may be unaligned.
     at::<T>(ctx, offset).map(|p| unsafe { p.read_unaligned() })
 }
 
 /// Writes `value` at `offset`; false past the end.
 #[inline(always)]
-fn write<T>(ctx: &XdpContext, offset: usize, value: T) -> bool {
+pub(crate) fn write<T>(ctx: &XdpContext, offset: usize, value: T) -> bool {
     match at::<T>(ctx, offset) {
         Some(p) => {
             // SAFETY: as in `read`.

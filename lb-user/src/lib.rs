@@ -21,6 +21,7 @@
 //! Every public item is documented (`missing_docs`).
 #![warn(missing_docs)]
 
+pub mod announce;
 pub mod balancer;
 pub mod cli;
 pub mod client;

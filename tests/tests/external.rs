@@ -38,8 +38,20 @@ struct Topology {
 }
 
 impl Topology {
-    /// Builds the picture above; the calling thread is the node.
+    /// Builds the picture above; the calling thread is the node. The
+    /// client reaches the VIPs through the node as its router.
     fn new() -> Self {
+        Self::build(false)
+    }
+
+    /// As [`Self::new`], but the client has the VIPs' subnets on its link:
+    /// it asks who has a VIP (ARP, neighbour solicitation), and only an
+    /// announcing node answers.
+    fn on_link() -> Self {
+        Self::build(true)
+    }
+
+    fn build(on_link: bool) -> Self {
         let client = Namespace::new();
         let servers = Namespace::new();
         let (c, s) = (client.tid.to_string(), servers.tid.to_string());
@@ -58,8 +70,13 @@ impl Topology {
         client.sh(&["ip", "addr", "add", "198.18.0.10/24", "dev", "c0"]);
         client.sh(&["ip", "addr", "add", "2001:2::10/64", "dev", "c0", "nodad"]);
         client.sh(&["ip", "link", "set", "c0", "up"]);
-        client.sh(&["ip", "route", "add", "198.18.1.0/24", "via", "198.18.0.1"]);
-        client.sh(&["ip", "route", "add", "2001:2:0:1::/64", "via", "2001:2::1"]);
+        if on_link {
+            client.sh(&["ip", "route", "add", "198.18.1.0/24", "dev", "c0"]);
+            client.sh(&["ip", "route", "add", "2001:2:0:1::/64", "dev", "c0"]);
+        } else {
+            client.sh(&["ip", "route", "add", "198.18.1.0/24", "via", "198.18.0.1"]);
+            client.sh(&["ip", "route", "add", "2001:2:0:1::/64", "via", "2001:2::1"]);
+        }
         for a in ["198.18.2.2/24", "198.18.2.3/24"] {
             servers.sh(&["ip", "addr", "add", a, "dev", "s0"]);
         }
@@ -167,6 +184,10 @@ fn who(mut stream: &TcpStream) -> Result<String, String> {
 }
 
 fn services(check: &str) -> String {
+    services_announced(check, "none")
+}
+
+fn services_announced(check: &str, announce: &str) -> String {
     let mut toml = String::new();
     for (name, vip, servers) in [
         ("web4", VIP4, r#"["198.18.2.2:8080", "198.18.2.3:8080"]"#),
@@ -175,10 +196,20 @@ fn services(check: &str) -> String {
         toml.push_str(&format!(
             "[[service]]\nname = \"{name}\"\nvip = \"{vip}\"\nservers = {servers}\nhold_down = \"60s\"\n\
              [service.health]\ncheck = \"{check}\"\ninterval = \"200ms\"\ntimeout = \"200ms\"\n\
-             [service.external]\ninterfaces = [\"ext0\"]\n"
+             [service.external]\ninterfaces = [\"ext0\"]\nannounce = \"{announce}\"\n"
         ));
     }
     toml
+}
+
+/// The id of the XDP program attached to `dev` (in this namespace).
+fn xdp_id(dev: &str) -> Option<u32> {
+    let out =
+        std::process::Command::new("ip").args(["-d", "link", "show", "dev", dev]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let words: Vec<&str> = text.split_whitespace().collect();
+    let at = words.iter().position(|w| *w == "prog/xdp")?;
+    words.get(at + 2)?.parse().ok()
 }
 
 /// Whether an XDP program is attached to `dev` (in this namespace).
@@ -215,23 +246,36 @@ fn external_clients_reach_the_selected_server() {
             );
             assert!(has_xdp(name), "no XDP program on {name}");
         }
-        assert!(
-            wait_until(Duration::from_secs(10), || daemon
-                .server_field("198.18.2.2:8080".parse().unwrap(), "state")
-                == "active"),
-            "{}",
-            daemon.log()
-        );
-        for vip in [VIP4, VIP6] {
+        // Failover: one server of each service takes every new flow (the
+        // first whose check passed), and only it.
+        let mut active: Vec<(String, String)> = Vec::new();
+        let elected = || {
+            let status = daemon.status();
+            let found: Vec<(String, String)> = (0..2)
+                .filter_map(|i| {
+                    let servers = status["services"][i]["servers"].as_array()?;
+                    let (j, server) =
+                        servers.iter().enumerate().find(|(_, s)| s["state"] == "active")?;
+                    Some((format!("s{}", j + 1), server["address"].as_str()?.to_owned()))
+                })
+                .collect();
+            found.len() == 2 && {
+                active = found;
+                true
+            }
+        };
+        assert!(wait_until(Duration::from_secs(10), elected), "{}", daemon.log());
+        for (vip, (name, _)) in [VIP4, VIP6].into_iter().zip(&active) {
             for _ in 0..5 {
+                let answer = net.ask(vip);
                 assert_eq!(
-                    net.ask(vip).as_deref(),
-                    Ok("s1"),
+                    answer.as_deref(),
+                    Ok(name.as_str()),
                     "TCP to {vip}\n{}",
-                    daemon.status()["datapath"]
+                    daemon.status()
                 );
             }
-            assert_eq!(net.ask_udp(vip).as_deref(), Ok("s1"), "UDP to {vip}");
+            assert_eq!(net.ask_udp(vip).as_deref(), Ok(name.as_str()), "UDP to {vip}");
         }
         let status = daemon.status();
         let external = &status["datapath"]["external"];
@@ -241,9 +285,10 @@ fn external_clients_reach_the_selected_server() {
         let to = |server: &str| {
             traffic.iter().find(|t| t["server"] == server).map(|t| t["packets"].as_u64().unwrap())
         };
-        assert!(to("198.18.2.2:8080").unwrap_or(0) >= 5 * 3, "{external}");
-        assert!(to("[2001:2:0:2::2]:8080").unwrap_or(0) >= 5 * 3, "{external}");
-        assert_eq!(to("198.18.2.3:8080"), None, "nothing went to s2: {external}");
+        for (_, server) in &active {
+            assert!(to(server).unwrap_or(0) >= 5 * 3, "{external}");
+        }
+        assert_eq!(traffic.len(), 2, "only the active servers got traffic: {external}");
         assert!(daemon.counter("xdp_new_flow") >= 12);
         assert!(daemon.counter("xdp_replied") >= 12);
         assert_eq!(status["services"][0]["external"]["interfaces"][0], "ext0");
@@ -286,8 +331,20 @@ fn external_flows_survive_failover_and_the_daemon() {
         daemon.kill();
         assert_eq!(net.ask(VIP4).as_deref(), Ok("s2"), "new flows with the daemon dead");
         (&held).write_all(b"still there\n").expect("the held flow broke with the daemon dead");
+        // The restarted daemon finds programs of another build (a faked
+        // fingerprint): it adopts the pins and swaps every program in
+        // place, the XDP program on each interface too.
+        let before = ["ext0", "srv0"].map(xdp_id);
+        lb_user::datapath::write_program_fingerprint(&daemon.bpffs, 0).unwrap();
         daemon.restart();
         assert_eq!(daemon.status()["datapath"]["adopted"], true);
+        let after = ["ext0", "srv0"].map(xdp_id);
+        assert!(after.iter().all(Option::is_some), "{after:?}\n{}", daemon.log());
+        assert!(
+            before.iter().zip(&after).all(|(b, a)| b != a),
+            "not replaced: {before:?} {after:?}"
+        );
+        assert_eq!(after[0], after[1], "one program on both interfaces");
         assert_eq!(net.ask(VIP4).as_deref(), Ok("s2"), "new flows after the restart");
         // The held flow carries data both ways: the server sees our close
         // and closes too, and we read its end (a reset would be an error).
@@ -330,6 +387,92 @@ fn a_reload_attaches_and_detaches_the_external_path() {
         daemon.lb(&["reload"]);
         assert!(!has_xdp("ext0") && !has_xdp("srv0"), "{}", daemon.log());
         assert!(daemon.status()["datapath"]["external"].is_null());
+        drop(daemon);
+        drop(cgroup);
+    });
+}
+
+/// The link-layer address the client's neighbour table holds for `ip`,
+/// if it holds one that is usable.
+fn client_neighbour(net: &Topology, ip: &str) -> Option<String> {
+    let ip = ip.to_owned();
+    net.client.run(move || {
+        let out = std::process::Command::new("ip")
+            .args(["neigh", "show", &ip, "dev", "c0"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let words: Vec<&str> = text.split_whitespace().collect();
+        let at = words.iter().position(|w| *w == "lladdr")?;
+        Some(words.get(at + 1)?.to_string())
+    })
+}
+
+/// The node's MAC address on `dev` (in this network namespace).
+fn mac_of(dev: &str) -> String {
+    let out = std::process::Command::new("ip")
+        .args(["-br", "link", "show", "dev", dev])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).split_whitespace().nth(2).unwrap_or_default().to_owned()
+}
+
+/// Item 3: with `announce = "arp"` the node answers ARP and neighbour
+/// solicitations for its VIPs on the listed interface, with that
+/// interface's MAC, while a server is usable; with every server failed it
+/// stops (a client that forgot the VIP's address cannot find it), and
+/// answers again once one is back. `lb detach` withdraws it.
+#[test]
+fn an_announced_vip_is_found_on_the_link_while_it_has_a_server() {
+    if !privileged() {
+        return;
+    }
+    in_new_netns(|| {
+        let net = Topology::on_link();
+        let s1 = net.server("s1", "198.18.2.2:8080");
+        let s1v6 = net.server("s1", "[2001:2:0:2::2]:8080");
+        let cgroup = TestCgroup::new("external-announce");
+        let daemon = Daemon::start("external-announce", &cgroup, &services_announced("tcp", "arp"));
+        let announcing =
+            |i: usize| daemon.status()["services"][i]["external"]["announcing"] == true;
+        assert!(
+            wait_until(Duration::from_secs(10), || announcing(0) && announcing(1)),
+            "{}",
+            daemon.log()
+        );
+        let ext0 = mac_of("ext0");
+        for (vip, ip) in [(VIP4, "198.18.1.100"), (VIP6, "2001:2:0:1::100")] {
+            assert_eq!(net.ask(vip).as_deref(), Ok("s1"), "{vip}\n{}", daemon.status()["datapath"]);
+            assert_eq!(
+                client_neighbour(&net, ip),
+                Some(ext0.clone()),
+                "the client did not learn {ip} at ext0"
+            );
+        }
+        assert!(daemon.counter("xdp_arp_answered") >= 1);
+        assert!(daemon.counter("xdp_ndp_answered") >= 1);
+
+        // Every server of web4 gone: withdrawn. The client forgets the
+        // VIP's address and asks again, in vain.
+        let s1_addr = net.servers.run(move || s1.stop());
+        assert!(wait_until(Duration::from_secs(10), || !announcing(0)), "{}", daemon.log());
+        assert!(announcing(1), "web6 still has its server");
+        net.client.sh(&["ip", "neigh", "flush", "dev", "c0"]);
+        assert!(net.ask(VIP4).is_err(), "a withdrawn VIP was found");
+        assert_eq!(client_neighbour(&net, "198.18.1.100"), None);
+        // Back: announced again, found again.
+        let _s1 = net.server("s1", &s1_addr.to_string());
+        assert!(wait_until(Duration::from_secs(10), || announcing(0)), "{}", daemon.log());
+        assert!(
+            wait_until(Duration::from_secs(10), || net.ask(VIP4).as_deref() == Ok("s1")),
+            "{}",
+            daemon.log()
+        );
+
+        daemon.lb(&["detach"]);
+        net.client.sh(&["ip", "neigh", "flush", "dev", "c0"]);
+        assert!(net.ask(VIP4).is_err(), "lb detach left the VIP announced");
+        drop(s1v6);
         drop(daemon);
         drop(cgroup);
     });

@@ -20,9 +20,10 @@ use crate::{
     cmd::{run_cmd, target_dir, workspace},
 };
 
-/// The commit of the previous version: main with the UDP issue (#24)
-/// done, before the external path (#25) added its maps (layout 4).
-pub const PREVIOUS: &str = "a14d213096b8f9429862ca38a1329d722d17416d";
+/// The commit of the previous version: main with the external path's
+/// XDP program and maps (#25, layout 5), before the daemon attached it
+/// and `ANNOUNCE` was added (layout 6).
+pub const PREVIOUS: &str = "75001aad03a117257f6e0926065c7bd9743328c9";
 
 /// The previous version's `lb`, built once under `target/previous/` (and
 /// kept there for the next run). `None` when this clone lacks its commit

@@ -57,16 +57,7 @@ pub(super) fn parse_external(
     }
     let announce = match raw.announce.as_deref() {
         None | Some("none") => Announce::None,
-        Some("arp") => {
-            // Announcing is not built yet: refused rather than accepted and
-            // silently not done, which would leave clients without a route.
-            problem(
-                at.at("announce"),
-                "\"arp\" is not built yet (issue 25): use \"none\" and route the VIP to this node"
-                    .to_owned(),
-            );
-            Announce::Arp
-        }
+        Some("arp") => Announce::Arp,
         Some(other) => {
             problem(
                 at.at("announce"),
@@ -113,8 +104,8 @@ mod tests {
         let expected =
             External { interfaces: vec!["eth1".into(), "eth2".into()], announce: Announce::None };
         assert_eq!(config.services[0].external, Some(expected));
-        let arp = problems(&format!("{EXTERNAL}announce = \"arp\"\n"));
-        assert!(arp.contains("\"arp\" is not built yet"), "{arp}");
+        let arp = parse(&format!("{EXTERNAL}announce = \"arp\"\n")).unwrap();
+        assert_eq!(arp.services[0].external.as_ref().unwrap().announce, Announce::Arp);
     }
 
     #[test]

@@ -17,8 +17,11 @@ use tracing::{info, warn};
 
 use super::owner::Daemon;
 use crate::{
+    announce,
+    balancer::State,
+    config::Announce,
     control::{ExternalStatus, InterfaceStatus, ServiceExternal, TrafficStatus},
-    datapath::xdp::Mode,
+    datapath::{Announced, xdp::Mode},
     routes::{self, Route},
 };
 
@@ -38,6 +41,8 @@ pub(super) struct External {
     interfaces: BTreeMap<String, (Role, Result<Mode, String>)>,
     /// Whether the kernel forwards IPv4 and IPv6, as last read.
     forwarding: Option<bool>,
+    /// The addresses announced now, on which interfaces.
+    announced: HashSet<Announced>,
 }
 
 /// Why `lb_xdp` runs on an interface.
@@ -141,14 +146,78 @@ impl Daemon {
         if !external.is_empty() {
             self.watch_forwarding(families);
         }
+        self.announce(&external);
+    }
+
+    /// Makes `ANNOUNCE` hold the VIPs of the services that announce
+    /// (`announce = "arp"`) and have a usable server, on each of their
+    /// interfaces; tells the link about each one announced anew. A later
+    /// election of one announcing node per VIP switches announcing through
+    /// [`Self::may_announce`] and nothing else.
+    fn announce(&mut self, external: &[usize]) {
+        let mut wanted: HashMap<Announced, announce::Mac> = HashMap::new();
+        let mut macs: HashMap<String, Option<announce::Mac>> = HashMap::new();
+        for &i in external {
+            let service = &self.services[i];
+            let config = service.config.external.as_ref().expect("filtered by the caller");
+            if config.announce != Announce::Arp
+                || !self.may_announce(i)
+                || !has_usable(service.balancer.servers())
+            {
+                continue;
+            }
+            for name in &config.interfaces {
+                let Some(ifindex) = routes::ifindex(name) else { continue };
+                let mac = macs.entry(name.clone()).or_insert_with(|| {
+                    announce::interface_mac(name)
+                        .inspect_err(|e| warn!(interface = %name, "reading the interface's MAC address: {e}"))
+                        .ok()
+                });
+                if let Some(mac) = *mac {
+                    wanted.insert((ifindex, service.config.vip.ip()), mac);
+                }
+            }
+        }
+        let added = match self.datapath.external().set_announced(&wanted) {
+            Ok(added) => added,
+            Err(e) => {
+                warn!("writing the announced VIPs: {e:#}");
+                return;
+            }
+        };
+        for (ifindex, ip) in &added {
+            info!(vip = %ip, interface = ?routes::ifname(*ifindex), "announcing");
+            let frame = announce::unsolicited(*ip, wanted[&(*ifindex, *ip)]);
+            if let Err(e) = announce::send(*ifindex, &frame) {
+                warn!(vip = %ip, "telling the link: {e}");
+            }
+        }
+        for (ifindex, ip) in self.external.announced.difference(&wanted.keys().copied().collect()) {
+            info!(vip = %ip, interface = ?routes::ifname(*ifindex), "withdrawn: no longer announced");
+        }
+        self.external.announced = wanted.into_keys().collect();
+    }
+
+    /// Whether this node may announce service `i`'s VIP. Always, with one
+    /// node; the election of one announcing node per VIP (several nodes)
+    /// decides here.
+    #[expect(
+        clippy::unused_self,
+        reason = "the election's hook: it will read the daemon's lease state"
+    )]
+    fn may_announce(&self, _i: usize) -> bool {
+        true
     }
 
     /// Before service `i`'s selection `servers` is written: the routes of
     /// servers new to the external path are asked now, so that its first
-    /// packets find the NAT source (the tick would be up to a second late).
+    /// packets find the NAT source, and its announcement follows its
+    /// servers' states (the tick would be up to a second late).
     pub(super) fn before_external_write(&mut self, i: usize, servers: &[SocketAddr]) {
-        if self.services[i].config.external.is_some()
-            && servers.iter().any(|s| !self.external.routes.contains_key(&s.ip()))
+        let Some(external) = &self.services[i].config.external else { return };
+        // Announcing follows the servers' states at once, too.
+        if external.announce == Announce::Arp
+            || servers.iter().any(|s| !self.external.routes.contains_key(&s.ip()))
         {
             self.sync_external(false);
         }
@@ -176,10 +245,11 @@ impl Daemon {
     /// A service's external path in `lb status`.
     pub(super) fn service_external(&self, i: usize) -> Option<ServiceExternal> {
         let external = self.services[i].config.external.as_ref()?;
+        let vip = self.services[i].config.vip.ip();
         Some(ServiceExternal {
             interfaces: external.interfaces.clone(),
             announce: external.announce.to_string(),
-            announcing: false,
+            announcing: self.external.announced.iter().any(|(_, ip)| *ip == vip),
         })
     }
 
@@ -226,6 +296,14 @@ impl Daemon {
             forwarding: self.external.forwarding.unwrap_or(false),
         })
     }
+}
+
+/// Whether one of `servers` can take connections now: the VIP is worth
+/// announcing.
+fn has_usable(servers: &[crate::balancer::Server]) -> bool {
+    servers.iter().any(|s| {
+        matches!(s.state, State::Active | State::Preferred | State::Healthy | State::Standby)
+    })
 }
 
 /// Whether this network namespace forwards the families asked for (IPv4,

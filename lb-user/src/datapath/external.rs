@@ -10,7 +10,9 @@ use std::{
 
 use anyhow::Context as _;
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap};
-use lb_common::{Endpoint, Flow, FlowKey, NatKey, NatReply, Traffic, maps};
+use lb_common::{
+    AnnounceKey, AnnounceValue, Endpoint, Flow, FlowKey, NatKey, NatReply, Traffic, maps,
+};
 
 /// Handles to the external path's pinned maps.
 pub struct ExternalMaps {
@@ -19,7 +21,11 @@ pub struct ExternalMaps {
     flows: HashMap<MapData, FlowKey, Flow>,
     nat: HashMap<MapData, NatKey, NatReply>,
     traffic: PerCpuHashMap<MapData, Endpoint, Traffic>,
+    announce: HashMap<MapData, AnnounceKey, AnnounceValue>,
 }
+
+/// An address announced on one interface: (interface index, address).
+pub type Announced = (u32, IpAddr);
 
 /// What the external path forwarded to one server, over every CPU.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -46,6 +52,7 @@ impl ExternalMaps {
             flows: typed!(HashMap, maps::FLOWS),
             nat: typed!(HashMap, maps::NAT_REPLIES),
             traffic: typed!(PerCpuHashMap, maps::TRAFFIC),
+            announce: typed!(HashMap, maps::ANNOUNCE),
         })
     }
 
@@ -94,6 +101,41 @@ impl ExternalMaps {
             changed += 1;
         }
         Ok(changed)
+    }
+
+    /// Makes `ANNOUNCE` hold exactly `wanted` (each address on its
+    /// interface, with that interface's MAC). Returns the entries added or
+    /// changed: their neighbours are told at once.
+    pub fn set_announced(
+        &mut self,
+        wanted: &StdHashMap<Announced, [u8; 6]>,
+    ) -> anyhow::Result<Vec<Announced>> {
+        let key = |(ifindex, ip): Announced| AnnounceKey {
+            ifindex,
+            addr: Endpoint::from(SocketAddr::new(ip, 0)).addr,
+        };
+        let present: StdHashMap<AnnounceKey, AnnounceValue> =
+            self.announce.iter().filter_map(Result::ok).collect();
+        let mut added = Vec::new();
+        for (&announced, &mac) in wanted {
+            let value = AnnounceValue { mac, _pad: [0; 2] };
+            if present.get(&key(announced)) != Some(&value) {
+                self.announce.insert(key(announced), value, 0).with_context(|| {
+                    format!("announcing {} on interface {}", announced.1, announced.0)
+                })?;
+                added.push(announced);
+            }
+        }
+        let wanted_keys: HashSet<AnnounceKey> = wanted.keys().map(|a| key(*a)).collect();
+        for gone in present.keys().filter(|k| !wanted_keys.contains(k)) {
+            match self.announce.remove(gone) {
+                Ok(()) | Err(MapError::KeyNotFound) => {}
+                Err(MapError::SyscallError(e))
+                    if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(e) => return Err(e).context("withdrawing an announced VIP"),
+            }
+        }
+        Ok(added)
     }
 
     /// Flows in the flow table.

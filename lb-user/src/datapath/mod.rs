@@ -57,7 +57,7 @@ use lb_common::{NETNS_ANY, maps as map_names, programs};
 use tracing::{info, warn};
 
 pub use self::{
-    external::{ExternalMaps, Forwarded},
+    external::{Announced, ExternalMaps, Forwarded},
     maps::{Forgotten, PinnedMaps, VipEntry, failed_within},
     object::KernelLogger,
     pins::detach,
