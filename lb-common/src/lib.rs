@@ -20,6 +20,7 @@
 pub mod checksum;
 pub mod choose;
 mod external;
+pub mod maglev;
 mod reason;
 mod udp;
 #[cfg(feature = "user")]
@@ -88,7 +89,7 @@ pub const EVENTS_BYTES: u32 = 256 * 1024;
 /// 5: the external path's maps (`EXTERNAL`, `NODE_ADDRESSES`, `FLOWS`,
 /// `NAT_REPLIES`, `TRAFFIC`) and its XDP program.
 /// 6: `ANNOUNCE`, the addresses the XDP program answers ARP and neighbour
-/// solicitations for. A daemon of layout 6 adopts pins of layout 5 and
+/// solicitations for; `MAGLEV`, the consistent-hash tables. A daemon of layout 6 adopts pins of layout 5 and
 /// upgrades them (`UPGRADABLE_LAYOUT`).
 pub const LAYOUT_VERSION: u32 = 6;
 /// The one older layout a daemon adopts, by adding what its layout lacks
@@ -161,8 +162,11 @@ pub mod maps {
     /// [`AnnounceValue`](crate::AnnounceValue) (its MAC): what the XDP
     /// program answers ARP requests and neighbour solicitations for (layout 6).
     pub const ANNOUNCE: &str = "ANNOUNCE";
+    /// External VIP → its [`Maglev`](crate::maglev::Maglev) table: where
+    /// the external path sends a `spread` service's new flows (layout 6).
+    pub const MAGLEV: &str = "MAGLEV";
     /// Every map the daemon pins, in one list so attach, adopt and detach agree.
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 16] = [
         SERVICES,
         FAILED_AT,
         SOCKETS,
@@ -178,9 +182,10 @@ pub mod maps {
         NAT_REPLIES,
         TRAFFIC,
         ANNOUNCE,
+        MAGLEV,
     ];
     /// The maps pins of `UPGRADABLE_LAYOUT` lack (an upgrade creates them).
-    pub const NEW_IN_LAYOUT: [&str; 1] = [ANNOUNCE];
+    pub const NEW_IN_LAYOUT: [&str; 2] = [ANNOUNCE, MAGLEV];
 }
 
 /// Names of the programs in the object file; also their link pin names.

@@ -193,6 +193,9 @@ reasons! {
     /// xdp: a neighbour solicitation for an announced VIP, answered with a
     /// neighbour advertisement.
     XdpNdpAnswered = 58 => "xdp_ndp_answered",
+    /// xdp: a `spread` service's new flow took its server from the
+    /// service's consistent-hash (Maglev) table.
+    XdpConsistent = 59 => "xdp_consistent",
 }
 
 impl Reason {
@@ -311,6 +314,7 @@ mod tests {
                 "xdp_redirected",
                 "xdp_arp_answered",
                 "xdp_ndp_answered",
+                "xdp_consistent",
             ]
         );
     }

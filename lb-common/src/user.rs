@@ -37,6 +37,8 @@ unsafe impl aya::Pod for Traffic {}
 unsafe impl aya::Pod for AnnounceKey {}
 // SAFETY: as above.
 unsafe impl aya::Pod for AnnounceValue {}
+// SAFETY: as above.
+unsafe impl aya::Pod for crate::maglev::Maglev {}
 
 impl Event {
     /// The record at the start of `bytes`, as `sock_ops` wrote it to the

@@ -35,15 +35,15 @@ use aya_ebpf::{
 };
 use lb_common::{
     Endpoint, EventKind, Flow, FlowKey, NAT_PORT_COUNT, NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED,
-    NAT_REPLY_SYN, NatKey, NatReply, Reason, Service, Traffic,
+    NAT_REPLY_SYN, NatKey, NatReply, Reason, Service, Traffic, maglev,
 };
 
 use crate::{
-    EXTERNAL, FLOWS, IPPROTO_TCP, NAT_REPLIES, NODE_ADDRESSES, SERVICES, TRAFFIC, atomic_add,
-    count,
+    EXTERNAL, FLOWS, IPPROTO_TCP, MAGLEV, NAT_REPLIES, NODE_ADDRESSES, SERVICES, TRAFFIC,
+    atomic_add, count,
     packet::{self, Packet},
     report::{emit, mark_failed},
-    select::{XDP, choose_server, selected, usable},
+    select::{XDP, choose_server, preferred, selected, usable},
 };
 
 /// NAT ports tried for a new flow before it is refused.
@@ -174,6 +174,27 @@ fn keeps(service: &Service, flow: &Flow, p: &Packet, now: u64) -> bool {
     false
 }
 
+/// A `spread` service's server for `p`'s new flow from its Maglev table
+/// (`MAGLEV`, written by the daemon from the spread group), if the slot
+/// names one that is still preferred and usable; otherwise the choice is
+/// the socket path's.
+#[inline(always)]
+fn consistent(service: &Service, p: &Packet) -> Option<Endpoint> {
+    if service.spread <= 1 {
+        return None;
+    }
+    // SAFETY: the value is only read; the daemon replaces values whole.
+    let table = unsafe { MAGLEV.get(&p.dst) }?;
+    let server = maglev::server_for(table, maglev::flow_hash(&p.src, p.protocol))?;
+    // SAFETY: plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if !(preferred(service, &server) && usable(service, &server, now)) {
+        return None;
+    }
+    count(Reason::XdpConsistent);
+    Some(server)
+}
+
 /// Chooses a server and a NAT port for `p`'s flow and records them in
 /// `FLOWS` and `NAT_REPLIES`; false (counted) if the flow must be refused.
 #[inline(never)]
@@ -183,7 +204,13 @@ fn new_flow(ctx: &XdpContext, p: &Packet) -> bool {
         count(Reason::XdpNoServer);
         return false;
     };
-    let Ok(server) = choose_server(service, &XDP) else { return false };
+    let server = match consistent(service, p) {
+        Some(server) => server,
+        None => {
+            let Ok(server) = choose_server(service, &XDP) else { return false };
+            server
+        }
+    };
     if server.is_v4() == p.ipv6 {
         count(Reason::XdpFamilyMismatch);
         return false;

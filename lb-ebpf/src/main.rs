@@ -51,7 +51,7 @@ use lb_common::{
     AnnounceKey, AnnounceValue, ConnKey, EVENTS_BYTES, Endpoint, Flow, FlowKey,
     MAX_CONNECTING_SOCKETS, MAX_EXTERNAL_FLOWS, MAX_FAILED_SERVERS, MAX_SERVER_PAIRS, MAX_SERVICES,
     MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS, MAX_UDP_PEER_SOCKETS, META_SLOTS, NatKey,
-    NatReply, Reason, Service, SockEntry, Traffic, UNMARKED_SLOTS, UdpPeers,
+    NatReply, Reason, Service, SockEntry, Traffic, UNMARKED_SLOTS, UdpPeers, maglev::Maglev,
 };
 
 /// VIP → service (its selection). Written only by the daemon, one whole
@@ -162,6 +162,12 @@ static TRAFFIC: PerCpuHashMap<Endpoint, Traffic> =
 /// (`announce.rs`). Written by the daemon.
 #[map]
 static ANNOUNCE: HashMap<AnnounceKey, AnnounceValue> =
+    HashMap::with_max_entries(MAX_SERVICES, BPF_F_NO_PREALLOC);
+
+/// External VIP → its consistent-hash table (`lb_common::maglev`), for
+/// a `spread` service's new flows. Written by the daemon.
+#[map]
+static MAGLEV: HashMap<Endpoint, Maglev> =
     HashMap::with_max_entries(MAX_SERVICES, BPF_F_NO_PREALLOC);
 
 /// One parsed packet per CPU (`packet::Packet`) for `lb_xdp`: kept off the

@@ -31,7 +31,9 @@ use aya::{
 };
 use lb_common::{
     Endpoint, Flow, FlowKey, MAX_SERVERS, NAT_PORT_COUNT, NAT_PORT_FIRST, NatKey, NatReply, Reason,
-    Service, maps, programs,
+    Service,
+    maglev::{Maglev, flow_hash, server_for},
+    maps, programs,
 };
 use lb_tests::{
     in_new_netns,
@@ -180,6 +182,21 @@ impl Node {
         let mut external: HashMap<_, Endpoint, u32> =
             HashMap::try_from(self.ebpf.map_mut(maps::EXTERNAL).unwrap()).unwrap();
         external.insert(Endpoint::from(family.vip), 0, 0).unwrap();
+    }
+
+    /// As [`Self::serve`], with `policy = "spread"` over every server and
+    /// the Maglev table the daemon would write for them.
+    fn serve_spread(&mut self, family: &Family, servers: &[SocketAddr]) {
+        self.serve(family, servers);
+        let mut services: HashMap<_, Endpoint, Service> =
+            HashMap::try_from(self.ebpf.map_mut(maps::SERVICES).unwrap()).unwrap();
+        let vip = Endpoint::from(family.vip);
+        let mut service = services.get(&vip, 0).unwrap();
+        service.spread = servers.len() as u32;
+        services.insert(vip, service, 0).unwrap();
+        let mut tables: HashMap<_, Endpoint, Maglev> =
+            HashMap::try_from(self.ebpf.map_mut(maps::MAGLEV).unwrap()).unwrap();
+        tables.insert(vip, lb_user::maglev::table(servers), 0).unwrap();
     }
 
     /// Runs the program on `frame` as if it arrived on `ingress` (loopback
@@ -476,6 +493,40 @@ fn a_syn_sent_again_unanswered_fails_the_server_and_moves_the_flow() {
         let later = forwarded(node, f, f.client, 77_000);
         assert_eq!((later.dst, later.src), (again.dst, again.src));
         assert!(!node.failed(f.servers[1]));
+    });
+}
+
+/// Item 1: a `spread` service's new flows go where its consistent-hash
+/// (Maglev) table says, by client address and port; a slot whose server
+/// has failed falls back to the choice among the others.
+#[test]
+fn a_spread_services_new_flows_follow_its_maglev_table() {
+    both_families(|node, f| {
+        node.serve_spread(f, &f.servers);
+        let table = lb_user::maglev::table(&f.servers);
+        let mut landed = [0; 2];
+        for port in 40_000..40_032 {
+            let client = SocketAddr::new(f.client.ip(), port);
+            let out = forwarded(node, f, client, 1);
+            let expected = server_for(&table, flow_hash(&Endpoint::from(client), 6)).unwrap();
+            assert_eq!(Endpoint::from(out.dst), expected, "client port {port}");
+            landed[usize::from(out.dst == f.servers[1])] += 1;
+        }
+        assert_eq!(node.counter(Reason::XdpConsistent), 32);
+        assert!(landed.iter().all(|n| *n > 0), "one server took every flow: {landed:?}");
+        // Through the reset of a forwarded SYN, the first server fails; the
+        // flows its slots name go to the second.
+        let syn = forwarded(node, f, SocketAddr::new(f.client.ip(), 50_000), 9);
+        let reset = from_server(&syn, Flags::RST_ACK);
+        let _ = node.run(&reset.frame(), Some(node.srv0));
+        let failed = syn.dst;
+        if node.knows_ingress() {
+            assert!(node.failed(failed));
+            for port in 41_000..41_016 {
+                let out = forwarded(node, f, SocketAddr::new(f.client.ip(), port), 1);
+                assert_ne!(out.dst, failed, "a new flow went to the failed server");
+            }
+        }
     });
 }
 

@@ -19,9 +19,10 @@ use super::owner::Daemon;
 use crate::{
     announce,
     balancer::State,
-    config::Announce,
+    config::{Announce, Policy},
     control::{ExternalStatus, InterfaceStatus, ServiceExternal, TrafficStatus},
     datapath::{Announced, xdp::Mode},
+    maglev,
     routes::{self, Route},
 };
 
@@ -147,6 +148,26 @@ impl Daemon {
             self.watch_forwarding(families);
         }
         self.announce(&external);
+        self.consistent_hashing(&external);
+    }
+
+    /// Writes each external `spread` service's Maglev table, built from its
+    /// spread group (the servers new flows go to), and removes the others'.
+    fn consistent_hashing(&mut self, external: &[usize]) {
+        let tables: HashMap<SocketAddr, lb_common::maglev::Maglev> = external
+            .iter()
+            .filter(|&&i| self.services[i].config.policy == Policy::Spread)
+            .map(|&i| {
+                let service = &self.services[i];
+                let selection = service.entry().value.selection;
+                let group = selection.spread.clamp(1, selection.servers.len().max(1));
+                let group = &selection.servers[..group.min(selection.servers.len())];
+                (service.config.vip, maglev::table(group))
+            })
+            .collect();
+        if let Err(e) = self.datapath.external().set_maglev(&tables) {
+            warn!("writing the consistent-hash tables: {e:#}");
+        }
     }
 
     /// Makes `ANNOUNCE` hold the VIPs of the services that announce
@@ -211,12 +232,15 @@ impl Daemon {
 
     /// Before service `i`'s selection `servers` is written: the routes of
     /// servers new to the external path are asked now, so that its first
-    /// packets find the NAT source, and its announcement follows its
-    /// servers' states (the tick would be up to a second late).
+    /// packets find the NAT source, and its announcement and Maglev table
+    /// follow its servers' states (the tick would be up to a second late).
     pub(super) fn before_external_write(&mut self, i: usize, servers: &[SocketAddr]) {
-        let Some(external) = &self.services[i].config.external else { return };
-        // Announcing follows the servers' states at once, too.
+        let config = &self.services[i].config;
+        let Some(external) = &config.external else { return };
+        // Announcing and the consistent-hash table follow the servers'
+        // states at once, too.
         if external.announce == Announce::Arp
+            || config.policy == Policy::Spread
             || servers.iter().any(|s| !self.external.routes.contains_key(&s.ip()))
         {
             self.sync_external(false);

@@ -11,7 +11,8 @@ use std::{
 use anyhow::Context as _;
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap};
 use lb_common::{
-    AnnounceKey, AnnounceValue, Endpoint, Flow, FlowKey, NatKey, NatReply, Traffic, maps,
+    AnnounceKey, AnnounceValue, Endpoint, Flow, FlowKey, NatKey, NatReply, Traffic, maglev::Maglev,
+    maps,
 };
 
 /// Handles to the external path's pinned maps.
@@ -22,6 +23,7 @@ pub struct ExternalMaps {
     nat: HashMap<MapData, NatKey, NatReply>,
     traffic: PerCpuHashMap<MapData, Endpoint, Traffic>,
     announce: HashMap<MapData, AnnounceKey, AnnounceValue>,
+    maglev: HashMap<MapData, Endpoint, Maglev>,
 }
 
 /// An address announced on one interface: (interface index, address).
@@ -53,6 +55,7 @@ impl ExternalMaps {
             nat: typed!(HashMap, maps::NAT_REPLIES),
             traffic: typed!(PerCpuHashMap, maps::TRAFFIC),
             announce: typed!(HashMap, maps::ANNOUNCE),
+            maglev: typed!(HashMap, maps::MAGLEV),
         })
     }
 
@@ -136,6 +139,29 @@ impl ExternalMaps {
             }
         }
         Ok(added)
+    }
+
+    /// Makes `MAGLEV` hold exactly `tables` (VIP → its table), writing
+    /// only what changed. Returns how many entries changed.
+    pub fn set_maglev(&mut self, tables: &StdHashMap<SocketAddr, Maglev>) -> anyhow::Result<usize> {
+        let wanted: StdHashMap<Endpoint, &Maglev> =
+            tables.iter().map(|(vip, table)| (Endpoint::from(*vip), table)).collect();
+        let present: StdHashMap<Endpoint, Maglev> =
+            self.maglev.iter().filter_map(Result::ok).collect();
+        let mut changed = 0;
+        for (vip, table) in &wanted {
+            if present.get(vip) != Some(*table) {
+                self.maglev.insert(vip, *table, 0).with_context(|| {
+                    format!("writing the Maglev table of {}", SocketAddr::from(*vip))
+                })?;
+                changed += 1;
+            }
+        }
+        for vip in present.keys().filter(|v| !wanted.contains_key(v)) {
+            remove(&mut self.maglev, vip).context("removing a Maglev table")?;
+            changed += 1;
+        }
+        Ok(changed)
     }
 
     /// Flows in the flow table.
