@@ -138,6 +138,8 @@ pub fn loopback_up() -> std::io::Result<()> {
 pub struct Namespace {
     /// The thread's id, which `ip link ... netns <tid>` takes.
     pub tid: i32,
+    /// The namespace itself, for [`Self::spawn`]'s threads to enter.
+    file: File,
     jobs: Option<std::sync::mpsc::Sender<Box<dyn FnOnce() + Send>>>,
     thread: Option<thread::JoinHandle<()>>,
 }
@@ -153,14 +155,32 @@ impl Namespace {
             let unshared = unsafe { libc::unshare(libc::CLONE_NEWNET) };
             assert_eq!(unshared, 0, "unshare(CLONE_NEWNET): {}", std::io::Error::last_os_error());
             loopback_up().expect("bringing lo up in the new network namespace");
+            let file = File::open("/proc/thread-self/ns/net").expect("opening the namespace");
             // SAFETY: gettid has no preconditions.
-            let _ = tid_tx.send(unsafe { libc::gettid() });
+            let _ = tid_tx.send((unsafe { libc::gettid() }, file));
             for job in inbox {
                 job();
             }
         });
-        let tid = tid_rx.recv().expect("the namespace's thread died");
-        Self { tid, jobs: Some(jobs), thread: Some(thread) }
+        let (tid, file) = tid_rx.recv().expect("the namespace's thread died");
+        Self { tid, file, jobs: Some(jobs), thread: Some(thread) }
+    }
+
+    /// Runs `job` on a thread of its own in the namespace, alongside
+    /// whatever [`Self::run`] runs.
+    pub fn spawn<T: Send + 'static>(
+        &self,
+        job: impl FnOnce() -> T + Send + 'static,
+    ) -> thread::JoinHandle<T> {
+        use std::os::fd::AsRawFd as _;
+        let ns = self.file.try_clone().expect("duplicating the namespace's descriptor");
+        thread::spawn(move || {
+            // SAFETY: setns on a namespace descriptor we own; it affects
+            // only this thread.
+            let entered = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(entered, 0, "setns: {}", std::io::Error::last_os_error());
+            job()
+        })
     }
 
     /// Runs `job` in the namespace and returns what it returns.

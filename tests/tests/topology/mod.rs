@@ -1,0 +1,213 @@
+//! The external path's test topology (see `external.rs`): three network
+//! namespaces joined by veths, and what the tests ask of them. Shared by
+//! the external path's test files.
+#![allow(dead_code, reason = "each test file uses its own part")]
+
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    net::{SocketAddr, TcpStream},
+    time::Duration,
+};
+
+use aya::programs::{Xdp, xdp::XdpMode};
+use lb_tests::{Backend, Namespace, sh};
+
+pub const VIP4: &str = "198.18.1.100:80";
+pub const VIP6: &str = "[2001:2:0:1::100]:80";
+
+/// The three namespaces and what runs in them; the test body runs in the
+/// node's (`in_new_netns`).
+pub struct Topology {
+    pub client: Namespace,
+    pub servers: Namespace,
+    /// The pass-through programs on c0 and s0, attached while this lives.
+    _peers: Vec<aya::Ebpf>,
+}
+
+impl Topology {
+    /// Builds the picture above; the calling thread is the node. The
+    /// client reaches the VIPs through the node as its router.
+    pub fn new() -> Self {
+        Self::build(false)
+    }
+
+    /// As [`Self::new`], but the client has the VIPs' subnets on its link:
+    /// it asks who has a VIP (ARP, neighbour solicitation), and only an
+    /// announcing node answers.
+    pub fn on_link() -> Self {
+        Self::build(true)
+    }
+
+    pub fn build(on_link: bool) -> Self {
+        let client = Namespace::new();
+        let servers = Namespace::new();
+        let (c, s) = (client.tid.to_string(), servers.tid.to_string());
+        sh(&["ip", "link", "add", "ext0", "type", "veth", "peer", "name", "c0", "netns", &c]);
+        sh(&["ip", "link", "add", "srv0", "type", "veth", "peer", "name", "s0", "netns", &s]);
+        for (dev, v4, v6) in [
+            ("ext0", "198.18.0.1/24", "2001:2::1/64"),
+            ("srv0", "198.18.2.1/24", "2001:2:0:2::1/64"),
+        ] {
+            sh(&["ip", "addr", "add", v4, "dev", dev]);
+            sh(&["ip", "addr", "add", v6, "dev", dev, "nodad"]);
+            sh(&["ip", "link", "set", dev, "up"]);
+        }
+        sh(&["sysctl", "-qw", "net.ipv4.ip_forward=1"]);
+        sh(&["sysctl", "-qw", "net.ipv6.conf.all.forwarding=1"]);
+        client.sh(&["ip", "addr", "add", "198.18.0.10/24", "dev", "c0"]);
+        client.sh(&["ip", "addr", "add", "2001:2::10/64", "dev", "c0", "nodad"]);
+        client.sh(&["ip", "link", "set", "c0", "up"]);
+        if on_link {
+            client.sh(&["ip", "route", "add", "198.18.1.0/24", "dev", "c0"]);
+            client.sh(&["ip", "route", "add", "2001:2:0:1::/64", "dev", "c0"]);
+        } else {
+            client.sh(&["ip", "route", "add", "198.18.1.0/24", "via", "198.18.0.1"]);
+            client.sh(&["ip", "route", "add", "2001:2:0:1::/64", "via", "2001:2::1"]);
+        }
+        for a in ["198.18.2.2/24", "198.18.2.3/24", "198.18.2.4/24"] {
+            servers.sh(&["ip", "addr", "add", a, "dev", "s0"]);
+        }
+        for a in ["2001:2:0:2::2/64", "2001:2:0:2::3/64"] {
+            servers.sh(&["ip", "addr", "add", a, "dev", "s0", "nodad"]);
+        }
+        servers.sh(&["ip", "link", "set", "s0", "up"]);
+        // A veth hands the stack's packets over with the TCP and UDP
+        // checksums left to "hardware" (CHECKSUM_PARTIAL); a frame the XDP
+        // program redirects loses that mark and arrives with a checksum
+        // that was never finished. A real client's NIC finishes it.
+        client.run(|| tx_checksums_off("c0"));
+        servers.run(|| tx_checksums_off("s0"));
+        let peers = vec![client.run(|| pass_through("c0")), servers.run(|| pass_through("s0"))];
+        Self { client, servers, _peers: peers }
+    }
+
+    /// A server in the servers' namespace that answers with its name.
+    pub fn server(&self, name: &str, addr: &str) -> Backend {
+        let (name, addr): (String, SocketAddr) = (name.to_owned(), addr.parse().unwrap());
+        self.servers.run(move || Backend::start(&name, addr))
+    }
+
+    /// A TCP connection from the client's namespace.
+    pub fn connect(&self, to: &str) -> std::io::Result<TcpStream> {
+        let to: SocketAddr = to.parse().unwrap();
+        self.client.run(move || TcpStream::connect_timeout(&to, Duration::from_secs(3)))
+    }
+
+    /// Which server a new connection to `to` reaches, or why none.
+    pub fn ask(&self, to: &str) -> Result<String, String> {
+        let stream = self.connect(to).map_err(|e| e.to_string())?;
+        who(&stream)
+    }
+
+    /// Which server answers a UDP datagram to `to`.
+    pub fn ask_udp(&self, to: &str) -> Result<String, String> {
+        let to: SocketAddr = to.parse().unwrap();
+        self.client.run(move || {
+            let any: SocketAddr =
+                if to.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().unwrap();
+            let socket = std::net::UdpSocket::bind(any).map_err(|e| e.to_string())?;
+            socket.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            socket.send_to(b"who", to).map_err(|e| e.to_string())?;
+            let mut buf = [0u8; 64];
+            let (n, from) = socket.recv_from(&mut buf).map_err(|e| e.to_string())?;
+            if from != to {
+                return Err(format!("the answer came from {from}, not the VIP {to}"));
+            }
+            Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+        })
+    }
+}
+
+/// `lb_xdp` on its own empty maps, natively on `dev`: passes every packet,
+/// and gives the veth the NAPI that redirected packets need.
+pub fn pass_through(dev: &str) -> aya::Ebpf {
+    let mut ebpf = lb_user::datapath::xdp::load_unattached().expect("loading lb_xdp");
+    let program: &mut Xdp = ebpf.program_mut("lb_xdp").unwrap().try_into().unwrap();
+    program.attach(dev, XdpMode::Driver).unwrap_or_else(|e| panic!("attaching to {dev}: {e}"));
+    ebpf
+}
+
+/// Turns `dev`'s transmit checksum offload off (`ethtool -K dev tx off`,
+/// by its ioctl): the stack then finishes every checksum itself.
+pub fn tx_checksums_off(dev: &str) {
+    const ETHTOOL_STXCSUM: u32 = 0x17;
+    #[repr(C)]
+    struct EthtoolValue {
+        cmd: u32,
+        data: u32,
+    }
+    let mut value = EthtoolValue { cmd: ETHTOOL_STXCSUM, data: 0 };
+    // SAFETY: a zeroed ifreq is valid; the socket is owned at once; the
+    // ioctl reads `value` through the pointer while it lives.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let fd = <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd);
+        let mut ifr: libc::ifreq = std::mem::zeroed();
+        for (dst, src) in ifr.ifr_name.iter_mut().zip(dev.as_bytes()) {
+            *dst = *src as libc::c_char;
+        }
+        ifr.ifr_ifru.ifru_data = (&raw mut value).cast();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&fd);
+        assert_eq!(
+            libc::ioctl(fd, libc::SIOCETHTOOL, &mut ifr),
+            0,
+            "ETHTOOL_STXCSUM on {dev}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// The server's name, as it answers `who` on a connection.
+pub fn who(mut stream: &TcpStream) -> Result<String, String> {
+    stream.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    stream.write_all(b"who\n").map_err(|e| e.to_string())?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line).map_err(|e| e.to_string())?;
+    if line.is_empty() {
+        return Err("closed without an answer".to_owned());
+    }
+    Ok(line.trim().to_owned())
+}
+
+/// The id of the XDP program attached to `dev` (in this namespace).
+pub fn xdp_id(dev: &str) -> Option<u32> {
+    let out =
+        std::process::Command::new("ip").args(["-d", "link", "show", "dev", dev]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let words: Vec<&str> = text.split_whitespace().collect();
+    let at = words.iter().position(|w| *w == "prog/xdp")?;
+    words.get(at + 2)?.parse().ok()
+}
+
+/// Whether an XDP program is attached to `dev` (in this namespace).
+pub fn has_xdp(dev: &str) -> bool {
+    let out =
+        std::process::Command::new("ip").args(["-d", "link", "show", "dev", dev]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).contains("prog/xdp")
+}
+
+/// The link-layer address the client's neighbour table holds for `ip`,
+/// if it holds one that is usable.
+pub fn client_neighbour(net: &Topology, ip: &str) -> Option<String> {
+    let ip = ip.to_owned();
+    net.client.run(move || {
+        let out = std::process::Command::new("ip")
+            .args(["neigh", "show", &ip, "dev", "c0"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let words: Vec<&str> = text.split_whitespace().collect();
+        let at = words.iter().position(|w| *w == "lladdr")?;
+        Some(words.get(at + 1)?.to_string())
+    })
+}
+
+/// The node's MAC address on `dev` (in this network namespace).
+pub fn mac_of(dev: &str) -> String {
+    let out = std::process::Command::new("ip")
+        .args(["-br", "link", "show", "dev", dev])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).split_whitespace().nth(2).unwrap_or_default().to_owned()
+}
