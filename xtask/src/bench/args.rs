@@ -24,4 +24,5 @@ pub enum Part {
     Discovery,
     Owner,
     Dns,
+    External,
 }

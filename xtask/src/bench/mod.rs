@@ -28,6 +28,8 @@
 //! - **dns** ([`dns`]): DNS queries per second with dnsperf against one
 //!   dnsmasq server: direct, through a VIP (unconnected UDP), through a
 //!   dnsmasq forwarder; lb's program time per query.
+//! - **external** ([`external`]): the XDP program's time per packet (first
+//!   of a flow, established, reply, not ours), under `BPF_PROG_TEST_RUN`.
 //!
 //! Output: a table on stdout, `target/bench/report.md` and the plot
 //! `target/bench/ratios.svg` ([`report`]). Targets of the Speed issue are
@@ -51,6 +53,7 @@ mod bpf_stats;
 mod client;
 mod discovery;
 mod dns;
+mod external;
 mod failover;
 mod format;
 mod host;
@@ -85,7 +88,15 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     // their own, so the terminal's SIGINT does not reach them first.)
     let _ = ctrlc::set_handler(|| STOP.store(true, Ordering::Relaxed));
     let parts: Vec<Part> = if args.only.is_empty() {
-        vec![Part::Paths, Part::Scale, Part::Failover, Part::Discovery, Part::Owner, Part::Dns]
+        vec![
+            Part::Paths,
+            Part::Scale,
+            Part::Failover,
+            Part::Discovery,
+            Part::Owner,
+            Part::Dns,
+            Part::External,
+        ]
     } else {
         args.only.clone()
     };
@@ -115,6 +126,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             Part::Discovery => discovery::run(&mut results)?,
             Part::Owner => owner::run(&mut results)?,
             Part::Dns => dns::run(args.rounds, &dir, &mut results)?,
+            Part::External => external::run(&mut results)?,
         }
         println!("    ({:?} took {:.0} s)", part, part_started.elapsed().as_secs_f64());
     }

@@ -270,6 +270,24 @@ fn tables(r: &Results) -> Vec<Table> {
         }
         tables.push(t);
     }
+    if let Some(e) = &r.external {
+        let mut t = Table::new(
+            &format!(
+                "lb_xdp's program time per packet (BPF_PROG_TEST_RUN, IPv4; median of single runs less the kernel's timing overhead of {:.0} ns)",
+                e.overhead_ns
+            ),
+            &["packet", "ns"],
+        );
+        for (what, ns) in [
+            ("first of a flow (choice, NAT port, two inserts)", e.first_ns),
+            ("of an established flow (FIB lookup, redirect)", e.established_ns),
+            ("a server's reply (back the way the client came)", e.reply_ns),
+            ("not the VIP's (passes untouched)", e.not_ours_ns),
+        ] {
+            t.row(vec![what.to_owned(), format!("{ns:.0}")]);
+        }
+        tables.push(t);
+    }
     if let Some(d) = &r.dns {
         let mut t = Table::new(
             &format!(

@@ -161,6 +161,16 @@ impl DnsRoute {
 /// (median of the paired ratios), queries lost, how the VIP's sends were
 /// rewritten (counter deltas), and per lb program its runs and run time
 /// per query (name, runs, ns) over `queries_for_programs` queries.
+/// `lb_xdp`'s program time per packet, in nanoseconds (the kernel's
+/// timing overhead of a single run taken off).
+pub struct External {
+    pub first_ns: f64,
+    pub established_ns: f64,
+    pub reply_ns: f64,
+    pub not_ours_ns: f64,
+    pub overhead_ns: f64,
+}
+
 pub struct Dns {
     pub rounds: u32,
     pub qps: Vec<(DnsRoute, f64)>,
@@ -199,6 +209,7 @@ pub struct Results {
     pub discovery: Option<Discovery>,
     pub owner_loop: Option<OwnerLoop>,
     pub dns: Option<Dns>,
+    pub external: Option<External>,
     pub notes: Vec<String>,
     pub duration: Duration,
     /// The 1-minute load average when the run started: other work on the
@@ -222,6 +233,7 @@ impl Results {
             discovery: None,
             owner_loop: None,
             dns: None,
+            external: None,
             notes: Vec::new(),
             duration: Duration::ZERO,
             load_at_start: load_average(),

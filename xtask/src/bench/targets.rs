@@ -89,6 +89,15 @@ pub fn targets(r: &Results) -> Vec<(bool, String)> {
             ),
         ));
     }
+    if let Some(e) = &r.external {
+        lines.push((
+            e.established_ns < 100.0,
+            format!(
+                "an established external flow's packet under 100 ns of program time (issue 25): {:.0} ns (first packet {:.0} ns, reply {:.0} ns)",
+                e.established_ns, e.first_ns, e.reply_ns
+            ),
+        ));
+    }
     if let Some(d) = &r.dns {
         let (vip, forwarder) = (d.qps(DnsRoute::Vip), d.qps(DnsRoute::Forwarder));
         lines.push((

@@ -1,0 +1,332 @@
+//! The node of the XDP packet fixtures (see `xdp_fixtures.rs`): a network
+//! namespace whose routes and neighbours the test sets, `lb_xdp` loaded on
+//! maps of its own, and the frames the fixtures send it. Shared by the
+//! fixtures and the program-time benchmark (`benches/xdp_program_time.rs`).
+#![allow(dead_code, reason = "the fixtures and the benchmark each use their own part")]
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    process::Command,
+};
+
+use aya::{
+    Ebpf,
+    maps::{HashMap, PerCpuArray},
+    programs::{TestRun, TestRunOptions, Xdp},
+};
+use lb_common::{
+    Endpoint, Flow, FlowKey, MAX_SERVERS, NAT_PORT_COUNT, NAT_PORT_FIRST, Reason, Service,
+    maglev::Maglev, maps, programs,
+};
+use lb_tests::{
+    in_new_netns,
+    packets::{Flags, Mac, Segment, read_frame},
+    privileged,
+};
+
+pub const XDP_DROP: u32 = 1;
+pub const XDP_PASS: u32 = 2;
+pub const XDP_REDIRECT: u32 = 4;
+
+/// The client's router, as the node sees it.
+pub const CLIENT_MAC: Mac = [2, 0, 0, 0, 0, 1];
+/// The node's interface toward clients (`ext0`).
+pub const EXT_MAC: Mac = [2, 0, 0, 0, 0, 2];
+/// The node's interface toward servers (`srv0`).
+pub const SRV_MAC: Mac = [2, 0, 0, 0, 2, 1];
+/// The servers' MACs, by their last address byte.
+pub const SERVER_MACS: [(u8, Mac); 2] = [(2, [2, 0, 0, 0, 2, 2]), (3, [2, 0, 0, 0, 2, 3])];
+
+/// One family's addresses.
+pub struct Family {
+    pub vip: SocketAddr,
+    pub servers: [SocketAddr; 2],
+    /// The node's address toward the servers (the NAT source).
+    pub node: IpAddr,
+    pub client: SocketAddr,
+}
+
+pub fn v4() -> Family {
+    Family {
+        vip: "198.18.1.100:80".parse().unwrap(),
+        servers: ["198.18.2.2:8080".parse().unwrap(), "198.18.2.3:8080".parse().unwrap()],
+        node: "198.18.2.1".parse().unwrap(),
+        client: "198.18.0.10:40000".parse().unwrap(),
+    }
+}
+
+pub fn v6() -> Family {
+    Family {
+        vip: "[2001:2:0:1::100]:80".parse().unwrap(),
+        servers: ["[2001:2:0:2::2]:8080".parse().unwrap(), "[2001:2:0:2::3]:8080".parse().unwrap()],
+        node: "2001:2:0:2::1".parse().unwrap(),
+        client: "[2001:2::10]:40000".parse().unwrap(),
+    }
+}
+
+pub fn sh(args: &[&str]) {
+    let out = Command::new(args[0]).args(&args[1..]).output().expect("running ip");
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+pub fn ifindex(name: &str) -> u32 {
+    let c = std::ffi::CString::new(name).unwrap();
+    // SAFETY: a valid C string.
+    let index = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    assert_ne!(index, 0, "no interface {name}");
+    index
+}
+
+/// The node: the topology above in this thread's network namespace, and
+/// the XDP program loaded with both families' services in its maps.
+pub struct Node {
+    pub ebpf: Ebpf,
+    /// `srv0`: where packets to the servers leave, and replies arrive.
+    pub srv0: u32,
+    /// Whether this kernel takes the interface a test packet arrives on
+    /// (an input `xdp_md`, Linux 5.14+); before, every one arrives on
+    /// loopback.
+    pub ingress: std::cell::Cell<Option<bool>>,
+}
+
+impl Node {
+    pub fn new() -> Self {
+        sh(&[
+            "ip",
+            "link",
+            "add",
+            "ext0",
+            "address",
+            "02:00:00:00:00:02",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "srv0",
+            "address",
+            "02:00:00:00:02:01",
+        ]);
+        for dev in ["ext0", "srv0"] {
+            sh(&["ip", "link", "set", dev, "up"]);
+        }
+        sh(&["ip", "addr", "add", "198.18.0.1/24", "dev", "ext0"]);
+        sh(&["ip", "addr", "add", "198.18.2.1/24", "dev", "srv0"]);
+        sh(&["ip", "-6", "addr", "add", "2001:2::1/64", "dev", "ext0", "nodad"]);
+        sh(&["ip", "-6", "addr", "add", "2001:2:0:2::1/64", "dev", "srv0", "nodad"]);
+        for (last, mac) in SERVER_MACS {
+            let mac = mac.map(|b| format!("{b:02x}")).join(":");
+            for ip in [format!("198.18.2.{last}"), format!("2001:2:0:2::{last}")] {
+                sh(&[
+                    "ip",
+                    "neigh",
+                    "replace",
+                    &ip,
+                    "lladdr",
+                    &mac,
+                    "dev",
+                    "srv0",
+                    "nud",
+                    "permanent",
+                ]);
+            }
+        }
+        // The FIB answers for forwarding only where forwarding is on.
+        for path in
+            ["/proc/sys/net/ipv4/conf/all/forwarding", "/proc/sys/net/ipv6/conf/all/forwarding"]
+        {
+            std::fs::write(path, "1").unwrap_or_else(|e| panic!("writing {path}: {e}"));
+        }
+        let ebpf = lb_user::datapath::xdp::load_unattached().expect("loading the XDP program");
+        let mut node = Node { ebpf, srv0: ifindex("srv0"), ingress: std::cell::Cell::new(None) };
+        for family in [v4(), v6()] {
+            node.serve(&family, &family.servers);
+            let mut addresses: HashMap<_, Endpoint, Endpoint> =
+                HashMap::try_from(node.ebpf.map_mut(maps::NODE_ADDRESSES).unwrap()).unwrap();
+            for server in family.servers {
+                addresses.insert(host(server.ip()), host(family.node), 0).unwrap();
+            }
+        }
+        node
+    }
+
+    /// Makes `family`'s VIP external with `servers` selected, in order.
+    pub fn serve(&mut self, family: &Family, servers: &[SocketAddr]) {
+        let mut service = Service {
+            count: servers.len() as u32,
+            hold_down_ns: 10_000_000_000,
+            ..Service::default()
+        };
+        for (i, s) in servers.iter().enumerate().take(MAX_SERVERS) {
+            service.servers[i] = Endpoint::from(*s);
+        }
+        let mut services: HashMap<_, Endpoint, Service> =
+            HashMap::try_from(self.ebpf.map_mut(maps::SERVICES).unwrap()).unwrap();
+        services.insert(Endpoint::from(family.vip), service, 0).unwrap();
+        let mut external: HashMap<_, Endpoint, u32> =
+            HashMap::try_from(self.ebpf.map_mut(maps::EXTERNAL).unwrap()).unwrap();
+        external.insert(Endpoint::from(family.vip), 0, 0).unwrap();
+    }
+
+    /// As [`Self::serve`], with `policy = "spread"` over every server and
+    /// the Maglev table the daemon would write for them.
+    pub fn serve_spread(&mut self, family: &Family, servers: &[SocketAddr]) {
+        self.serve(family, servers);
+        let mut services: HashMap<_, Endpoint, Service> =
+            HashMap::try_from(self.ebpf.map_mut(maps::SERVICES).unwrap()).unwrap();
+        let vip = Endpoint::from(family.vip);
+        let mut service = services.get(&vip, 0).unwrap();
+        service.spread = servers.len() as u32;
+        services.insert(vip, service, 0).unwrap();
+        let mut tables: HashMap<_, Endpoint, Maglev> =
+            HashMap::try_from(self.ebpf.map_mut(maps::MAGLEV).unwrap()).unwrap();
+        tables.insert(vip, lb_user::maglev::table(servers), 0).unwrap();
+    }
+
+    /// Runs the program on `frame` as if it arrived on `ingress` (loopback
+    /// when `None`, or when this kernel cannot say: see
+    /// [`Node::knows_ingress`]): its verdict and the frame it left.
+    pub fn run(&self, frame: &[u8], ingress: Option<u32>) -> (u32, Vec<u8>) {
+        let ingress = ingress.filter(|_| self.knows_ingress());
+        self.try_run(frame, ingress).expect("BPF_PROG_TEST_RUN")
+    }
+
+    /// Whether test packets can arrive on an interface of choice (Linux
+    /// 5.14+ takes an input `xdp_md`; before, it refuses one).
+    pub fn knows_ingress(&self) -> bool {
+        if let Some(known) = self.ingress.get() {
+            return known;
+        }
+        let probe =
+            Segment::udp((EXT_MAC, CLIENT_MAC), v4().client, "198.18.9.9:9".parse().unwrap(), b"");
+        let known = self.try_run(&probe.frame(), Some(self.srv0)).is_ok();
+        if !known {
+            eprintln!(
+                "this kernel runs test packets on loopback only (an input xdp_md needs Linux 5.14)"
+            );
+        }
+        self.ingress.set(Some(known));
+        known
+    }
+
+    pub fn try_run(
+        &self,
+        frame: &[u8],
+        ingress: Option<u32>,
+    ) -> Result<(u32, Vec<u8>), aya::programs::ProgramError> {
+        let program: &Xdp = self.ebpf.program(programs::XDP).unwrap().try_into().unwrap();
+        let mut out = vec![0u8; frame.len() + 512];
+        // `struct xdp_md`: data, data_end, data_meta, ingress_ifindex,
+        // rx_queue_index, egress_ifindex.
+        let ctx: Vec<u8> = [0, frame.len() as u32, 0, ingress.unwrap_or(0), 0, 0]
+            .iter()
+            .flat_map(|w| w.to_ne_bytes())
+            .collect();
+        let result = program.test_run(TestRunOptions {
+            data_in: Some(frame),
+            data_out: Some(&mut out),
+            ctx_in: ingress.map(|_| ctx.as_slice()),
+            ..TestRunOptions::default()
+        })?;
+        out.truncate(result.data_size_out as usize);
+        Ok((result.return_value, out))
+    }
+
+    /// The program's time per run on `frame` arriving on loopback, run
+    /// `repeat` times on the same buffer (the kernel's measure under
+    /// `BPF_PROG_TEST_RUN`: its average). Repeats see what the runs
+    /// before them left of the frame.
+    pub fn time(&self, frame: &[u8], repeat: u32) -> std::time::Duration {
+        let program: &Xdp = self.ebpf.program(programs::XDP).unwrap().try_into().unwrap();
+        let mut out = vec![0u8; frame.len() + 512];
+        let result = program
+            .test_run(TestRunOptions {
+                data_in: Some(frame),
+                data_out: Some(&mut out),
+                repeat,
+                ..TestRunOptions::default()
+            })
+            .expect("BPF_PROG_TEST_RUN");
+        result.duration
+    }
+
+    pub fn counter(&self, reason: Reason) -> u64 {
+        let counters: PerCpuArray<_, u64> =
+            PerCpuArray::try_from(self.ebpf.map(maps::COUNTERS).unwrap()).unwrap();
+        counters.get(&reason.index(), 0).unwrap().iter().sum()
+    }
+
+    /// Moves every flow's SYN `by` into the past, as if the client had
+    /// waited that long before sending it again.
+    pub fn age_syns(&mut self, by: std::time::Duration) {
+        let mut flows: HashMap<_, FlowKey, Flow> =
+            HashMap::try_from(self.ebpf.map_mut(maps::FLOWS).unwrap()).unwrap();
+        let all: Vec<(FlowKey, Flow)> = flows.iter().map(Result::unwrap).collect();
+        for (key, mut flow) in all {
+            flow.syn_at_ns = flow.syn_at_ns.saturating_sub(by.as_nanos() as u64);
+            flows.insert(key, flow, 0).unwrap();
+        }
+    }
+
+    pub fn failed(&self, server: SocketAddr) -> bool {
+        let failed: HashMap<_, Endpoint, u64> =
+            HashMap::try_from(self.ebpf.map(maps::FAILED_AT).unwrap()).unwrap();
+        failed.get(&Endpoint::from(server), 0).is_ok()
+    }
+}
+
+/// The address alone, as `NODE_ADDRESSES` keys and values hold it.
+pub fn host(ip: IpAddr) -> Endpoint {
+    Endpoint::from(SocketAddr::new(ip, 0))
+}
+
+pub fn server_mac(server: SocketAddr) -> Mac {
+    let last = match server.ip() {
+        IpAddr::V4(ip) => ip.octets()[3],
+        IpAddr::V6(ip) => ip.octets()[15],
+    };
+    SERVER_MACS.iter().find(|(l, _)| *l == last).expect("a server's MAC").1
+}
+
+/// Runs `case` for IPv4 and for IPv6, each on a node of its own.
+pub fn both_families(case: fn(&mut Node, &Family)) {
+    if !privileged() {
+        return;
+    }
+    for family in [v4(), v6()] {
+        in_new_netns(move || {
+            let mut node = Node::new();
+            case(&mut node, &family);
+        });
+    }
+}
+
+/// A client's segment to the VIP, as it arrives from its router.
+pub fn from_client(f: &Family, client: SocketAddr, flags: Flags, seq: u32) -> Segment {
+    Segment::tcp((EXT_MAC, CLIENT_MAC), client, f.vip, flags, seq, 0)
+}
+
+/// Sends the client's SYN and checks what the program made of it: a
+/// redirect out of `srv0` to a server, with the node's address and a NAT
+/// port as source. Returns the frame as it left.
+pub fn forwarded(node: &Node, f: &Family, client: SocketAddr, seq: u32) -> Segment {
+    let (verdict, out) = node.run(&from_client(f, client, Flags::SYN, seq).frame(), None);
+    assert_eq!(verdict, XDP_REDIRECT, "the SYN was not redirected");
+    let out = read_frame(&out).expect("the forwarded frame");
+    assert!(f.servers.contains(&out.dst), "forwarded to {}, not a server", out.dst);
+    assert_eq!(out.src.ip(), f.node, "the source is not the node's address toward the server");
+    let nat = out.src.port();
+    assert!(
+        (NAT_PORT_FIRST..=NAT_PORT_FIRST.saturating_add(NAT_PORT_COUNT - 1)).contains(&nat),
+        "NAT port {nat}"
+    );
+    assert_eq!(out.macs, (server_mac(out.dst), SRV_MAC), "link layer of the forwarded frame");
+    assert_eq!(out.ttl, 63, "a router takes one off the TTL");
+    assert_eq!(out.tcp.unwrap().seq, seq);
+    out
+}
+
+/// The server's answer to the forwarded `to`, as it arrives on `srv0`.
+pub fn from_server(to: &Segment, flags: Flags) -> Segment {
+    let ack = to.tcp.unwrap().seq.wrapping_add(1);
+    Segment::tcp((SRV_MAC, server_mac(to.dst)), to.dst, to.src, flags, 7_000, ack)
+}
