@@ -39,7 +39,7 @@ use lb_common::{
 };
 
 use crate::{
-    EXTERNAL, FLOWS, IPPROTO_TCP, MAGLEV, NAT_REPLIES, NODE_ADDRESSES, SERVICES, TRAFFIC,
+    CHOSEN, EXTERNAL, FLOWS, IPPROTO_TCP, MAGLEV, NAT_REPLIES, NODE_ADDRESSES, SERVICES, TRAFFIC,
     atomic_add, count,
     packet::{self, Packet},
     report::{emit, mark_failed},
@@ -75,8 +75,8 @@ enum Step {
 /// What to do with a packet the external path takes: `None` if it is
 /// neither for an external VIP nor a reply to a forwarded flow.
 ///
-/// A client's packet goes through `lookup`, `new_flow` (for a flow's first
-/// packet) and `send`, one after the other: each is a BPF function of its
+/// A client's packet goes through `lookup`, `choose` and `new_flow` (for a
+/// flow's first packet) and `send`, one after the other: each is a BPF function of its
 /// own (not inlined), with its own stack frame, as are `reply` and
 /// `packet::route`. Inlined into one, or calling each other, their frames
 /// would add up past the 512 bytes a program's call chain may use.
@@ -90,7 +90,7 @@ pub(crate) fn handle(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     if let Step::Verdict(verdict) = step {
         return Some(verdict);
     }
-    if step == Step::New && !new_flow(ctx, p) {
+    if step == Step::New && !(choose(p) && new_flow(ctx, p)) {
         return Some(xdp_action::XDP_DROP);
     }
     Some(send(ctx, p, step == Step::New))
@@ -221,10 +221,12 @@ fn consistent(service: &Service, p: &Packet) -> Option<Endpoint> {
     Some(server)
 }
 
-/// Chooses a server and a NAT port for `p`'s flow and records them in
-/// `FLOWS` and `NAT_REPLIES`; false (counted) if the flow must be refused.
+/// Chooses the server of `p`'s new flow (the Maglev table's, else the
+/// socket path's choice) into this CPU's `CHOSEN` slot; false (counted)
+/// if the flow must be refused. A BPF function of its own, apart from
+/// `new_flow`: together their frames passed Linux 5.10's limit.
 #[inline(never)]
-fn new_flow(ctx: &XdpContext, p: &Packet) -> bool {
+fn choose(p: &Packet) -> bool {
     // SAFETY: as in `handle`.
     let Some(service) = (unsafe { SERVICES.get(&p.dst) }) else {
         count(Reason::XdpNoServer);
@@ -241,6 +243,27 @@ fn new_flow(ctx: &XdpContext, p: &Packet) -> bool {
         count(Reason::XdpFamilyMismatch);
         return false;
     }
+    let Some(slot) = CHOSEN.get_ptr_mut(0) else {
+        count(Reason::MapError);
+        return false;
+    };
+    // SAFETY: this CPU's slot, used by this program run alone (see
+    // `PACKET` in main.rs).
+    unsafe { *slot = server };
+    true
+}
+
+/// Records `p`'s new flow, to the server `choose` chose, with a NAT port
+/// in `FLOWS` and `NAT_REPLIES`; false (counted) if the flow must be
+/// refused.
+#[inline(never)]
+fn new_flow(ctx: &XdpContext, p: &Packet) -> bool {
+    let Some(slot) = CHOSEN.get_ptr_mut(0) else {
+        count(Reason::MapError);
+        return false;
+    };
+    // SAFETY: as in `choose`; written there for this packet.
+    let server = unsafe { *slot };
     let host = Endpoint { addr: server.addr, port: 0, _pad: [0; 2] };
     // SAFETY: a copy of the value.
     let Some(node) = (unsafe { NODE_ADDRESSES.get(&host) }).copied() else {
@@ -280,12 +303,8 @@ fn new_flow(ctx: &XdpContext, p: &Packet) -> bool {
     }
     // SAFETY: plain helper call without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
-    let flow = Flow {
-        server,
-        node: nat.node,
-        syn_at_ns: if syn { now } else { 0 },
-        ..Flow::default()
-    };
+    let flow =
+        Flow { server, node: nat.node, syn_at_ns: if syn { now } else { 0 }, ..Flow::default() };
     if FLOWS.insert(&flow_key(p), &flow, u64::from(BPF_ANY)).is_err() {
         count(Reason::MapError);
         let _ = NAT_REPLIES.remove(&nat);
