@@ -25,6 +25,12 @@ fn unconnected(to: &SocketAddr) -> std::io::Result<UdpSocket> {
     UdpSocket::bind(any)
 }
 
+/// The id of `churn-sendto`'s queries, which no `sendto` run uses: their
+/// answers outlive the sockets that asked, and a later socket of another
+/// test that gets the same port must not take one for its own (one did,
+/// and a query seemed answered by another test's server).
+const CHURN_ID: u16 = u16::MAX;
+
 fn query(id: u16) -> Vec<u8> {
     let mut message = Message::query();
     message.metadata.id = id;
@@ -43,7 +49,10 @@ fn query(id: u16) -> Vec<u8> {
 /// keep open until the next `sendto`.
 pub fn sendto(addr: &str, n: Option<&str>) -> Result<(String, UdpSocket), String> {
     let to: SocketAddr = addr.parse().map_err(|e| format!("bad address {addr}: {e}"))?;
-    let n: u16 = n.and_then(|n| n.parse().ok()).ok_or("usage: sendto ADDR N")?;
+    let n: u16 = n
+        .and_then(|n| n.parse().ok())
+        .filter(|n| *n < CHURN_ID)
+        .ok_or("usage: sendto ADDR N (N < 65535)")?;
     let socket = unconnected(&to).map_err(|e| format!("socket: {e}"))?;
     socket.set_read_timeout(Some(Duration::from_secs(2))).map_err(|e| e.to_string())?;
     let (mut sent, mut answered, mut from_addr) = (0, 0, 0);
@@ -95,7 +104,7 @@ pub fn sendto(addr: &str, n: Option<&str>) -> Result<(String, UdpSocket), String
 pub fn churn_sendto(addr: &str, n: Option<&str>) -> Result<String, String> {
     let to: SocketAddr = addr.parse().map_err(|e| format!("bad address {addr}: {e}"))?;
     let n: usize = n.and_then(|n| n.parse().ok()).ok_or("usage: churn-sendto ADDR N")?;
-    let datagram = query(0);
+    let datagram = query(CHURN_ID);
     let (mut ok, mut failed) = (0, 0);
     for _ in 0..n {
         match unconnected(&to).and_then(|socket| socket.send_to(&datagram, to)) {
