@@ -263,6 +263,61 @@ mod tests {
     }
 
     #[test]
+    fn the_table_shows_the_external_path() {
+        let mut status = Status::default();
+        status.services.push(ServiceStatus {
+            name: "web".into(),
+            vip: "198.18.1.100:80".parse().unwrap(),
+            policy: "failover".into(),
+            selected: Vec::new(),
+            servers: Vec::new(),
+            scope: "all".into(),
+            discovery: None,
+            external: Some(crate::control::ServiceExternal {
+                interfaces: vec!["eth1".into()],
+                announce: "arp".into(),
+                announcing: false,
+            }),
+        });
+        status.datapath.external = Some(ExternalStatus {
+            interfaces: vec![
+                crate::control::InterfaceStatus {
+                    name: "eth1".into(),
+                    role: "clients".into(),
+                    mode: Some("native".into()),
+                    error: None,
+                },
+                crate::control::InterfaceStatus {
+                    name: "eth9".into(),
+                    role: "clients".into(),
+                    mode: None,
+                    error: Some("no such interface".into()),
+                },
+            ],
+            flows: 3,
+            flow_capacity: 16_384,
+            nat_ports: 3,
+            nat_port_capacity: 4_536,
+            traffic: vec![crate::control::TrafficStatus {
+                server: "198.18.2.2:8080".parse().unwrap(),
+                packets: 10,
+                bytes: 600,
+            }],
+            forwarding: false,
+        });
+        let text = table(&status);
+        for line in [
+            "  external on eth1: withdrawn",
+            "external path: 3 flows (of 16384), 3 NAT ports in use; IP FORWARDING IS OFF: nothing is forwarded",
+            "  interface eth1 (clients): xdp native",
+            "  interface eth9 (clients): NOT ATTACHED: no such interface",
+            "  forwarded to 198.18.2.2:8080: 10 packets, 600 bytes",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line:?} missing from:\n{text}");
+        }
+    }
+
+    #[test]
     fn status_shows_the_balancer_and_the_kernel_side_by_side() {
         let config = config::Service {
             name: "api".into(),

@@ -136,6 +136,14 @@ impl Daemon {
         }
         let wanted: BTreeSet<String> = roles.keys().cloned().collect();
         let attached = self.datapath.sync_xdp(&wanted);
+        for (name, result) in &attached {
+            let before = self.external.interfaces.get(name).map(|(_, r)| r);
+            if let Err(e) = result
+                && before != Some(result)
+            {
+                warn!(interface = %name, "the external path cannot run here (tried again every second): {e}");
+            }
+        }
         self.external.interfaces = attached
             .into_iter()
             .map(|(name, result)| {

@@ -350,7 +350,8 @@ impl Datapath {
     /// Makes `lb_xdp` run on exactly the interfaces `wanted`: attaches it
     /// where it is missing (natively where the driver can), detaches it
     /// from the others. Returns each wanted interface's mode, or why it is
-    /// not attached; one interface's failure does not stop the others.
+    /// not attached (the caller says so, once: it is asked again at every
+    /// sync); one interface's failure does not stop the others.
     pub fn sync_xdp(
         &mut self,
         wanted: &BTreeSet<String>,
@@ -376,9 +377,8 @@ impl Datapath {
                 program.attach(&self.bpffs, name)
             };
             let result = attach().map_err(|e| format!("{e:#}"));
-            match &result {
-                Ok(mode) => info!(interface = %name, %mode, "{} attached", programs::XDP),
-                Err(e) => warn!(interface = %name, "{e}"),
+            if let Ok(mode) = &result {
+                info!(interface = %name, %mode, "{} attached", programs::XDP);
             }
             outcome.insert(name.clone(), result);
         }
