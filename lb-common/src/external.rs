@@ -57,14 +57,6 @@ pub struct Flow {
     /// UDP): a SYN of the flow seen again while the server has not
     /// answered is a retransmission, and the server is failed.
     pub syn_at_ns: u64,
-    /// `bpf_ktime_get_ns()` when `ifindex` and `macs` were asked of the
-    /// kernel's FIB (0: never): packets reuse them for a while instead of a
-    /// FIB lookup each.
-    pub routed_at_ns: u64,
-    /// Where the flow's packets leave.
-    pub ifindex: u32,
-    /// Their link layer: the next hop's MAC, then the interface's.
-    pub macs: [u8; 12],
 }
 
 /// The key of `NAT_REPLIES`: a forwarded flow as its replies carry it.
@@ -154,7 +146,7 @@ pub struct AnnounceValue {
 const _: () = assert!(size_of::<AnnounceKey>() == 20);
 const _: () = assert!(size_of::<AnnounceValue>() == 8);
 const _: () = assert!(size_of::<FlowKey>() == 44);
-const _: () = assert!(size_of::<Flow>() == 72);
+const _: () = assert!(size_of::<Flow>() == 48);
 const _: () = assert!(size_of::<NatKey>() == 44);
 const _: () = assert!(size_of::<NatReply>() == 68);
 const _: () = assert!(size_of::<Traffic>() == 16);

@@ -46,12 +46,6 @@ use crate::{
     select::{XDP, choose_server, preferred, selected, usable},
 };
 
-/// How long a flow's packets reuse the route the FIB gave its first
-/// (interface and MACs) before they ask again: a FIB lookup is most of an
-/// established packet's time, and a route or a neighbour that changes is
-/// followed within this.
-const ROUTE_REUSE_NS: u64 = 1_000_000_000;
-
 /// NAT ports tried for a new flow before it is refused.
 const NAT_TRIES: u32 = 8;
 
@@ -126,8 +120,7 @@ fn lookup(ctx: &XdpContext, p: &Packet) -> Step {
 }
 
 /// Sends a client's packet along its flow (recorded in `FLOWS`): NAT,
-/// the FIB's route (asked again once the flow's is [`ROUTE_REUSE_NS`]
-/// old), redirect. `new`: the flow's first packet, whose route
+/// the FIB's route, redirect. `new`: the flow's first packet, whose route
 /// says where the server's replies arrive.
 #[inline(never)]
 fn send(ctx: &XdpContext, p: &Packet, new: bool) -> u32 {
@@ -140,27 +133,8 @@ fn send(ctx: &XdpContext, p: &Packet, new: bool) -> u32 {
         count(Reason::XdpTruncated);
         return xdp_action::XDP_DROP;
     }
-    // SAFETY: plain helper call without arguments.
-    let now = unsafe { bpf_ktime_get_ns() };
-    let ifindex = if flow.routed_at_ns != 0 && now.wrapping_sub(flow.routed_at_ns) < ROUTE_REUSE_NS
-    {
-        if !packet::set_link(ctx, p, flow.macs) {
-            return xdp_action::XDP_DROP;
-        }
-        flow.ifindex
-    } else {
-        let Some((ifindex, macs)) = packet::route(ctx, p, &flow.node, &flow.server) else {
-            return xdp_action::XDP_DROP;
-        };
-        if let Some(entry) = FLOWS.get_ptr_mut(&flow_key(p)) {
-            // SAFETY: this flow's value; see `lookup` on who writes it.
-            unsafe {
-                (*entry).ifindex = ifindex;
-                (*entry).macs = macs;
-                (*entry).routed_at_ns = now;
-            }
-        }
-        ifindex
+    let Some(ifindex) = packet::route(ctx, p, &flow.node, &flow.server) else {
+        return xdp_action::XDP_DROP;
     };
     if new {
         // Where the server's replies arrive: only there can a reset fail it.
@@ -303,8 +277,7 @@ fn new_flow(ctx: &XdpContext, p: &Packet) -> bool {
     }
     // SAFETY: plain helper call without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
-    let flow =
-        Flow { server, node: nat.node, syn_at_ns: if syn { now } else { 0 }, ..Flow::default() };
+    let flow = Flow { server, node: nat.node, syn_at_ns: if syn { now } else { 0 } };
     if FLOWS.insert(&flow_key(p), &flow, u64::from(BPF_ANY)).is_err() {
         count(Reason::MapError);
         let _ = NAT_REPLIES.remove(&nat);

@@ -272,12 +272,7 @@ pub(crate) fn macs(ctx: &XdpContext) -> Option<[u8; 12]> {
 /// packet cannot go up the kernel's stack instead: its source is now an
 /// address of the node's own, which the stack drops as martian.
 #[inline(always)]
-pub(crate) fn route(
-    ctx: &XdpContext,
-    p: &Packet,
-    src: &Endpoint,
-    dst: &Endpoint,
-) -> Option<(u32, [u8; 12])> {
+pub(crate) fn route(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoint) -> Option<u32> {
     // SAFETY: a plain C struct of integers, for which zero is valid.
     let mut fib: bpf_fib_lookup = unsafe { core::mem::zeroed() };
     fib.family = (if p.ipv6 { AF_INET6 } else { AF_INET }) as u8;
@@ -307,7 +302,7 @@ pub(crate) fn route(
     if !set_link(ctx, p, macs) {
         return None;
     }
-    Some((fib.ifindex, macs))
+    Some(fib.ifindex)
 }
 
 /// Writes the link layer a packet leaves with (destination MAC, then
