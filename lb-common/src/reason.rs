@@ -196,6 +196,13 @@ reasons! {
     /// xdp: a `spread` service's new flow took its server from the
     /// service's consistent-hash (Maglev) table.
     XdpConsistent = 59 => "xdp_consistent",
+    /// xdp: an ICMP error about a forwarded flow (unreachable, too big,
+    /// time exceeded), from the servers' side, was translated back to its
+    /// client.
+    XdpIcmpToClient = 60 => "xdp_icmp_to_client",
+    /// xdp: an ICMP error about a reply, from the clients' side, was
+    /// translated to the flow's server.
+    XdpIcmpToServer = 61 => "xdp_icmp_to_server",
 }
 
 impl Reason {
@@ -315,6 +322,8 @@ mod tests {
                 "xdp_arp_answered",
                 "xdp_ndp_answered",
                 "xdp_consistent",
+                "xdp_icmp_to_client",
+                "xdp_icmp_to_server",
             ]
         );
     }

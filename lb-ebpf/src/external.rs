@@ -15,6 +15,9 @@
 //! A server's packet to a NAT port (`reply`) is translated back to the
 //! VIP and the client, and leaves the way the client's packets came.
 //!
+//! ICMP errors about a flow, from either side, are translated as its
+//! packets are (`icmp.rs`).
+//!
 //! Failures, as on the socket path: a reset that answers a flow's SYN, or
 //! the client's SYN sent again while the server has not answered, marks
 //! the server failed (`FAILED_AT`), so the next choice skips it, and tells
@@ -40,7 +43,7 @@ use lb_common::{
 
 use crate::{
     CHOSEN, EXTERNAL, FLOWS, IPPROTO_TCP, MAGLEV, NAT_REPLIES, NODE_ADDRESSES, SERVICES, TRAFFIC,
-    atomic_add, count,
+    atomic_add, count, icmp,
     packet::{self, Packet},
     report::{emit, mark_failed},
     select::{XDP, choose_server, preferred, selected, usable},
@@ -76,6 +79,9 @@ enum Step {
 /// would add up past the 512 bytes a program's call chain may use.
 #[inline(always)]
 pub(crate) fn handle(ctx: &XdpContext, p: &Packet) -> Option<u32> {
+    if p.icmp_error {
+        return icmp::handle(ctx, p);
+    }
     // SAFETY: the values are only read; the daemon replaces values whole.
     if unsafe { EXTERNAL.get(&p.dst) }.is_none() {
         return reply(ctx, p);

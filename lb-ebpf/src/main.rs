@@ -28,7 +28,8 @@
 //! - `lb_xdp` (XDP, on the interfaces of external VIPs; `external.rs` over
 //!   `packet.rs`): packets from other machines to an external VIP go to a
 //!   server chosen as for a connect, with NAT; the servers' replies are
-//!   translated back. Failure marks and events are shared (`report.rs`).
+//!   translated back, and ICMP errors about the flows both ways
+//!   (`icmp.rs`). Failure marks and events are shared (`report.rs`).
 //!
 //! The programs are dumb and fast: the daemon decides the selection; the
 //! kernel only skips servers whose connect failed within the hold-down.
@@ -259,6 +260,7 @@ macro_rules! ctx_write {
 mod announce;
 mod connect;
 mod external;
+mod icmp;
 mod packet;
 mod release;
 mod report;

@@ -1,5 +1,6 @@
 //! Packets as the XDP program sees them: Ethernet, then IPv4 (no options,
-//! no fragments) or IPv6 (no extension headers), then TCP or UDP. Parsing
+//! no fragments) or IPv6 (no extension headers), then TCP or UDP, or an
+//! ICMP error quoting a TCP or UDP packet (`icmp.rs`). Parsing
 //! names where the headers are and what they say; rewriting changes the
 //! addresses and ports with incremental checksum updates
 //! (`lb_common::checksum`); routing asks the kernel's FIB where the
@@ -20,7 +21,7 @@ use aya_ebpf::{
 };
 use lb_common::{Endpoint, Reason, checksum};
 
-use crate::{AF_INET, AF_INET6, IPPROTO_TCP, IPPROTO_UDP, count};
+use crate::{AF_INET, AF_INET6, IPPROTO_TCP, IPPROTO_UDP, count, icmp};
 
 const ETH_HLEN: usize = 14;
 /// EtherTypes, as the 16-bit field reads in network byte order.
@@ -53,10 +54,13 @@ pub(crate) struct Packet {
     pub(crate) tcp_seq: u32,
     /// Bytes from the IP header on.
     pub(crate) ip_len: u32,
+    /// An ICMP error: `protocol`, `src` and `dst` are those of the packet
+    /// it quotes (`icmp::parse`), not its own.
+    pub(crate) icmp_error: bool,
 }
 
 /// Where the IP header starts: right after Ethernet (no VLAN tag).
-const L3: usize = ETH_HLEN;
+pub(crate) const L3: usize = ETH_HLEN;
 
 impl Packet {
     /// Where the TCP or UDP header starts. A constant on each branch, never
@@ -155,7 +159,17 @@ pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
         count(Reason::XdpNotIp);
         return None;
     };
-    *packet = Packet { ipv6, protocol, src, dst, tcp_flags: 0, tcp_ack: 0, tcp_seq: 0, ip_len };
+    *packet = Packet {
+        ipv6,
+        protocol,
+        src,
+        dst,
+        tcp_flags: 0,
+        tcp_ack: 0,
+        tcp_seq: 0,
+        ip_len,
+        icmp_error: false,
+    };
     if u32::from(protocol) == IPPROTO_TCP {
         let Some(tcp) = read::<[u32; TCP_HLEN / 4]>(ctx, l4) else {
             count(Reason::XdpTruncated);
@@ -174,6 +188,8 @@ pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
         };
         packet.src.port = ports[0];
         packet.dst.port = ports[1];
+    } else if protocol == if ipv6 { icmp::IPPROTO_ICMPV6 } else { icmp::IPPROTO_ICMP } {
+        return icmp::parse(ctx, packet);
     } else if ipv6 && matches!(protocol, 0 | 43 | 44 | 50 | 51 | 60 | 135) {
         // Hop-by-hop, routing, fragment, ESP, AH, destination options,
         // mobility: extension headers lb does not walk.

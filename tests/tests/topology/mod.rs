@@ -42,6 +42,13 @@ impl Topology {
         let client = Namespace::new();
         let servers = Namespace::new();
         let (c, s) = (client.tid.to_string(), servers.tid.to_string());
+        // Interfaces that have long been up, as on a real node: no
+        // duplicate address detection, whose tentative link-local address
+        // keeps IPv6 from soliciting its neighbours for the first second.
+        for ns in [&client, &servers] {
+            ns.sh(&["sysctl", "-qw", "net.ipv6.conf.default.accept_dad=0"]);
+        }
+        sh(&["sysctl", "-qw", "net.ipv6.conf.default.accept_dad=0"]);
         sh(&["ip", "link", "add", "ext0", "type", "veth", "peer", "name", "c0", "netns", &c]);
         sh(&["ip", "link", "add", "srv0", "type", "veth", "peer", "name", "s0", "netns", &s]);
         for (dev, v4, v6) in [

@@ -1,0 +1,290 @@
+//! ICMP errors about the external path's flows, translated as the flows'
+//! packets are, so that both ends learn what the network said: a server's
+//! "port unreachable" reaches the client's socket, a router's "too big"
+//! lowers the path MTU of the end that sent too much.
+//!
+//! An error quotes the packet it is about (RFC 792, RFC 4443: its IP
+//! header and at least the first 8 bytes after it, where the ports are).
+//! `parse` reads the quote into the `Packet` in place of the error's own
+//! addresses, so the flow tables are asked about the quoted packet:
+//!
+//! - a quote of a forwarded packet (node:NAT port → server) is answered
+//!   from `NAT_REPLIES` (`to_client`): the error goes back to the client
+//!   the way its flow's replies go, quoting the packet as the client sent
+//!   it (client → VIP). Its source, if it is the server, becomes the VIP;
+//!   a router on the way keeps its own address.
+//! - a quote of a reply (VIP → client) is answered from `FLOWS`
+//!   (`to_server`): the error goes to the flow's server from the node's
+//!   address, quoting the reply as the server sent it.
+//!
+//! Every checksum the rewrite touches is updated incrementally: the outer
+//! IPv4 header's, the ICMP checksum (for ICMPv6 its pseudo-header holds
+//! the outer addresses), the quoted IPv4 header's, and the quoted TCP or
+//! UDP checksum where the quote holds it (as Linux's NAT does; a quote of
+//! 8 bytes ends before a TCP checksum).
+//!
+//! An error from the servers' side counts only if it arrives where the
+//! flow's packets to the server leave, as a server's reset does: one
+//! forged on the clients' side is passed untouched.
+
+#![allow(
+    clippy::needless_borrows_for_generic_args,
+    reason = "map keys go by reference, as in external.rs: a key passed by value is one more copy \
+              of it on the stack"
+)]
+
+use aya_ebpf::{bindings::xdp_action, programs::XdpContext};
+use lb_common::{Endpoint, FlowKey, NatKey, Reason, checksum};
+
+use crate::{
+    EXTERNAL, FLOWS, IPPROTO_TCP, IPPROTO_UDP, NAT_REPLIES, count,
+    packet::{self, L3, Packet, read, write},
+};
+
+pub(crate) const IPPROTO_ICMP: u8 = 1;
+pub(crate) const IPPROTO_ICMPV6: u8 = 58;
+
+/// Where the ICMP header starts, and the quoted packet's IP header and
+/// its TCP or UDP header (no IPv4 options, no IPv6 extension headers, in
+/// the error or in the quote: the external path forwards none).
+const ICMP4: usize = L3 + 20;
+const QUOTE4: usize = ICMP4 + 8;
+const QUOTE4_L4: usize = QUOTE4 + 20;
+const ICMP6: usize = L3 + 40;
+const QUOTE6: usize = ICMP6 + 8;
+const QUOTE6_L4: usize = QUOTE6 + 40;
+
+/// Whether `kind` is an ICMP error type that quotes a packet: destination
+/// unreachable (fragmentation needed is one), time exceeded, parameter
+/// problem; for ICMPv6 also packet too big.
+#[inline(always)]
+fn is_error(ipv6: bool, kind: u8) -> bool {
+    if ipv6 { matches!(kind, 1..=4) } else { matches!(kind, 3 | 11 | 12) }
+}
+
+/// Parses an ICMP error's quote into `p` (the outer family and length
+/// stay): its protocol, and its source and destination as the quoted
+/// packet had them. `None` (counted) for any other ICMP message, or a
+/// quote the external path cannot have sent.
+#[inline(always)]
+pub(crate) fn parse(ctx: &XdpContext, p: &mut Packet) -> Option<()> {
+    let at = if p.ipv6 { ICMP6 } else { ICMP4 };
+    let Some(kind) = read::<u8>(ctx, at) else {
+        count(Reason::XdpTruncated);
+        return None;
+    };
+    if !is_error(p.ipv6, kind) {
+        count(Reason::XdpOtherProtocol);
+        return None;
+    }
+    let quoted = if p.ipv6 { quote6(ctx, p) } else { quote4(ctx, p) };
+    let Some(protocol) = quoted else {
+        count(Reason::XdpUnparsed);
+        return None;
+    };
+    if u32::from(protocol) != IPPROTO_TCP && u32::from(protocol) != IPPROTO_UDP {
+        count(Reason::XdpOtherProtocol);
+        return None;
+    }
+    let Some(ports) = read::<[u16; 2]>(ctx, if p.ipv6 { QUOTE6_L4 } else { QUOTE4_L4 }) else {
+        count(Reason::XdpTruncated);
+        return None;
+    };
+    p.protocol = protocol;
+    p.src.port = ports[0];
+    p.dst.port = ports[1];
+    p.icmp_error = true;
+    Some(())
+}
+
+/// The quoted IPv4 header's addresses into `p`; its protocol.
+#[inline(always)]
+fn quote4(ctx: &XdpContext, p: &mut Packet) -> Option<u8> {
+    let header = read::<[u8; 20]>(ctx, QUOTE4)?;
+    if header[0] != 0x45 {
+        return None;
+    }
+    let word =
+        |i: usize| u32::from_ne_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]]);
+    p.src = Endpoint::from_v4_raw(word(12), 0);
+    p.dst = Endpoint::from_v4_raw(word(16), 0);
+    Some(header[9])
+}
+
+/// The quoted IPv6 header's addresses into `p`; its next header.
+#[inline(always)]
+fn quote6(ctx: &XdpContext, p: &mut Packet) -> Option<u8> {
+    let header = read::<[u32; 10]>(ctx, QUOTE6)?;
+    if header[0].to_ne_bytes()[0] >> 4 != 6 {
+        return None;
+    }
+    p.src = Endpoint { addr: [header[2], header[3], header[4], header[5]], port: 0, _pad: [0; 2] };
+    p.dst = Endpoint { addr: [header[6], header[7], header[8], header[9]], port: 0, _pad: [0; 2] };
+    Some(header[1].to_ne_bytes()[2])
+}
+
+/// What to do with an ICMP error `parse` took: `None` if it is about no
+/// flow of the external path.
+#[inline(always)]
+pub(crate) fn handle(ctx: &XdpContext, p: &Packet) -> Option<u32> {
+    // SAFETY: the value is only read; the daemon replaces values whole.
+    if unsafe { EXTERNAL.get(&p.src) }.is_some() { to_server(ctx, p) } else { to_client(ctx, p) }
+}
+
+/// An error about a forwarded packet (quoted as node:NAT port → server):
+/// to the flow's client, as a reply of the flow.
+#[inline(never)]
+fn to_client(ctx: &XdpContext, p: &Packet) -> Option<u32> {
+    let key = NatKey { server: p.dst, node: p.src, protocol: p.protocol, _pad: [0; 3] };
+    // SAFETY: a map value, valid for the whole program run, only read.
+    let Some(nat) = (unsafe { NAT_REPLIES.get(&key) }) else {
+        count(Reason::XdpNotOurs);
+        return None;
+    };
+    // SAFETY: the context's fields are valid for the whole program run.
+    let ingress = unsafe { (*ctx.ctx).ingress_ifindex };
+    if ingress != nat.server_ifindex {
+        count(Reason::XdpNotOurs);
+        return None;
+    }
+    if packet::ttl(ctx, p) <= 1 {
+        count(Reason::XdpTtlExceeded);
+        return Some(xdp_action::XDP_PASS);
+    }
+    let from = outer_source(ctx, p)?;
+    let from = if from == p.dst.addr { &nat.vip.addr } else { &from };
+    if !outer(ctx, p, from, &nat.client.addr)
+        || !quote(ctx, p, &nat.client, &nat.vip)
+        || !packet::set_link(ctx, p, nat.macs)
+    {
+        count(Reason::XdpTruncated);
+        return Some(xdp_action::XDP_DROP);
+    }
+    count(Reason::XdpIcmpToClient);
+    Some(packet::redirect(nat.client_ifindex))
+}
+
+/// An error about a reply (quoted as VIP → client): to the flow's server,
+/// from the node's address toward it, by the kernel's FIB.
+#[inline(never)]
+fn to_server(ctx: &XdpContext, p: &Packet) -> Option<u32> {
+    let key = FlowKey { client: p.dst, vip: p.src, protocol: p.protocol, _pad: [0; 3] };
+    // SAFETY: as in `to_client`.
+    let Some(flow) = (unsafe { FLOWS.get(&key) }) else {
+        count(Reason::XdpNotOurs);
+        return None;
+    };
+    if packet::ttl(ctx, p) <= 1 {
+        count(Reason::XdpTtlExceeded);
+        return Some(xdp_action::XDP_PASS);
+    }
+    if !outer(ctx, p, &flow.node.addr, &flow.server.addr)
+        || !quote(ctx, p, &flow.server, &flow.node)
+    {
+        count(Reason::XdpTruncated);
+        return Some(xdp_action::XDP_DROP);
+    }
+    let Some(ifindex) = packet::route(ctx, p, &flow.node, &flow.server) else {
+        return Some(xdp_action::XDP_DROP);
+    };
+    count(Reason::XdpIcmpToServer);
+    Some(packet::redirect(ifindex))
+}
+
+/// The error's own source address, in an `Endpoint`'s form.
+#[inline(always)]
+fn outer_source(ctx: &XdpContext, p: &Packet) -> Option<[u32; 4]> {
+    if p.ipv6 {
+        read::<[u32; 4]>(ctx, L3 + 8)
+    } else {
+        read::<u32>(ctx, L3 + 12).map(|w| Endpoint::from_v4_raw(w, 0).addr)
+    }
+}
+
+/// Reads the 16-bit checksum at `at`, applies `update` and writes it back.
+#[inline(always)]
+fn update(ctx: &XdpContext, at: usize, update: impl FnOnce(u16) -> u16) -> bool {
+    match read::<u16>(ctx, at) {
+        Some(check) => write(ctx, at, update(check)),
+        None => false,
+    }
+}
+
+/// Rewrites the error's own addresses to `src` → `dst`, and the checksum
+/// that covers them: the IPv4 header's, or ICMPv6's (its pseudo-header).
+/// False if the packet is shorter than parsed, which cannot happen.
+///
+/// A BPF function of its own, as is `quote`: inlined into their callers,
+/// the frames passed the 512 bytes of stack a call chain may use.
+#[inline(never)]
+fn outer(ctx: &XdpContext, p: &Packet, src: &[u32; 4], dst: &[u32; 4]) -> bool {
+    if p.ipv6 {
+        let Some(old) = read::<[u32; 8]>(ctx, L3 + 8) else { return false };
+        let updated = update(ctx, ICMP6 + 2, |mut check| {
+            for i in 0..4 {
+                check = checksum::replace32(check, old[i], src[i]);
+                check = checksum::replace32(check, old[4 + i], dst[i]);
+            }
+            check
+        });
+        updated && write(ctx, L3 + 8, *src) && write(ctx, L3 + 24, *dst)
+    } else {
+        let Some(old) = read::<[u32; 2]>(ctx, L3 + 12) else { return false };
+        let updated = update(ctx, L3 + 10, |check| {
+            checksum::replace32(checksum::replace32(check, old[0], src[3]), old[1], dst[3])
+        });
+        updated && write(ctx, L3 + 12, [src[3], dst[3]])
+    }
+}
+
+/// Rewrites the quoted packet to `src` → `dst` (addresses and ports), and
+/// every checksum that covers them: the quoted IPv4 header's, the quoted
+/// TCP or UDP checksum if the quote holds it, and the ICMP checksum over
+/// all of these.
+#[inline(never)]
+fn quote(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoint) -> bool {
+    let (icmp_at, l4) = if p.ipv6 { (ICMP6 + 2, QUOTE6_L4) } else { (ICMP4 + 2, QUOTE4_L4) };
+    let Some(mut icmp) = read::<u16>(ctx, icmp_at) else { return false };
+    // The addresses, as they count in any checksum over them.
+    let addresses = |mut check: u16| {
+        for i in 0..4 {
+            check = checksum::replace32(check, p.src.addr[i], src.addr[i]);
+            check = checksum::replace32(check, p.dst.addr[i], dst.addr[i]);
+        }
+        check
+    };
+    let ports = |check: u16| {
+        let check = checksum::replace16(check, p.src.port, src.port);
+        checksum::replace16(check, p.dst.port, dst.port)
+    };
+    icmp = ports(addresses(icmp));
+    let written = if p.ipv6 {
+        write(ctx, QUOTE6 + 8, src.addr) && write(ctx, QUOTE6 + 24, dst.addr)
+    } else {
+        let Some(old) = read::<u16>(ctx, QUOTE4 + 10) else { return false };
+        let new = addresses(old);
+        icmp = checksum::replace16(icmp, old, new);
+        write(ctx, QUOTE4 + 10, new) && write(ctx, QUOTE4 + 12, [src.addr[3], dst.addr[3]])
+    };
+    if !(written && write(ctx, l4, [src.port, dst.port])) {
+        return false;
+    }
+    // The quoted TCP or UDP checksum, if the quote reaches it (a UDP
+    // header is 8 bytes; a quote of 8 bytes ends before TCP's), and is
+    // not IPv4 UDP's "no checksum".
+    let tcp = u32::from(p.protocol) == IPPROTO_TCP;
+    let at = l4 + if tcp { 16 } else { 6 };
+    if let Some(old) = read::<u16>(ctx, at)
+        && (tcp || p.ipv6 || old != 0)
+    {
+        let mut new = ports(addresses(old));
+        if !tcp {
+            new = checksum::udp_field(new);
+        }
+        icmp = checksum::replace16(icmp, old, new);
+        if !write(ctx, at, new) {
+            return false;
+        }
+    }
+    write(ctx, icmp_at, icmp)
+}
