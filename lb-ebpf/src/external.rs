@@ -140,6 +140,13 @@ fn send(ctx: &XdpContext, p: &Packet, new: bool) -> u32 {
         return xdp_action::XDP_DROP;
     }
     let Some(ifindex) = packet::route(ctx, p, &flow.node, &flow.server) else {
+        if new {
+            // Never sent: the client's SYN sent again is a new flow, not a
+            // sign of a silent server.
+            let (reply, key) = (reply_key(flow, p.protocol), flow_key(p));
+            let _ = NAT_REPLIES.remove(&reply);
+            let _ = FLOWS.remove(&key);
+        }
         return xdp_action::XDP_DROP;
     };
     if new {

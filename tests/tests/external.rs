@@ -162,6 +162,45 @@ fn a_servers_port_unreachable_reaches_the_client() {
     });
 }
 
+/// The program forwards only to resolved neighbours and starts no
+/// resolution itself: with the servers' neighbour entries flushed, a
+/// client's SYN is dropped (counted), the daemon has the kernel resolve
+/// the next hops at its next sync, and the SYN sent again reaches the
+/// same server. The drop was the node's: it fails no server.
+#[test]
+fn a_flushed_neighbour_is_resolved_again() {
+    if !privileged() {
+        return;
+    }
+    in_new_netns(|| {
+        let net = Topology::new();
+        let (_s1, _s2) = (net.server("s1", "198.18.2.2:8080"), net.server("s2", "198.18.2.3:8080"));
+        let (_s1v6, _s2v6) =
+            (net.server("s1", "[2001:2:0:2::2]:8080"), net.server("s2", "[2001:2:0:2::3]:8080"));
+        let cgroup = TestCgroup::new("external-neigh");
+        let daemon = Daemon::start("external-neigh", &cgroup, &services("none"));
+        for vip in [VIP4, VIP6] {
+            assert_eq!(net.ask(vip).as_deref(), Ok("s1"), "{}", daemon.log());
+            lb_tests::sh(&["ip", "neigh", "flush", "dev", "srv0"]);
+            let dropped = daemon.counter("xdp_no_route");
+            let to: std::net::SocketAddr = vip.parse().unwrap();
+            // SYNs go at 0, 1 and 3 s; the daemon syncs every second.
+            let stream = net
+                .client
+                .run(move || std::net::TcpStream::connect_timeout(&to, Duration::from_secs(6)));
+            let stream = stream.unwrap_or_else(|e| panic!("{vip}: {e}\n{}", daemon.log()));
+            assert_eq!(who(&stream).as_deref(), Ok("s1"), "{vip}: the drop failed the server");
+            assert!(
+                daemon.counter("xdp_no_route") > dropped,
+                "{vip}: no SYN was dropped (the flush did nothing: this tests nothing)"
+            );
+        }
+        assert_eq!(daemon.counter("xdp_syn_retransmitted"), 0);
+        drop(daemon);
+        drop(cgroup);
+    });
+}
+
 /// Items 2 and 4: a server killed under load costs at most the connects
 /// in flight, the kernel moving to the next server at once (the health
 /// checks are off: only the reset marks it); with the daemon SIGKILLed a

@@ -3,9 +3,10 @@
 //! the interfaces `lb_xdp` runs on, those the services list (clients'
 //! packets arrive there) and those the servers are reached through
 //! (their replies arrive there). Routes are asked of the kernel once per
-//! server and again every [`ROUTES_REFRESH`], and each time the next hop's
-//! link-layer address is asked for: the program forwards only to resolved
-//! neighbours.
+//! server and again every [`ROUTES_REFRESH`], or at the next sync when the
+//! program has dropped a packet for want of a route or a neighbour, and
+//! each time the next hop's link-layer address is asked for: the program
+//! forwards only to resolved neighbours, and starts no resolution itself.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, HashSet},
@@ -38,6 +39,8 @@ pub(super) struct External {
     routes: HashMap<IpAddr, Result<Route, String>>,
     /// When `routes` were last all asked again.
     refreshed: Option<Instant>,
+    /// The program's count of packets it could not route, as last read.
+    unrouted: u64,
     /// Each interface the program should run on: why, and how it went.
     interfaces: BTreeMap<String, (Role, Result<Mode, String>)>,
     /// Whether the kernel forwards IPv4 and IPv6, as last read.
@@ -85,7 +88,14 @@ impl Daemon {
             .collect();
         let state = &mut self.external;
         let now = Instant::now();
-        let refresh = refresh || state.refreshed.is_none_or(|at| now - at >= ROUTES_REFRESH);
+        // A packet dropped for want of a neighbour: its resolution may have
+        // failed (an IPv6 interface soliciting nothing while its link-local
+        // address is tentative), or the entry was flushed.
+        let unrouted = self.datapath.maps().unrouted_packets();
+        let dropped = unrouted != state.unrouted;
+        state.unrouted = unrouted;
+        let refresh =
+            refresh || dropped || state.refreshed.is_none_or(|at| now - at >= ROUTES_REFRESH);
         if refresh {
             state.refreshed = Some(now);
         }

@@ -125,6 +125,12 @@ impl PinnedMaps {
         self.counter(Reason::ConnectUntracked)
     }
 
+    /// The kernel's count of packets the external path dropped for want of
+    /// a route or a resolved neighbour (`xdp_no_route`).
+    pub fn unrouted_packets(&self) -> u64 {
+        self.counter(Reason::XdpNoRoute)
+    }
+
     /// One kernel decision counter, summed over the CPUs (0 if unreadable).
     fn counter(&self, reason: Reason) -> u64 {
         self.counters.get(&reason.index(), 0).map(|v| v.iter().sum()).unwrap_or(0)
