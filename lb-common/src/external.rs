@@ -7,11 +7,12 @@
 //!   is usable.
 //! - `NAT_REPLIES` ([`NatKey`] → [`NatReply`]): the same flow as the
 //!   server's replies carry it, to translate them back; its insertion
-//!   allocates the NAT port (a port is in use while its entry exists).
+//!   allocates the NAT port (a port is in use while its entry exists,
+//!   and may go to a new flow once its flow has ended: [`crate::nat`]).
 //!
-//! Both are LRU maps of [`MAX_EXTERNAL_FLOWS`]: flows are never removed
-//! one by one (a TCP close is not tracked), the least recently used go
-//! first when the table is full.
+//! Both are LRU maps of [`MAX_EXTERNAL_FLOWS`]: flows are not removed one
+//! by one (a close is noted, not followed to its end), the least recently
+//! used go first when the table is full.
 
 use crate::Endpoint;
 
@@ -54,8 +55,10 @@ pub struct Flow {
     /// flow's NAT port.
     pub node: Endpoint,
     /// `bpf_ktime_get_ns()` of the first SYN sent to `server` (TCP; 0 for
-    /// UDP): a SYN of the flow seen again while the server has not
-    /// answered is a retransmission, and the server is failed.
+    /// UDP, before a SYN has left, and once the client's next packet has
+    /// completed the handshake): a SYN of the flow seen again while the
+    /// server has not answered is a retransmission, and the server is
+    /// failed.
     pub syn_at_ns: u64,
 }
 
@@ -79,6 +82,8 @@ pub struct NatKey {
 pub const NAT_REPLY_ESTABLISHED: u32 = 1 << 0;
 /// `NatReply::flags`: the flow began with a SYN (`syn_seq` holds its
 /// sequence number): only a reset that answers it is a server's refusal.
+/// The other bits say how the flow ended and when it was last seen
+/// ([`crate::nat`]).
 pub const NAT_REPLY_SYN: u32 = 1 << 1;
 
 /// The value of `NAT_REPLIES`: whom a reply goes back to, as whom, and the

@@ -21,6 +21,7 @@ pub mod checksum;
 pub mod choose;
 mod external;
 pub mod maglev;
+pub mod nat;
 mod reason;
 mod udp;
 #[cfg(feature = "user")]

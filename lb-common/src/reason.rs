@@ -203,6 +203,9 @@ reasons! {
     /// xdp: an ICMP error about a reply, from the clients' side, was
     /// translated to the flow's server.
     XdpIcmpToServer = 61 => "xdp_icmp_to_server",
+    /// xdp: a new flow took a NAT port whose last flow had ended (or
+    /// idled out), and that flow's entry went (`lb_common::nat`).
+    XdpNatPortReused = 62 => "xdp_nat_port_reused",
 }
 
 impl Reason {
@@ -324,6 +327,7 @@ mod tests {
                 "xdp_consistent",
                 "xdp_icmp_to_client",
                 "xdp_icmp_to_server",
+                "xdp_nat_port_reused",
             ]
         );
     }

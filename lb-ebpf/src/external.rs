@@ -38,13 +38,13 @@ use aya_ebpf::{
 };
 use lb_common::{
     Endpoint, EventKind, Flow, FlowKey, NAT_PORT_COUNT, NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED,
-    NAT_REPLY_SYN, NatKey, NatReply, Reason, Service, Traffic, maglev,
+    NAT_REPLY_SYN, NatKey, NatReply, Reason, Service, Traffic, maglev, nat,
 };
 
 use crate::{
-    CHOSEN, EXTERNAL, FLOWS, IPPROTO_TCP, MAGLEV, NAT_REPLIES, NODE_ADDRESSES, SERVICES, TRAFFIC,
+    EXTERNAL, FLOWS, IPPROTO_TCP, MAGLEV, NAT_REPLIES, NEW_FLOW, NODE_ADDRESSES, SERVICES, TRAFFIC,
     atomic_add, count, icmp,
-    packet::{self, Packet},
+    packet::{self, Packet, TCP_FIN, TCP_RST, TCP_SYN},
     report::{emit, mark_failed},
     select::{XDP, choose_server, preferred, selected, usable},
 };
@@ -57,6 +57,15 @@ const NAT_TRIES: u32 = 8;
 /// One sooner is a duplicate, or forged to fail a server that has had no
 /// time to answer: it follows the first and fails nothing.
 const SYN_RETRANSMIT_MIN_NS: u64 = 900_000_000;
+
+/// A new flow as `choose` (its server, `nat.server`) and `new_flow` (the
+/// rest) build it, in this CPU's `NEW_FLOW` slot: its `NAT_REPLIES` key
+/// and value, written to the map from there.
+#[repr(C)]
+pub(crate) struct NewFlow {
+    nat: NatKey,
+    reply: NatReply,
+}
 
 /// What `lookup` found for a client's packet to an external VIP.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -130,25 +139,32 @@ fn lookup(ctx: &XdpContext, p: &Packet) -> Step {
 /// says where the server's replies arrive.
 #[inline(never)]
 fn send(ctx: &XdpContext, p: &Packet, new: bool) -> u32 {
-    // SAFETY: as in `lookup`.
-    let Some(flow) = (unsafe { FLOWS.get(&flow_key(p)) }) else {
+    let Some(flow) = FLOWS.get_ptr_mut(&flow_key(p)) else {
         count(Reason::MapError);
         return xdp_action::XDP_DROP;
     };
+    // SAFETY: as in `lookup`; this CPU alone writes the flow's entry now.
+    let flow = unsafe { &mut *flow };
     if !packet::rewrite(ctx, p, &flow.node, &flow.server) {
         count(Reason::XdpTruncated);
         return xdp_action::XDP_DROP;
     }
     let Some(ifindex) = packet::route(ctx, p, &flow.node, &flow.server) else {
-        if new {
-            // Never sent: the client's SYN sent again is a new flow, not a
-            // sign of a silent server.
-            let (reply, key) = (reply_key(flow, p.protocol), flow_key(p));
-            let _ = NAT_REPLIES.remove(&reply);
-            let _ = FLOWS.remove(&key);
-        }
+        // Not sent: the client's SYN sent again is the first the server
+        // sees, not a sign that it is silent.
+        flow.syn_at_ns = 0;
         return xdp_action::XDP_DROP;
     };
+    let tcp = u32::from(p.protocol) == IPPROTO_TCP;
+    if flow.syn_at_ns == 0 && p.is_syn() && tcp {
+        // SAFETY: plain helper call without arguments.
+        flow.syn_at_ns = unsafe { bpf_ktime_get_ns() };
+    }
+    // The client's first packet after its SYN completes the handshake.
+    let acked = flow.syn_at_ns != 0 && !p.is_syn() && tcp;
+    if acked {
+        flow.syn_at_ns = 0;
+    }
     if new {
         // Where the server's replies arrive: only there can a reset fail it.
         if let Some(entry) = NAT_REPLIES.get_ptr_mut(&reply_key(flow, p.protocol)) {
@@ -156,8 +172,28 @@ fn send(ctx: &XdpContext, p: &Packet, new: bool) -> u32 {
             unsafe { (*entry).server_ifindex = ifindex };
         }
     }
+    if acked || p.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+        client_notes(flow, p);
+    }
     add_traffic(&flow.server, p.ip_len);
     packet::redirect(ifindex)
+}
+
+/// Notes in the flow's `NAT_REPLIES` entry that the client completed its
+/// handshake, or sent a FIN or a reset (`lb_common::nat`: when its NAT
+/// port may go to another flow). A BPF function of its own: inlined,
+/// `send`'s frame grew by a third.
+#[inline(never)]
+fn client_notes(flow: &Flow, p: &Packet) {
+    let Some(entry) = NAT_REPLIES.get_ptr_mut(&reply_key(flow, p.protocol)) else { return };
+    // SAFETY: plain helper call without arguments.
+    let now = nat::tick(unsafe { bpf_ktime_get_ns() });
+    let fin = p.tcp_flags & TCP_FIN != 0;
+    // SAFETY: a map value of this flow; its flags word is written whole.
+    unsafe {
+        let flags = nat::after_tcp((*entry).flags, false, false, fin, p.is_rst());
+        (*entry).flags = nat::stamp(flags, now);
+    }
 }
 
 /// Whether a packet of a known flow keeps going to the flow's server: the
@@ -209,7 +245,7 @@ fn consistent(service: &Service, p: &Packet) -> Option<Endpoint> {
 }
 
 /// Chooses the server of `p`'s new flow (the Maglev table's, else the
-/// socket path's choice) into this CPU's `CHOSEN` slot; false (counted)
+/// socket path's choice) into this CPU's `NEW_FLOW` slot; false (counted)
 /// if the flow must be refused. A BPF function of its own, apart from
 /// `new_flow`: together their frames passed Linux 5.10's limit.
 #[inline(never)]
@@ -230,56 +266,64 @@ fn choose(p: &Packet) -> bool {
         count(Reason::XdpFamilyMismatch);
         return false;
     }
-    let Some(slot) = CHOSEN.get_ptr_mut(0) else {
+    let Some(slot) = NEW_FLOW.get_ptr_mut(0) else {
         count(Reason::MapError);
         return false;
     };
     // SAFETY: this CPU's slot, used by this program run alone (see
     // `PACKET` in main.rs).
-    unsafe { *slot = server };
+    unsafe { (*slot).nat.server = server };
     true
 }
 
 /// Records `p`'s new flow, to the server `choose` chose, with a NAT port
 /// in `FLOWS` and `NAT_REPLIES`; false (counted) if the flow must be
-/// refused.
+/// refused. A port is free if it has no entry, or if its entry's flow has
+/// ended long enough ago (`reclaim`).
 #[inline(never)]
 fn new_flow(ctx: &XdpContext, p: &Packet) -> bool {
-    let Some(slot) = CHOSEN.get_ptr_mut(0) else {
+    let Some(slot) = NEW_FLOW.get_ptr_mut(0) else {
         count(Reason::MapError);
         return false;
     };
-    // SAFETY: as in `choose`; written there for this packet.
-    let server = unsafe { *slot };
-    let host = Endpoint { addr: server.addr, port: 0, _pad: [0; 2] };
+    // SAFETY: as in `choose`; its server written there for this packet.
+    let new = unsafe { &mut *slot };
+    let host = Endpoint { addr: new.nat.server.addr, port: 0, _pad: [0; 2] };
     // SAFETY: a copy of the value.
     let Some(node) = (unsafe { NODE_ADDRESSES.get(&host) }).copied() else {
         count(Reason::XdpNoNodeAddress);
         return false;
     };
-    let syn = u32::from(p.protocol) == IPPROTO_TCP && p.is_syn();
-    // SAFETY: the context's fields are valid for the whole program run.
-    let client_ifindex = unsafe { (*ctx.ctx).ingress_ifindex };
-    let reply = NatReply {
-        client: p.src,
-        vip: p.dst,
-        flags: if syn { NAT_REPLY_SYN } else { 0 },
-        syn_seq: p.tcp_seq,
-        client_ifindex,
-        server_ifindex: 0,
-        macs: match packet::macs(ctx) {
-            Some(macs) => swapped(macs),
-            None => return false,
-        },
-    };
-    let mut nat = NatKey { server, node, protocol: p.protocol, _pad: [0; 3] };
+    let Some(macs) = packet::macs(ctx) else { return false };
+    let tcp = u32::from(p.protocol) == IPPROTO_TCP;
+    let syn = tcp && p.is_syn();
     // SAFETY: plain helper call without arguments.
-    let start = unsafe { bpf_get_prandom_u32() };
+    let now = unsafe { bpf_ktime_get_ns() };
+    let tick = nat::tick(now);
+    new.nat.node = node;
+    new.nat.protocol = p.protocol;
+    new.nat._pad = [0; 3];
+    new.reply.client = p.src;
+    new.reply.vip = p.dst;
+    new.reply.flags = nat::stamp(if syn { NAT_REPLY_SYN } else { 0 }, tick);
+    new.reply.syn_seq = p.tcp_seq;
+    // SAFETY: the context's fields are valid for the whole program run.
+    new.reply.client_ifindex = unsafe { (*ctx.ctx).ingress_ifindex };
+    new.reply.server_ifindex = 0;
+    new.reply.macs = swapped(macs);
     let mut allocated = false;
-    for i in 0..NAT_TRIES {
-        let port = NAT_PORT_FIRST + (start.wrapping_add(i) % u32::from(NAT_PORT_COUNT)) as u16;
-        nat.node.port = port.to_be();
-        if NAT_REPLIES.insert(&nat, &reply, u64::from(BPF_NOEXIST)).is_ok() {
+    // Ports at random, each on its own: ports tried in a row would cluster
+    // the ones taken, as linear probing does in a hash table. The second
+    // half of the tries is pressed (`lb_common::nat`).
+    for i in 0..2 * NAT_TRIES {
+        // SAFETY: plain helper call without arguments.
+        let random = unsafe { bpf_get_prandom_u32() };
+        let port = NAT_PORT_FIRST + (random % u32::from(NAT_PORT_COUNT)) as u16;
+        new.nat.node.port = port.to_be();
+        if NAT_REPLIES.insert(&new.nat, &new.reply, u64::from(BPF_NOEXIST)).is_ok()
+            || reclaim(&new.nat, tcp, tick, i >= NAT_TRIES)
+                && NAT_REPLIES.insert(&new.nat, &new.reply, u64::from(BPF_ANY)).is_ok()
+        {
             allocated = true;
             break;
         }
@@ -288,15 +332,37 @@ fn new_flow(ctx: &XdpContext, p: &Packet) -> bool {
         count(Reason::XdpNatPortsExhausted);
         return false;
     }
-    // SAFETY: plain helper call without arguments.
-    let now = unsafe { bpf_ktime_get_ns() };
-    let flow = Flow { server, node: nat.node, syn_at_ns: if syn { now } else { 0 } };
+    let flow =
+        Flow { server: new.nat.server, node: new.nat.node, syn_at_ns: if syn { now } else { 0 } };
     if FLOWS.insert(&flow_key(p), &flow, u64::from(BPF_ANY)).is_err() {
         count(Reason::MapError);
-        let _ = NAT_REPLIES.remove(&nat);
+        let _ = NAT_REPLIES.remove(&new.nat);
         return false;
     }
     count(Reason::XdpNewFlow);
+    true
+}
+
+/// Whether the NAT port of `nat`'s entry may go to a new flow: its flow
+/// has ended or idled out (`lb_common::nat::reusable`). If so, that
+/// flow's `FLOWS` entry goes too, if it still holds the port: its next
+/// packet is a new flow, never one that shares the port.
+#[inline(always)]
+fn reclaim(nat: &NatKey, tcp: bool, tick: u32, pressed: bool) -> bool {
+    // SAFETY: a map value, read in place.
+    let Some(old) = (unsafe { NAT_REPLIES.get(nat) }) else { return false };
+    if !nat::reusable(old.flags, tcp, tick, pressed) {
+        return false;
+    }
+    let key = FlowKey { client: old.client, vip: old.vip, protocol: nat.protocol, _pad: [0; 3] };
+    // SAFETY: as above.
+    if let Some(flow) = unsafe { FLOWS.get(&key) }
+        && flow.node == nat.node
+        && flow.server == nat.server
+    {
+        let _ = FLOWS.remove(&key);
+    }
+    count(Reason::XdpNatPortReused);
     true
 }
 
@@ -312,15 +378,25 @@ fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     // SAFETY: a map value, valid for the whole program run; copied, and
     // written back only in its flags word.
     let nat = unsafe { *entry };
-    if nat.flags & NAT_REPLY_ESTABLISHED == 0 {
+    let mut flags = nat.flags;
+    if flags & NAT_REPLY_ESTABLISHED == 0 {
         if !p.is_rst() {
-            // SAFETY: as above.
-            unsafe { (*entry).flags = nat.flags | NAT_REPLY_ESTABLISHED };
+            flags |= NAT_REPLY_ESTABLISHED;
         } else if refuses(ctx, &nat, p) {
             count(Reason::XdpServerReset);
             mark_failed(&p.src);
             emit(0, &nat.vip, &p.src, EventKind::ConnectFailed);
         }
+    }
+    if u32::from(p.protocol) == IPPROTO_TCP {
+        let (syn, fin) = (p.tcp_flags & TCP_SYN != 0, p.tcp_flags & TCP_FIN != 0);
+        flags = nat::after_tcp(flags, true, syn, fin, p.is_rst());
+    }
+    // SAFETY: plain helper call without arguments.
+    let flags = nat::stamp(flags, nat::tick(unsafe { bpf_ktime_get_ns() }));
+    if flags != nat.flags {
+        // SAFETY: as above; a stamp changes about once a millisecond.
+        unsafe { (*entry).flags = flags };
     }
     if packet::ttl(ctx, p) <= 1 {
         count(Reason::XdpTtlExceeded);

@@ -171,10 +171,11 @@ static ANNOUNCE: HashMap<AnnounceKey, AnnounceValue> =
 static MAGLEV: HashMap<Endpoint, Maglev> =
     HashMap::with_max_entries(MAX_SERVICES, BPF_F_NO_PREALLOC);
 
-/// The server `external::choose` chose for a new flow, per CPU, for
-/// `external::new_flow`. Kernel-only, never pinned.
+/// The new flow `external::choose` and `external::new_flow` build, per
+/// CPU (`external::NewFlow`): kept off the stack, as `PACKET` is.
+/// Kernel-only, never pinned.
 #[map]
-static CHOSEN: PerCpuArray<Endpoint> = PerCpuArray::with_max_entries(1, 0);
+static NEW_FLOW: PerCpuArray<external::NewFlow> = PerCpuArray::with_max_entries(1, 0);
 
 /// One parsed packet per CPU (`packet::Packet`) for `lb_xdp`: kept off the
 /// stack, which holds 512 bytes for the whole call chain (Linux 5.10

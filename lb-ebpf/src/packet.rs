@@ -34,6 +34,7 @@ const TCP_HLEN: usize = 20;
 const FIB_SUCCESS: i64 = 0;
 
 /// TCP flags (byte 13 of the header).
+pub(crate) const TCP_FIN: u8 = 0x01;
 pub(crate) const TCP_SYN: u8 = 0x02;
 pub(crate) const TCP_RST: u8 = 0x04;
 pub(crate) const TCP_ACK: u8 = 0x10;

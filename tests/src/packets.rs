@@ -17,13 +17,15 @@ pub struct Flags {
     pub syn: bool,
     pub ack: bool,
     pub rst: bool,
+    pub fin: bool,
 }
 
 impl Flags {
-    pub const SYN: Flags = Flags { syn: true, ack: false, rst: false };
-    pub const SYN_ACK: Flags = Flags { syn: true, ack: true, rst: false };
-    pub const ACK: Flags = Flags { syn: false, ack: true, rst: false };
-    pub const RST_ACK: Flags = Flags { syn: false, ack: true, rst: true };
+    pub const SYN: Flags = Flags { syn: true, ack: false, rst: false, fin: false };
+    pub const SYN_ACK: Flags = Flags { syn: true, ack: true, rst: false, fin: false };
+    pub const ACK: Flags = Flags { syn: false, ack: true, rst: false, fin: false };
+    pub const RST_ACK: Flags = Flags { syn: false, ack: true, rst: true, fin: false };
+    pub const FIN_ACK: Flags = Flags { syn: false, ack: true, rst: false, fin: true };
 }
 
 /// What one packet carries, link layer to ports.
@@ -84,6 +86,9 @@ impl Segment {
                 }
                 if tcp.flags.rst {
                     b = b.rst();
+                }
+                if tcp.flags.fin {
+                    b = b.fin();
                 }
                 if tcp.flags.ack {
                     b = b.ack(tcp.ack);
@@ -189,7 +194,7 @@ pub fn read_frame(frame: &[u8]) -> Result<Segment, String> {
                     tcp.checksum()
                 ));
             }
-            let flags = Flags { syn: tcp.syn(), ack: tcp.ack(), rst: tcp.rst() };
+            let flags = Flags { syn: tcp.syn(), ack: tcp.ack(), rst: tcp.rst(), fin: tcp.fin() };
             Segment {
                 macs,
                 src: SocketAddr::new(src_ip, tcp.source_port()),

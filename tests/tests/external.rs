@@ -201,6 +201,81 @@ fn a_flushed_neighbour_is_resolved_again() {
     });
 }
 
+/// Item 1, NAT: flows are not removed one by one, yet a server takes far
+/// more connections than it has NAT ports (4,536 toward each server):
+/// ports of flows that ended go to new ones. 5,000 connects, one after
+/// another, each closed by the client, all answered by the one server (a
+/// plain one here: `Backend` takes milliseconds per accept).
+#[test]
+fn more_connects_than_nat_ports_all_land() {
+    if !privileged() {
+        return;
+    }
+    in_new_netns(|| {
+        let net = Topology::new();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let server = {
+            let stop = stop.clone();
+            net.servers.spawn(move || serve_in_turn("198.18.2.2:8080", &stop))
+        };
+        let cgroup = TestCgroup::new("external-nat");
+        let config = "[[service]]\nname = \"web4\"\nvip = \"198.18.1.100:80\"\n\
+                      servers = [\"198.18.2.2:8080\"]\n[service.external]\ninterfaces = [\"ext0\"]\n";
+        let daemon = Daemon::start("external-nat", &cgroup, config);
+        let to: std::net::SocketAddr = VIP4.parse().unwrap();
+        let failed = net.client.run(move || {
+            (0..5_000)
+                .filter(|_| {
+                    let stream = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(3));
+                    !stream.is_ok_and(|s| who(&s).as_deref() == Ok("s1"))
+                })
+                .count()
+        });
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let served = server.join().expect("the server thread");
+        let external = &daemon.status()["datapath"]["external"];
+        assert_eq!(failed, 0, "{failed} of 5,000 connects failed: {external}");
+        assert!(served >= 5_000, "the server saw {served} connections");
+        assert!(daemon.counter("xdp_nat_port_reused") > 0, "{external}");
+        assert_eq!(daemon.counter("xdp_nat_ports_exhausted"), 0);
+        drop(daemon);
+        drop(cgroup);
+    });
+}
+
+/// Serves connections on `addr` one at a time, until `stop`: answers the
+/// request with "s1", then waits for the client to close. Returns how
+/// many it served.
+fn serve_in_turn(addr: &str, stop: &std::sync::atomic::AtomicBool) -> usize {
+    use std::os::fd::AsRawFd as _;
+    let listener = std::net::TcpListener::bind(addr).expect("binding the server");
+    // accept() returns every 100 ms to look at `stop`.
+    let timeout = libc::timeval { tv_sec: 0, tv_usec: 100_000 };
+    // SAFETY: a valid socket and a timeval of the size given.
+    let set = unsafe {
+        libc::setsockopt(
+            listener.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&raw const timeout).cast(),
+            size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(set, 0, "SO_RCVTIMEO: {}", std::io::Error::last_os_error());
+    let mut served = 0;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let Ok((mut stream, _)) = listener.accept() else { continue };
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(3)));
+        // Read the request, answer, and wait for the client to close: the
+        // client closes first, as HTTP clients do.
+        let _ = std::io::Read::read(&mut stream, &mut [0u8; 16]);
+        let _ = stream.write_all(b"s1\n");
+        let _ = std::io::Read::read(&mut stream, &mut [0u8; 16]);
+        served += 1;
+    }
+    served
+}
+
 /// Items 2 and 4: a server killed under load costs at most the connects
 /// in flight, the kernel moving to the next server at once (the health
 /// checks are off: only the reset marks it); with the daemon SIGKILLed a

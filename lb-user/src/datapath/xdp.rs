@@ -8,7 +8,7 @@
 //! (fail-static); removing it detaches the program at once.
 //!
 //! [`load_unattached`] loads it on fresh, unpinned maps, attached nowhere:
-//! for the packet fixtures (`tests/xdp_fixtures.rs`), which run it with
+//! for the packet fixtures (`tests/tests/xdp_fixtures/`), which run it with
 //! `BPF_PROG_TEST_RUN`, and the benchmark of its program time.
 
 use std::{

@@ -1,4 +1,4 @@
-//! The node of the XDP packet fixtures (see `xdp_fixtures.rs`): a network
+//! The node of the XDP packet fixtures (see `xdp_fixtures/`): a network
 //! namespace whose routes and neighbours the test sets, `lb_xdp` loaded on
 //! maps of its own, and the frames the fixtures send it. Shared by the
 //! fixtures and the program-time benchmark (`benches/xdp_program_time.rs`).
@@ -15,8 +15,8 @@ use aya::{
     programs::{TestRun, TestRunOptions, Xdp},
 };
 use lb_common::{
-    Endpoint, Flow, FlowKey, MAX_SERVERS, NAT_PORT_COUNT, NAT_PORT_FIRST, Reason, Service,
-    maglev::Maglev, maps, programs,
+    Endpoint, Flow, FlowKey, MAX_SERVERS, NAT_PORT_COUNT, NAT_PORT_FIRST, NatKey, NatReply, Reason,
+    Service, maglev::Maglev, maps, nat, programs,
 };
 use lb_tests::{
     in_new_netns,
@@ -267,11 +267,40 @@ impl Node {
         }
     }
 
+    /// Moves every NAT entry's last-seen time `by` into the past, as if
+    /// its flow had been quiet that long.
+    pub fn age_nat(&mut self, by: std::time::Duration) {
+        let mut entries: HashMap<_, NatKey, NatReply> =
+            HashMap::try_from(self.ebpf.map_mut(maps::NAT_REPLIES).unwrap()).unwrap();
+        let all: Vec<(NatKey, NatReply)> = entries.iter().map(Result::unwrap).collect();
+        let ticks = nat::tick(by.as_nanos() as u64);
+        for (key, mut entry) in all {
+            let seen = entry.flags >> 8;
+            entry.flags = nat::stamp(entry.flags, seen.wrapping_sub(ticks) & 0xff_ffff);
+            entries.insert(key, entry, 0).unwrap();
+        }
+    }
+
+    /// The NAT entry of `key`.
+    pub fn nat_entry(&self, key: &NatKey) -> Option<NatReply> {
+        let entries: HashMap<_, NatKey, NatReply> =
+            HashMap::try_from(self.ebpf.map(maps::NAT_REPLIES).unwrap()).unwrap();
+        entries.get(key, 0).ok()
+    }
+
     pub fn failed(&self, server: SocketAddr) -> bool {
         let failed: HashMap<_, Endpoint, u64> =
             HashMap::try_from(self.ebpf.map(maps::FAILED_AT).unwrap()).unwrap();
         failed.get(&Endpoint::from(server), 0).is_ok()
     }
+}
+
+/// `bpf_ktime_get_ns()` now: CLOCK_MONOTONIC.
+pub fn monotonic_ns() -> u64 {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid timespec to write.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
 /// The address alone, as `NODE_ADDRESSES` keys and values hold it.

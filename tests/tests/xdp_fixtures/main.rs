@@ -19,17 +19,21 @@
 //! 198.18.0.0/15 is IPv4's. Nothing is sent: a redirect under
 //! `BPF_PROG_TEST_RUN` only returns its verdict.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 
 use aya::maps::HashMap;
 use lb_common::{
-    Endpoint, NAT_PORT_COUNT, NAT_PORT_FIRST, NatKey, NatReply, Reason,
+    Endpoint, NAT_PORT_COUNT, NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED, NatKey, NatReply, Reason,
     maglev::{flow_hash, server_for},
     maps,
 };
-use lb_tests::packets::{Flags, IcmpError, Segment, read_frame, read_icmp_error};
+use lb_tests::packets::{Flags, Segment, read_frame};
 
+#[path = "../xdp_node/mod.rs"]
 mod xdp_node;
+
+mod icmp;
+mod nat;
 
 use xdp_node::*;
 
@@ -264,167 +268,19 @@ fn no_server_or_no_nat_port_refuses_the_flow() {
             protocol: 6,
             _pad: [0; 3],
         };
+        // Each by a live flow (seen just now).
+        let live = NatReply {
+            flags: lb_common::nat::stamp(
+                NAT_REPLY_ESTABLISHED,
+                lb_common::nat::tick(monotonic_ns()),
+            ),
+            ..NatReply::default()
+        };
         for port in NAT_PORT_FIRST..=NAT_PORT_FIRST + (NAT_PORT_COUNT - 1) {
             key.node.port = port.to_be();
-            nat.insert(key, NatReply::default(), 0).unwrap();
+            nat.insert(key, live, 0).unwrap();
         }
         assert_eq!(node.run(&syn, None).0, XDP_DROP, "a flow with no NAT port must be refused");
         assert_eq!(node.counter(Reason::XdpNatPortsExhausted), 1);
-    });
-}
-
-/// ICMP type, code and the four bytes after the checksum: "fragmentation
-/// needed" (IPv4) or "packet too big" (IPv6), with an MTU of 1280.
-fn too_big(f: &Family) -> (u8, u8, [u8; 4]) {
-    if f.vip.is_ipv4() { (3, 4, [0, 0, 5, 0]) } else { (2, 0, [0, 0, 5, 0]) }
-}
-
-/// As [`too_big`]: "port unreachable".
-fn port_unreachable(f: &Family) -> (u8, u8, [u8; 4]) {
-    if f.vip.is_ipv4() { (3, 3, [0; 4]) } else { (1, 4, [0; 4]) }
-}
-
-/// A router's address on one side of the node: `last` in the servers'
-/// subnet (`toward_servers`) or in the clients'.
-fn router(f: &Family, toward_servers: bool, last: u8) -> IpAddr {
-    let subnet = match (f.vip.is_ipv4(), toward_servers) {
-        (true, true) => "198.18.2.",
-        (true, false) => "198.18.0.",
-        (false, true) => "2001:2:0:2::",
-        (false, false) => "2001:2::",
-    };
-    format!("{subnet}{last}").parse().unwrap()
-}
-
-/// The addresses and ports of a quote that may end right after the ports,
-/// its IPv4 header checksum checked.
-fn quoted_endpoints(quote: &[u8]) -> (SocketAddr, SocketAddr) {
-    let (ip, rest, _) = etherparse::IpHeaders::from_slice_lax(quote).expect("a quoted IP header");
-    let ports = |at: usize| u16::from_be_bytes([rest.payload[at], rest.payload[at + 1]]);
-    let (src, dst): (IpAddr, IpAddr) = match ip {
-        etherparse::IpHeaders::Ipv4(h, _) => {
-            assert_eq!(h.header_checksum, h.calc_header_checksum(), "the quote's IPv4 checksum");
-            (h.source.into(), h.destination.into())
-        }
-        etherparse::IpHeaders::Ipv6(h, _) => (h.source_addr().into(), h.destination_addr().into()),
-    };
-    (SocketAddr::new(src, ports(0)), SocketAddr::new(dst, ports(2)))
-}
-
-/// Item 1: an ICMP error from the servers' side about a forwarded packet
-/// (a router's "too big", the server's "port unreachable") reaches the
-/// flow's client, quoting the packet as the client sent it; the server's
-/// own address is shown as the VIP, a router keeps its own. One forged on
-/// the clients' side is passed untouched.
-#[test]
-fn icmp_errors_about_a_flow_reach_its_client() {
-    both_families(|node, f| {
-        let out = forwarded(node, f, f.client, 1_000);
-        let quote = out.frame()[14..].to_vec();
-        let from_servers_side = (SRV_MAC, server_mac(out.dst));
-        let hop = router(f, true, 9);
-        let error = IcmpError::new(from_servers_side, (hop, f.node), too_big(f), &quote);
-        let frame = error.frame();
-        assert_eq!(node.run(&frame, None), (XDP_PASS, frame.clone()), "a forged error was sent on");
-        if !node.knows_ingress() {
-            eprintln!(
-                "SKIPPED: errors from the servers' side (this kernel cannot say where they arrive)"
-            );
-            return;
-        }
-        let (verdict, back) = node.run(&frame, Some(node.srv0));
-        assert_eq!(verdict, XDP_REDIRECT, "the error was not sent on");
-        let back = read_icmp_error(&back).expect("the translated error");
-        assert_eq!((back.src, back.dst), (hop, f.client.ip()), "addresses of the translated error");
-        assert_eq!(back.macs, (CLIENT_MAC, EXT_MAC), "not back the way the flow came");
-        assert_eq!(back.ttl, 63);
-        assert_eq!((back.kind, back.code, back.rest), (error.kind, error.code, error.rest));
-        let quoted = back.quoted().expect("the quote, checksums and all");
-        assert_eq!((quoted.src, quoted.dst), (f.client, f.vip), "the quote is not the client's");
-        assert_eq!(quoted.tcp.unwrap().seq, 1_000);
-
-        // The server's own error, quoting the least a router may: up to
-        // the ports (the TCP checksum is not in it).
-        let ip_header = if f.vip.is_ipv4() { 20 } else { 40 };
-        let short = &quote[..ip_header + 8];
-        let error =
-            IcmpError::new(from_servers_side, (out.dst.ip(), f.node), port_unreachable(f), short);
-        let (verdict, back) = node.run(&error.frame(), Some(node.srv0));
-        assert_eq!(verdict, XDP_REDIRECT);
-        let back = read_icmp_error(&back).expect("the translated error");
-        assert_eq!((back.src, back.dst), (f.vip.ip(), f.client.ip()), "the server was not hidden");
-        assert_eq!(back.quote.len(), short.len());
-        assert_eq!(quoted_endpoints(&back.quote), (f.client, f.vip));
-        assert_eq!(node.counter(Reason::XdpIcmpToClient), 2);
-    });
-}
-
-/// Item 1: an ICMP error from the clients' side about a reply (a router's
-/// "too big" on the way to the client) reaches the flow's server from the
-/// node's address, quoting the reply as the server sent it.
-#[test]
-fn icmp_errors_about_a_reply_reach_the_server() {
-    both_families(|node, f| {
-        let out = forwarded(node, f, f.client, 1_000);
-        let (verdict, reply) =
-            node.run(&from_server(&out, Flags::SYN_ACK).frame(), Some(node.srv0));
-        assert_eq!(verdict, XDP_REDIRECT);
-        let reply = read_frame(&reply).expect("the translated reply");
-        let hop = router(f, false, 254);
-        let error = IcmpError::new(
-            (EXT_MAC, CLIENT_MAC),
-            (hop, f.vip.ip()),
-            too_big(f),
-            &reply.frame()[14..],
-        );
-        let (verdict, to) = node.run(&error.frame(), None);
-        assert_eq!(verdict, XDP_REDIRECT, "the error was not sent on");
-        let to = read_icmp_error(&to).expect("the translated error");
-        assert_eq!((to.src, to.dst), (f.node, out.dst.ip()), "addresses of the translated error");
-        assert_eq!(to.macs, (server_mac(out.dst), SRV_MAC), "not routed to the server");
-        assert_eq!(to.ttl, 63);
-        assert_eq!((to.kind, to.code, to.rest), (error.kind, error.code, error.rest));
-        let quoted = to.quoted().expect("the quote, checksums and all");
-        assert_eq!((quoted.src, quoted.dst), (out.dst, out.src), "the quote is not the server's");
-        assert_eq!(quoted.tcp.unwrap().ack, 1_001);
-        assert_eq!(node.counter(Reason::XdpIcmpToServer), 1);
-    });
-}
-
-/// ICMP that is about no flow passes untouched: an error quoting a packet
-/// the node never forwarded, and an echo request to the VIP.
-#[test]
-fn icmp_about_no_flow_passes_untouched() {
-    both_families(|node, f| {
-        let server_side = (SRV_MAC, server_mac(f.servers[0]));
-        let never_sent = Segment::tcp(
-            server_side,
-            SocketAddr::new(f.node, 61_001),
-            f.servers[0],
-            Flags::SYN,
-            1,
-            0,
-        );
-        let stray = IcmpError::new(
-            server_side,
-            (f.servers[0].ip(), f.node),
-            port_unreachable(f),
-            &never_sent.frame()[14..],
-        );
-        let echo_request = if f.vip.is_ipv4() { 8 } else { 128 };
-        let ping = IcmpError::new(
-            (EXT_MAC, CLIENT_MAC),
-            (f.client.ip(), f.vip.ip()),
-            (echo_request, 0, [0, 1, 0, 1]),
-            b"ping",
-        );
-        // Its probe (a packet that is not ours) counted before the cases.
-        node.knows_ingress();
-        let not_ours = node.counter(Reason::XdpNotOurs);
-        for frame in [stray.frame(), ping.frame()] {
-            assert_eq!(node.run(&frame, Some(node.srv0)), (XDP_PASS, frame), "ICMP was touched");
-        }
-        assert_eq!(node.counter(Reason::XdpNotOurs) - not_ours, 1);
-        assert_eq!(node.counter(Reason::XdpOtherProtocol), 1);
     });
 }

@@ -1,0 +1,234 @@
+//! When the external path may give a NAT port to a new flow while the
+//! port's `NAT_REPLIES` entry still exists: flows are never removed one
+//! by one (a close is not followed to its end), so without reuse every
+//! port toward a server would be spent after its first 4,536 flows.
+//!
+//! The program keeps in each entry's flags (`NatReply::flags`) how the
+//! flow ended, if it did (the bits below, beside
+//! [`crate::NAT_REPLY_ESTABLISHED`] and [`crate::NAT_REPLY_SYN`]), and when a packet of
+//! it last passed, in ticks of 2^20 ns (about 1 ms) in the flags' top 24
+//! bits ([`stamp`]): a wrapping clock of 4.9 hours. A new flow whose
+//! random port is taken may have it ([`reusable`]) once the old flow is:
+//! - reset, or closed by the client first (both FINs seen, the client's
+//!   first), for [`CLOSED_WAIT_TICKS`]: the server then keeps nothing of
+//!   it (the client's side holds TIME_WAIT, on its own port);
+//! - closed by the server first, for [`TIME_WAIT_TICKS`]: the server holds
+//!   the flow's addresses and ports in TIME_WAIT for 60 s, and a new SYN
+//!   on them may be refused meanwhile (as conntrack's NAT waits 120 s).
+//!   When no port is free otherwise (`pressed`), after
+//!   [`CLOSED_WAIT_TICKS`] too: Linux takes a new SYN in TIME_WAIT if its
+//!   sequence number or timestamp is ahead, and otherwise answers with an
+//!   ACK that the client resets, so its SYN sent again a second later is
+//!   taken; refusing the flow would cost it that second every time;
+//! - an established TCP flow (the client acknowledged the server's
+//!   answer) idle for [`ESTABLISHED_IDLE_TICKS`] (2 h);
+//! - any other flow idle for [`IDLE_TICKS`] (30 s, conntrack's UDP
+//!   timeout): UDP, and TCP whose handshake did not complete (a SYN never
+//!   answered, or answered for a client that never acknowledged: a flood
+//!   from forged addresses holds ports 30 s, not 2 h).
+//!
+//! The program stamps an entry on the server's packets (each reply) and
+//! on the client's FINs and resets and the packet that completes its
+//! handshake; a flow whose server sends nothing for those times is
+//! counted idle.
+
+/// `NatReply::flags`: the client sent a FIN.
+pub const NAT_REPLY_CLIENT_FIN: u32 = 1 << 2;
+/// `NatReply::flags`: the server sent a FIN.
+pub const NAT_REPLY_SERVER_FIN: u32 = 1 << 3;
+/// `NatReply::flags`: the server's FIN came before the client's: the
+/// server holds the flow in TIME_WAIT.
+pub const NAT_REPLY_SERVER_CLOSED_FIRST: u32 = 1 << 4;
+/// `NatReply::flags`: a reset was seen, either way.
+pub const NAT_REPLY_RESET: u32 = 1 << 5;
+/// `NatReply::flags`: the client sent a packet after its SYN (the ACK
+/// that completes the handshake): the TCP flow is established.
+pub const NAT_REPLY_CLIENT_ACKED: u32 = 1 << 6;
+/// The bits that say how a flow ended; a new connection on the same
+/// addresses and ports (the server's SYN-ACK) clears them.
+pub const NAT_REPLY_ENDED: u32 =
+    NAT_REPLY_CLIENT_FIN | NAT_REPLY_SERVER_FIN | NAT_REPLY_SERVER_CLOSED_FIRST | NAT_REPLY_RESET;
+
+/// Where the last-seen tick starts in `NatReply::flags`.
+const SEEN_SHIFT: u32 = 8;
+/// The tick: 2^20 ns.
+const TICK_SHIFT: u32 = 20;
+/// The 24 bits of the last-seen tick.
+const TICK_MASK: u32 = (1 << 24) - 1;
+
+/// Ticks in `seconds` (rounded up).
+const fn ticks(seconds: u64) -> u32 {
+    ((seconds * 1_000_000_000).div_ceil(1 << TICK_SHIFT)) as u32
+}
+
+/// How long after its last packet a reset flow, or one the client closed
+/// first, keeps its port: time for the client's last ACK to reach the
+/// server on any LAN. A port taken sooner than a slow client's last ACK
+/// (the server still in LAST_ACK) costs the new flow one retransmitted
+/// SYN; it is taken only when the random port tried is that one.
+pub const CLOSED_WAIT_TICKS: u32 = 64;
+/// How long after its last packet a flow the server closed first keeps
+/// its port: the server's TIME_WAIT (60 s) and a margin.
+pub const TIME_WAIT_TICKS: u32 = ticks(64);
+/// How long an established TCP flow may be idle before its port may go.
+pub const ESTABLISHED_IDLE_TICKS: u32 = ticks(7_200);
+/// How long any other flow may be idle before its port may go.
+pub const IDLE_TICKS: u32 = ticks(30);
+
+/// The tick of `now_ns` (`bpf_ktime_get_ns()`).
+#[inline(always)]
+pub const fn tick(now_ns: u64) -> u32 {
+    (now_ns >> TICK_SHIFT) as u32 & TICK_MASK
+}
+
+/// `flags` with its last-seen tick set to `tick`.
+#[inline(always)]
+pub const fn stamp(flags: u32, tick: u32) -> u32 {
+    (flags & ((1 << SEEN_SHIFT) - 1)) | (tick << SEEN_SHIFT)
+}
+
+/// `flags` after a TCP packet of the flow with `fin`, `rst` or `syn`
+/// set, from the server (`from_server`) or the client.
+#[inline(always)]
+pub const fn after_tcp(flags: u32, from_server: bool, syn: bool, fin: bool, rst: bool) -> u32 {
+    let mut flags = flags;
+    if syn && from_server {
+        // The server answers a new connection on these ports.
+        flags &= !(NAT_REPLY_ENDED | NAT_REPLY_CLIENT_ACKED);
+    }
+    if !syn && !from_server {
+        flags |= NAT_REPLY_CLIENT_ACKED;
+    }
+    if rst {
+        flags |= NAT_REPLY_RESET;
+    }
+    if fin && from_server {
+        if flags & NAT_REPLY_CLIENT_FIN == 0 {
+            flags |= NAT_REPLY_SERVER_CLOSED_FIRST;
+        }
+        flags |= NAT_REPLY_SERVER_FIN;
+    }
+    if fin && !from_server {
+        flags |= NAT_REPLY_CLIENT_FIN;
+    }
+    flags
+}
+
+/// Whether the port of an entry with `flags` (of a TCP flow if `tcp`)
+/// may go to a new flow at `now` (a [`tick`]); `pressed`: no port is free
+/// otherwise.
+#[inline(always)]
+pub const fn reusable(flags: u32, tcp: bool, now: u32, pressed: bool) -> bool {
+    let age = now.wrapping_sub(flags >> SEEN_SHIFT) & TICK_MASK;
+    let both_fins = NAT_REPLY_CLIENT_FIN | NAT_REPLY_SERVER_FIN;
+    let wait = if flags & NAT_REPLY_RESET != 0 {
+        CLOSED_WAIT_TICKS
+    } else if flags & both_fins == both_fins {
+        if flags & NAT_REPLY_SERVER_CLOSED_FIRST != 0 && !pressed {
+            TIME_WAIT_TICKS
+        } else {
+            CLOSED_WAIT_TICKS
+        }
+    } else if tcp && flags & NAT_REPLY_CLIENT_ACKED != 0 {
+        ESTABLISHED_IDLE_TICKS
+    } else {
+        IDLE_TICKS
+    };
+    age >= wait
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::external::{NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN};
+
+    const SECOND: u64 = 1_000_000_000;
+
+    /// An established TCP flow's flags, last seen at `at_ns`: answered by
+    /// the server, acknowledged by the client.
+    fn established(at_ns: u64) -> u32 {
+        let answered = after_tcp(NAT_REPLY_SYN | NAT_REPLY_ESTABLISHED, true, true, false, false);
+        stamp(after_tcp(answered, false, false, false, false), tick(at_ns))
+    }
+
+    #[test]
+    fn a_flow_closed_by_the_client_first_frees_its_port_within_100_ms() {
+        let flags = after_tcp(established(0), false, false, true, false);
+        let flags = after_tcp(flags, true, false, true, false);
+        assert!(!reusable(flags, true, tick(SECOND / 20), false));
+        assert!(reusable(flags, true, tick(SECOND / 10), false));
+    }
+
+    #[test]
+    fn a_flow_closed_by_the_server_first_keeps_its_port_past_time_wait_unless_pressed() {
+        let flags = after_tcp(established(0), true, false, true, false);
+        let flags = after_tcp(flags, false, false, true, false);
+        assert!(!reusable(flags, true, tick(60 * SECOND), false));
+        assert!(reusable(flags, true, tick(65 * SECOND), false));
+        // With no other port free, it goes as a client-closed one does.
+        assert!(!reusable(flags, true, tick(SECOND / 20), true));
+        assert!(reusable(flags, true, tick(SECOND / 10), true));
+    }
+
+    #[test]
+    fn a_reset_flow_frees_its_port_within_100_ms_either_way() {
+        for from_server in [false, true] {
+            let flags = after_tcp(established(0), from_server, false, false, true);
+            assert!(reusable(flags, true, tick(SECOND / 10), false));
+        }
+    }
+
+    #[test]
+    fn a_half_closed_or_idle_flow_keeps_its_port() {
+        let half = after_tcp(established(0), false, false, true, false);
+        assert!(!reusable(half, true, tick(3_600 * SECOND), true));
+        assert!(reusable(half, true, tick(7_201 * SECOND), false));
+        assert!(!reusable(established(0), true, tick(3_600 * SECOND), true));
+    }
+
+    #[test]
+    fn udp_and_unanswered_flows_go_after_30_seconds() {
+        let udp = stamp(NAT_REPLY_ESTABLISHED, tick(0));
+        assert!(!reusable(udp, false, tick(29 * SECOND), false));
+        assert!(reusable(udp, false, tick(31 * SECOND), false));
+        let unanswered = stamp(NAT_REPLY_SYN, tick(0));
+        assert!(reusable(unanswered, true, tick(31 * SECOND), false));
+        // Answered, but the client never acknowledged (a forged address).
+        let half_open = stamp(NAT_REPLY_SYN | NAT_REPLY_ESTABLISHED, tick(0));
+        assert!(!reusable(half_open, true, tick(29 * SECOND), true));
+        assert!(reusable(half_open, true, tick(31 * SECOND), false));
+    }
+
+    #[test]
+    fn a_new_connection_on_the_same_ports_forgets_the_last_ones_end() {
+        let closed = after_tcp(
+            after_tcp(established(0), true, false, true, false),
+            false,
+            false,
+            true,
+            false,
+        );
+        let again = after_tcp(closed, true, true, false, false);
+        assert_eq!(again & NAT_REPLY_ENDED, 0);
+        assert!(!reusable(stamp(again, tick(SECOND)), true, tick(2 * SECOND), true));
+    }
+
+    proptest! {
+        #[test]
+        fn stamping_keeps_the_flags_and_the_clock_wraps(
+            flags in 0u32..256,
+            at in 0..u64::MAX / 2,
+            later in 0u64..(4 * 3_600 * SECOND),
+        ) {
+            let stamped = stamp(flags, tick(at));
+            prop_assert_eq!(stamped & 0xff, flags);
+            // Across the clock's wrap too, the age is the time elapsed.
+            let now = tick(at.wrapping_add(later));
+            let age = now.wrapping_sub(stamped >> SEEN_SHIFT) & TICK_MASK;
+            let expected = (later >> TICK_SHIFT) as u32;
+            prop_assert!(age == expected || age == expected + 1, "age {} for {} ticks", age, expected);
+        }
+    }
+}

@@ -1,0 +1,161 @@
+//! NAT ports (issue 25, item 1): a flow's end is noted in its
+//! `NAT_REPLIES` entry, and a new flow that finds no free port takes one
+//! whose flow has ended long enough ago (`lb_common::nat`), the old
+//! flow's `FLOWS` entry going with it.
+
+use std::{net::SocketAddr, time::Duration};
+
+use aya::maps::HashMap;
+use lb_common::{
+    Endpoint, Flow, FlowKey, NAT_PORT_COUNT, NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED, NatKey,
+    NatReply, Reason, maps,
+    nat::{
+        self, NAT_REPLY_CLIENT_ACKED, NAT_REPLY_CLIENT_FIN, NAT_REPLY_RESET,
+        NAT_REPLY_SERVER_CLOSED_FIRST, NAT_REPLY_SERVER_FIN,
+    },
+};
+use lb_tests::packets::{Flags, read_frame};
+
+use crate::xdp_node::*;
+
+/// The NAT key of the forwarded segment `out`'s flow.
+fn key_of(out: &lb_tests::packets::Segment) -> NatKey {
+    NatKey {
+        server: Endpoint::from(out.dst),
+        node: Endpoint::from(out.src),
+        protocol: 6,
+        _pad: [0; 3],
+    }
+}
+
+/// Every NAT port toward `f`'s first server but `except` taken by a flow
+/// of its own (client port = NAT port) whose entry has `flags`, stamped
+/// now, with its `FLOWS` entry.
+fn take_every_port(node: &mut Node, f: &Family, except: u16, flags: u32) {
+    let now = nat::tick(monotonic_ns());
+    let server = Endpoint::from(f.servers[0]);
+    let mut entries: Vec<(NatKey, NatReply, FlowKey, Flow)> = Vec::new();
+    for port in NAT_PORT_FIRST..=NAT_PORT_FIRST + (NAT_PORT_COUNT - 1) {
+        if port == except {
+            continue;
+        }
+        let client = Endpoint::from(SocketAddr::new(f.client.ip(), port));
+        let node_end = Endpoint::from(SocketAddr::new(f.node, port));
+        let key = NatKey { server, node: node_end, protocol: 6, _pad: [0; 3] };
+        let reply = NatReply {
+            client,
+            vip: Endpoint::from(f.vip),
+            flags: nat::stamp(flags, now),
+            ..NatReply::default()
+        };
+        let flow_key = FlowKey { client, vip: Endpoint::from(f.vip), protocol: 6, _pad: [0; 3] };
+        entries.push((key, reply, flow_key, Flow { server, node: node_end, syn_at_ns: 0 }));
+    }
+    let mut replies: HashMap<_, NatKey, NatReply> =
+        HashMap::try_from(node.ebpf.map_mut(maps::NAT_REPLIES).unwrap()).unwrap();
+    for (key, reply, _, _) in &entries {
+        replies.insert(key, reply, 0).unwrap();
+    }
+    let mut flows: HashMap<_, FlowKey, Flow> =
+        HashMap::try_from(node.ebpf.map_mut(maps::FLOWS).unwrap()).unwrap();
+    for (_, _, key, flow) in &entries {
+        flows.insert(key, flow, 0).unwrap();
+    }
+}
+
+fn has_flow(node: &Node, key: &FlowKey) -> bool {
+    let flows: HashMap<_, FlowKey, Flow> =
+        HashMap::try_from(node.ebpf.map(maps::FLOWS).unwrap()).unwrap();
+    flows.get(key, 0).is_ok()
+}
+
+#[test]
+fn the_end_of_a_flow_is_noted_in_its_nat_entry() {
+    both_families(|node, f| {
+        // Closed by the client first: its FIN, then the server's.
+        let out = forwarded(node, f, f.client, 1);
+        let server = |flags| node.run(&from_server(&out, flags).frame(), Some(node.srv0)).0;
+        assert_eq!(server(Flags::SYN_ACK), XDP_REDIRECT);
+        let fin = from_client(f, f.client, Flags::FIN_ACK, 2).frame();
+        assert_eq!(node.run(&fin, None).0, XDP_REDIRECT);
+        assert_eq!(server(Flags::FIN_ACK), XDP_REDIRECT);
+        let flags = node.nat_entry(&key_of(&out)).expect("the flow's NAT entry").flags;
+        assert_ne!(flags & NAT_REPLY_CLIENT_ACKED, 0, "the handshake was not noted: {flags:#x}");
+        let ends = NAT_REPLY_CLIENT_FIN | NAT_REPLY_SERVER_FIN | NAT_REPLY_SERVER_CLOSED_FIRST;
+        assert_eq!(flags & ends, NAT_REPLY_CLIENT_FIN | NAT_REPLY_SERVER_FIN, "{flags:#x}");
+        let now = nat::tick(monotonic_ns());
+        assert!(!nat::reusable(flags, true, now, true), "the port is free at once: {flags:#x}");
+        assert!(nat::reusable(flags, true, now + nat::CLOSED_WAIT_TICKS + 2, false), "{flags:#x}");
+
+        // Closed by the server first: it holds TIME_WAIT.
+        let client2 = SocketAddr::new(f.client.ip(), 40_002);
+        let out = forwarded(node, f, client2, 1);
+        let server = |flags| node.run(&from_server(&out, flags).frame(), Some(node.srv0)).0;
+        assert_eq!(server(Flags::SYN_ACK), XDP_REDIRECT);
+        assert_eq!(server(Flags::FIN_ACK), XDP_REDIRECT);
+        let fin = from_client(f, client2, Flags::FIN_ACK, 2).frame();
+        assert_eq!(node.run(&fin, None).0, XDP_REDIRECT);
+        let flags = node.nat_entry(&key_of(&out)).unwrap().flags;
+        assert_ne!(flags & NAT_REPLY_SERVER_CLOSED_FIRST, 0, "{flags:#x}");
+        let now = nat::tick(monotonic_ns());
+        assert!(!nat::reusable(flags, true, now + nat::CLOSED_WAIT_TICKS + 2, false), "{flags:#x}");
+
+        // Answered, not yet acknowledged: not established (a forged
+        // client's flow holds its port 30 s, not 2 h); then reset by the
+        // client.
+        let client3 = SocketAddr::new(f.client.ip(), 40_003);
+        let out = forwarded(node, f, client3, 1);
+        assert_eq!(
+            node.run(&from_server(&out, Flags::SYN_ACK).frame(), Some(node.srv0)).0,
+            XDP_REDIRECT
+        );
+        let flags = node.nat_entry(&key_of(&out)).unwrap().flags;
+        assert_eq!(flags & NAT_REPLY_CLIENT_ACKED, 0, "{flags:#x}");
+        let now = nat::tick(monotonic_ns());
+        assert!(nat::reusable(flags, true, now + nat::IDLE_TICKS + 2, false), "{flags:#x}");
+        let rst = from_client(f, client3, Flags::RST_ACK, 2).frame();
+        assert_eq!(node.run(&rst, None).0, XDP_REDIRECT);
+        let flags = node.nat_entry(&key_of(&out)).unwrap().flags;
+        assert_ne!(flags & NAT_REPLY_RESET, 0, "{flags:#x}");
+        assert_ne!(flags & NAT_REPLY_ESTABLISHED, 0, "{flags:#x}");
+    });
+}
+
+#[test]
+fn a_new_flow_takes_the_port_of_an_ended_one_when_none_is_free() {
+    both_families(|node, f| {
+        // Every port toward the first server held by a flow reset just now.
+        take_every_port(node, f, 0, NAT_REPLY_ESTABLISHED | NAT_REPLY_RESET);
+        let client = SocketAddr::new(f.client.ip(), 30_000);
+        let syn = from_client(f, client, Flags::SYN, 1).frame();
+        assert_eq!(node.run(&syn, None).0, XDP_DROP, "a port was taken too soon");
+        assert_eq!(node.counter(Reason::XdpNatPortsExhausted), 1);
+        assert_eq!(node.counter(Reason::XdpNatPortReused), 0);
+
+        // A second later, they may go: the SYN takes one.
+        node.age_nat(Duration::from_secs(1));
+        let (verdict, out) = node.run(&syn, None);
+        assert_eq!(verdict, XDP_REDIRECT, "no ended flow's port was taken");
+        let out = read_frame(&out).expect("the forwarded SYN");
+        assert_eq!(out.dst, f.servers[0]);
+        assert_eq!(node.counter(Reason::XdpNatPortReused), 1);
+        let entry = node.nat_entry(&key_of(&out)).expect("the new flow's NAT entry");
+        assert_eq!(entry.client, Endpoint::from(client), "the port still answers the old flow");
+        // The old flow (client port = the NAT port) is gone: its next
+        // packet is a new flow, never one sharing the port.
+        let old = FlowKey {
+            client: Endpoint::from(SocketAddr::new(f.client.ip(), out.src.port())),
+            vip: Endpoint::from(f.vip),
+            protocol: 6,
+            _pad: [0; 3],
+        };
+        assert!(!has_flow(node, &old), "the old flow still holds the port");
+
+        // Live flows, idle a second, keep their ports.
+        take_every_port(node, f, 0, NAT_REPLY_ESTABLISHED);
+        node.age_nat(Duration::from_secs(1));
+        let syn = from_client(f, SocketAddr::new(f.client.ip(), 30_001), Flags::SYN, 1).frame();
+        assert_eq!(node.run(&syn, None).0, XDP_DROP, "a live flow's port was taken");
+        assert_eq!(node.counter(Reason::XdpNatPortReused), 1);
+    });
+}
