@@ -1,38 +1,72 @@
 //! The external path's part (issue 25, item 7): `lb_xdp`'s program time
 //! per packet, measured by `tests/benches/xdp_program_time.rs` under
 //! `BPF_PROG_TEST_RUN` (see there for how: single runs less the kernel's
-//! timing overhead, measured in the same run). Not yet here: connects and
-//! requests per second from a client namespace through the VIP against
-//! plain routing, IPVS and haproxy.
+//! timing overhead, measured in the same run); and connects and requests
+//! per second from a client namespace through the node, by plain routing,
+//! lb's external VIP, IPVS in NAT mode and haproxy, measured by
+//! `tests/benches/external_throughput.rs` (see there for how).
 
 use anyhow::Context as _;
+use serde_json::Value;
 
-use super::results::{External, Results};
+use super::results::{External, ExternalRoute, Results};
 use crate::cmd::output_of;
+
+/// What the throughput bench compares lb with: IPVS (kube-proxy's IPVS
+/// mode) and haproxy, installed if missing (the bench says why a route
+/// could not run, e.g. a kernel without IPVS).
+const PACKAGES: [&str; 2] = ["haproxy", "ipvsadm"];
 
 pub fn run(results: &mut Results) -> anyhow::Result<()> {
     println!("==> external path: lb_xdp's program time per packet (BPF_PROG_TEST_RUN)");
-    let out = output_of(&mut crate::cargo::cargo_command(&[
-        "bench",
-        "--package",
-        "lb-tests",
-        "--bench",
-        "xdp_program_time",
-    ])?)?;
-    let line = out
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('{'))
-        .with_context(|| format!("xdp_program_time printed no figures:\n{out}"))?;
-    let json: serde_json::Value =
-        serde_json::from_str(line).with_context(|| format!("reading {line}"))?;
-    let ns = |key: &str| json[key].as_f64().with_context(|| format!("no {key} in {line}"));
-    results.external = Some(External {
+    let times = bench_json("xdp_program_time")?;
+    let ns = |key: &str| times[key].as_f64().with_context(|| format!("no {key} in {times}"));
+    let mut external = External {
         first_ns: ns("first_ns")?,
         established_ns: ns("established_ns")?,
         reply_ns: ns("reply_ns")?,
         not_ours_ns: ns("not_ours_ns")?,
         overhead_ns: ns("overhead_ns")?,
-    });
+        routes: Vec::new(),
+        skipped: Vec::new(),
+    };
+    println!(
+        "==> external path: connects and requests per second, plain routing, lb, IPVS, haproxy"
+    );
+    crate::cmd::install_missing_packages(&PACKAGES)?;
+    let throughput = bench_json("external_throughput")?;
+    for route in throughput["routes"].as_array().context("no routes")? {
+        let field = |key: &str| route[key].as_f64().with_context(|| format!("no {key} in {route}"));
+        external.routes.push(ExternalRoute {
+            name: route["route"].as_str().context("a route without a name")?.to_owned(),
+            connects_per_s: field("connects_per_s")?,
+            connects_ratio: field("connects_ratio")?,
+            requests_per_s: field("requests_per_s")?,
+            requests_ratio: field("requests_ratio")?,
+        });
+    }
+    for skipped in throughput["skipped"].as_array().context("no skipped")? {
+        let text = |key: &str| skipped[key].as_str().unwrap_or("?").to_owned();
+        external.skipped.push((text("route"), text("why")));
+    }
+    results.external = Some(external);
     Ok(())
+}
+
+/// Runs `cargo bench --bench NAME` in lb-tests and reads the JSON line it
+/// prints last.
+fn bench_json(name: &str) -> anyhow::Result<Value> {
+    let out = output_of(&mut crate::cargo::cargo_command(&[
+        "bench",
+        "--package",
+        "lb-tests",
+        "--bench",
+        name,
+    ])?)?;
+    let line = out
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .with_context(|| format!("{name} printed no figures:\n{out}"))?;
+    serde_json::from_str(line).with_context(|| format!("reading {line}"))
 }

@@ -29,7 +29,9 @@
 //!   dnsmasq server: direct, through a VIP (unconnected UDP), through a
 //!   dnsmasq forwarder; lb's program time per query.
 //! - **external** ([`external`]): the XDP program's time per packet (first
-//!   of a flow, established, reply, not ours), under `BPF_PROG_TEST_RUN`.
+//!   of a flow, established, reply, not ours), under `BPF_PROG_TEST_RUN`;
+//!   connects and requests per second from a client namespace through the
+//!   node by plain routing, lb's external VIP, IPVS (NAT) and haproxy.
 //!
 //! Output: a table on stdout, `target/bench/report.md` and the plot
 //! `target/bench/ratios.svg` ([`report`]). Targets of the Speed issue are

@@ -287,6 +287,30 @@ fn tables(r: &Results) -> Vec<Table> {
             t.row(vec![what.to_owned(), format!("{ns:.0}")]);
         }
         tables.push(t);
+        let mut t = Table::new(
+            "External clients through the node (client namespace → node → server namespace; \
+             medians of alternated rounds, ratios to plain routing in the same round)",
+            &["route", "connects/s", "vs plain", "requests/s", "vs plain"],
+        );
+        for r in &e.routes {
+            t.row(vec![
+                r.name.clone(),
+                format!("{:.0}", r.connects_per_s),
+                format!("{:.2}", r.connects_ratio),
+                format!("{:.0}", r.requests_per_s),
+                format!("{:.2}", r.requests_ratio),
+            ]);
+        }
+        for (name, why) in &e.skipped {
+            t.row(vec![
+                name.clone(),
+                format!("not run: {why}"),
+                String::new(),
+                String::new(),
+                String::new(),
+            ]);
+        }
+        tables.push(t);
     }
     if let Some(d) = &r.dns {
         let mut t = Table::new(

@@ -163,12 +163,32 @@ impl DnsRoute {
 /// per query (name, runs, ns) over `queries_for_programs` queries.
 /// `lb_xdp`'s program time per packet, in nanoseconds (the kernel's
 /// timing overhead of a single run taken off).
+/// And per route (plain routing first, then lb, IPVS, haproxy) connects
+/// and requests per second, with their ratios to plain routing; routes
+/// that could not run, with why.
 pub struct External {
     pub first_ns: f64,
     pub established_ns: f64,
     pub reply_ns: f64,
     pub not_ours_ns: f64,
     pub overhead_ns: f64,
+    pub routes: Vec<ExternalRoute>,
+    pub skipped: Vec<(String, String)>,
+}
+
+/// One route of the external throughput bench.
+pub struct ExternalRoute {
+    pub name: String,
+    pub connects_per_s: f64,
+    pub connects_ratio: f64,
+    pub requests_per_s: f64,
+    pub requests_ratio: f64,
+}
+
+impl External {
+    pub fn route(&self, name: &str) -> Option<&ExternalRoute> {
+        self.routes.iter().find(|r| r.name == name)
+    }
 }
 
 pub struct Dns {

@@ -97,6 +97,26 @@ pub fn targets(r: &Results) -> Vec<(bool, String)> {
                 e.established_ns, e.first_ns, e.reply_ns
             ),
         ));
+        if let Some(lb) = e.route("lb") {
+            for (what, ratio) in [("connects", lb.connects_ratio), ("requests", lb.requests_ratio)]
+            {
+                lines.push((
+                    ratio >= 0.95,
+                    format!("external {what} per second through lb ≥ 0.95 × plain routing (issue 25): {ratio:.2}"),
+                ));
+            }
+            for other in ["ipvs", "haproxy"] {
+                if let Some(o) = e.route(other) {
+                    lines.push((
+                        lb.connects_per_s > o.connects_per_s && lb.requests_per_s > o.requests_per_s,
+                        format!(
+                            "external lb ahead of {other} (issue 25): connects/s {:.0} vs {:.0}, requests/s {:.0} vs {:.0}",
+                            lb.connects_per_s, o.connects_per_s, lb.requests_per_s, o.requests_per_s
+                        ),
+                    ));
+                }
+            }
+        }
     }
     if let Some(d) = &r.dns {
         let (vip, forwarder) = (d.qps(DnsRoute::Vip), d.qps(DnsRoute::Forwarder));
