@@ -32,6 +32,7 @@ pub mod datapath;
 pub mod detach;
 pub mod discovery;
 pub mod health;
+pub mod interfaces;
 pub mod maglev;
 pub mod metrics;
 pub mod netns;

@@ -141,7 +141,11 @@ pub fn ifname(index: u32) -> Option<String> {
     Some(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
 }
 
-fn send<T: NetlinkSerializable>(socket: &Socket, flags: u16, payload: T) -> io::Result<()> {
+pub(crate) fn send<T: NetlinkSerializable>(
+    socket: &Socket,
+    flags: u16,
+    payload: T,
+) -> io::Result<()> {
     let mut header = NetlinkHeader::default();
     header.flags = flags;
     let mut message = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(payload));

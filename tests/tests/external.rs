@@ -366,6 +366,46 @@ fn a_reload_attaches_and_detaches_the_external_path() {
     });
 }
 
+/// Item 4: a listed interface deleted and created anew under its name (a
+/// driver reloaded, a veth recreated) gets the program again at the next
+/// sync: the pin named after it is found stale (the link followed the
+/// old device), not trusted.
+#[test]
+fn an_interface_created_anew_gets_the_program_again() {
+    if !privileged() {
+        return;
+    }
+    in_new_netns(|| {
+        let net = Topology::new();
+        let _s1 = net.server("s1", "198.18.2.2:8080");
+        let cgroup = TestCgroup::new("external-recreated");
+        let daemon = Daemon::start("external-recreated", &cgroup, &services("none"));
+        assert_eq!(net.ask(VIP4).as_deref(), Ok("s1"), "{}", daemon.log());
+        // The device goes (its peer c0 with it) and a new one takes its name.
+        lb_tests::sh(&["ip", "link", "del", "ext0"]);
+        let client = net.client.tid.to_string();
+        lb_tests::sh(&[
+            "ip", "link", "add", "ext0", "type", "veth", "peer", "name", "c0", "netns", &client,
+        ]);
+        lb_tests::sh(&["ip", "addr", "add", "198.18.0.1/24", "dev", "ext0"]);
+        lb_tests::sh(&["ip", "link", "set", "ext0", "up"]);
+        net.client.sh(&["ip", "addr", "add", "198.18.0.10/24", "dev", "c0"]);
+        net.client.sh(&["ip", "link", "set", "c0", "up"]);
+        net.client.sh(&["ip", "route", "add", "198.18.1.0/24", "via", "198.18.0.1"]);
+        net.client.run(|| topology::tx_checksums_off("c0"));
+        let _peer = net.client.run(|| topology::pass_through("c0"));
+        assert!(
+            wait_until(Duration::from_secs(10), || net.ask(VIP4).as_deref() == Ok("s1")),
+            "the new ext0 was not served\n{}",
+            daemon.log()
+        );
+        assert!(has_xdp("ext0"), "no XDP program on the new ext0");
+        assert!(daemon.log().contains("stale"), "{}", daemon.log());
+        drop(daemon);
+        drop(cgroup);
+    });
+}
+
 /// Item 3: with `announce = "arp"` the node answers ARP and neighbour
 /// solicitations for its VIPs on the listed interface, with that
 /// interface's MAC, while a server is usable; with every server failed it

@@ -356,7 +356,20 @@ impl Datapath {
         &mut self,
         wanted: &BTreeSet<String>,
     ) -> BTreeMap<String, Result<xdp::Mode, String>> {
-        let attached: BTreeMap<String, xdp::Mode> = self.xdp_attachments().into_iter().collect();
+        let mut attached: BTreeMap<String, xdp::Mode> =
+            self.xdp_attachments().into_iter().collect();
+        // A pin whose interface no longer runs the program through it goes,
+        // and a wanted interface is attached anew.
+        attached.retain(|name, mode| match xdp::stale(&self.bpffs, name, *mode) {
+            None => true,
+            Some(why) => {
+                warn!(interface = %name, "the XDP link pinned for this interface is stale ({why}): replacing it");
+                if let Err(e) = xdp::release(&self.bpffs, name) {
+                    warn!(interface = %name, "removing the stale link: {e:#}");
+                }
+                false
+            }
+        });
         for name in attached.keys().filter(|name| !wanted.contains(*name)) {
             match xdp::release(&self.bpffs, name) {
                 Ok(()) => info!(interface = %name, "{} detached", programs::XDP),

@@ -141,6 +141,31 @@ impl Program {
     }
 }
 
+/// Why the XDP link pinned for `interface` (in `mode`) no longer runs
+/// lb's program on the interface of that name, if it does not: the
+/// interface went away, or was renamed (the link follows the device, not
+/// the name), or is a new one under the old name (the old device's link
+/// is defunct).
+pub(super) fn stale(bpffs: &Path, interface: &str, mode: Mode) -> Option<String> {
+    let path = mode.dir(bpffs).join(interface);
+    let link = match PinnedLink::from_pin(&path) {
+        Ok(link) => FdLink::from(link),
+        Err(e) => return Some(format!("its pinned link cannot be opened: {e}")),
+    };
+    let program = match link.info() {
+        Ok(info) => info.program_id(),
+        Err(e) => return Some(format!("its pinned link cannot be read: {e}")),
+    };
+    match crate::interfaces::xdp_program_id(interface) {
+        Ok(Some(id)) if id == program => None,
+        Ok(Some(id)) => Some(format!("it runs another XDP program (id {id})")),
+        Ok(None) => Some("it runs no XDP program".to_owned()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Some("it is gone".to_owned()),
+        // Unknown: trusted, as before.
+        Err(_) => None,
+    }
+}
+
 /// The pinned link of `interface`'s XDP program removed: the program
 /// detaches from it.
 pub(super) fn release(bpffs: &Path, interface: &str) -> anyhow::Result<()> {
@@ -166,12 +191,24 @@ pub(super) fn replace(ebpf: &mut Ebpf, bpffs: &Path) -> anyhow::Result<()> {
     let program = xdp_program(ebpf)?;
     program.load().with_context(|| format!("loading {}", programs::XDP))?;
     let program = program.fd().with_context(|| format!("program {}", programs::XDP))?;
-    for link in pins {
+    for (interface, mode) in attachments(bpffs) {
+        let link = mode.dir(bpffs).join(&interface);
         let link_fd = bpf_obj_get(&link)
             .with_context(|| format!("opening pinned link {}", link.display()))?;
-        bpf_link_update(link_fd.as_fd(), program.as_fd()).with_context(|| {
+        let Err(e) = bpf_link_update(link_fd.as_fd(), program.as_fd()) else { continue };
+        // The link of an interface that went away while no daemon ran
+        // cannot be updated: it goes, and the next sync attaches anew.
+        if let Some(why) = stale(bpffs, &interface, mode) {
+            tracing::warn!(
+                interface,
+                "the XDP link pinned for this interface is stale ({why}): removing it"
+            );
+            release(bpffs, &interface)?;
+            continue;
+        }
+        return Err(e).with_context(|| {
             format!("updating link {} to the new {}", link.display(), programs::XDP)
-        })?;
+        });
     }
     Ok(())
 }
