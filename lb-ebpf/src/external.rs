@@ -156,6 +156,7 @@ fn send(ctx: &XdpContext, p: &Packet, new: bool) -> u32 {
         return xdp_action::XDP_DROP;
     };
     let tcp = u32::from(p.protocol) == IPPROTO_TCP;
+    // The first SYN of the flow (or of a new connection on its ports).
     if flow.syn_at_ns == 0 && p.is_syn() && tcp {
         // SAFETY: plain helper call without arguments.
         flow.syn_at_ns = unsafe { bpf_ktime_get_ns() };
@@ -298,8 +299,7 @@ fn new_flow(ctx: &XdpContext, p: &Packet) -> bool {
     let tcp = u32::from(p.protocol) == IPPROTO_TCP;
     let syn = tcp && p.is_syn();
     // SAFETY: plain helper call without arguments.
-    let now = unsafe { bpf_ktime_get_ns() };
-    let tick = nat::tick(now);
+    let tick = nat::tick(unsafe { bpf_ktime_get_ns() });
     new.nat.node = node;
     new.nat.protocol = p.protocol;
     new.nat._pad = [0; 3];
@@ -332,8 +332,8 @@ fn new_flow(ctx: &XdpContext, p: &Packet) -> bool {
         count(Reason::XdpNatPortsExhausted);
         return false;
     }
-    let flow =
-        Flow { server: new.nat.server, node: new.nat.node, syn_at_ns: if syn { now } else { 0 } };
+    // Its SYN's time is set as the SYN leaves (`send`).
+    let flow = Flow { server: new.nat.server, node: new.nat.node, syn_at_ns: 0 };
     if FLOWS.insert(&flow_key(p), &flow, u64::from(BPF_ANY)).is_err() {
         count(Reason::MapError);
         let _ = NAT_REPLIES.remove(&new.nat);

@@ -5,12 +5,11 @@
 
 use std::io;
 
-use netlink_packet_core::{NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
+use netlink_packet_core::{NLM_F_REQUEST, NetlinkPayload};
 use netlink_packet_route::{
     RouteNetlinkMessage,
     link::{LinkAttribute, LinkMessage, LinkXdp},
 };
-use netlink_sys::{Socket, SocketAddr as NetlinkAddr, protocols::NETLINK_ROUTE};
 
 use crate::routes;
 
@@ -22,39 +21,21 @@ pub fn xdp_program_id(name: &str) -> io::Result<Option<u32>> {
         .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("no interface {name}")))?;
     let mut message = LinkMessage::default();
     message.header.index = index;
-    let mut socket = Socket::new(NETLINK_ROUTE)?;
-    socket.bind_auto()?;
-    socket.connect(&NetlinkAddr::new(0, 0))?;
-    routes::send(&socket, NLM_F_REQUEST, RouteNetlinkMessage::GetLink(message))?;
-    let (buf, _) = socket.recv_from_full()?;
-    let reply = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("RTM_GETLINK: {e}")))?;
-    let link = match reply.payload {
+    let get = RouteNetlinkMessage::GetLink(message);
+    let link = match routes::request(NLM_F_REQUEST, get, "RTM_GETLINK")? {
         NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(link)) => link,
-        NetlinkPayload::Error(e) => return Err(e.to_io()),
-        other => {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("RTM_GETLINK answered with {other:?}"),
-            ));
-        }
+        other => return Err(routes::unexpected("RTM_GETLINK", &other)),
     };
-    let mut id = None;
-    for attribute in link.attributes {
-        if let LinkAttribute::Xdp(xdp) = attribute {
-            for nla in xdp {
-                match nla {
-                    LinkXdp::ProgId(p) | LinkXdp::DrvProgId(p) | LinkXdp::SkbProgId(p)
-                        if p != 0 =>
-                    {
-                        id = Some(p);
-                    }
-                    _ => {}
-                }
-            }
+    let xdp = link.attributes.into_iter().filter_map(|attribute| match attribute {
+        LinkAttribute::Xdp(xdp) => Some(xdp),
+        _ => None,
+    });
+    Ok(xdp.flatten().find_map(|nla| match nla {
+        LinkXdp::ProgId(id) | LinkXdp::DrvProgId(id) | LinkXdp::SkbProgId(id) if id != 0 => {
+            Some(id)
         }
-    }
-    Ok(id)
+        _ => None,
+    }))
 }
 
 #[cfg(test)]

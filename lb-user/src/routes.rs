@@ -42,22 +42,10 @@ pub fn route_to(to: IpAddr) -> io::Result<Route> {
         if to.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
     message.header.destination_prefix_length = if to.is_ipv4() { 32 } else { 128 };
     message.attributes.push(RouteAttribute::Destination(RouteAddress::from(to)));
-    let mut socket = Socket::new(NETLINK_ROUTE)?;
-    socket.bind_auto()?;
-    socket.connect(&NetlinkAddr::new(0, 0))?;
-    send(&socket, NLM_F_REQUEST, RouteNetlinkMessage::GetRoute(message))?;
-    let (buf, _) = socket.recv_from_full()?;
-    let reply = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("RTM_GETROUTE: {e}")))?;
-    let route = match reply.payload {
+    let get = RouteNetlinkMessage::GetRoute(message);
+    let route = match request(NLM_F_REQUEST, get, "RTM_GETROUTE")? {
         NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(route)) => route,
-        NetlinkPayload::Error(e) => return Err(e.to_io()),
-        other => {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("RTM_GETROUTE answered with {other:?}"),
-            ));
-        }
+        other => return Err(unexpected("RTM_GETROUTE", &other)),
     };
     let mut ifindex = None;
     let mut source = None;
@@ -98,18 +86,9 @@ pub fn resolve_next_hop(route: &Route) -> io::Result<()> {
         IpAddr::V4(a) => NeighbourAddress::Inet(a),
         IpAddr::V6(a) => NeighbourAddress::Inet6(a),
     }));
-    let mut socket = Socket::new(NETLINK_ROUTE)?;
-    socket.bind_auto()?;
-    socket.connect(&NetlinkAddr::new(0, 0))?;
     let flags = NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE;
-    send(&socket, flags, RouteNetlinkMessage::NewNeighbour(message))?;
-    let (buf, _) = socket.recv_from_full()?;
-    let reply = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("RTM_NEWNEIGH: {e}")))?;
-    match reply.payload {
-        NetlinkPayload::Error(e) if e.code.is_some() => Err(e.to_io()),
-        _ => Ok(()),
-    }
+    request(flags, RouteNetlinkMessage::NewNeighbour(message), "RTM_NEWNEIGH")?;
+    Ok(())
 }
 
 /// The source address the kernel gives a socket that dials `to`: a UDP
@@ -141,11 +120,18 @@ pub fn ifname(index: u32) -> Option<String> {
     Some(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
 }
 
-pub(crate) fn send<T: NetlinkSerializable>(
-    socket: &Socket,
+/// Sends `payload` (with `flags`; `what` names it in errors) to this
+/// network namespace's routing netlink and returns the kernel's answer.
+/// An error the kernel answers with is returned as an error; an
+/// acknowledgement (an error message without a code) is an answer.
+pub(crate) fn request<T: NetlinkSerializable>(
     flags: u16,
     payload: T,
-) -> io::Result<()> {
+    what: &str,
+) -> io::Result<NetlinkPayload<RouteNetlinkMessage>> {
+    let mut socket = Socket::new(NETLINK_ROUTE)?;
+    socket.bind_auto()?;
+    socket.connect(&NetlinkAddr::new(0, 0))?;
     let mut header = NetlinkHeader::default();
     header.flags = flags;
     let mut message = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(payload));
@@ -153,7 +139,18 @@ pub(crate) fn send<T: NetlinkSerializable>(
     let mut buf = vec![0; message.buffer_len()];
     message.serialize(&mut buf);
     socket.send(&buf, 0)?;
-    Ok(())
+    let (buf, _) = socket.recv_from_full()?;
+    let reply = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{what}: {e}")))?;
+    match reply.payload {
+        NetlinkPayload::Error(e) if e.code.is_some() => Err(e.to_io()),
+        payload => Ok(payload),
+    }
+}
+
+/// An answer to `what` that is not the one expected.
+pub(crate) fn unexpected(what: &str, answer: &NetlinkPayload<RouteNetlinkMessage>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("{what} answered with {answer:?}"))
 }
 
 #[cfg(test)]

@@ -279,32 +279,7 @@ mod tests {
                 announcing: false,
             }),
         });
-        status.datapath.external = Some(ExternalStatus {
-            interfaces: vec![
-                crate::control::InterfaceStatus {
-                    name: "eth1".into(),
-                    role: "clients".into(),
-                    mode: Some("native".into()),
-                    error: None,
-                },
-                crate::control::InterfaceStatus {
-                    name: "eth9".into(),
-                    role: "clients".into(),
-                    mode: None,
-                    error: Some("no such interface".into()),
-                },
-            ],
-            flows: 3,
-            flow_capacity: 16_384,
-            nat_ports: 3,
-            nat_port_capacity: 4_536,
-            traffic: vec![crate::control::TrafficStatus {
-                server: "198.18.2.2:8080".parse().unwrap(),
-                packets: 10,
-                bytes: 600,
-            }],
-            forwarding: false,
-        });
+        status.datapath.external = Some(ExternalStatus::sample(false));
         let text = table(&status);
         for line in [
             "  external on eth1: withdrawn",

@@ -154,6 +154,40 @@ pub struct ExternalStatus {
     pub forwarding: bool,
 }
 
+#[cfg(test)]
+impl ExternalStatus {
+    /// An external path for the tests of what shows it: eth1 attached,
+    /// eth9 not, 3 flows, one server's traffic; IP forwarding as given.
+    pub(crate) fn sample(forwarding: bool) -> Self {
+        Self {
+            interfaces: vec![
+                InterfaceStatus {
+                    name: "eth1".into(),
+                    role: "clients".into(),
+                    mode: Some("native".into()),
+                    error: None,
+                },
+                InterfaceStatus {
+                    name: "eth9".into(),
+                    role: "clients".into(),
+                    mode: None,
+                    error: Some("no such interface".into()),
+                },
+            ],
+            flows: 3,
+            flow_capacity: 16_384,
+            nat_ports: 3,
+            nat_port_capacity: 4_536,
+            traffic: vec![TrafficStatus {
+                server: "198.18.2.2:8080".parse().unwrap(),
+                packets: 10,
+                bytes: 600,
+            }],
+            forwarding,
+        }
+    }
+}
+
 /// One interface of the external path.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InterfaceStatus {

@@ -184,14 +184,14 @@ pub(super) fn release(bpffs: &Path, interface: &str) -> anyhow::Result<()> {
 /// Points every pinned XDP link at `ebpf`'s `lb_xdp` (loaded here), one
 /// `BPF_LINK_UPDATE` each: a packet meets the old program or the new one.
 pub(super) fn replace(ebpf: &mut Ebpf, bpffs: &Path) -> anyhow::Result<()> {
-    let pins = link_pins(bpffs);
-    if pins.is_empty() {
+    let attached = attachments(bpffs);
+    if attached.is_empty() {
         return Ok(());
     }
     let program = xdp_program(ebpf)?;
     program.load().with_context(|| format!("loading {}", programs::XDP))?;
     let program = program.fd().with_context(|| format!("program {}", programs::XDP))?;
-    for (interface, mode) in attachments(bpffs) {
+    for (interface, mode) in attached {
         let link = mode.dir(bpffs).join(&interface);
         let link_fd = bpf_obj_get(&link)
             .with_context(|| format!("opening pinned link {}", link.display()))?;

@@ -97,41 +97,13 @@ impl Collector for ExternalSeries {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{
-        control::{InterfaceStatus, TrafficStatus},
-        metrics::Metrics,
-    };
+    use crate::metrics::Metrics;
 
     #[test]
     fn the_external_path_is_written_out_when_there_is_one() {
         let metrics = Metrics::new();
         assert!(!metrics.encode().contains("lb_external"), "no series without an external path");
-        metrics.external.set(Some(ExternalStatus {
-            interfaces: vec![
-                InterfaceStatus {
-                    name: "eth1".into(),
-                    role: "clients".into(),
-                    mode: Some("native".into()),
-                    error: None,
-                },
-                InterfaceStatus {
-                    name: "eth9".into(),
-                    role: "clients".into(),
-                    mode: None,
-                    error: Some("no such interface".into()),
-                },
-            ],
-            flows: 3,
-            flow_capacity: 16_384,
-            nat_ports: 3,
-            nat_port_capacity: 4_536,
-            traffic: vec![TrafficStatus {
-                server: "198.18.2.2:8080".parse().unwrap(),
-                packets: 10,
-                bytes: 600,
-            }],
-            forwarding: true,
-        }));
+        metrics.external.set(Some(ExternalStatus::sample(true)));
         let text = metrics.encode();
         for line in [
             r#"lb_external_interface_attached{interface="eth1",mode="native"} 1"#,
