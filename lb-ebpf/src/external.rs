@@ -67,25 +67,16 @@ pub(crate) struct NewFlow {
     reply: NatReply,
 }
 
-/// What `lookup` found for a client's packet to an external VIP.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Step {
-    /// Its flow is known and keeps its server.
-    Known,
-    /// It needs a server and a NAT port (`new_flow`).
-    New,
-    /// Done: this verdict.
-    Verdict(u32),
-}
-
 /// What to do with a packet the external path takes: `None` if it is
 /// neither for an external VIP nor a reply to a forwarded flow.
 ///
-/// A client's packet goes through `lookup`, `choose` and `new_flow` (for a
-/// flow's first packet) and `send`, one after the other: each is a BPF function of its
-/// own (not inlined), with its own stack frame, as are `reply` and
-/// `packet::route`. Inlined into one, or calling each other, their frames
-/// would add up past the 512 bytes a program's call chain may use.
+/// A client's packet goes through `known` (its flow, if it has one that
+/// keeps its server), or `choose` and `new_flow` (a new flow), then
+/// `send`, one after the other: each is a BPF function of its own (not
+/// inlined), with its own stack frame, as are `reply` and `packet::route`.
+/// Inlined into one, or calling each other, their frames would add up
+/// past the 512 bytes a program's call chain may use. The flow's entry
+/// goes from one to the next as a pointer into the map: looked up once.
 #[inline(always)]
 pub(crate) fn handle(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     if p.icmp_error {
@@ -95,56 +86,50 @@ pub(crate) fn handle(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     if unsafe { EXTERNAL.get(&p.dst) }.is_none() {
         return reply(ctx, p);
     }
-    let step = lookup(ctx, p);
-    if let Step::Verdict(verdict) = step {
-        return Some(verdict);
-    }
-    if step == Step::New && !(choose(p) && new_flow(ctx, p)) {
-        return Some(xdp_action::XDP_DROP);
-    }
-    Some(send(ctx, p, step == Step::New))
-}
-
-/// A client's packet to an external VIP: whether its flow is known and
-/// keeps its server (a flow that does not loses its reply entry, and so
-/// its NAT port).
-#[inline(never)]
-fn lookup(ctx: &XdpContext, p: &Packet) -> Step {
-    // SAFETY: as in `handle`.
+    // SAFETY: as above.
     let Some(service) = (unsafe { SERVICES.get(&p.dst) }) else {
         count(Reason::XdpNoServer);
-        return Step::Verdict(xdp_action::XDP_DROP);
+        return Some(xdp_action::XDP_DROP);
     };
     if packet::ttl(ctx, p) <= 1 {
         count(Reason::XdpTtlExceeded);
-        return Step::Verdict(xdp_action::XDP_PASS);
+        return Some(xdp_action::XDP_PASS);
     }
-    // SAFETY: plain helper call without arguments.
-    let now = unsafe { bpf_ktime_get_ns() };
-    // SAFETY: a map value, valid for the whole program run; this CPU alone
-    // writes a flow's entry while it handles the flow's packet (a flow
-    // arrives on one queue). Read in place: the flow tables' structs are
-    // not copied onto the stack.
-    let Some(known) = (unsafe { FLOWS.get(&flow_key(p)) }) else { return Step::New };
-    if keeps(service, known, p, now) {
+    if let Some(flow) = known(p, service) {
         count(Reason::XdpForwarded);
-        return Step::Known;
+        return Some(send(ctx, p, flow, false));
     }
-    let _ = NAT_REPLIES.remove(&reply_key(known, p.protocol));
-    Step::New
+    if !choose(p, service) {
+        return Some(xdp_action::XDP_DROP);
+    }
+    match new_flow(ctx, p) {
+        Some(flow) => Some(send(ctx, p, flow, true)),
+        None => Some(xdp_action::XDP_DROP),
+    }
 }
 
-/// Sends a client's packet along its flow (recorded in `FLOWS`): NAT,
-/// the FIB's route, redirect. `new`: the flow's first packet, whose route
-/// says where the server's replies arrive.
+/// A client's packet to an external VIP: its flow's entry, if the flow is
+/// known and keeps its server (a flow that does not loses its reply entry,
+/// and so its NAT port).
 #[inline(never)]
-fn send(ctx: &XdpContext, p: &Packet, new: bool) -> u32 {
-    let Some(flow) = FLOWS.get_ptr_mut(&flow_key(p)) else {
-        count(Reason::MapError);
-        return xdp_action::XDP_DROP;
-    };
-    // SAFETY: as in `lookup`; this CPU alone writes the flow's entry now.
-    let flow = unsafe { &mut *flow };
+fn known(p: &Packet, service: &Service) -> Option<&'static mut Flow> {
+    // SAFETY: a map value, valid for the whole program run; this CPU alone
+    // writes a flow's entry while it handles the flow's packet (a flow
+    // arrives on one queue). Used in place: the flow tables' structs are
+    // not copied onto the stack.
+    let flow = unsafe { &mut *FLOWS.get_ptr_mut(&flow_key(p))? };
+    if keeps(service, flow, p) {
+        return Some(flow);
+    }
+    let _ = NAT_REPLIES.remove(&reply_key(flow, p.protocol));
+    None
+}
+
+/// Sends a client's packet along its flow (`flow`, its `FLOWS` entry):
+/// NAT, the FIB's route, redirect. `new`: the flow's first packet, whose
+/// route says where the server's replies arrive.
+#[inline(never)]
+fn send(ctx: &XdpContext, p: &Packet, flow: &mut Flow, new: bool) -> u32 {
     if !packet::rewrite(ctx, p, &flow.node, &flow.server) {
         count(Reason::XdpTruncated);
         return xdp_action::XDP_DROP;
@@ -201,8 +186,8 @@ fn client_notes(flow: &Flow, p: &Packet) {
 /// server is still selected and usable, and this is not the client's SYN
 /// sent again to a server that has not answered it (which fails it).
 #[inline(always)]
-fn keeps(service: &Service, flow: &Flow, p: &Packet, now: u64) -> bool {
-    if !selected(service, &flow.server) || !usable(service, &flow.server, now) {
+fn keeps(service: &Service, flow: &Flow, p: &Packet) -> bool {
+    if !selected(service, &flow.server) || !usable(service, &flow.server) {
         count(Reason::XdpFlowMoved);
         return false;
     }
@@ -215,6 +200,8 @@ fn keeps(service: &Service, flow: &Flow, p: &Packet, now: u64) -> bool {
         // A new connection on the same ports, after the last one.
         return true;
     }
+    // SAFETY: plain helper call without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
     if now.wrapping_sub(flow.syn_at_ns) < SYN_RETRANSMIT_MIN_NS {
         return true;
     }
@@ -236,9 +223,7 @@ fn consistent(service: &Service, p: &Packet) -> Option<Endpoint> {
     // SAFETY: the value is only read; the daemon replaces values whole.
     let table = unsafe { MAGLEV.get(&p.dst) }?;
     let server = maglev::server_for(table, maglev::flow_hash(&p.src, p.protocol))?;
-    // SAFETY: plain helper call.
-    let now = unsafe { bpf_ktime_get_ns() };
-    if !(preferred(service, &server) && usable(service, &server, now)) {
+    if !(preferred(service, &server) && usable(service, &server)) {
         return None;
     }
     count(Reason::XdpConsistent);
@@ -250,12 +235,7 @@ fn consistent(service: &Service, p: &Packet) -> Option<Endpoint> {
 /// if the flow must be refused. A BPF function of its own, apart from
 /// `new_flow`: together their frames passed Linux 5.10's limit.
 #[inline(never)]
-fn choose(p: &Packet) -> bool {
-    // SAFETY: as in `handle`.
-    let Some(service) = (unsafe { SERVICES.get(&p.dst) }) else {
-        count(Reason::XdpNoServer);
-        return false;
-    };
+fn choose(p: &Packet, service: &Service) -> bool {
     let server = match consistent(service, p) {
         Some(server) => server,
         None => {
@@ -277,15 +257,15 @@ fn choose(p: &Packet) -> bool {
     true
 }
 
-/// Records `p`'s new flow, to the server `choose` chose, with a NAT port
-/// in `FLOWS` and `NAT_REPLIES`; false (counted) if the flow must be
-/// refused. A port is free if it has no entry, or if its entry's flow has
-/// ended long enough ago (`reclaim`).
+/// Records `p`'s new flow, to the server `choose` chose, with a NAT
+/// port in `FLOWS` and `NAT_REPLIES`: its `FLOWS` entry, or `None`
+/// (counted) if the flow must be refused. A port is free if it has no
+/// entry, or if its entry's flow has ended long enough ago (`reclaim`).
 #[inline(never)]
-fn new_flow(ctx: &XdpContext, p: &Packet) -> bool {
+fn new_flow(ctx: &XdpContext, p: &Packet) -> Option<&'static mut Flow> {
     let Some(slot) = NEW_FLOW.get_ptr_mut(0) else {
         count(Reason::MapError);
-        return false;
+        return None;
     };
     // SAFETY: as in `choose`; its server written there for this packet.
     let new = unsafe { &mut *slot };
@@ -293,9 +273,9 @@ fn new_flow(ctx: &XdpContext, p: &Packet) -> bool {
     // SAFETY: a copy of the value.
     let Some(node) = (unsafe { NODE_ADDRESSES.get(&host) }).copied() else {
         count(Reason::XdpNoNodeAddress);
-        return false;
+        return None;
     };
-    let Some(macs) = packet::macs(ctx) else { return false };
+    let macs = packet::macs(ctx)?;
     let tcp = u32::from(p.protocol) == IPPROTO_TCP;
     let syn = tcp && p.is_syn();
     // SAFETY: plain helper call without arguments.
@@ -330,17 +310,22 @@ fn new_flow(ctx: &XdpContext, p: &Packet) -> bool {
     }
     if !allocated {
         count(Reason::XdpNatPortsExhausted);
-        return false;
+        return None;
     }
     // Its SYN's time is set as the SYN leaves (`send`).
     let flow = Flow { server: new.nat.server, node: new.nat.node, syn_at_ns: 0 };
-    if FLOWS.insert(&flow_key(p), &flow, u64::from(BPF_ANY)).is_err() {
+    let entry = match FLOWS.insert(&flow_key(p), &flow, u64::from(BPF_ANY)) {
+        Ok(()) => FLOWS.get_ptr_mut(&flow_key(p)),
+        Err(_) => None,
+    };
+    let Some(entry) = entry else {
         count(Reason::MapError);
         let _ = NAT_REPLIES.remove(&new.nat);
-        return false;
-    }
+        return None;
+    };
     count(Reason::XdpNewFlow);
-    true
+    // SAFETY: as in `known`.
+    Some(unsafe { &mut *entry })
 }
 
 /// Whether the NAT port of `nat`'s entry may go to a new flow: its flow

@@ -99,9 +99,9 @@ const _: () = assert!(MAX_SERVERS.is_power_of_two());
 /// server refuses.
 #[inline(always)]
 pub(crate) fn choose_server(service: &Service, hook: &Hook) -> Result<Endpoint, Refuse> {
-    // SAFETY: plain helper calls without arguments.
-    let (now, random) = unsafe { (bpf_ktime_get_ns(), bpf_get_prandom_u32()) };
-    let Some(mask) = unknown_to_verifier(usable_mask(service, |s| usable(service, s, now))) else {
+    // SAFETY: plain helper call without arguments.
+    let random = unsafe { bpf_get_prandom_u32() };
+    let Some(mask) = unknown_to_verifier(usable_mask(service, |s| usable(service, s))) else {
         count(Reason::MapError);
         return Err(Refuse);
     };
@@ -125,15 +125,16 @@ pub(crate) fn choose_server(service: &Service, hook: &Hook) -> Result<Endpoint, 
     }
 }
 
-/// Whether `server` may be chosen at `now`: no connect to it failed within
-/// `service`'s hold-down.
+/// Whether `server` may be chosen now: no connect to it failed within
+/// `service`'s hold-down. The clock is read only for a server with a
+/// failure mark (the external path asks for every packet).
 #[inline(always)]
-pub(crate) fn usable(service: &Service, server: &Endpoint, now: u64) -> bool {
+pub(crate) fn usable(service: &Service, server: &Endpoint) -> bool {
     // SAFETY: `FAILED_AT` values are single u64 timestamps.
-    match unsafe { FAILED_AT.get(server) } {
-        Some(&failed_at) => now.wrapping_sub(failed_at) >= service.hold_down_ns,
-        None => true,
-    }
+    let Some(&failed_at) = (unsafe { FAILED_AT.get(server) }) else { return true };
+    // SAFETY: plain helper call without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    now.wrapping_sub(failed_at) >= service.hold_down_ns
 }
 
 /// Whether `server` is one a choice prefers now: among the first `spread`

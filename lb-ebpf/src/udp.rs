@@ -11,10 +11,7 @@
 //! then the next send chooses again and the pair follows.
 
 use aya_ebpf::{
-    EbpfContext as _,
-    bindings::BPF_ANY,
-    helpers::{bpf_get_socket_cookie, bpf_ktime_get_ns},
-    programs::SockAddrContext,
+    EbpfContext as _, bindings::BPF_ANY, helpers::bpf_get_socket_cookie, programs::SockAddrContext,
 };
 use lb_common::{Endpoint, Reason, UDP_PEERS_PER_SOCKET, UdpPeers};
 
@@ -47,9 +44,7 @@ pub(crate) fn try_sendmsg(
         let peers = unsafe { &*peers };
         if let Some(slot) = peers.slot_of_vip(dst) {
             let server = peers.peers[slot & (UDP_PEERS_PER_SOCKET - 1)].server;
-            // SAFETY: plain helper call without arguments.
-            let now = unsafe { bpf_ktime_get_ns() };
-            if usable(service, &server, now) && preferred(service, &server) {
+            if usable(service, &server) && preferred(service, &server) {
                 count(Reason::SendmsgKept);
                 return Ok(Some(server));
             }
