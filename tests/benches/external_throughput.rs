@@ -105,6 +105,10 @@ fn run() -> String {
     // connects[route][round], requests[route][round]
     let mut connects = vec![Vec::new(); routes.len()];
     let mut requests = vec![Vec::new(); routes.len()];
+    // lb_xdp's runs and run time in the lb route's runs (the kernel's
+    // statistics, on while this is held).
+    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).expect("BPF_ENABLE_STATS");
+    let (mut connect_runs, mut request_runs) = (Vec::new(), Vec::new());
     for round in 0..ROUNDS {
         let mut order: Vec<usize> = (0..routes.len()).collect();
         if round % 2 == 1 {
@@ -112,8 +116,15 @@ fn run() -> String {
         }
         for i in order {
             let to: SocketAddr = routes[i].1.parse().unwrap();
+            let lb = routes[i].0 == "lb";
+            let before = lb.then(xdp_runs);
             connects[i].push(measure(&net, to, connect_loop));
+            let between = lb.then(xdp_runs);
             requests[i].push(measure(&net, to, request_loop));
+            if let (Some(before), Some(between)) = (before, between) {
+                connect_runs.push(between.since(before));
+                request_runs.push(xdp_runs().since(between));
+            }
         }
     }
     let counters = daemon.status()["datapath"]["counters"].clone();
@@ -146,10 +157,12 @@ fn run() -> String {
         .map(|(name, why)| format!("{{\"route\":\"{name}\",\"why\":{}}}", serde_json::json!(why)))
         .collect();
     format!(
-        "{{\"clients\":{CLIENTS},\"seconds\":{SECONDS},\"rounds\":{ROUNDS},\"routes\":[{}],\"skipped\":[{}],\"nat_ports_exhausted\":{}}}",
+        "{{\"clients\":{CLIENTS},\"seconds\":{SECONDS},\"rounds\":{ROUNDS},\"routes\":[{}],\"skipped\":[{}],\"nat_ports_exhausted\":{},\"xdp_ns_per_packet_connects\":{:.0},\"xdp_ns_per_packet_requests\":{:.0}}}",
         rows.join(","),
         skipped.join(","),
-        counters["xdp_nat_ports_exhausted"]
+        counters["xdp_nat_ports_exhausted"],
+        median(connect_runs.iter().map(Runs::ns_per_run).collect()),
+        median(request_runs.iter().map(Runs::ns_per_run).collect()),
     )
 }
 
@@ -275,6 +288,35 @@ fn haproxy() -> Result<Child, String> {
     let _ = child.kill();
     let _ = child.wait();
     Err("haproxy did not start listening".to_owned())
+}
+
+/// Runs of every loaded `lb_xdp` and their time, as the kernel counts
+/// them while its statistics are on.
+#[derive(Clone, Copy)]
+struct Runs {
+    count: u64,
+    time: Duration,
+}
+
+impl Runs {
+    fn since(self, earlier: Runs) -> Runs {
+        Runs { count: self.count - earlier.count, time: self.time - earlier.time }
+    }
+
+    fn ns_per_run(&self) -> f64 {
+        self.time.as_secs_f64() * 1e9 / self.count.max(1) as f64
+    }
+}
+
+fn xdp_runs() -> Runs {
+    let mut runs = Runs { count: 0, time: Duration::ZERO };
+    for program in aya::programs::loaded_programs().flatten() {
+        if program.name_as_str() == Some("lb_xdp") {
+            runs.count += program.run_count();
+            runs.time += program.run_time();
+        }
+    }
+    runs
 }
 
 fn median(mut values: Vec<f64>) -> f64 {

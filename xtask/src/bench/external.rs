@@ -27,6 +27,8 @@ pub fn run(results: &mut Results) -> anyhow::Result<()> {
         reply_ns: ns("reply_ns")?,
         not_ours_ns: ns("not_ours_ns")?,
         overhead_ns: ns("overhead_ns")?,
+        live_connects_ns: 0.0,
+        live_requests_ns: 0.0,
         routes: Vec::new(),
         skipped: Vec::new(),
     };
@@ -35,6 +37,10 @@ pub fn run(results: &mut Results) -> anyhow::Result<()> {
     );
     crate::cmd::install_missing_packages(&PACKAGES)?;
     let throughput = bench_json("external_throughput")?;
+    let live =
+        |key: &str| throughput[key].as_f64().with_context(|| format!("no {key} in {throughput}"));
+    external.live_connects_ns = live("xdp_ns_per_packet_connects")?;
+    external.live_requests_ns = live("xdp_ns_per_packet_requests")?;
     for route in throughput["routes"].as_array().context("no routes")? {
         let field = |key: &str| route[key].as_f64().with_context(|| format!("no {key} in {route}"));
         external.routes.push(ExternalRoute {

@@ -286,6 +286,15 @@ fn tables(r: &Results) -> Vec<Table> {
         ] {
             t.row(vec![what.to_owned(), format!("{ns:.0}")]);
         }
+        for (what, ns) in [
+            (
+                "live traffic, connects (kernel run-time stats, with their clock reads)",
+                e.live_connects_ns,
+            ),
+            ("live traffic, requests (established packets and replies)", e.live_requests_ns),
+        ] {
+            t.row(vec![what.to_owned(), format!("{ns:.0}")]);
+        }
         tables.push(t);
         let mut t = Table::new(
             "External clients through the node (client namespace → node → server namespace; \

@@ -172,6 +172,10 @@ pub struct External {
     pub reply_ns: f64,
     pub not_ours_ns: f64,
     pub overhead_ns: f64,
+    /// lb_xdp's average run time per packet on real traffic (the kernel's
+    /// statistics) in the throughput bench's lb runs: connects, requests.
+    pub live_connects_ns: f64,
+    pub live_requests_ns: f64,
     pub routes: Vec<ExternalRoute>,
     pub skipped: Vec<(String, String)>,
 }
