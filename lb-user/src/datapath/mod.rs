@@ -69,7 +69,7 @@ pub use self::{
     },
 };
 use self::{
-    object::load_object,
+    object::{load_object, load_retrying},
     pins::{
         PinLock, ensure_bpffs, has_getpeername, links_dir, maps_dir, open_pinned_map, remove_pins,
         required_pins,
@@ -459,21 +459,21 @@ pub(super) fn attach_one(
     let mode = CgroupAttachMode::Single;
     let link: FdLink = if name == programs::SOCK_OPS {
         let program: &mut SockOps = program.try_into()?;
-        program.load().with_context(|| format!("loading {name}"))?;
+        load_retrying(|| program.load()).with_context(|| format!("loading {name}"))?;
         let id = program
             .attach(cgroup_dir, mode)
             .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
         program.take_link(id)?.try_into()?
     } else if name == programs::SOCK_RELEASE {
         let program: &mut CgroupSock = program.try_into()?;
-        program.load().with_context(|| format!("loading {name}"))?;
+        load_retrying(|| program.load()).with_context(|| format!("loading {name}"))?;
         let id = program
             .attach(cgroup_dir, mode)
             .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
         program.take_link(id)?.try_into()?
     } else {
         let program: &mut CgroupSockAddr = program.try_into()?;
-        program.load().with_context(|| format!("loading {name}"))?;
+        load_retrying(|| program.load()).with_context(|| format!("loading {name}"))?;
         let id = program
             .attach(cgroup_dir, mode)
             .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;

@@ -6,7 +6,7 @@
 use anyhow::{Context as _, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    programs::{CgroupSock, CgroupSockAddr, SockOps},
+    programs::{CgroupSock, CgroupSockAddr, ProgramError, SockOps},
 };
 use lb_common::programs;
 
@@ -45,17 +45,44 @@ pub(super) fn load_object(
     Ok((ebpf, logger))
 }
 
+/// Times a program's load is tried while signals interrupt the verifier.
+const LOAD_ATTEMPTS: usize = 5;
+
+/// Runs `load` (a program's `BPF_PROG_LOAD`) again while the kernel says
+/// EAGAIN: a signal that arrives while the verifier works interrupts it
+/// (Linux 4.20+), and the daemon gets signals (a reload's SIGHUP, its
+/// checks' child processes ending), as do the tests. `lb_xdp` takes the
+/// verifier long enough for that to happen: the tests saw it.
+pub(super) fn load_retrying(
+    mut load: impl FnMut() -> Result<(), ProgramError>,
+) -> Result<(), ProgramError> {
+    let mut attempts = 1;
+    loop {
+        match load() {
+            Err(ProgramError::LoadError { io_error, .. })
+                if io_error.raw_os_error() == Some(libc::EAGAIN) && attempts < LOAD_ATTEMPTS =>
+            {
+                attempts += 1;
+            }
+            done => return done,
+        }
+    }
+}
+
 /// Loads (verifies) program `name` of `ebpf`, of the type its name says.
 pub(super) fn load_program(ebpf: &mut Ebpf, name: &str) -> anyhow::Result<()> {
     let program = ebpf
         .program_mut(name)
         .with_context(|| format!("program {name} missing from the eBPF object"))?;
     let loaded = if name == programs::SOCK_OPS {
-        <&mut SockOps>::try_from(program)?.load()
+        let program = <&mut SockOps>::try_from(program)?;
+        load_retrying(|| program.load())
     } else if name == programs::SOCK_RELEASE {
-        <&mut CgroupSock>::try_from(program)?.load()
+        let program = <&mut CgroupSock>::try_from(program)?;
+        load_retrying(|| program.load())
     } else {
-        <&mut CgroupSockAddr>::try_from(program)?.load()
+        let program = <&mut CgroupSockAddr>::try_from(program)?;
+        load_retrying(|| program.load())
     };
     loaded.with_context(|| format!("loading {name}"))
 }

@@ -29,7 +29,7 @@ use aya::{
 use lb_common::{maps, programs};
 
 use super::{
-    object::load_object,
+    object::{load_object, load_retrying},
     pins::{links_dir, maps_dir},
     sys::{bpf_link_update, bpf_obj_get},
 };
@@ -39,7 +39,8 @@ use super::{
 /// program with `BPF_PROG_TEST_RUN` (`aya::programs::TestRun`).
 pub fn load_unattached() -> anyhow::Result<Ebpf> {
     let (mut ebpf, _) = load_object(EbpfLoader::new(), false)?;
-    xdp_program(&mut ebpf)?.load().with_context(|| format!("loading {}", programs::XDP))?;
+    let program = xdp_program(&mut ebpf)?;
+    load_retrying(|| program.load()).with_context(|| format!("loading {}", programs::XDP))?;
     Ok(ebpf)
 }
 
@@ -108,7 +109,8 @@ impl Program {
     pub(super) fn load(bpffs: &Path) -> anyhow::Result<Self> {
         let (mut ebpf, _) = load_object(on_pinned_maps(bpffs), false)
             .context("loading the eBPF object on the pinned maps")?;
-        xdp_program(&mut ebpf)?.load().with_context(|| format!("loading {}", programs::XDP))?;
+        let program = xdp_program(&mut ebpf)?;
+        load_retrying(|| program.load()).with_context(|| format!("loading {}", programs::XDP))?;
         Ok(Self { ebpf })
     }
 
@@ -189,7 +191,7 @@ pub(super) fn replace(ebpf: &mut Ebpf, bpffs: &Path) -> anyhow::Result<()> {
         return Ok(());
     }
     let program = xdp_program(ebpf)?;
-    program.load().with_context(|| format!("loading {}", programs::XDP))?;
+    load_retrying(|| program.load()).with_context(|| format!("loading {}", programs::XDP))?;
     let program = program.fd().with_context(|| format!("program {}", programs::XDP))?;
     for (interface, mode) in attached {
         let link = mode.dir(bpffs).join(&interface);
