@@ -206,6 +206,15 @@ reasons! {
     /// xdp: a new flow took a NAT port whose last flow had ended (or
     /// idled out), and that flow's entry went (`lb_common::nat`).
     XdpNatPortReused = 62 => "xdp_nat_port_reused",
+    /// xdp: a client's packet too big for the route toward its server was
+    /// answered with the node's own "fragmentation needed" / "packet too
+    /// big", carrying the route's MTU.
+    XdpTooBig = 63 => "xdp_too_big",
+    /// xdp: a client's packet too big for the route toward its server was
+    /// dropped unanswered: IPv4 that allows fragmenting (XDP cannot
+    /// fragment), or a kernel whose FIB does not say the MTU (before
+    /// Linux 5.12).
+    XdpTooBigDropped = 64 => "xdp_too_big_dropped",
 }
 
 impl Reason {
@@ -328,6 +337,8 @@ mod tests {
                 "xdp_icmp_to_client",
                 "xdp_icmp_to_server",
                 "xdp_nat_port_reused",
+                "xdp_too_big",
+                "xdp_too_big_dropped",
             ]
         );
     }

@@ -44,9 +44,10 @@ use lb_common::{
 use crate::{
     EXTERNAL, FLOWS, IPPROTO_TCP, MAGLEV, NAT_REPLIES, NEW_FLOW, NODE_ADDRESSES, SERVICES, TRAFFIC,
     atomic_add, count, icmp,
-    packet::{self, Packet, TCP_FIN, TCP_RST, TCP_SYN},
+    packet::{self, Packet, Route, TCP_FIN, TCP_RST, TCP_SYN},
     report::{emit, mark_failed},
     select::{XDP, choose_server, preferred, selected, usable},
+    too_big,
 };
 
 /// NAT ports tried for a new flow before it is refused.
@@ -126,20 +127,29 @@ fn known(p: &Packet, service: &Service) -> Option<&'static mut Flow> {
 }
 
 /// Sends a client's packet along its flow (`flow`, its `FLOWS` entry):
-/// NAT, the FIB's route, redirect. `new`: the flow's first packet, whose
-/// route says where the server's replies arrive.
+/// the FIB's route, NAT, redirect; or, too big for the route, answers it
+/// with the node's own "too big" (`too_big.rs`). `new`: the flow's first
+/// packet, whose route says where the server's replies arrive.
 #[inline(never)]
 fn send(ctx: &XdpContext, p: &Packet, flow: &mut Flow, new: bool) -> u32 {
+    // Routed before it is rewritten: a packet too big is quoted as the
+    // client sent it.
+    let ifindex = match packet::route(ctx, p, &flow.node, &flow.server) {
+        Route::Via(ifindex) => ifindex,
+        not_sent => {
+            // The client's SYN sent again is the first the server sees,
+            // not a sign that it is silent.
+            flow.syn_at_ns = 0;
+            if let Route::TooBig(mtu) = not_sent {
+                return too_big::answer(ctx, p, mtu);
+            }
+            return xdp_action::XDP_DROP;
+        }
+    };
     if !packet::rewrite(ctx, p, &flow.node, &flow.server) {
         count(Reason::XdpTruncated);
         return xdp_action::XDP_DROP;
     }
-    let Some(ifindex) = packet::route(ctx, p, &flow.node, &flow.server) else {
-        // Not sent: the client's SYN sent again is the first the server
-        // sees, not a sign that it is silent.
-        flow.syn_at_ns = 0;
-        return xdp_action::XDP_DROP;
-    };
     let tcp = u32::from(p.protocol) == IPPROTO_TCP;
     // The first SYN of the flow (or of a new connection on its ports).
     if flow.syn_at_ns == 0 && p.is_syn() && tcp {

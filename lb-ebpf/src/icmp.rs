@@ -38,7 +38,7 @@ use lb_common::{Endpoint, FlowKey, NatKey, Reason, checksum};
 
 use crate::{
     EXTERNAL, FLOWS, IPPROTO_TCP, IPPROTO_UDP, NAT_REPLIES, count,
-    packet::{self, L3, Packet, read, write},
+    packet::{self, L3, Packet, Route, read, write},
 };
 
 pub(crate) const IPPROTO_ICMP: u8 = 1;
@@ -184,8 +184,14 @@ fn to_server(ctx: &XdpContext, p: &Packet) -> Option<u32> {
         count(Reason::XdpTruncated);
         return Some(xdp_action::XDP_DROP);
     }
-    let Some(ifindex) = packet::route(ctx, p, &flow.node, &flow.server) else {
-        return Some(xdp_action::XDP_DROP);
+    let ifindex = match packet::route(ctx, p, &flow.node, &flow.server) {
+        Route::Via(ifindex) => ifindex,
+        Route::TooBig(_) => {
+            // An error is never answered with another.
+            count(Reason::XdpTooBigDropped);
+            return Some(xdp_action::XDP_DROP);
+        }
+        Route::Unreachable => return Some(xdp_action::XDP_DROP),
     };
     count(Reason::XdpIcmpToServer);
     Some(packet::redirect(ifindex))

@@ -267,6 +267,7 @@ mod release;
 mod report;
 mod select;
 mod sock_ops;
+mod too_big;
 mod udp;
 
 use crate::{

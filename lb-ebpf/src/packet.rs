@@ -32,6 +32,8 @@ const IPV6_HLEN: usize = 40;
 const TCP_HLEN: usize = 20;
 /// `BPF_FIB_LKUP_RET_SUCCESS`: the FIB found the route and the neighbour.
 const FIB_SUCCESS: i64 = 0;
+/// `BPF_FIB_LKUP_RET_FRAG_NEEDED`: the packet exceeds the route's MTU.
+const FIB_FRAG_NEEDED: i64 = 8;
 
 /// TCP flags (byte 13 of the header).
 pub(crate) const TCP_FIN: u8 = 0x01;
@@ -85,7 +87,7 @@ impl Packet {
 /// A pointer to a `T` at `offset` bytes into the packet, if the packet
 /// holds all of it (the check the verifier needs before every access).
 #[inline(always)]
-fn at<T>(ctx: &XdpContext, offset: usize) -> Option<*mut T> {
+pub(crate) fn at<T>(ctx: &XdpContext, offset: usize) -> Option<*mut T> {
     let start = ctx.data() + offset;
     if start + size_of::<T>() > ctx.data_end() {
         return None;
@@ -282,14 +284,25 @@ pub(crate) fn macs(ctx: &XdpContext) -> Option<[u8; 12]> {
     read::<[u8; 12]>(ctx, 0)
 }
 
-/// Where the kernel's FIB sends the rewritten packet (now from `src` to
-/// `dst`): the interface toward `dst` and the next hop's MAC address,
-/// which are written into the packet (the TTL goes down by one); `None`
-/// (counted) when the FIB has no route or no neighbour entry for it. The
-/// packet cannot go up the kernel's stack instead: its source is now an
-/// address of the node's own, which the stack drops as martian.
+/// Where the kernel's FIB sends a packet from `src` to `dst` (the client's
+/// packet as it will leave, rewritten), as `route` finds it.
+pub(crate) enum Route {
+    /// Out of this interface: the next hop's MAC address is written into
+    /// the packet, and its TTL goes down by one.
+    Via(u32),
+    /// The packet is larger than the route's MTU (this one, from Linux
+    /// 5.12; before, the packet's own length): untouched.
+    TooBig(u16),
+    /// No route or no neighbour entry (counted): untouched.
+    Unreachable,
+}
+
+/// Asks the kernel's FIB where the packet goes once rewritten to leave
+/// from `src` to `dst`. The packet cannot go up the kernel's stack
+/// instead: its source will be an address of the node's own, which the
+/// stack drops as martian.
 #[inline(always)]
-pub(crate) fn route(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoint) -> Option<u32> {
+pub(crate) fn route(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoint) -> Route {
     // SAFETY: a plain C struct of integers, for which zero is valid.
     let mut fib: bpf_fib_lookup = unsafe { core::mem::zeroed() };
     fib.family = (if p.ipv6 { AF_INET6 } else { AF_INET }) as u8;
@@ -309,17 +322,21 @@ pub(crate) fn route(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoint
     // SAFETY: `fib` is a valid, writable `bpf_fib_lookup` of its full size.
     let found =
         unsafe { fib_lookup(ctx.as_ptr(), &raw mut fib, size_of::<bpf_fib_lookup>() as i32, 0) };
+    if found == FIB_FRAG_NEEDED {
+        // SAFETY: a u16 either way; the FIB wrote the MTU there (5.12+).
+        return Route::TooBig(unsafe { fib.__bindgen_anon_1.mtu_result });
+    }
     if found != FIB_SUCCESS {
         count(Reason::XdpNoRoute);
-        return None;
+        return Route::Unreachable;
     }
     let mut macs = [0u8; 12];
     macs[..6].copy_from_slice(&fib.dmac);
     macs[6..].copy_from_slice(&fib.smac);
     if !set_link(ctx, p, macs) {
-        return None;
+        return Route::Unreachable;
     }
-    Some(fib.ifindex)
+    Route::Via(fib.ifindex)
 }
 
 /// Writes the link layer a packet leaves with (destination MAC, then

@@ -22,6 +22,16 @@ pub fn privileged() -> bool {
     false
 }
 
+/// Whether the running kernel is Linux `major.minor` or later.
+pub fn kernel_at_least(major: u32, minor: u32) -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut numbers = release.split(|c: char| !c.is_ascii_digit()).map(|n| n.parse::<u32>().ok());
+    match (numbers.next().flatten(), numbers.next().flatten()) {
+        (Some(a), Some(b)) => (a, b) >= (major, minor),
+        _ => panic!("unreadable kernel release {release:?}"),
+    }
+}
+
 /// Whether the tests run under software emulation (`cargo xtask vmtest`
 /// sets `LB_TEST_EMULATED=1`), where a loop of a million system calls
 /// takes minutes: a test that churns that much churns a tenth there, and

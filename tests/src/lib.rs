@@ -51,7 +51,7 @@ pub use bpffs::files_under;
 pub use cgroup::{TestCgroup, cgroup2_root, start_in_cgroup};
 pub use client::{Client, Connect, tally};
 pub use daemon::Daemon;
-pub use env::{addr, client_bin, emulated, lb_bin, privileged};
+pub use env::{addr, client_bin, emulated, kernel_at_least, lb_bin, privileged};
 pub use netns::{Namespace, NetnsGuard, in_new_netns, loopback_up, sh};
 pub use service::{Check, Policy, ServiceBuilder};
 pub use wait::{monotonic_ns, wait_until};

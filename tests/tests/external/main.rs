@@ -16,14 +16,14 @@
 //! `lb_xdp` on empty maps of their own, which passes every packet (on
 //! Linux 5.13+ GRO on the peer would do as well; this works from 5.10).
 
-use std::{
-    io::{ErrorKind, Write as _},
-    time::Duration,
-};
+use std::{io::Write as _, time::Duration};
 
 use lb_tests::{Daemon, TestCgroup, in_new_netns, privileged, wait_until};
 
+#[path = "../topology/mod.rs"]
 mod topology;
+
+mod icmp;
 
 use topology::{Topology, VIP4, VIP6, client_neighbour, has_xdp, mac_of, who, xdp_id};
 
@@ -124,39 +124,6 @@ fn external_clients_reach_the_selected_server() {
         for dev in ["ext0", "srv0"] {
             assert!(!has_xdp(dev), "lb detach left an XDP program on {dev}");
         }
-        drop(daemon);
-        drop(cgroup);
-    });
-}
-
-/// Item 1, ICMP: a datagram to a server with nothing listening on its
-/// port draws the server's "port unreachable", which the node translates
-/// back: the client's connected socket sees the refusal at once, as it
-/// would from the VIP itself, instead of waiting out a timeout.
-#[test]
-fn a_servers_port_unreachable_reaches_the_client() {
-    if !privileged() {
-        return;
-    }
-    in_new_netns(|| {
-        // No server runs: the servers' ports are closed.
-        let net = Topology::new();
-        let cgroup = TestCgroup::new("external-icmp");
-        let daemon = Daemon::start("external-icmp", &cgroup, &services("none"));
-        for vip in [VIP4, VIP6] {
-            let to: std::net::SocketAddr = vip.parse().unwrap();
-            let answer = net.client.run(move || {
-                let any = if to.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
-                let socket = std::net::UdpSocket::bind(any).unwrap();
-                socket.connect(to).unwrap();
-                socket.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-                socket.send(b"who").unwrap();
-                socket.recv(&mut [0u8; 64])
-            });
-            let refused = answer.as_ref().is_err_and(|e| e.kind() == ErrorKind::ConnectionRefused);
-            assert!(refused, "UDP to {vip}: {answer:?}, not refused\n{}", daemon.status());
-        }
-        assert_eq!(daemon.counter("xdp_icmp_to_client"), 2);
         drop(daemon);
         drop(cgroup);
     });

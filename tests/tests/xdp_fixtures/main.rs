@@ -34,6 +34,7 @@ mod xdp_node;
 
 mod icmp;
 mod nat;
+mod too_big;
 
 use xdp_node::*;
 

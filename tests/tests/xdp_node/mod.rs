@@ -26,6 +26,7 @@ use lb_tests::{
 
 pub const XDP_DROP: u32 = 1;
 pub const XDP_PASS: u32 = 2;
+pub const XDP_TX: u32 = 3;
 pub const XDP_REDIRECT: u32 = 4;
 
 /// The client's router, as the node sees it.
