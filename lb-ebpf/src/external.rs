@@ -2,13 +2,14 @@
 //! forwarded to a server with NAT, and the servers' replies translated
 //! back (`lb_xdp`, on the interfaces the daemon attaches it to).
 //!
-//! A client's packet to VIP:port belongs to a flow (`FLOWS`, `lookup`):
-//! its first packet gets a server (`new_flow`), chosen as a connect to the VIP would be
-//! (`select.rs`), and a NAT port, allocated by inserting the flow's reply
-//! key into `NAT_REPLIES`. Its packets leave with the server as
-//! destination and the node's own address toward that server
-//! (`NODE_ADDRESSES`) and the NAT port as source, by the kernel's FIB
-//! (`send`).
+//! A client's packet to VIP:port belongs to a flow (`FLOWS`, `known`):
+//! its first packet gets a server (`choose`), chosen as a connect to the
+//! VIP would be (`select.rs`), and a NAT port (`new_flow`), allocated by
+//! inserting the flow's reply key into `NAT_REPLIES`. Its packets leave
+//! with the server as destination and the node's own address toward that
+//! server (`NODE_ADDRESSES`) and the NAT port as source, by the kernel's
+//! FIB (`send`); one too big for that route is answered with the node's
+//! own ICMP error (`too_big.rs`).
 //! A flow keeps its server while the server is in the selection and
 //! usable; then its next packet chooses again.
 //!
