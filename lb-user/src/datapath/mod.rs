@@ -69,7 +69,7 @@ pub use self::{
     },
 };
 use self::{
-    object::{load_object, load_retrying},
+    object::{load_object, load_program},
     pins::{
         PinLock, ensure_bpffs, has_getpeername, links_dir, maps_dir, open_pinned_map, remove_pins,
         required_pins,
@@ -451,6 +451,7 @@ pub(super) fn attach_one(
     cgroup: &Path,
     links: &Path,
 ) -> anyhow::Result<()> {
+    load_program(ebpf, name)?;
     let program = ebpf
         .program_mut(name)
         .with_context(|| format!("program {name} missing from the eBPF object"))?;
@@ -459,21 +460,18 @@ pub(super) fn attach_one(
     let mode = CgroupAttachMode::Single;
     let link: FdLink = if name == programs::SOCK_OPS {
         let program: &mut SockOps = program.try_into()?;
-        load_retrying(|| program.load()).with_context(|| format!("loading {name}"))?;
         let id = program
             .attach(cgroup_dir, mode)
             .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
         program.take_link(id)?.try_into()?
     } else if name == programs::SOCK_RELEASE {
         let program: &mut CgroupSock = program.try_into()?;
-        load_retrying(|| program.load()).with_context(|| format!("loading {name}"))?;
         let id = program
             .attach(cgroup_dir, mode)
             .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
         program.take_link(id)?.try_into()?
     } else {
         let program: &mut CgroupSockAddr = program.try_into()?;
-        load_retrying(|| program.load()).with_context(|| format!("loading {name}"))?;
         let id = program
             .attach(cgroup_dir, mode)
             .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
