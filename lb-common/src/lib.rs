@@ -76,6 +76,11 @@ pub const MAX_SERVER_PAIRS: u32 = 65_536;
 pub const MAX_FAILED_SERVERS: u32 = 16_384;
 /// Size of the `EVENTS` ring buffer.
 pub const EVENTS_BYTES: u32 = 256 * 1024;
+/// Slots of `COUNTERS`, one per [`Reason`] and room for the reasons of
+/// later versions: an upgrade adopts the pinned map as it was made, and a
+/// map sized by the reasons of its day would not count the new ones.
+pub const COUNTER_SLOTS: u32 = 128;
+const _: () = assert!(Reason::COUNT as u32 <= COUNTER_SLOTS);
 
 /// The layout of the pinned maps (their names, types, keys and values).
 /// A daemon adopts pins only of its own layout; it is written to
@@ -90,13 +95,15 @@ pub const EVENTS_BYTES: u32 = 256 * 1024;
 /// 5: the external path's maps (`EXTERNAL`, `NODE_ADDRESSES`, `FLOWS`,
 /// `NAT_REPLIES`, `TRAFFIC`) and its XDP program.
 /// 6: `ANNOUNCE`, the addresses the XDP program answers ARP and neighbour
-/// solicitations for; `MAGLEV`, the consistent-hash tables. A daemon of layout 6 adopts pins of layout 5 and
+/// solicitations for; `MAGLEV`, the consistent-hash tables.
+/// 7: `ANNOUNCE_UNTIL`, when an elected node's answers stop by themselves
+/// (its lease's fence). A daemon of layout 7 adopts pins of layout 6 and
 /// upgrades them (`UPGRADABLE_LAYOUT`).
-pub const LAYOUT_VERSION: u32 = 6;
+pub const LAYOUT_VERSION: u32 = 7;
 /// The one older layout a daemon adopts, by adding what its layout lacks
 /// (maps and programs; nothing pinned changes shape) before it replaces
 /// the programs.
-pub const UPGRADABLE_LAYOUT: u32 = 5;
+pub const UPGRADABLE_LAYOUT: u32 = 6;
 
 /// Index of the layout version in `META`.
 pub const META_LAYOUT_VERSION: u32 = 0;
@@ -166,8 +173,14 @@ pub mod maps {
     /// External VIP → its [`Maglev`](crate::maglev::Maglev) table: where
     /// the external path sends a `spread` service's new flows (layout 6).
     pub const MAGLEV: &str = "MAGLEV";
+    /// An announced address (as an [`Endpoint`](crate::Endpoint)'s, IPv4
+    /// mapped) → `u64`, the `CLOCK_MONOTONIC` nanosecond at which `lb_xdp`
+    /// stops answering for it: an elected node's fence, which holds even
+    /// when its daemon is dead. No entry: answered while in `ANNOUNCE`
+    /// (layout 7).
+    pub const ANNOUNCE_UNTIL: &str = "ANNOUNCE_UNTIL";
     /// Every map the daemon pins, in one list so attach, adopt and detach agree.
-    pub const ALL: [&str; 16] = [
+    pub const ALL: [&str; 17] = [
         SERVICES,
         FAILED_AT,
         SOCKETS,
@@ -184,9 +197,10 @@ pub mod maps {
         TRAFFIC,
         ANNOUNCE,
         MAGLEV,
+        ANNOUNCE_UNTIL,
     ];
     /// The maps pins of `UPGRADABLE_LAYOUT` lack (an upgrade creates them).
-    pub const NEW_IN_LAYOUT: [&str; 2] = [ANNOUNCE, MAGLEV];
+    pub const NEW_IN_LAYOUT: [&str; 1] = [ANNOUNCE_UNTIL];
 }
 
 /// Names of the programs in the object file; also their link pin names.

@@ -215,6 +215,10 @@ reasons! {
     /// fragment), or a kernel whose FIB does not say the MTU (before
     /// Linux 5.12).
     XdpTooBigDropped = 64 => "xdp_too_big_dropped",
+    /// xdp: an ARP request or neighbour solicitation for an announced VIP
+    /// went unanswered: the node's lease for it has run out
+    /// (`ANNOUNCE_UNTIL`), and another node may hold it now.
+    XdpAnnounceFenced = 65 => "xdp_announce_fenced",
 }
 
 impl Reason {
@@ -339,6 +343,7 @@ mod tests {
                 "xdp_nat_port_reused",
                 "xdp_too_big",
                 "xdp_too_big_dropped",
+                "xdp_announce_fenced",
             ]
         );
     }

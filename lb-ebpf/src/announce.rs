@@ -5,17 +5,22 @@
 //! address there while its service has a usable server and removes it
 //! otherwise; the VIP is never an address of the node.
 //!
+//! An address with an `ANNOUNCE_UNTIL` entry (a VIP elected by lease) is
+//! answered only until that time: the holder's fence, kept by the kernel
+//! itself, so a node whose daemon died or cannot renew its lease falls
+//! silent before another node may take the lease over.
+//!
 //! Only the plain shapes are answered: Ethernet without a VLAN tag, ARP
 //! for IPv4 over Ethernet, a solicitation in an IPv6 header without
 //! extension headers, from a unicast source (duplicate address detection's
 //! `::` source gets no answer), with at most its source link-layer option.
 //! Anything else goes on to the rest of the program.
 
-use aya_ebpf::{bindings::xdp_action, programs::XdpContext};
+use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpContext};
 use lb_common::{AnnounceKey, Reason, checksum};
 
 use crate::{
-    ANNOUNCE, count,
+    ANNOUNCE, ANNOUNCE_UNTIL, count,
     packet::{read, write},
 };
 
@@ -80,6 +85,23 @@ fn ifindex(ctx: &XdpContext) -> u32 {
     unsafe { (*ctx.ctx).ingress_ifindex }
 }
 
+/// The MAC to answer with for `key`'s address on its interface: `None`
+/// if it is not announced there, or if its fence has passed (counted).
+#[inline(always)]
+fn announced(key: &AnnounceKey) -> Option<[u8; 6]> {
+    // SAFETY: a copy of the value.
+    let mac = unsafe { ANNOUNCE.get(key) }?.mac;
+    // SAFETY: as above.
+    if let Some(&until) = unsafe { ANNOUNCE_UNTIL.get(key.addr) } {
+        // SAFETY: plain helper call without arguments.
+        if unsafe { bpf_ktime_get_ns() } >= until {
+            count(Reason::XdpAnnounceFenced);
+            return None;
+        }
+    }
+    Some(mac)
+}
+
 /// An ARP request for an announced IPv4 address becomes its reply.
 #[inline(always)]
 fn arp(ctx: &XdpContext) -> Option<u32> {
@@ -90,8 +112,7 @@ fn arp(ctx: &XdpContext) -> Option<u32> {
     let (sender_mac, sender_ip, target_ip) = (&body[8..14], &body[14..18], &body[24..28]);
     let target = u32::from_ne_bytes([target_ip[0], target_ip[1], target_ip[2], target_ip[3]]);
     let key = AnnounceKey { ifindex: ifindex(ctx), addr: [0, 0, 0xffff_u32.to_be(), target] };
-    // SAFETY: a copy of the value.
-    let mac = unsafe { ANNOUNCE.get(key) }?.mac;
+    let mac = announced(&key)?;
     let mut reply = [0u8; 28];
     reply[..6].copy_from_slice(&ARP_IPV4_ETHERNET);
     reply[7] = ARP_REPLY;
@@ -134,8 +155,7 @@ fn solicitation(ctx: &XdpContext) -> Option<u32> {
     let group = read::<[u32; 4]>(ctx, IP6_DST)?;
     let target = read::<[u32; 4]>(ctx, NS_TARGET)?;
     let key = AnnounceKey { ifindex: ifindex(ctx), addr: target };
-    // SAFETY: a copy of the value.
-    let mac = unsafe { ANNOUNCE.get(key) }?.mac;
+    let mac = announced(&key)?;
     let asker_mac = read::<[u8; 6]>(ctx, 6)?;
     let mut check = read::<u16>(ctx, ICMP6_CHECKSUM)?;
     let mut i = 0;

@@ -49,7 +49,7 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockContext, SockOpsContext, XdpContext},
 };
 use lb_common::{
-    AnnounceKey, AnnounceValue, ConnKey, EVENTS_BYTES, Endpoint, Flow, FlowKey,
+    AnnounceKey, AnnounceValue, COUNTER_SLOTS, ConnKey, EVENTS_BYTES, Endpoint, Flow, FlowKey,
     MAX_CONNECTING_SOCKETS, MAX_EXTERNAL_FLOWS, MAX_FAILED_SERVERS, MAX_SERVER_PAIRS, MAX_SERVICES,
     MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS, MAX_UDP_PEER_SOCKETS, META_SLOTS, NatKey,
     NatReply, Reason, Service, SockEntry, Traffic, UNMARKED_SLOTS, UdpPeers, maglev::Maglev,
@@ -165,6 +165,12 @@ static TRAFFIC: PerCpuHashMap<Endpoint, Traffic> =
 static ANNOUNCE: HashMap<AnnounceKey, AnnounceValue> =
     HashMap::with_max_entries(MAX_SERVICES, BPF_F_NO_PREALLOC);
 
+/// An announced address → when its answers stop (`CLOCK_MONOTONIC` ns):
+/// an elected node's fence (`announce.rs`). Written by the daemon.
+#[map]
+static ANNOUNCE_UNTIL: HashMap<[u32; 4], u64> =
+    HashMap::with_max_entries(MAX_SERVICES, BPF_F_NO_PREALLOC);
+
 /// External VIP → its consistent-hash table (`lb_common::maglev`), for
 /// a `spread` service's new flows. Written by the daemon.
 #[map]
@@ -185,7 +191,7 @@ static PACKET: PerCpuArray<packet::Packet> = PerCpuArray::with_max_entries(1, 0)
 
 /// Per-CPU counters of every decision, indexed by `lb_common::Reason`.
 #[map]
-static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Reason::COUNT as u32, 0);
+static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
 
 /// The pinned maps' layout version (`lb_common::LAYOUT_VERSION`), written by
 /// the daemon at attach and checked before it adopts pins. The programs

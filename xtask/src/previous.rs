@@ -20,10 +20,10 @@ use crate::{
     cmd::{run_cmd, target_dir, workspace},
 };
 
-/// The commit of the previous version: main with the external path's
-/// XDP program and maps (#25, layout 5), before the daemon attached it
-/// and `ANNOUNCE` was added (layout 6).
-pub const PREVIOUS: &str = "75001aad03a117257f6e0926065c7bd9743328c9";
+/// The commit of the previous version: main with the external path
+/// whole (#25, layout 6), before the elections by lease added
+/// `ANNOUNCE_UNTIL` (layout 7).
+pub const PREVIOUS: &str = "50ea4d7a233602d337b4507eacf98ca5c349ce17";
 
 /// The previous version's `lb`, built once under `target/previous/` (and
 /// kept there for the next run). `None` when this clone lacks its commit

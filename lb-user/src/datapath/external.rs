@@ -1,7 +1,8 @@
 //! The external path's pinned maps as the daemon reads and writes them:
 //! which VIPs it serves (`EXTERNAL`), the node's address toward each
-//! server (`NODE_ADDRESSES`), and what it counts: flows, NAT ports,
-//! traffic per server.
+//! server (`NODE_ADDRESSES`), the addresses it announces (`ANNOUNCE`,
+//! and the fences of elected ones, `ANNOUNCE_UNTIL`), and what it counts:
+//! flows, NAT ports, traffic per server.
 
 use std::{
     collections::{BTreeMap, HashMap as StdHashMap, HashSet},
@@ -24,6 +25,7 @@ pub struct ExternalMaps {
     traffic: PerCpuHashMap<MapData, Endpoint, Traffic>,
     announce: HashMap<MapData, AnnounceKey, AnnounceValue>,
     maglev: HashMap<MapData, Endpoint, Maglev>,
+    announce_until: HashMap<MapData, [u32; 4], u64>,
 }
 
 /// An address announced on one interface: (interface index, address).
@@ -56,6 +58,7 @@ impl ExternalMaps {
             traffic: typed!(PerCpuHashMap, maps::TRAFFIC),
             announce: typed!(HashMap, maps::ANNOUNCE),
             maglev: typed!(HashMap, maps::MAGLEV),
+            announce_until: typed!(HashMap, maps::ANNOUNCE_UNTIL),
         })
     }
 
@@ -131,14 +134,31 @@ impl ExternalMaps {
         }
         let wanted_keys: HashSet<AnnounceKey> = wanted.keys().map(|a| key(*a)).collect();
         for gone in present.keys().filter(|k| !wanted_keys.contains(k)) {
-            match self.announce.remove(gone) {
-                Ok(()) | Err(MapError::KeyNotFound) => {}
-                Err(MapError::SyscallError(e))
-                    if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
-                Err(e) => return Err(e).context("withdrawing an announced VIP"),
-            }
+            remove(&mut self.announce, gone).context("withdrawing an announced VIP")?;
         }
         Ok(added)
+    }
+
+    /// Makes `ANNOUNCE_UNTIL` hold exactly `fences`: each elected
+    /// address, with the `CLOCK_MONOTONIC` nanosecond its answers stop at
+    /// (the holder's lease fence). Written before the address goes into
+    /// `ANNOUNCE`, so an elected address is never answered unfenced.
+    pub fn set_fences(&mut self, fences: &StdHashMap<IpAddr, u64>) -> anyhow::Result<()> {
+        let key = |ip: IpAddr| Endpoint::from(SocketAddr::new(ip, 0)).addr;
+        let present: StdHashMap<[u32; 4], u64> =
+            self.announce_until.iter().filter_map(Result::ok).collect();
+        for (&ip, &until) in fences {
+            if present.get(&key(ip)) != Some(&until) {
+                self.announce_until
+                    .insert(key(ip), until, 0)
+                    .with_context(|| format!("writing the fence of {ip} to ANNOUNCE_UNTIL"))?;
+            }
+        }
+        let wanted: HashSet<[u32; 4]> = fences.keys().map(|ip| key(*ip)).collect();
+        for gone in present.keys().filter(|k| !wanted.contains(*k)) {
+            remove(&mut self.announce_until, gone).context("removing a fence")?;
+        }
+        Ok(())
     }
 
     /// Makes `MAGLEV` hold exactly `tables` (VIP → its table), writing
@@ -189,9 +209,9 @@ impl ExternalMaps {
 }
 
 /// Removes `key`; one already gone is no error.
-fn remove<V: aya::Pod>(
-    map: &mut HashMap<MapData, Endpoint, V>,
-    key: &Endpoint,
+fn remove<K: aya::Pod, V: aya::Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    key: &K,
 ) -> Result<(), MapError> {
     match map.remove(key) {
         Err(MapError::KeyNotFound) | Ok(()) => Ok(()),

@@ -32,6 +32,7 @@ use lb_tests::packets::{Flags, Segment, read_frame};
 #[path = "../xdp_node/mod.rs"]
 mod xdp_node;
 
+mod announce;
 mod icmp;
 mod nat;
 mod too_big;
