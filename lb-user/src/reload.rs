@@ -234,6 +234,7 @@ mod tests {
             s.external = Some(crate::config::External {
                 interfaces: vec!["eth1".into()],
                 announce: crate::config::Announce::None,
+                lease: None,
             });
         };
         assert_eq!(update(external), Update { external: true, ..Update::default() });

@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 
 use super::{
+    election::parse_lease,
     model::{Announce, External},
     problems::{Key, Problem},
     raw::RawExternal,
@@ -66,7 +67,8 @@ pub(super) fn parse_external(
             Announce::None
         }
     };
-    External { interfaces, announce }
+    let lease = raw.lease.and_then(|lease| parse_lease(lease, announce, line, &at, problems));
+    External { interfaces, announce, lease }
 }
 
 /// Why `name` cannot name a Linux network interface, if it cannot.
@@ -101,8 +103,11 @@ mod tests {
     #[test]
     fn an_external_table_parses_with_its_default() {
         let config = parse(EXTERNAL).unwrap();
-        let expected =
-            External { interfaces: vec!["eth1".into(), "eth2".into()], announce: Announce::None };
+        let expected = External {
+            interfaces: vec!["eth1".into(), "eth2".into()],
+            announce: Announce::None,
+            lease: None,
+        };
         assert_eq!(config.services[0].external, Some(expected));
         let arp = parse(&format!("{EXTERNAL}announce = \"arp\"\n")).unwrap();
         assert_eq!(arp.services[0].external.as_ref().unwrap().announce, Announce::Arp);

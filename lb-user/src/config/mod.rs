@@ -15,6 +15,7 @@
 //!   source; `problems`: what is wrong with a file, and how it is worded;
 //! - `model`: the validated configuration and its defaults.
 
+mod election;
 mod external;
 mod model;
 mod parse;
@@ -30,7 +31,8 @@ use std::path::Path;
 pub use model::{
     Announce, CheckKind, Config, DEFAULT_BPFFS, DEFAULT_CONFIG_PATH, DEFAULT_CONTROL_SOCKET,
     DEFAULT_DEBOUNCE, DEFAULT_DNS_REFRESH_MAX, DEFAULT_DNS_REFRESH_MIN, DEFAULT_HOLD_DOWN,
-    DEFAULT_STATE_DIR, Daemon, Discovery, External, HealthConfig, Policy, PortRef, Scope, Service,
+    DEFAULT_STATE_DIR, Daemon, Discovery, Election, External, HealthConfig, LeaseRef, Policy,
+    PortRef, Scope, Service,
 };
 pub use paths::ClientPaths;
 pub use problems::{ConfigError, Problem};

@@ -57,6 +57,34 @@ pub struct Daemon {
     /// How many TCP connections through VIPs the kernel tracks at once
     /// (`SOCKETS`' size, fixed when the datapath is attached).
     pub socket_table: u32,
+    /// This node's name: its identity in the leases it holds (default: the
+    /// hostname).
+    pub node_name: String,
+    /// The timings of the elections by lease.
+    pub election: Election,
+}
+
+/// The timings of the elections by lease (`[daemon] lease_*`), chosen so
+/// that a VIP moves within 2 s of its holder's death.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Election {
+    /// How long a lease lasts unrenewed (`leaseDurationSeconds`: whole
+    /// seconds). The holder stops answering a quarter of it before then.
+    pub duration: Duration,
+    /// How often the holder renews.
+    pub renew: Duration,
+    /// How often the other nodes look at the lease.
+    pub retry: Duration,
+}
+
+impl Default for Election {
+    fn default() -> Self {
+        Self {
+            duration: Duration::from_secs(1),
+            renew: Duration::from_millis(200),
+            retry: Duration::from_millis(200),
+        }
+    }
 }
 
 /// How a service spreads its connections.
@@ -113,6 +141,24 @@ pub struct External {
     pub interfaces: Vec<String>,
     /// How other machines learn that the VIP is here.
     pub announce: Announce,
+    /// The lease that elects the one node announcing the VIP; `None`:
+    /// this node announces alone.
+    pub lease: Option<LeaseRef>,
+}
+
+/// A `coordination.k8s.io/v1` Lease.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LeaseRef {
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub name: String,
+}
+
+impl fmt::Display for LeaseRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
 }
 
 /// How the node tells its neighbours that a VIP is here.

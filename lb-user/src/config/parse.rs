@@ -9,6 +9,7 @@ use toml::Spanned;
 
 use super::{
     ConfigError,
+    election::{parse_election, parse_node_name},
     external::parse_external,
     model::{
         Config, DEFAULT_BPFFS, DEFAULT_CONTROL_SOCKET, DEFAULT_HOLD_DOWN, DEFAULT_STATE_DIR,
@@ -65,6 +66,7 @@ impl Config {
             .metrics
             .as_deref()
             .and_then(|m| parse_endpoint(m, None, Key::top("daemon.metrics"), &mut problems));
+        let election = parse_election(&raw.daemon, &mut problems);
         let daemon = Daemon {
             cgroup: raw.daemon.cgroup,
             bpffs: raw.daemon.bpffs.unwrap_or_else(|| DEFAULT_BPFFS.into()),
@@ -91,6 +93,8 @@ impl Config {
                     MAX_TRACKED_SOCKETS
                 }
             },
+            election,
+            node_name: parse_node_name(raw.daemon.node_name, &mut problems),
         };
         for (key, value) in [
             ("bpffs", Some(&daemon.bpffs)),

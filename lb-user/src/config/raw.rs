@@ -27,6 +27,10 @@ pub(super) struct RawDaemon {
     pub(super) metrics: Option<String>,
     pub(super) kubeconfig: Option<PathBuf>,
     pub(super) socket_table: Option<i64>,
+    pub(super) node_name: Option<String>,
+    pub(super) lease_duration: Option<String>,
+    pub(super) lease_renew: Option<String>,
+    pub(super) lease_retry: Option<String>,
 }
 
 /// One `[[service]]` table, each value with where it is in the text.
@@ -51,6 +55,15 @@ pub(super) struct RawService {
 pub(super) struct RawExternal {
     pub(super) interfaces: Vec<String>,
     pub(super) announce: Option<String>,
+    pub(super) lease: Option<RawLease>,
+}
+
+/// `[service.external] lease`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLease {
+    pub(super) namespace: String,
+    pub(super) name: String,
 }
 
 /// `[service.discovery]`.
