@@ -84,6 +84,9 @@ pub fn table(status: &Status) -> String {
                 (_, false) => "withdrawn",
             };
             let _ = writeln!(out, "  external on {}: {announcing}", e.interfaces.join(", "));
+            if let Some(l) = &e.lease {
+                lease_line(&mut out, l);
+            }
         }
         if let Some(d) = &s.discovery {
             let synced = d.last_success.map_or_else(
@@ -207,6 +210,26 @@ pub fn table(status: &Status) -> String {
     out
 }
 
+/// A leased VIP's line of `lb status`: this node's role, the holder, the
+/// last takeover.
+fn lease_line(out: &mut String, l: &crate::control::LeaseStatus) {
+    let role = match &l.why {
+        Some(why) => format!("{} ({why})", l.role),
+        None => l.role.clone(),
+    };
+    let holder = l.holder.as_deref().unwrap_or("nobody");
+    let age = l.changed_ms_ago.map_or_else(String::new, |ms| format!(", changed {ms} ms ago"));
+    let _ = write!(out, "  lease {} as {}: {role}; held by {holder}{age}", l.lease, l.node);
+    if let Some(t) = &l.last_takeover {
+        let from = t.from.as_deref().map_or_else(String::new, |f| format!(" from {f}"));
+        let _ = write!(out, "; took it{from} {} ms ago, in {} ms", t.ms_ago, t.took_ms);
+    }
+    if let Some(e) = &l.error {
+        let _ = write!(out, "; LAST REQUEST FAILED: {e}");
+    }
+    out.push('\n');
+}
+
 /// The external path's lines of `lb status`.
 fn external_table(out: &mut String, external: &ExternalStatus) {
     let _ = writeln!(
@@ -277,12 +300,21 @@ mod tests {
                 interfaces: vec!["eth1".into()],
                 announce: "arp".into(),
                 announcing: false,
+                lease: Some(crate::control::LeaseStatus {
+                    lease: "lb-system/web".into(),
+                    node: "node-a".into(),
+                    role: "candidate".into(),
+                    holder: Some("node-b".into()),
+                    changed_ms_ago: Some(120),
+                    ..crate::control::LeaseStatus::default()
+                }),
             }),
         });
         status.datapath.external = Some(ExternalStatus::sample(false));
         let text = table(&status);
         for line in [
             "  external on eth1: withdrawn",
+            "  lease lb-system/web as node-a: candidate; held by node-b, changed 120 ms ago",
             "external path: 3 flows (of 16384), 3 NAT ports in use; IP FORWARDING IS OFF: nothing is forwarded",
             "  interface eth1 (clients): xdp native",
             "  interface eth9 (clients): NOT ATTACHED: no such interface",

@@ -101,8 +101,8 @@ mod status;
 
 pub use status::{
     ConfigStatus, DatapathStatus, DiscoveryStatus, ExternalStatus, Features, InterfaceStatus,
-    ReloadStatus, ServerStatus, ServiceExternal, ServiceStatus, Status, TrackedSockets,
-    TrafficStatus, UdpReverse,
+    LeaseStatus, ReloadStatus, ServerStatus, ServiceExternal, ServiceStatus, Status,
+    TakeoverStatus, TrackedSockets, TrafficStatus, UdpReverse,
 };
 
 /// Sends one request to the daemon behind `socket` and returns its answer.

@@ -72,6 +72,47 @@ pub struct ServiceExternal {
     pub announce: String,
     /// Whether the node announces the VIP now (always false for `none`).
     pub announcing: bool,
+    /// Its election, with `lease = { .. }`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<LeaseStatus>,
+}
+
+/// Where this node stands in a VIP's election by lease.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseStatus {
+    /// The Lease, `namespace/name`.
+    pub lease: String,
+    /// This node's name (its identity in the lease).
+    pub node: String,
+    /// `holder`, `candidate`, `not eligible` or `starting`.
+    pub role: String,
+    /// Why the node is not eligible.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub why: Option<String>,
+    /// The holder as last read (`None`: released or not read yet).
+    #[serde(default)]
+    pub holder: Option<String>,
+    /// How long ago the lease last changed, as this node saw it.
+    #[serde(default)]
+    pub changed_ms_ago: Option<u64>,
+    /// The last time this node took the lease.
+    #[serde(default)]
+    pub last_takeover: Option<TakeoverStatus>,
+    /// The last request's failure, until one succeeds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// A takeover of a lease by this node.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TakeoverStatus {
+    /// How long ago.
+    pub ms_ago: u64,
+    /// From the previous holder's last renewal seen (or from when this
+    /// node began to wait) to the lease being this node's.
+    pub took_ms: u64,
+    /// The previous holder.
+    pub from: Option<String>,
 }
 
 /// How a service's discovery is going.

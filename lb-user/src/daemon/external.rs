@@ -14,6 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use tokio::sync::watch;
 use tracing::{info, warn};
 
 use super::owner::Daemon;
@@ -47,6 +48,9 @@ pub(super) struct External {
     forwarding: Option<bool>,
     /// The addresses announced now, on which interfaces.
     announced: HashSet<Announced>,
+    /// The same, for the repeated announcements (`tell_the_link`): one
+    /// withdrawn meanwhile is not told again.
+    announced_now: watch::Sender<HashSet<Announced>>,
 }
 
 /// Why `lb_xdp` runs on an interface.
@@ -189,22 +193,22 @@ impl Daemon {
     }
 
     /// Makes `ANNOUNCE` hold the VIPs of the services that announce
-    /// (`announce = "arp"`) and have a usable server, on each of their
-    /// interfaces; tells the link about each one announced anew. A later
-    /// election of one announcing node per VIP switches announcing through
-    /// [`Self::may_announce`] and nothing else.
+    /// (`announce = "arp"`), have a usable server and, with a lease, hold
+    /// it (`may_announce`), on each of their interfaces, with their fences
+    /// in `ANNOUNCE_UNTIL` written first; tells the link about each one
+    /// announced anew, then tells the elections whether this node is
+    /// eligible (after the kernel has fallen silent, never before).
     fn announce(&mut self, external: &[usize]) {
         let mut wanted: HashMap<Announced, announce::Mac> = HashMap::new();
         let mut macs: HashMap<String, Option<announce::Mac>> = HashMap::new();
+        let mut eligible: HashMap<usize, Option<&'static str>> = HashMap::new();
         for &i in external {
             let service = &self.services[i];
             let config = service.config.external.as_ref().expect("filtered by the caller");
-            if config.announce != Announce::Arp
-                || !self.may_announce(i)
-                || !has_usable(service.balancer.servers())
-            {
+            if config.announce != Announce::Arp {
                 continue;
             }
+            let mut here = Vec::new();
             for name in &config.interfaces {
                 let Some(ifindex) = routes::ifindex(name) else { continue };
                 let mac = macs.entry(name.clone()).or_insert_with(|| {
@@ -213,39 +217,53 @@ impl Daemon {
                         .ok()
                 });
                 if let Some(mac) = *mac {
-                    wanted.insert((ifindex, service.config.vip.ip()), mac);
+                    here.push((ifindex, mac));
                 }
             }
-        }
-        let added = match self.datapath.external().set_announced(&wanted) {
-            Ok(added) => added,
-            Err(e) => {
-                warn!("writing the announced VIPs: {e:#}");
-                return;
+            let why_not = if !has_usable(service.balancer.servers()) {
+                Some("no usable server")
+            } else if here.is_empty() {
+                Some("none of its interfaces is present with a MAC address")
+            } else {
+                None
+            };
+            eligible.insert(i, why_not);
+            if why_not.is_some() || !self.may_announce(i) {
+                continue;
             }
-        };
-        for (ifindex, ip) in &added {
-            info!(vip = %ip, interface = ?routes::ifname(*ifindex), "announcing");
-            let frame = announce::unsolicited(*ip, wanted[&(*ifindex, *ip)]);
-            if let Err(e) = announce::send(*ifindex, &frame) {
-                warn!(vip = %ip, "telling the link: {e}");
+            for (ifindex, mac) in here {
+                wanted.insert((ifindex, service.config.vip.ip()), mac);
             }
         }
-        for (ifindex, ip) in self.external.announced.difference(&wanted.keys().copied().collect()) {
-            info!(vip = %ip, interface = ?routes::ifname(*ifindex), "withdrawn: no longer announced");
+        let fences = self.fences(external);
+        if let Err(e) = self.datapath.external().set_fences(&fences) {
+            return warn!("writing the announced VIPs' fences: {e:#}");
         }
-        self.external.announced = wanted.into_keys().collect();
+        match self.datapath.external().set_announced(&wanted) {
+            Ok(added) => {
+                let now: HashSet<Announced> = wanted.keys().copied().collect();
+                self.external.announced_now.send_replace(now.clone());
+                for (ifindex, ip) in &added {
+                    info!(vip = %ip, interface = ?routes::ifname(*ifindex), "announcing");
+                    let rx = self.external.announced_now.subscribe();
+                    tell_the_link(*ifindex, *ip, wanted[&(*ifindex, *ip)], rx);
+                }
+                for (ifindex, ip) in self.external.announced.difference(&now) {
+                    info!(vip = %ip, interface = ?routes::ifname(*ifindex), "withdrawn: no longer announced");
+                }
+                self.external.announced = now;
+            }
+            Err(e) => warn!("writing the announced VIPs: {e:#}"),
+        }
+        self.sync_elections(&eligible);
     }
 
-    /// Whether this node may announce service `i`'s VIP. Always, with one
-    /// node; the election of one announcing node per VIP (several nodes)
-    /// decides here.
-    #[expect(
-        clippy::unused_self,
-        reason = "the election's hook: it will read the daemon's lease state"
-    )]
-    fn may_announce(&self, _i: usize) -> bool {
-        true
+    /// Announces again after an election's news.
+    pub(super) fn reannounce(&mut self) {
+        let external: Vec<usize> = (0..self.services.len())
+            .filter(|&i| self.services[i].config.external.is_some())
+            .collect();
+        self.announce(&external);
     }
 
     /// Before service `i`'s selection `servers` is written: the routes of
@@ -292,6 +310,7 @@ impl Daemon {
             interfaces: external.interfaces.clone(),
             announce: external.announce.to_string(),
             announcing: self.external.announced.iter().any(|(_, ip)| *ip == vip),
+            lease: self.lease_status(i),
         })
     }
 
@@ -338,6 +357,35 @@ impl Daemon {
             forwarding: self.external.forwarding.unwrap_or(false),
         })
     }
+}
+
+/// When a VIP announced anew is told to the link again after the first
+/// time, for the frames that get lost: clients move at once on a takeover.
+const TELL_AGAIN_AFTER: [Duration; 3] =
+    [Duration::from_millis(200), Duration::from_millis(500), Duration::from_secs(1)];
+
+/// Sends a gratuitous ARP (IPv4) or an unsolicited neighbour advertisement
+/// (IPv6) for `ip` at `mac` out of `ifindex` now, and again after each of
+/// [`TELL_AGAIN_AFTER`] while it is still announced there.
+fn tell_the_link(
+    ifindex: u32,
+    ip: IpAddr,
+    mac: announce::Mac,
+    announced: watch::Receiver<HashSet<Announced>>,
+) {
+    let frame = announce::unsolicited(ip, mac);
+    if let Err(e) = announce::send(ifindex, &frame) {
+        return warn!(vip = %ip, "telling the link: {e}");
+    }
+    tokio::spawn(async move {
+        for delay in TELL_AGAIN_AFTER {
+            tokio::time::sleep(delay).await;
+            if !announced.borrow().contains(&(ifindex, ip)) {
+                return;
+            }
+            let _ = announce::send(ifindex, &frame);
+        }
+    });
 }
 
 /// Whether one of `servers` can take connections now: the VIP is worth

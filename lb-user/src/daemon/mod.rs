@@ -14,6 +14,8 @@
 //! - `apply`: a balancer's effects carried out (one write per change);
 //! - `discovered`: discovered lists to server lists;
 //! - `external`: the external path (XDP) kept in step with the services;
+//! - `elections`: the leased VIPs' elections (`crate::election`) kept in
+//!   step with the services, and turned into announcements;
 //! - `closing`: VIP connections closed in the background;
 //! - `requests`: control requests and metrics scrapes;
 //! - `reload`: a reload's plan (`crate::reload::plan`) executed;
@@ -30,6 +32,7 @@ mod census;
 mod closer;
 mod closing;
 mod discovered;
+mod elections;
 mod external;
 mod inputs;
 mod owner;
@@ -81,8 +84,14 @@ pub enum Ended {
 /// `detach_on_exit`.
 pub async fn run(options: Options) -> anyhow::Result<Ended> {
     let detach_on_exit = options.detach_on_exit;
-    let Started { mut daemon, mut messages, mut calls, mut discoveries, mut scrapes } =
-        startup::start(options).await?;
+    let Started {
+        mut daemon,
+        mut messages,
+        mut calls,
+        mut discoveries,
+        mut elections,
+        mut scrapes,
+    } = startup::start(options).await?;
     let socket_path = daemon.settings.control_socket.clone();
     let bpffs = daemon.settings.bpffs.clone();
 
@@ -142,6 +151,7 @@ pub async fn run(options: Options) -> anyhow::Result<Ended> {
                 }
                 daemon.after_discovered();
             }
+            Some(update) = elections.recv() => daemon.on_election(update),
             Some(message) = messages.recv() => match message {
                 Message::Kernel(event) => daemon.on_kernel_event(&event),
                 Message::Health { service, server, result, took } => {
@@ -160,6 +170,9 @@ pub async fn run(options: Options) -> anyhow::Result<Ended> {
     }
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
     let _ = std::fs::remove_file(&socket_path);
+    // Another node takes the leased VIPs over at once, not when the leases
+    // run out.
+    daemon.resign().await;
     drop(daemon);
     if detach_on_exit {
         let removed = datapath::detach(&bpffs)?;

@@ -23,7 +23,7 @@ use crate::{
     config,
     control::{ReloadStatus, Response},
     datapath::Datapath,
-    discovery,
+    discovery, election,
     metrics::Metrics,
     state::SavedState,
 };
@@ -128,6 +128,10 @@ pub(super) struct Daemon {
     pub(super) table_watch: TableWatch,
     /// The external path's routes and interfaces ([`Self::sync_external`]).
     pub(super) external: External,
+    /// The election of each leased service, by service name.
+    pub(super) elections: HashMap<String, election::Election>,
+    /// Where election tasks send their news.
+    pub(super) election_updates: mpsc::Sender<election::Update>,
 }
 
 impl Daemon {

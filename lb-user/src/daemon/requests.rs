@@ -215,6 +215,10 @@ impl Daemon {
         }
         self.metrics.record_decisions(&maps.counters());
         self.metrics.external.set(self.external_status());
+        let leases = (0..self.services.len())
+            .filter_map(|i| Some((self.services[i].config.name.clone(), self.lease_status(i)?)))
+            .collect();
+        self.metrics.leases.set(leases);
         let tracked = self.census.latest();
         self.metrics.set_tracked_sockets("tcp", tracked.tcp, tracked.tcp_capacity);
         self.metrics.set_tracked_sockets("udp", tracked.udp, tracked.udp_capacity);

@@ -33,7 +33,7 @@ use crate::{
     config::{self, Config},
     control,
     datapath::{self, Datapath, VipEntry},
-    discovery,
+    discovery, election,
     health::Tls,
     metrics::{self, Metrics},
     netns, sock_destroy,
@@ -46,6 +46,7 @@ pub(super) struct Started {
     pub(super) messages: mpsc::Receiver<Message>,
     pub(super) calls: mpsc::Receiver<control::Call>,
     pub(super) discoveries: mpsc::Receiver<discovery::Update>,
+    pub(super) elections: mpsc::Receiver<election::Update>,
     pub(super) scrapes: mpsc::Receiver<oneshot::Sender<String>>,
 }
 
@@ -128,6 +129,7 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
     }
     let (calls_tx, calls) = mpsc::channel(64);
     let (discovered, discoveries) = mpsc::channel(64);
+    let (election_updates, elections) = mpsc::channel(64);
     tokio::spawn(control::serve(listener, calls_tx));
     let (scrape_tx, scrapes) = mpsc::channel(16);
     if let Some(addr) = settings.metrics {
@@ -176,6 +178,8 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         by_vip: HashMap::new(),
         table_watch,
         external: External::default(),
+        elections: HashMap::new(),
+        election_updates,
     };
     daemon.reindex();
     for i in 0..daemon.services.len() {
@@ -205,7 +209,7 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         control_socket = %socket_path.display(),
         "lb is running"
     );
-    Ok(Started { daemon, messages, calls, discoveries, scrapes })
+    Ok(Started { daemon, messages, calls, discoveries, elections, scrapes })
 }
 
 /// Whether a service adopts the value the kernel holds for its VIP

@@ -292,6 +292,20 @@ async fn client(
     kubeconfig: Option<&Path>,
     usable: watch::Receiver<Vec<SocketAddr>>,
 ) -> Result<Client, String> {
+    let rule = DialRule { vip: target.vip, apiserver_service: target.is_apiserver_service() };
+    client_with(rule, target.seeds.clone(), kubeconfig, usable, &target.service).await
+}
+
+/// The kube client: the kubeconfig's (or in-cluster) settings, dialling
+/// as `rule` says through `usable` and then `seeds` (see [`DialRule::plan`]).
+/// `who` names the user in logs.
+pub(crate) async fn client_with(
+    rule: DialRule,
+    seeds: Vec<SocketAddr>,
+    kubeconfig: Option<&Path>,
+    usable: watch::Receiver<Vec<SocketAddr>>,
+    who: &str,
+) -> Result<Client, String> {
     let config = match kubeconfig {
         Some(path) => {
             let file = Kubeconfig::read_from(path)
@@ -305,13 +319,9 @@ async fn client(
         })?,
     };
     if config.accept_invalid_certs {
-        tracing::warn!(service = %target.service, "the kubeconfig skips TLS verification (insecure-skip-tls-verify)");
+        tracing::warn!(service = %who, "the kubeconfig skips TLS verification (insecure-skip-tls-verify)");
     }
-    let dialer = Dialer::new(
-        DialRule { vip: target.vip, apiserver_service: target.is_apiserver_service() },
-        target.seeds.clone(),
-        usable,
-    );
+    let dialer = Dialer::new(rule, seeds, usable);
     let https = config
         .rustls_https_connector_with_connector(dialer)
         .map_err(|e| format!("TLS settings: {}", chain(&e)))?;

@@ -16,6 +16,7 @@
 //! after a short timeout.
 
 mod external;
+mod lease;
 mod serve;
 
 use std::{
@@ -40,6 +41,7 @@ use prometheus_client::{
 
 pub use self::{
     external::ExternalSeries,
+    lease::LeaseSeries,
     serve::{Limits, ScrapeRequest, serve},
 };
 use crate::balancer::{CloseReason, State};
@@ -262,6 +264,9 @@ pub struct Metrics {
     /// The external path's series (`lb_external_*`), from the snapshot
     /// each scrape takes.
     pub external: ExternalSeries,
+    /// The elections' series (`lb_lease_*`), from the snapshot each
+    /// scrape takes.
+    pub leases: LeaseSeries,
     /// Kernel counters as last read, to turn them into counter increments.
     last_decisions: HashMap<&'static str, u64>,
 }
@@ -284,6 +289,8 @@ impl Metrics {
         registry.register_collector(Box::new(ServerCollector(Arc::clone(&servers))));
         let external = ExternalSeries::default();
         registry.register_collector(Box::new(external.clone()));
+        let leases = LeaseSeries::default();
+        registry.register_collector(Box::new(leases.clone()));
         let selection_changes = Family::default();
         registry.register(
             "lb_selection_changes",
@@ -362,6 +369,7 @@ impl Metrics {
             discovery_truncated,
             discovery_dropped,
             external,
+            leases,
             last_decisions: HashMap::new(),
         }
     }
