@@ -1,12 +1,15 @@
-//! A fake Kubernetes API server for discovery tests: EndpointSlices only,
-//! over plain HTTP/1.1 on loopback, speaking the real list and watch
-//! protocol, with JSON built from `k8s-openapi` types.
+//! A fake Kubernetes API server for discovery and election tests:
+//! EndpointSlices and Leases, over plain HTTP/1.1, speaking the real list
+//! and watch protocol, with JSON built from `k8s-openapi` types.
 //!
 //! - `GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices?labelSelector=k=v`
 //!   lists (an `EndpointSliceList` with `metadata.resourceVersion`);
 //! - the same with `watch=true&resourceVersion=N` streams, chunked, one
 //!   `{"type":"ADDED|MODIFIED|DELETED|BOOKMARK|ERROR","object":...}` per line:
-//!   first every change after `N`, then changes as the test makes them.
+//!   first every change after `N`, then changes as the test makes them;
+//! - `/apis/coordination.k8s.io/v1/namespaces/{ns}/leases[/{name}]`: get,
+//!   create, update (`409 Conflict` on a stale resourceVersion) and delete
+//!   Leases (`leases.rs`); [`FakeApiServer::lease`] shows one.
 //!
 //! The test drives it step by step: [`FakeApiServer::apply`],
 //! [`FakeApiServer::delete`], [`FakeApiServer::bookmark`],
@@ -21,6 +24,7 @@
 //!
 //! It runs on the tokio runtime of the test that starts it.
 
+mod leases;
 mod objects;
 mod serve;
 mod store;
@@ -36,7 +40,10 @@ use std::{
 };
 
 /// The objects the fake serves, as its callers build them.
-pub use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
+pub use k8s_openapi::api::{
+    coordination::v1::Lease,
+    discovery::v1::{Endpoint, EndpointSlice},
+};
 pub use objects::{Condition, Kubeconfig, SERVICE_NAME_LABEL, endpoint, endpoint_slice};
 use serve::accept_loop;
 pub use store::RequestLog;
@@ -252,6 +259,17 @@ impl FakeApiServer {
     /// The current resourceVersion.
     pub fn resource_version(&self) -> u64 {
         self.shared.state.lock().unwrap().rv
+    }
+
+    /// The Lease `namespace/name`, as stored now.
+    pub fn lease(&self, namespace: &str, name: &str) -> Option<Lease> {
+        let state = self.shared.state.lock().unwrap();
+        state.leases.items.get(&(namespace.to_owned(), name.to_owned())).cloned()
+    }
+
+    /// The Lease requests answered so far: (method, name, HTTP status).
+    pub fn lease_requests(&self) -> Vec<(String, String, u16)> {
+        self.shared.state.lock().unwrap().leases.log.clone()
     }
 
     /// Watch streams open now (on every listener).

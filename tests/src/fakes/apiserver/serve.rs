@@ -31,7 +31,10 @@ use tokio::{
     task::JoinSet,
 };
 
-use super::store::{Kind, RequestLog, Shared, WatchScope, in_scope};
+use super::{
+    leases,
+    store::{Kind, RequestLog, Shared, WatchScope, in_scope},
+};
 
 /// Accepts connections on `listener` (the apiserver at `via`) and serves
 /// each on a task of `connections`.
@@ -51,7 +54,14 @@ pub(super) async fn accept_loop(
         set.spawn(async move {
             let service = service_fn(move |request| {
                 let shared = shared.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle(&shared, via, request)) }
+                async move {
+                    let response = if request.uri().path().starts_with(leases::PREFIX) {
+                        leases::handle(&shared, request).await
+                    } else {
+                        handle(&shared, via, request)
+                    };
+                    Ok::<_, std::convert::Infallible>(response)
+                }
             });
             let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
         });
@@ -59,7 +69,7 @@ pub(super) async fn accept_loop(
 }
 
 /// A response body: chunks from a channel, ended when the sender is dropped.
-struct ChannelBody(mpsc::Receiver<Bytes>);
+pub(super) struct ChannelBody(mpsc::Receiver<Bytes>);
 
 impl hyper::body::Body for ChannelBody {
     type Data = Bytes;
@@ -73,7 +83,7 @@ impl hyper::body::Body for ChannelBody {
     }
 }
 
-fn json_response(status: StatusCode, body: Vec<u8>) -> Response<ChannelBody> {
+pub(super) fn json_response(status: StatusCode, body: Vec<u8>) -> Response<ChannelBody> {
     let (tx, rx) = mpsc::channel(1);
     tx.try_send(Bytes::from(body)).unwrap();
     Response::builder()
@@ -94,7 +104,7 @@ fn status(code: u16, reason: &str, message: &str) -> Status {
     }
 }
 
-fn status_response(code: u16, reason: &str, message: &str) -> Response<ChannelBody> {
+pub(super) fn status_response(code: u16, reason: &str, message: &str) -> Response<ChannelBody> {
     let mut body = serde_json::to_value(status(code, reason, message)).unwrap();
     body["kind"] = "Status".into();
     body["apiVersion"] = "v1".into();

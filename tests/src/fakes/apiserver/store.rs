@@ -57,6 +57,8 @@ pub(super) struct State {
     /// The open watch streams: what each watches, and how to wake it when
     /// a slice in its scope changes.
     pub(super) watches: Vec<WatchScope>,
+    /// The Leases (`leases.rs`).
+    pub(super) leases: super::leases::Leases,
 }
 
 /// What one open watch stream watches. A change to a slice wakes only

@@ -1,0 +1,142 @@
+//! `coordination.k8s.io/v1` Leases, as the apiserver serves them to an
+//! election: get, create (`409 AlreadyExists`), update over a
+//! resourceVersion (`409 Conflict` when it is stale, `404` when there is
+//! no such Lease) and delete. Each write takes the next resourceVersion of
+//! the store the slices share.
+
+use std::collections::BTreeMap;
+
+use http_body_util::BodyExt as _;
+use hyper::{Method, Request, Response, StatusCode, body::Incoming};
+use k8s_openapi::api::coordination::v1::Lease;
+
+use super::{
+    serve::{ChannelBody, json_response, status_response},
+    store::Shared,
+};
+
+/// The path prefix of Leases: `{PREFIX}{namespace}/leases[/{name}]`.
+pub(super) const PREFIX: &str = "/apis/coordination.k8s.io/v1/namespaces/";
+
+/// The Leases, by (namespace, name), and what was asked of them.
+#[derive(Default)]
+pub(super) struct Leases {
+    pub(super) items: BTreeMap<(String, String), Lease>,
+    /// Requests answered: (method, name, status).
+    pub(super) log: Vec<(String, String, u16)>,
+}
+
+/// Answers a request under [`PREFIX`].
+pub(super) async fn handle(shared: &Shared, request: Request<Incoming>) -> Response<ChannelBody> {
+    let path = request.uri().path().to_owned();
+    let method = request.method().clone();
+    let rest = path.strip_prefix(PREFIX).unwrap_or_default();
+    let mut parts = rest.splitn(3, '/');
+    let (Some(namespace), Some("leases")) = (parts.next(), parts.next()) else {
+        return status_response(404, "NotFound", &format!("no such path {path}"));
+    };
+    let namespace = namespace.to_owned();
+    let name = parts.next().map(str::to_owned);
+    let body = match request.into_body().collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(e) => return status_response(400, "BadRequest", &format!("reading the body: {e}")),
+    };
+    let parsed = || serde_json::from_slice::<Lease>(&body);
+    let mut state = shared.state.lock().unwrap();
+    let response = match (&method, name) {
+        (&Method::GET, Some(name)) => {
+            match state.leases.items.get(&(namespace.clone(), name.clone())) {
+                Some(lease) => (StatusCode::OK, serde_json::to_vec(lease).unwrap(), name),
+                None => not_found(&name),
+            }
+        }
+        (&Method::POST, None) => match parsed() {
+            Err(e) => bad(&e.to_string()),
+            Ok(mut lease) => {
+                let name = lease.metadata.name.clone().unwrap_or_default();
+                let key = (namespace.clone(), name.clone());
+                if state.leases.items.contains_key(&key) {
+                    conflict("AlreadyExists", &format!("leases {name:?} already exists"), name)
+                } else {
+                    state.rv += 1;
+                    lease.metadata.namespace = Some(namespace.clone());
+                    lease.metadata.resource_version = Some(state.rv.to_string());
+                    state.leases.items.insert(key, lease.clone());
+                    (StatusCode::CREATED, serde_json::to_vec(&lease).unwrap(), name)
+                }
+            }
+        },
+        (&Method::PUT, Some(name)) => match parsed() {
+            Err(e) => bad(&e.to_string()),
+            Ok(mut lease) => {
+                let key = (namespace.clone(), name.clone());
+                let current =
+                    state.leases.items.get(&key).and_then(|l| l.metadata.resource_version.clone());
+                match current {
+                    None => not_found(&name),
+                    Some(rv) if lease.metadata.resource_version.as_deref() != Some(rv.as_str()) => {
+                        conflict(
+                            "Conflict",
+                            &format!(
+                                "Operation cannot be fulfilled on leases.coordination.k8s.io {name:?}: \
+                                 the object has been modified; please apply your changes to the latest \
+                                 version and try again"
+                            ),
+                            name,
+                        )
+                    }
+                    Some(_) => {
+                        state.rv += 1;
+                        lease.metadata.resource_version = Some(state.rv.to_string());
+                        state.leases.items.insert(key, lease.clone());
+                        (StatusCode::OK, serde_json::to_vec(&lease).unwrap(), name)
+                    }
+                }
+            }
+        },
+        (&Method::DELETE, Some(name)) => {
+            match state.leases.items.remove(&(namespace.clone(), name.clone())) {
+                Some(lease) => (StatusCode::OK, serde_json::to_vec(&lease).unwrap(), name),
+                None => not_found(&name),
+            }
+        }
+        _ => (StatusCode::METHOD_NOT_ALLOWED, b"{}".to_vec(), format!("{method} {path}")),
+    };
+    let (status, body, name) = response;
+    state.leases.log.push((method.to_string(), name, status.as_u16()));
+    drop(state);
+    if status.is_success() {
+        json_response(status, body)
+    } else {
+        let value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+        status_response(
+            status.as_u16(),
+            value["reason"].as_str().unwrap_or("Error"),
+            value["message"].as_str().unwrap_or(""),
+        )
+    }
+}
+
+type Answer = (StatusCode, Vec<u8>, String);
+
+fn failure(code: StatusCode, reason: &str, message: &str, name: String) -> Answer {
+    let body = serde_json::json!({ "reason": reason, "message": message });
+    (code, serde_json::to_vec(&body).unwrap(), name)
+}
+
+fn not_found(name: &str) -> Answer {
+    failure(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        &format!("leases.coordination.k8s.io {name:?} not found"),
+        name.to_owned(),
+    )
+}
+
+fn conflict(reason: &str, message: &str, name: String) -> Answer {
+    failure(StatusCode::CONFLICT, reason, message, name)
+}
+
+fn bad(message: &str) -> Answer {
+    failure(StatusCode::BAD_REQUEST, "BadRequest", message, String::new())
+}

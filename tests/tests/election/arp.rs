@@ -1,0 +1,173 @@
+//! Who answers for the VIP on the LAN: a prober in the client's namespace
+//! asks (an ARP request every few milliseconds) and a capture on the
+//! client's bridge port records every ARP reply and gratuitous ARP for the
+//! VIP, with the MAC address it came from and when.
+
+use std::{
+    net::Ipv4Addr,
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use lb_tests::Namespace;
+
+use super::lan::{VIP_IP, mac_of};
+
+const ETH_P_ARP: u16 = 0x0806;
+const ETH_P_ALL: u16 = 0x0003;
+
+/// One answer seen: when (since the capture began) and from which MAC.
+#[derive(Clone, Debug)]
+pub struct Seen {
+    pub at: Duration,
+    pub mac: String,
+}
+
+/// The prober and the capture, until dropped.
+pub struct Watch {
+    pub started: Instant,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<thread::JoinHandle<()>>,
+}
+
+impl Watch {
+    /// Captures on `port` (in the calling thread's namespace) and asks
+    /// from `c0` in `client` every `every`.
+    pub fn start(client: &Namespace, port: &str, every: Duration) -> Self {
+        let started = Instant::now();
+        let (seen, stop) = (Arc::new(Mutex::new(Vec::new())), Arc::new(AtomicBool::new(false)));
+        // Every protocol: a socket for one protocol sees only the frames
+        // that arrive, not those the port sends on to the client.
+        let capture = packet_socket(port, ETH_P_ALL, Some(Duration::from_millis(20)));
+        let vip: Ipv4Addr = VIP_IP.parse().unwrap();
+        let (s, st) = (seen.clone(), stop.clone());
+        let capturing = thread::spawn(move || {
+            let mut frame = [0u8; 2048];
+            while !st.load(Ordering::Relaxed) {
+                // SAFETY: reading into a buffer we own, of its length.
+                let n = unsafe {
+                    libc::recv(capture.as_raw_fd(), frame.as_mut_ptr().cast(), frame.len(), 0)
+                };
+                let Ok(n) = usize::try_from(n) else { continue };
+                let f = &frame[..n];
+                // An ARP reply, or a gratuitous ARP, from the VIP.
+                if n >= 42
+                    && f[12..14] == ETH_P_ARP.to_be_bytes()
+                    && f[28..32] == vip.octets()
+                    && (f[21] == 2 || f[38..42] == vip.octets())
+                {
+                    let mac = f[22..28].iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>();
+                    s.lock().unwrap().push(Seen { at: started.elapsed(), mac: mac.join(":") });
+                }
+            }
+        });
+        let st = stop.clone();
+        let asking = client.spawn(move || {
+            let socket = packet_socket("c0", ETH_P_ARP, None);
+            let mac = parse_mac(&mac_of("c0"));
+            let mut request = Vec::with_capacity(42);
+            request.extend_from_slice(&[0xff; 6]);
+            request.extend_from_slice(&mac);
+            request.extend_from_slice(&ETH_P_ARP.to_be_bytes());
+            request.extend_from_slice(&[0, 1, 8, 0, 6, 4, 0, 1]);
+            request.extend_from_slice(&mac);
+            request.extend_from_slice(&[198, 18, 0, 10]);
+            request.extend_from_slice(&[0; 6]);
+            request.extend_from_slice(&vip.octets());
+            while !st.load(Ordering::Relaxed) {
+                // SAFETY: sending a buffer we own, of its length.
+                unsafe {
+                    libc::send(socket.as_raw_fd(), request.as_ptr().cast(), request.len(), 0)
+                };
+                thread::sleep(every);
+            }
+        });
+        Self { started, seen, stop, threads: vec![capturing, asking] }
+    }
+
+    /// The answers seen so far.
+    pub fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// The MACs that answered, in turn: each run of answers from one MAC
+    /// as (MAC, first, last).
+    pub fn turns(&self) -> Vec<(String, Duration, Duration)> {
+        let mut turns: Vec<(String, Duration, Duration)> = Vec::new();
+        for s in self.seen() {
+            match turns.last_mut() {
+                Some((mac, _, last)) if *mac == s.mac => *last = s.at,
+                _ => turns.push((s.mac, s.at, s.at)),
+            }
+        }
+        turns
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// An `AF_PACKET` socket for `protocol` on `dev` (in the calling
+/// thread's namespace), with a receive timeout.
+fn packet_socket(dev: &str, protocol: u16, timeout: Option<Duration>) -> OwnedFd {
+    let protocol = protocol.to_be();
+    // SAFETY: plain socket call; the descriptor is owned at once.
+    let fd = unsafe {
+        libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, i32::from(protocol))
+    };
+    assert!(fd >= 0, "socket(AF_PACKET): {}", std::io::Error::last_os_error());
+    // SAFETY: a descriptor we just made.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let name = std::ffi::CString::new(dev).unwrap();
+    // SAFETY: a NUL-terminated name.
+    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    assert_ne!(ifindex, 0, "no interface {dev}");
+    // SAFETY: a zeroed sockaddr_ll is valid; we fill what bind reads.
+    let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    addr.sll_family = libc::AF_PACKET as u16;
+    addr.sll_protocol = protocol;
+    addr.sll_ifindex = ifindex as i32;
+    // SAFETY: the address and its size.
+    let bound = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&raw const addr).cast(),
+            size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(bound, 0, "bind to {dev}: {}", std::io::Error::last_os_error());
+    if let Some(timeout) = timeout {
+        let tv = libc::timeval { tv_sec: 0, tv_usec: timeout.as_micros() as libc::suseconds_t };
+        // SAFETY: the option's value and its size.
+        unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&raw const tv).cast(),
+                size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        };
+    }
+    fd
+}
+
+fn parse_mac(text: &str) -> [u8; 6] {
+    let mut mac = [0u8; 6];
+    for (byte, part) in mac.iter_mut().zip(text.split(':')) {
+        *byte = u8::from_str_radix(part, 16).unwrap();
+    }
+    mac
+}

@@ -1,0 +1,243 @@
+//! The election tests' topology: one LAN (a bridge in the test's own
+//! network namespace, where the fake API server listens too), a client
+//! namespace and N nodes on it, each node with a server namespace of its
+//! own behind it (the same server address on every node: each node
+//! forwards to its own server, which answers with the node's name).
+//!
+//! ```text
+//!             [test ns: br0 198.18.0.250, the fake API server]
+//!              |            |                     |
+//!  [client] c0 198.18.0.10  ext0 [node1] srv0 ─ s0 [server1]
+//!  on-link route to         198.18.0.1   198.18.2.1  198.18.2.2:8080 "node1"
+//!  198.18.1.0/24 (it        ext0 [node2] srv0 ─ s0 [server2]
+//!  asks who has the VIP)    198.18.0.2   ...         198.18.2.2:8080 "node2"
+//! ```
+//!
+//! A veth that an XDP program redirects into needs NAPI on its peer: the
+//! bridge's ports toward the nodes and the servers' s0 carry `lb_xdp` on
+//! empty maps, which passes every packet.
+
+use std::{
+    net::{SocketAddr, TcpStream},
+    time::Duration,
+};
+
+use lb_tests::{Backend, Daemon, Namespace, TestCgroup, sh};
+
+#[path = "../topology/mod.rs"]
+mod topology;
+
+pub use topology::{mac_of, pass_through, tx_checksums_off, who};
+
+pub const VIP: &str = "198.18.1.100:80";
+pub const VIP_IP: &str = "198.18.1.100";
+/// Where the fake API server listens, on the bridge.
+pub const API: &str = "198.18.0.250";
+pub const LEASE: (&str, &str) = ("lb-system", "web");
+
+/// One node: its namespace, its server's, the server, its daemon.
+pub struct Node {
+    pub name: String,
+    /// The test's tag: daemons and cgroups of tests running side by side
+    /// have names of their own.
+    tag: String,
+    pub ns: Namespace,
+    pub servers: Namespace,
+    pub server: Option<Backend>,
+    /// Its MAC address on the LAN (ext0).
+    pub mac: String,
+    daemon: Option<Daemon>,
+    cgroup: Option<TestCgroup>,
+}
+
+/// The LAN; the calling thread (the test body) holds the bridge.
+pub struct Lan {
+    pub client: Namespace,
+    pub nodes: Vec<Node>,
+    _peers: Vec<aya::Ebpf>,
+}
+
+impl Lan {
+    /// A LAN with `n` nodes, for the test `tag`; each node's server
+    /// answers with the node's name. No daemon runs yet.
+    pub fn new(tag: &str, n: usize) -> Self {
+        sh(&["ip", "link", "add", "br0", "type", "bridge"]);
+        sh(&["ip", "addr", "add", &format!("{API}/24"), "dev", "br0"]);
+        sh(&["ip", "link", "set", "br0", "up"]);
+        let client = Namespace::new();
+        let mut peers = Vec::new();
+        let port = |name: &str, peer: &str, ns: &Namespace| {
+            sh(&[
+                "ip",
+                "link",
+                "add",
+                name,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                peer,
+                "netns",
+                &ns.tid.to_string(),
+            ]);
+            sh(&["ip", "link", "set", name, "master", "br0"]);
+            sh(&["ip", "link", "set", name, "up"]);
+        };
+        port("pc", "c0", &client);
+        client.sh(&["ip", "addr", "add", "198.18.0.10/24", "dev", "c0"]);
+        client.sh(&["ip", "link", "set", "c0", "up"]);
+        client.sh(&["ip", "route", "add", "198.18.1.0/24", "dev", "c0"]);
+        client.run(|| tx_checksums_off("c0"));
+        let mut nodes = Vec::new();
+        for k in 1..=n {
+            let name = format!("node{k}");
+            let ns = Namespace::new();
+            let servers = Namespace::new();
+            let bridge_port = format!("p{k}");
+            port(&bridge_port, "ext0", &ns);
+            peers.push(pass_through(&bridge_port));
+            let s = servers.tid.to_string();
+            ns.sh(&[
+                "ip", "link", "add", "srv0", "type", "veth", "peer", "name", "s0", "netns", &s,
+            ]);
+            ns.sh(&["ip", "addr", "add", &format!("198.18.0.{k}/24"), "dev", "ext0"]);
+            ns.sh(&["ip", "addr", "add", "198.18.2.1/24", "dev", "srv0"]);
+            for dev in ["ext0", "srv0"] {
+                ns.sh(&["ip", "link", "set", dev, "up"]);
+            }
+            ns.sh(&["sysctl", "-qw", "net.ipv4.ip_forward=1"]);
+            servers.sh(&["ip", "addr", "add", "198.18.2.2/24", "dev", "s0"]);
+            servers.sh(&["ip", "link", "set", "s0", "up"]);
+            servers.run(|| tx_checksums_off("s0"));
+            peers.push(servers.run(|| pass_through("s0")));
+            let mac = ns.run(|| mac_of("ext0"));
+            let server = Some(serve(&servers, &name));
+            nodes.push(Node {
+                name,
+                tag: tag.to_owned(),
+                ns,
+                servers,
+                server,
+                mac,
+                daemon: None,
+                cgroup: None,
+            });
+        }
+        Self { client, nodes, _peers: peers }
+    }
+
+    /// Which node's server a new connection to the VIP reaches, or why none.
+    pub fn ask(&self) -> Result<String, String> {
+        let to: SocketAddr = VIP.parse().unwrap();
+        self.client.run(move || {
+            let stream = TcpStream::connect_timeout(&to, Duration::from_millis(500))
+                .map_err(|e| e.to_string())?;
+            who(&stream)
+        })
+    }
+
+    /// The MAC address the client's neighbour table holds for the VIP.
+    pub fn client_neighbour(&self) -> Option<String> {
+        self.client.run(|| {
+            let out = std::process::Command::new("ip")
+                .args(["neigh", "show", VIP_IP, "dev", "c0"])
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            let words: Vec<&str> = text.split_whitespace().collect();
+            let at = words.iter().position(|w| *w == "lladdr")?;
+            Some(words.get(at + 1)?.to_string())
+        })
+    }
+}
+
+/// The server behind a node, answering with the node's name.
+pub fn serve(servers: &Namespace, name: &str) -> Backend {
+    let name = name.to_owned();
+    servers.run(move || Backend::start(&name, "198.18.2.2:8080".parse().unwrap()))
+}
+
+/// Where a node's servers come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Servers {
+    /// The config: its own server.
+    Static,
+    /// The Service `default/web`'s EndpointSlices, port `http`.
+    Discovered,
+}
+
+/// The service every node runs: the VIP, its node's server, announced by
+/// ARP on ext0 while the node holds the lease.
+pub fn services(servers: Servers) -> String {
+    let source = match servers {
+        Servers::Static => "servers = [\"198.18.2.2:8080\"]\n".to_owned(),
+        Servers::Discovered => String::new(),
+    };
+    let discovery = match servers {
+        Servers::Static => String::new(),
+        Servers::Discovered => "[service.discovery]\n\
+             kubernetes = { namespace = \"default\", service = \"web\", port = \"http\" }\n\
+             debounce = \"100ms\"\n"
+            .to_owned(),
+    };
+    format!(
+        "[[service]]\nname = \"web\"\nvip = \"{VIP}\"\n{source}hold_down = \"60s\"\n\
+         [service.health]\ncheck = \"tcp\"\ninterval = \"100ms\"\ntimeout = \"100ms\"\nrise = 1\nfall = 1\n\
+         {discovery}[service.external]\ninterfaces = [\"ext0\"]\nannounce = \"arp\"\n\
+         lease = {{ namespace = \"{}\", name = \"{}\" }}\n",
+        LEASE.0, LEASE.1
+    )
+}
+
+impl Node {
+    /// Starts (or restarts) the node's daemon, in its namespace, with
+    /// `kubeconfig` and the `services` tables.
+    pub fn start(&mut self, kubeconfig: &std::path::Path, services: &str) {
+        if let Some(mut daemon) = self.daemon.take() {
+            self.daemon = Some(self.ns.run(move || {
+                daemon.restart();
+                daemon
+            }));
+            return;
+        }
+        let (name, settings) = (
+            format!("{}-{}", self.tag, self.name),
+            format!("node_name = \"{}\"\nkubeconfig = {:?}\n", self.name, kubeconfig),
+        );
+        let cgroup = TestCgroup::new(&name);
+        let services = services.to_owned();
+        let (daemon, cgroup) = self.ns.run(move || {
+            let daemon = Daemon::start_with(&name, &cgroup, &settings, &services);
+            (daemon, cgroup)
+        });
+        self.daemon = Some(daemon);
+        self.cgroup = Some(cgroup);
+    }
+
+    pub fn daemon(&self) -> &Daemon {
+        self.daemon.as_ref().expect("the node's daemon was started")
+    }
+
+    pub fn daemon_mut(&mut self) -> &mut Daemon {
+        self.daemon.as_mut().expect("the node's daemon was started")
+    }
+
+    /// This node's role in the election, as its `lb status` says (`None`
+    /// while its daemon does not answer).
+    pub fn role(&self) -> Option<String> {
+        let status = self.daemon.as_ref()?.try_lb(&["status", "--json"]).ok()?;
+        let status: serde_json::Value = serde_json::from_str(&status).ok()?;
+        let role = status["services"][0]["external"]["lease"]["role"].as_str()?;
+        Some(role.to_owned())
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        // Stopped and detached in its own namespace, where its interfaces are.
+        if let Some(daemon) = self.daemon.take() {
+            self.ns.run(move || drop(daemon));
+        }
+        drop(self.cgroup.take());
+    }
+}

@@ -1,0 +1,352 @@
+//! Several nodes, one announcer per VIP (issue 26): each node's daemon
+//! competes for the VIP's Lease on a fake Kubernetes API server (the real
+//! protocol, `lb_tests::fakes`) while it has a usable server; only the
+//! holder answers ARP for the VIP. A capture on the client's bridge port
+//! sees who answers, the client's neighbour entry and its connects which
+//! node serves it. Topology in `lan.rs`. Needs root; see
+//! `lb_tests::privileged`.
+
+mod arp;
+mod lan;
+
+use std::time::Duration;
+
+use lb_tests::{
+    fakes::{
+        apiserver::{FakeApiServer, Kubeconfig},
+        runtime,
+    },
+    in_new_netns, privileged, wait_until,
+};
+
+use self::{
+    arp::Watch,
+    lan::{API, LEASE, Lan, Servers, services},
+};
+
+/// The tests time takeovers to the 2 s bound on a machine of two cores:
+/// they run one at a time, each with its two or three daemons.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// How often the client asks who has the VIP.
+const ASK_EVERY: Duration = Duration::from_millis(20);
+/// How long a takeover may take here: the lease running out (1 s) and
+/// being claimed, with room for a loaded machine or an emulated VM. The
+/// issue's goal, clients moved within 2 s, is measured by the bench
+/// (`cargo xtask bench --only election`, p50 and p99 over repeated kills),
+/// not asserted against a wall clock here; the runs below print what
+/// they saw.
+const TAKEOVER: Duration = Duration::from_secs(10);
+
+/// The node that holds the lease, once exactly one says so and the Lease
+/// agrees.
+#[track_caller]
+fn wait_holder(lan: &Lan, api: &FakeApiServer, not: Option<usize>) -> usize {
+    let mut found = None;
+    let mut roles = Vec::new();
+    let one = wait_until(Duration::from_secs(10), || {
+        roles = lan.nodes.iter().map(lan::Node::role).collect();
+        let holders: Vec<usize> =
+            (0..roles.len()).filter(|&k| roles[k].as_deref() == Some("holder")).collect();
+        let lease = api.lease(LEASE.0, LEASE.1);
+        let named = lease.and_then(|l| l.spec?.holder_identity);
+        match holders[..] {
+            [k] if Some(k) != not && named.as_deref() == Some(lan.nodes[k].name.as_str()) => {
+                found = Some(k);
+                true
+            }
+            _ => false,
+        }
+    });
+    let logs: Vec<String> =
+        lan.nodes.iter().map(|n| format!("--- {}:\n{}", n.name, n.daemon().log())).collect();
+    assert!(one, "not exactly one holder: {roles:?}\n{}", logs.join("\n"));
+    found.unwrap()
+}
+
+/// Items 1, 2 and 6: of three nodes exactly one answers; a SIGKILLed
+/// holder (its kernel still attached: only the daemon died) falls silent
+/// by its fence, and another node answers once the lease has run out
+/// (about 1 s; the bench holds the 2 s goal); the client's
+/// neighbour entry and connects follow; the restarted node does not take
+/// the VIP back.
+#[test]
+fn one_node_answers_and_a_killed_holder_is_replaced_within_2s() {
+    if !privileged() {
+        return;
+    }
+    let _serial = one_at_a_time();
+    in_new_netns(|| {
+        let mut lan = Lan::new("el-kill", 3);
+        let rt = runtime();
+        let api = rt.block_on(FakeApiServer::start_at(format!("{API}:0").parse().unwrap()));
+        let kubeconfig = Kubeconfig::write(&api.url());
+        for node in &mut lan.nodes {
+            node.start(kubeconfig.path(), &services(Servers::Static));
+        }
+        let first = wait_holder(&lan, &api, None);
+        let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
+        std::thread::sleep(Duration::from_secs(1));
+        let turns = watch.turns();
+        assert_eq!(turns.len(), 1, "one MAC answers: {turns:?}");
+        assert_eq!(turns[0].0, lan.nodes[first].mac, "the holder answers");
+        assert_eq!(lan.ask().as_deref(), Ok(lan.nodes[first].name.as_str()));
+        assert_eq!(lan.client_neighbour().as_deref(), Some(lan.nodes[first].mac.as_str()));
+
+        let killed_at = watch.started.elapsed();
+        lan.nodes[first].daemon_mut().kill();
+        let second = wait_holder(&lan, &api, Some(first));
+        std::thread::sleep(Duration::from_secs(1));
+        let turns = watch.turns();
+        assert_eq!(turns.len(), 2, "the old holder, then the new one, never both: {turns:?}");
+        let (old, new) = (&turns[0], &turns[1]);
+        assert_eq!((&old.0, &new.0), (&lan.nodes[first].mac, &lan.nodes[second].mac));
+        assert!(old.2 < new.1, "the old holder fell silent before the new one answered: {turns:?}");
+        assert!(new.1 - killed_at <= TAKEOVER, "answered {:?} after the kill", new.1 - killed_at);
+        println!(
+            "SIGKILL takeover: the old holder's last answer {:?} after the kill, the new one's first {:?}",
+            old.2.saturating_sub(killed_at),
+            new.1 - killed_at
+        );
+        assert!(
+            wait_until(Duration::from_secs(2), || lan.client_neighbour().as_deref()
+                == Some(lan.nodes[second].mac.as_str())),
+            "the client's neighbour entry moved to the new holder"
+        );
+        assert_eq!(lan.ask().as_deref(), Ok(lan.nodes[second].name.as_str()));
+
+        // The old node comes back: a candidate, the VIP stays where it is.
+        lan.nodes[first].start(kubeconfig.path(), &services(Servers::Static));
+        assert!(
+            wait_until(Duration::from_secs(5), || lan.nodes[first].role().as_deref()
+                == Some("candidate")),
+            "{}",
+            lan.nodes[first].daemon().log()
+        );
+        std::thread::sleep(Duration::from_secs(2));
+        let turns = watch.turns();
+        assert_eq!(turns.len(), 2, "no one else answered: {turns:?}");
+        // With its daemon dead, its kernel fell silent by itself.
+        assert!(lan.nodes[first].daemon().counter("xdp_announce_fenced") > 0);
+        let status = lan.nodes[second].daemon().status();
+        let lease = &status["services"][0]["external"]["lease"];
+        assert_eq!(lease["holder"], lan.nodes[second].name.as_str(), "{lease}");
+        assert_eq!(lease["last_takeover"]["from"], lan.nodes[first].name.as_str(), "{lease}");
+        drop(watch);
+        drop(lan);
+        drop(api);
+        drop(rt);
+    });
+}
+
+/// Items 1, 2 and 6, and MetalLB 474's shape: each node discovers the
+/// Service's endpoints (one ready, one not ready: the node stays
+/// eligible, judged per endpoint). A holder stopped gracefully (SIGTERM)
+/// withdraws the VIP, then releases the lease, and another node answers at
+/// once, not when the lease would have run out (kube-vip 1786).
+#[test]
+fn a_stopped_holder_hands_over_at_once() {
+    if !privileged() {
+        return;
+    }
+    let _serial = one_at_a_time();
+    in_new_netns(|| {
+        use lb_tests::fakes::apiserver::{Condition, endpoint, endpoint_slice};
+        let mut lan = Lan::new("el-term", 2);
+        let rt = runtime();
+        let api = rt.block_on(FakeApiServer::start_at(format!("{API}:0").parse().unwrap()));
+        api.apply(endpoint_slice(
+            "web-1",
+            "web",
+            "IPv4",
+            &[("http", 8080)],
+            vec![
+                endpoint("198.18.2.2", "node-x", Condition::Ready),
+                endpoint("198.18.2.3", "node-x", Condition::NotReady),
+            ],
+        ));
+        let kubeconfig = Kubeconfig::write(&api.url());
+        for node in &mut lan.nodes {
+            node.start(kubeconfig.path(), &services(Servers::Discovered));
+        }
+        let first = wait_holder(&lan, &api, None);
+        let status = lan.nodes[first].daemon().status();
+        // The not-ready endpoint is left out; the ready one makes the node
+        // eligible.
+        let servers = status["services"][0]["servers"].as_array().unwrap().clone();
+        assert_eq!(servers.len(), 1, "{servers:?}");
+        assert_eq!(servers[0]["address"], "198.18.2.2:8080");
+        let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
+        std::thread::sleep(Duration::from_millis(500));
+        let stopped_at = watch.started.elapsed();
+        lan.nodes[first].daemon().signal(libc::SIGTERM);
+        assert!(lan.nodes[first].daemon_mut().wait_exit(Duration::from_secs(5)), "it stops");
+        let second = wait_holder(&lan, &api, Some(first));
+        std::thread::sleep(Duration::from_millis(500));
+        let turns = watch.turns();
+        assert_eq!(turns.len(), 2, "the old holder, then the new one, never both: {turns:?}");
+        let (old, new) = (&turns[0], &turns[1]);
+        assert_eq!((&old.0, &new.0), (&lan.nodes[first].mac, &lan.nodes[second].mac));
+        assert!(old.2 < new.1, "{turns:?}");
+        assert!(new.1 - stopped_at <= TAKEOVER, "took {:?}", new.1 - stopped_at);
+        println!(
+            "SIGTERM handover: the new holder's first answer {:?} after the signal",
+            new.1 - stopped_at
+        );
+        let status = lan.nodes[second].daemon().status();
+        assert_eq!(
+            status["services"][0]["external"]["lease"]["last_takeover"]["from"],
+            serde_json::Value::Null
+        );
+        drop(watch);
+        drop(lan);
+        drop(api);
+        drop(rt);
+    });
+}
+
+/// Item 1: a holder whose servers all fail their checks is no longer
+/// eligible: it withdraws and releases, and a node that can serve takes
+/// the VIP. Its server back, it does not take the VIP back.
+#[test]
+fn a_holder_without_a_usable_server_hands_over() {
+    if !privileged() {
+        return;
+    }
+    let _serial = one_at_a_time();
+    in_new_netns(|| {
+        let mut lan = Lan::new("el-unusable", 2);
+        let rt = runtime();
+        let api = rt.block_on(FakeApiServer::start_at(format!("{API}:0").parse().unwrap()));
+        let kubeconfig = Kubeconfig::write(&api.url());
+        for node in &mut lan.nodes {
+            node.start(kubeconfig.path(), &services(Servers::Static));
+        }
+        let first = wait_holder(&lan, &api, None);
+        let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
+        std::thread::sleep(Duration::from_millis(300));
+        let server = lan.nodes[first].server.take().unwrap();
+        let addr = server.stop();
+        let second = wait_holder(&lan, &api, Some(first));
+        assert!(
+            wait_until(Duration::from_secs(2), || lan.ask().as_deref()
+                == Ok(lan.nodes[second].name.as_str())),
+            "the client reaches the new holder"
+        );
+        let status = lan.nodes[first].daemon().status();
+        let lease = &status["services"][0]["external"]["lease"];
+        assert_eq!(
+            (lease["role"].as_str(), lease["why"].as_str()),
+            (Some("not eligible"), Some("no usable server")),
+            "{lease}"
+        );
+        lan.nodes[first].server =
+            Some(lan::serve(&lan.nodes[first].servers, &lan.nodes[first].name));
+        assert_eq!(lan.nodes[first].server.as_ref().unwrap().addr, addr);
+        assert!(wait_until(Duration::from_secs(5), || lan.nodes[first].role().as_deref()
+            == Some("candidate")));
+        std::thread::sleep(Duration::from_millis(1500));
+        let turns = watch.turns();
+        assert_eq!(turns.len(), 2, "handed over once, and not back: {turns:?}");
+        assert!(turns[0].2 < turns[1].1, "{turns:?}");
+        drop(watch);
+        drop(lan);
+        drop(api);
+        drop(rt);
+    });
+}
+
+/// Items 1 and 3: the holder cut off from the API server cannot renew; it
+/// falls silent by its fence before its lease can run out for the others,
+/// so no two nodes ever answer at once (fencing wins over availability),
+/// and another node takes the VIP.
+#[test]
+fn a_holder_cut_off_from_the_api_falls_silent_before_another_answers() {
+    if !privileged() {
+        return;
+    }
+    let _serial = one_at_a_time();
+    in_new_netns(|| {
+        let mut lan = Lan::new("el-cut", 2);
+        let rt = runtime();
+        let api = rt.block_on(FakeApiServer::start_at(format!("{API}:0").parse().unwrap()));
+        // An apiserver of its own for each node: one can be cut off alone.
+        let mut reach = Vec::new();
+        for node in &mut lan.nodes {
+            let addr = rt.block_on(api.listen(format!("{API}:0").parse().unwrap()));
+            let kubeconfig = Kubeconfig::write(&format!("http://{addr}"));
+            node.start(kubeconfig.path(), &services(Servers::Static));
+            reach.push((addr, kubeconfig));
+        }
+        let first = wait_holder(&lan, &api, None);
+        let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
+        std::thread::sleep(Duration::from_millis(300));
+        let cut_at = watch.started.elapsed();
+        api.stop_listener(reach[first].0);
+        let second = wait_holder(&lan, &api, Some(first));
+        std::thread::sleep(Duration::from_millis(500));
+        let turns = watch.turns();
+        assert_eq!(turns.len(), 2, "{turns:?}");
+        let (old, new) = (&turns[0], &turns[1]);
+        assert_eq!((&old.0, &new.0), (&lan.nodes[first].mac, &lan.nodes[second].mac));
+        assert!(old.2 < new.1, "never two at once: {turns:?}");
+        assert!(new.1 - cut_at <= TAKEOVER, "{:?}", new.1 - cut_at);
+        println!(
+            "API cut off: the holder's last answer {:?} after the cut, the new holder's first {:?}",
+            old.2.saturating_sub(cut_at),
+            new.1 - cut_at
+        );
+        let status = lan.nodes[first].daemon().status();
+        let lease = &status["services"][0]["external"]["lease"];
+        assert_eq!(lease["role"], "candidate", "{lease}");
+        assert!(lease["error"].is_string(), "{lease}");
+        drop(watch);
+        drop(lan);
+        drop(api);
+        drop(rt);
+    });
+}
+
+/// Item 6: readiness that flaps does not make the lease move back and
+/// forth: a node competes only once it has been eligible for a whole
+/// lease duration. Here the one eligible node's server flaps; it gives the
+/// lease up at the first failure and takes it again only after it has
+/// held steady.
+#[test]
+fn flapping_readiness_does_not_move_the_lease_back_and_forth() {
+    if !privileged() {
+        return;
+    }
+    let _serial = one_at_a_time();
+    in_new_netns(|| {
+        let mut lan = Lan::new("el-flap", 2);
+        let rt = runtime();
+        let api = rt.block_on(FakeApiServer::start_at(format!("{API}:0").parse().unwrap()));
+        let kubeconfig = Kubeconfig::write(&api.url());
+        // node2 never has a server: only node1 can hold the VIP.
+        drop(lan.nodes[1].server.take());
+        for node in &mut lan.nodes {
+            node.start(kubeconfig.path(), &services(Servers::Static));
+        }
+        assert_eq!(wait_holder(&lan, &api, None), 0);
+        let transitions =
+            || api.lease(LEASE.0, LEASE.1).and_then(|l| l.spec?.lease_transitions).unwrap_or(0);
+        let before = transitions();
+        for _ in 0..6 {
+            let server = lan.nodes[0].server.take().unwrap();
+            server.stop();
+            std::thread::sleep(Duration::from_millis(300));
+            lan.nodes[0].server = Some(lan::serve(&lan.nodes[0].servers, "node1"));
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        assert_eq!(wait_holder(&lan, &api, None), 0);
+        let taken = transitions() - before;
+        assert_eq!(taken, 1, "taken again once, after the flapping, not at every recovery");
+        drop(lan);
+        drop(api);
+        drop(rt);
+    });
+}
