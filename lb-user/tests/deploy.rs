@@ -113,7 +113,9 @@ fn daemonset_runs_on_the_host_network_with_only_the_capabilities_it_needs() {
 }
 
 /// Trust #23, item 8: a Role and RoleBinding in each namespace the
-/// shipped config's discovery names, and nothing cluster-wide.
+/// shipped config's discovery names, and nothing cluster-wide. Issue 26:
+/// besides, one Role for the elections' Leases: get, create and update,
+/// no delete, nothing else.
 #[test]
 fn rbac_allows_only_listing_and_watching_endpointslices_where_discovery_looks() {
     let text = std::fs::read_to_string(deploy("kubernetes/rbac.yaml")).unwrap();
@@ -127,16 +129,24 @@ fn rbac_allows_only_listing_and_watching_endpointslices_where_discovery_looks() 
     );
     let of_kind = |kind: &'static str| docs.iter().filter(move |d| d["kind"] == kind);
     let namespace = |d: &serde_yaml::Value| d["metadata"]["namespace"].as_str().unwrap().to_owned();
+    let mut leases = 0;
     for role in of_kind("Role") {
         let rules = role["rules"].as_sequence().unwrap();
         assert_eq!(rules.len(), 1);
-        assert_eq!(rules[0]["apiGroups"][0], "discovery.k8s.io");
         assert_eq!(rules[0]["resources"].as_sequence().unwrap().len(), 1);
-        assert_eq!(rules[0]["resources"][0], "endpointslices");
         let verbs: Vec<&str> =
             rules[0]["verbs"].as_sequence().unwrap().iter().filter_map(|v| v.as_str()).collect();
+        if rules[0]["apiGroups"][0] == "coordination.k8s.io" {
+            assert_eq!(rules[0]["resources"][0], "leases");
+            assert_eq!(verbs, ["get", "create", "update"]);
+            leases += 1;
+            continue;
+        }
+        assert_eq!(rules[0]["apiGroups"][0], "discovery.k8s.io");
+        assert_eq!(rules[0]["resources"][0], "endpointslices");
         assert_eq!(verbs, ["list", "watch"]);
     }
+    assert_eq!(leases, 1, "one Role for the elections' Leases");
     let ds = yaml("kubernetes/daemonset.yaml");
     let account = docs.iter().find(|d| d["kind"] == "ServiceAccount").expect("a ServiceAccount");
     assert_eq!(ds["spec"]["template"]["spec"]["serviceAccountName"], account["metadata"]["name"]);
