@@ -76,6 +76,8 @@ pub const MAX_SERVER_PAIRS: u32 = 65_536;
 pub const MAX_FAILED_SERVERS: u32 = 16_384;
 /// Size of the `EVENTS` ring buffer.
 pub const EVENTS_BYTES: u32 = 256 * 1024;
+/// Interfaces `lb_xdp` runs on, at most (`LINK_MACS`).
+pub const MAX_LINKS: u32 = 1024;
 /// Slots of `COUNTERS`, one per [`Reason`] and room for the reasons of
 /// later versions: an upgrade adopts the pinned map as it was made, and a
 /// map sized by the reasons of its day would not count the new ones.
@@ -97,8 +99,9 @@ const _: () = assert!(Reason::COUNT as u32 <= COUNTER_SLOTS);
 /// 6: `ANNOUNCE`, the addresses the XDP program answers ARP and neighbour
 /// solicitations for; `MAGLEV`, the consistent-hash tables.
 /// 7: `ANNOUNCE_UNTIL`, when an elected node's answers stop by themselves
-/// (its lease's fence). A daemon of layout 7 adopts pins of layout 6 and
-/// upgrades them (`UPGRADABLE_LAYOUT`).
+/// (its lease's fence); `LINK_MACS`, the MAC of each interface `lb_xdp`
+/// runs on. A daemon of layout 7 adopts pins of layout 6 and upgrades
+/// them (`UPGRADABLE_LAYOUT`).
 pub const LAYOUT_VERSION: u32 = 7;
 /// The one older layout a daemon adopts, by adding what its layout lacks
 /// (maps and programs; nothing pinned changes shape) before it replaces
@@ -179,8 +182,12 @@ pub mod maps {
     /// when its daemon is dead. No entry: answered while in `ANNOUNCE`
     /// (layout 7).
     pub const ANNOUNCE_UNTIL: &str = "ANNOUNCE_UNTIL";
+    /// Interface index → [`AnnounceValue`](crate::AnnounceValue), its MAC
+    /// address: `lb_xdp` takes only frames sent to it there, not those a
+    /// switch floods to every port (layout 7).
+    pub const LINK_MACS: &str = "LINK_MACS";
     /// Every map the daemon pins, in one list so attach, adopt and detach agree.
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 18] = [
         SERVICES,
         FAILED_AT,
         SOCKETS,
@@ -198,9 +205,10 @@ pub mod maps {
         ANNOUNCE,
         MAGLEV,
         ANNOUNCE_UNTIL,
+        LINK_MACS,
     ];
     /// The maps pins of `UPGRADABLE_LAYOUT` lack (an upgrade creates them).
-    pub const NEW_IN_LAYOUT: [&str; 1] = [ANNOUNCE_UNTIL];
+    pub const NEW_IN_LAYOUT: [&str; 2] = [ANNOUNCE_UNTIL, LINK_MACS];
 }
 
 /// Names of the programs in the object file; also their link pin names.

@@ -219,6 +219,12 @@ reasons! {
     /// went unanswered: the node's lease for it has run out
     /// (`ANNOUNCE_UNTIL`), and another node may hold it now.
     XdpAnnounceFenced = 65 => "xdp_announce_fenced",
+    /// xdp: a packet for an external VIP or a flow, in a frame sent to
+    /// another machine's MAC address (a switch floods frames for an
+    /// address it has not learned, such as a dead node's, to every port):
+    /// passed to the kernel, which drops it. Only the node it was sent to
+    /// forwards it.
+    XdpOtherHost = 66 => "xdp_other_host",
 }
 
 impl Reason {
@@ -344,6 +350,7 @@ mod tests {
                 "xdp_too_big",
                 "xdp_too_big_dropped",
                 "xdp_announce_fenced",
+                "xdp_other_host",
             ]
         );
     }

@@ -88,6 +88,9 @@ pub(crate) fn handle(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     if unsafe { EXTERNAL.get(&p.dst) }.is_none() {
         return reply(ctx, p);
     }
+    if !packet::for_this_node(ctx) {
+        return Some(xdp_action::XDP_PASS);
+    }
     // SAFETY: as above.
     let Some(service) = (unsafe { SERVICES.get(&p.dst) }) else {
         count(Reason::XdpNoServer);
@@ -371,6 +374,9 @@ fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
         count(Reason::XdpNotOurs);
         return None;
     };
+    if !packet::for_this_node(ctx) {
+        return Some(xdp_action::XDP_PASS);
+    }
     // SAFETY: a map value, valid for the whole program run; copied, and
     // written back only in its flags word.
     let nat = unsafe { *entry };

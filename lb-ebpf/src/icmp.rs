@@ -127,6 +127,9 @@ fn quote6(ctx: &XdpContext, p: &mut Packet) -> Option<u8> {
 /// flow of the external path.
 #[inline(always)]
 pub(crate) fn handle(ctx: &XdpContext, p: &Packet) -> Option<u32> {
+    if !packet::for_this_node(ctx) {
+        return None;
+    }
     // SAFETY: the value is only read; the daemon replaces values whole.
     if unsafe { EXTERNAL.get(&p.src) }.is_some() { to_server(ctx, p) } else { to_client(ctx, p) }
 }

@@ -50,9 +50,10 @@ use aya_ebpf::{
 };
 use lb_common::{
     AnnounceKey, AnnounceValue, COUNTER_SLOTS, ConnKey, EVENTS_BYTES, Endpoint, Flow, FlowKey,
-    MAX_CONNECTING_SOCKETS, MAX_EXTERNAL_FLOWS, MAX_FAILED_SERVERS, MAX_SERVER_PAIRS, MAX_SERVICES,
-    MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS, MAX_UDP_PEER_SOCKETS, META_SLOTS, NatKey,
-    NatReply, Reason, Service, SockEntry, Traffic, UNMARKED_SLOTS, UdpPeers, maglev::Maglev,
+    MAX_CONNECTING_SOCKETS, MAX_EXTERNAL_FLOWS, MAX_FAILED_SERVERS, MAX_LINKS, MAX_SERVER_PAIRS,
+    MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS, MAX_UDP_PEER_SOCKETS, META_SLOTS,
+    NatKey, NatReply, Reason, Service, SockEntry, Traffic, UNMARKED_SLOTS, UdpPeers,
+    maglev::Maglev,
 };
 
 /// VIP → service (its selection). Written only by the daemon, one whole
@@ -170,6 +171,13 @@ static ANNOUNCE: HashMap<AnnounceKey, AnnounceValue> =
 #[map]
 static ANNOUNCE_UNTIL: HashMap<[u32; 4], u64> =
     HashMap::with_max_entries(MAX_SERVICES, BPF_F_NO_PREALLOC);
+
+/// Interface index → its MAC address: `lb_xdp` forwards only frames sent
+/// to the node (`packet::for_this_node`). Written by the daemon for every
+/// interface it attaches to.
+#[map]
+static LINK_MACS: HashMap<u32, AnnounceValue> =
+    HashMap::with_max_entries(MAX_LINKS, BPF_F_NO_PREALLOC);
 
 /// External VIP → its consistent-hash table (`lb_common::maglev`), for
 /// a `spread` service's new flows. Written by the daemon.

@@ -21,7 +21,7 @@ use aya_ebpf::{
 };
 use lb_common::{Endpoint, Reason, checksum};
 
-use crate::{AF_INET, AF_INET6, IPPROTO_TCP, IPPROTO_UDP, count, icmp};
+use crate::{AF_INET, AF_INET6, IPPROTO_TCP, IPPROTO_UDP, LINK_MACS, count, icmp};
 
 const ETH_HLEN: usize = 14;
 /// EtherTypes, as the 16-bit field reads in network byte order.
@@ -275,6 +275,25 @@ fn decrement_ttl(ctx: &XdpContext, p: &Packet) -> bool {
     let Some(ip_check) = read::<u16>(ctx, L3 + 10) else { return false };
     let ip_check = checksum::replace16(ip_check, u16::from_ne_bytes(old), u16::from_ne_bytes(new));
     write(ctx, L3 + 8, new) && write(ctx, L3 + 10, ip_check)
+}
+
+/// Whether the frame was sent to this node: to the MAC address of the
+/// interface it arrived on (`LINK_MACS`; one the daemon has not written
+/// yet is taken as this node's). A switch floods a frame for an address
+/// it has not learned (a dead node's, one that aged out) to every port:
+/// only the machine it was meant for may forward it, or two nodes would
+/// each send the server a copy. Counted when it was not.
+#[inline(always)]
+pub(crate) fn for_this_node(ctx: &XdpContext) -> bool {
+    // SAFETY: the context's fields are valid for the whole program run.
+    let ifindex = unsafe { (*ctx.ctx).ingress_ifindex };
+    // SAFETY: a copy of the value.
+    let Some(link) = (unsafe { LINK_MACS.get(ifindex) }) else { return true };
+    if read::<[u8; 6]>(ctx, 0) == Some(link.mac) {
+        return true;
+    }
+    count(Reason::XdpOtherHost);
+    false
 }
 
 /// The MAC addresses a packet came with: to send a reply back the way its

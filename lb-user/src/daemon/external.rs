@@ -158,6 +158,16 @@ impl Daemon {
                 warn!(interface = %name, "the external path cannot run here (tried again every second): {e}");
             }
         }
+        let link_macs: HashMap<u32, announce::Mac> = attached
+            .iter()
+            .filter(|(_, result)| result.is_ok())
+            .filter_map(|(name, _)| {
+                Some((routes::ifindex(name)?, announce::interface_mac(name).ok()?))
+            })
+            .collect();
+        if let Err(e) = self.datapath.external().set_link_macs(&link_macs) {
+            warn!("writing the interfaces' MAC addresses: {e:#}");
+        }
         self.external.interfaces = attached
             .into_iter()
             .map(|(name, result)| {

@@ -26,6 +26,7 @@ pub struct ExternalMaps {
     announce: HashMap<MapData, AnnounceKey, AnnounceValue>,
     maglev: HashMap<MapData, Endpoint, Maglev>,
     announce_until: HashMap<MapData, [u32; 4], u64>,
+    link_macs: HashMap<MapData, u32, AnnounceValue>,
 }
 
 /// An address announced on one interface: (interface index, address).
@@ -59,6 +60,7 @@ impl ExternalMaps {
             announce: typed!(HashMap, maps::ANNOUNCE),
             maglev: typed!(HashMap, maps::MAGLEV),
             announce_until: typed!(HashMap, maps::ANNOUNCE_UNTIL),
+            link_macs: typed!(HashMap, maps::LINK_MACS),
         })
     }
 
@@ -157,6 +159,26 @@ impl ExternalMaps {
         let wanted: HashSet<[u32; 4]> = fences.keys().map(|ip| key(*ip)).collect();
         for gone in present.keys().filter(|k| !wanted.contains(*k)) {
             remove(&mut self.announce_until, gone).context("removing a fence")?;
+        }
+        Ok(())
+    }
+
+    /// Makes `LINK_MACS` hold exactly `macs` (interface index → its MAC),
+    /// the interfaces `lb_xdp` runs on: it forwards only frames sent to
+    /// the interface's own address.
+    pub fn set_link_macs(&mut self, macs: &StdHashMap<u32, [u8; 6]>) -> anyhow::Result<()> {
+        let present: StdHashMap<u32, AnnounceValue> =
+            self.link_macs.iter().filter_map(Result::ok).collect();
+        for (&ifindex, &mac) in macs {
+            let value = AnnounceValue { mac, _pad: [0; 2] };
+            if present.get(&ifindex) != Some(&value) {
+                self.link_macs
+                    .insert(ifindex, value, 0)
+                    .with_context(|| format!("writing interface {ifindex}'s MAC to LINK_MACS"))?;
+            }
+        }
+        for gone in present.keys().filter(|i| !macs.contains_key(*i)) {
+            remove(&mut self.link_macs, gone).context("removing an interface from LINK_MACS")?;
         }
         Ok(())
     }

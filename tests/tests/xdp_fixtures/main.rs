@@ -286,3 +286,27 @@ fn no_server_or_no_nat_port_refuses_the_flow() {
         assert_eq!(node.counter(Reason::XdpNatPortsExhausted), 1);
     });
 }
+
+/// Frames a switch floods (sent to another machine's MAC, such as a dead
+/// node's) are not forwarded: only the machine they were sent to may,
+/// or two nodes would each send the server a copy.
+#[test]
+fn a_frame_sent_to_another_machine_is_not_forwarded() {
+    both_families(|node, f| {
+        const OTHER_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x99];
+        let ext0 = ifindex("ext0");
+        // Where test packets arrive: ext0, or loopback before Linux 5.14.
+        let arrives = if node.knows_ingress() { ext0 } else { 1 };
+        let mut links: HashMap<_, u32, lb_common::AnnounceValue> =
+            HashMap::try_from(node.ebpf.map_mut(maps::LINK_MACS).unwrap()).unwrap();
+        links.insert(arrives, lb_common::AnnounceValue { mac: EXT_MAC, _pad: [0; 2] }, 0).unwrap();
+        let mut flooded = from_client(f, f.client, Flags::SYN, 1);
+        flooded.macs = (OTHER_MAC, CLIENT_MAC);
+        let frame = flooded.frame();
+        assert_eq!(node.run(&frame, Some(ext0)), (XDP_PASS, frame), "a flooded frame was touched");
+        assert_eq!(node.counter(Reason::XdpOtherHost), 1);
+        assert_eq!(node.counter(Reason::XdpNewFlow), 0);
+        let (verdict, _) = node.run(&from_client(f, f.client, Flags::SYN, 1).frame(), Some(ext0));
+        assert_eq!(verdict, XDP_REDIRECT, "a frame sent to the node is forwarded");
+    });
+}
