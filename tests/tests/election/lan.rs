@@ -22,7 +22,9 @@ use std::{
     time::Duration,
 };
 
-use lb_tests::{Backend, Daemon, Namespace, TestCgroup, sh};
+use lb_tests::{
+    Backend, Daemon, Namespace, TestCgroup, fakes::apiserver::FakeApiServer, sh, wait_until,
+};
 
 #[path = "../topology/mod.rs"]
 mod topology;
@@ -128,12 +130,42 @@ impl Lan {
 
     /// Which node's server a new connection to the VIP reaches, or why none.
     pub fn ask(&self) -> Result<String, String> {
+        self.ask_within(Duration::from_millis(500))
+    }
+
+    /// As [`Self::ask`], the connect given up after `timeout`.
+    pub fn ask_within(&self, timeout: Duration) -> Result<String, String> {
         let to: SocketAddr = VIP.parse().unwrap();
         self.client.run(move || {
-            let stream = TcpStream::connect_timeout(&to, Duration::from_millis(500))
-                .map_err(|e| e.to_string())?;
+            let stream = TcpStream::connect_timeout(&to, timeout).map_err(|e| e.to_string())?;
             who(&stream)
         })
+    }
+
+    /// The node that holds the lease (not `not`), once exactly one says so
+    /// and the Lease agrees; panics after 20 s.
+    #[track_caller]
+    pub fn wait_holder(&self, api: &FakeApiServer, not: Option<usize>) -> usize {
+        let mut found = None;
+        let mut roles = Vec::new();
+        let one = wait_until(Duration::from_secs(20), || {
+            roles = self.nodes.iter().map(Node::role).collect();
+            let holders: Vec<usize> =
+                (0..roles.len()).filter(|&k| roles[k].as_deref() == Some("holder")).collect();
+            let lease = api.lease(LEASE.0, LEASE.1);
+            let named = lease.and_then(|l| l.spec?.holder_identity);
+            match holders[..] {
+                [k] if Some(k) != not && named.as_deref() == Some(self.nodes[k].name.as_str()) => {
+                    found = Some(k);
+                    true
+                }
+                _ => false,
+            }
+        });
+        let logs: Vec<String> =
+            self.nodes.iter().map(|n| format!("--- {}:\n{}", n.name, n.daemon().log())).collect();
+        assert!(one, "not exactly one holder: {roles:?}\n{}", logs.join("\n"));
+        found.unwrap()
     }
 
     /// The MAC address the client's neighbour table holds for the VIP.

@@ -41,32 +41,6 @@ const ASK_EVERY: Duration = Duration::from_millis(20);
 /// they saw.
 const TAKEOVER: Duration = Duration::from_secs(10);
 
-/// The node that holds the lease, once exactly one says so and the Lease
-/// agrees.
-#[track_caller]
-fn wait_holder(lan: &Lan, api: &FakeApiServer, not: Option<usize>) -> usize {
-    let mut found = None;
-    let mut roles = Vec::new();
-    let one = wait_until(Duration::from_secs(10), || {
-        roles = lan.nodes.iter().map(lan::Node::role).collect();
-        let holders: Vec<usize> =
-            (0..roles.len()).filter(|&k| roles[k].as_deref() == Some("holder")).collect();
-        let lease = api.lease(LEASE.0, LEASE.1);
-        let named = lease.and_then(|l| l.spec?.holder_identity);
-        match holders[..] {
-            [k] if Some(k) != not && named.as_deref() == Some(lan.nodes[k].name.as_str()) => {
-                found = Some(k);
-                true
-            }
-            _ => false,
-        }
-    });
-    let logs: Vec<String> =
-        lan.nodes.iter().map(|n| format!("--- {}:\n{}", n.name, n.daemon().log())).collect();
-    assert!(one, "not exactly one holder: {roles:?}\n{}", logs.join("\n"));
-    found.unwrap()
-}
-
 /// Items 1, 2 and 6: of three nodes exactly one answers; a SIGKILLed
 /// holder (its kernel still attached: only the daemon died) falls silent
 /// by its fence, and another node answers once the lease has run out
@@ -74,7 +48,7 @@ fn wait_holder(lan: &Lan, api: &FakeApiServer, not: Option<usize>) -> usize {
 /// neighbour entry and connects follow; the restarted node does not take
 /// the VIP back.
 #[test]
-fn one_node_answers_and_a_killed_holder_is_replaced_within_2s() {
+fn one_node_answers_and_a_killed_holder_is_replaced() {
     if !privileged() {
         return;
     }
@@ -87,7 +61,7 @@ fn one_node_answers_and_a_killed_holder_is_replaced_within_2s() {
         for node in &mut lan.nodes {
             node.start(kubeconfig.path(), &services(Servers::Static));
         }
-        let first = wait_holder(&lan, &api, None);
+        let first = lan.wait_holder(&api, None);
         let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
         std::thread::sleep(Duration::from_secs(1));
         let turns = watch.turns();
@@ -98,7 +72,7 @@ fn one_node_answers_and_a_killed_holder_is_replaced_within_2s() {
 
         let killed_at = watch.started.elapsed();
         lan.nodes[first].daemon_mut().kill();
-        let second = wait_holder(&lan, &api, Some(first));
+        let second = lan.wait_holder(&api, Some(first));
         std::thread::sleep(Duration::from_secs(1));
         let turns = watch.turns();
         assert_eq!(turns.len(), 2, "the old holder, then the new one, never both: {turns:?}");
@@ -121,7 +95,7 @@ fn one_node_answers_and_a_killed_holder_is_replaced_within_2s() {
         // The old node comes back: a candidate, the VIP stays where it is.
         lan.nodes[first].start(kubeconfig.path(), &services(Servers::Static));
         assert!(
-            wait_until(Duration::from_secs(5), || lan.nodes[first].role().as_deref()
+            wait_until(Duration::from_secs(10), || lan.nodes[first].role().as_deref()
                 == Some("candidate")),
             "{}",
             lan.nodes[first].daemon().log()
@@ -172,7 +146,7 @@ fn a_stopped_holder_hands_over_at_once() {
         for node in &mut lan.nodes {
             node.start(kubeconfig.path(), &services(Servers::Discovered));
         }
-        let first = wait_holder(&lan, &api, None);
+        let first = lan.wait_holder(&api, None);
         let status = lan.nodes[first].daemon().status();
         // The not-ready endpoint is left out; the ready one makes the node
         // eligible.
@@ -183,8 +157,8 @@ fn a_stopped_holder_hands_over_at_once() {
         std::thread::sleep(Duration::from_millis(500));
         let stopped_at = watch.started.elapsed();
         lan.nodes[first].daemon().signal(libc::SIGTERM);
-        assert!(lan.nodes[first].daemon_mut().wait_exit(Duration::from_secs(5)), "it stops");
-        let second = wait_holder(&lan, &api, Some(first));
+        assert!(lan.nodes[first].daemon_mut().wait_exit(Duration::from_secs(10)), "it stops");
+        let second = lan.wait_holder(&api, Some(first));
         std::thread::sleep(Duration::from_millis(500));
         let turns = watch.turns();
         assert_eq!(turns.len(), 2, "the old holder, then the new one, never both: {turns:?}");
@@ -225,12 +199,12 @@ fn a_holder_without_a_usable_server_hands_over() {
         for node in &mut lan.nodes {
             node.start(kubeconfig.path(), &services(Servers::Static));
         }
-        let first = wait_holder(&lan, &api, None);
+        let first = lan.wait_holder(&api, None);
         let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
         std::thread::sleep(Duration::from_millis(300));
         let server = lan.nodes[first].server.take().unwrap();
         let addr = server.stop();
-        let second = wait_holder(&lan, &api, Some(first));
+        let second = lan.wait_holder(&api, Some(first));
         assert!(
             wait_until(Duration::from_secs(2), || lan.ask().as_deref()
                 == Ok(lan.nodes[second].name.as_str())),
@@ -246,7 +220,7 @@ fn a_holder_without_a_usable_server_hands_over() {
         lan.nodes[first].server =
             Some(lan::serve(&lan.nodes[first].servers, &lan.nodes[first].name));
         assert_eq!(lan.nodes[first].server.as_ref().unwrap().addr, addr);
-        assert!(wait_until(Duration::from_secs(5), || lan.nodes[first].role().as_deref()
+        assert!(wait_until(Duration::from_secs(10), || lan.nodes[first].role().as_deref()
             == Some("candidate")));
         std::thread::sleep(Duration::from_millis(1500));
         let turns = watch.turns();
@@ -281,12 +255,12 @@ fn a_holder_cut_off_from_the_api_falls_silent_before_another_answers() {
             node.start(kubeconfig.path(), &services(Servers::Static));
             reach.push((addr, kubeconfig));
         }
-        let first = wait_holder(&lan, &api, None);
+        let first = lan.wait_holder(&api, None);
         let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
         std::thread::sleep(Duration::from_millis(300));
         let cut_at = watch.started.elapsed();
         api.stop_listener(reach[first].0);
-        let second = wait_holder(&lan, &api, Some(first));
+        let second = lan.wait_holder(&api, Some(first));
         std::thread::sleep(Duration::from_millis(500));
         let turns = watch.turns();
         assert_eq!(turns.len(), 2, "{turns:?}");
@@ -331,18 +305,36 @@ fn flapping_readiness_does_not_move_the_lease_back_and_forth() {
         for node in &mut lan.nodes {
             node.start(kubeconfig.path(), &services(Servers::Static));
         }
-        assert_eq!(wait_holder(&lan, &api, None), 0);
+        assert_eq!(lan.wait_holder(&api, None), 0);
         let transitions =
             || api.lease(LEASE.0, LEASE.1).and_then(|l| l.spec?.lease_transitions).unwrap_or(0);
         let before = transitions();
+        // Down long enough for its checks (every 100 ms) to see it, up for
+        // less than a lease duration: never settled while it flaps.
+        let mut released = 0;
+        let mut watch_for = |api: &FakeApiServer, time: Duration| {
+            let until = std::time::Instant::now() + time;
+            let mut was_held = true;
+            while std::time::Instant::now() < until {
+                let held =
+                    api.lease(LEASE.0, LEASE.1).and_then(|l| l.spec?.holder_identity).is_some();
+                released += usize::from(was_held && !held);
+                was_held = held;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        };
         for _ in 0..6 {
             let server = lan.nodes[0].server.take().unwrap();
             server.stop();
-            std::thread::sleep(Duration::from_millis(300));
+            watch_for(&api, Duration::from_millis(500));
             lan.nodes[0].server = Some(lan::serve(&lan.nodes[0].servers, "node1"));
-            std::thread::sleep(Duration::from_millis(300));
+            watch_for(&api, Duration::from_millis(500));
         }
-        assert_eq!(wait_holder(&lan, &api, None), 0);
+        assert!(
+            released >= 1,
+            "the holder never gave the lease up: its checks missed the failures"
+        );
+        assert_eq!(lan.wait_holder(&api, None), 0);
         let taken = transitions() - before;
         assert_eq!(taken, 1, "taken again once, after the flapping, not at every recovery");
         drop(lan);

@@ -25,4 +25,5 @@ pub enum Part {
     Owner,
     Dns,
     External,
+    Election,
 }

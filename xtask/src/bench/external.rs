@@ -61,7 +61,7 @@ pub fn run(results: &mut Results) -> anyhow::Result<()> {
 
 /// Runs `cargo bench --bench NAME` in lb-tests and reads the JSON line it
 /// prints last.
-fn bench_json(name: &str) -> anyhow::Result<Value> {
+pub(super) fn bench_json(name: &str) -> anyhow::Result<Value> {
     let out = output_of(&mut crate::cargo::cargo_command(&[
         "bench",
         "--package",

@@ -32,6 +32,10 @@
 //!   of a flow, established, reply, not ours), under `BPF_PROG_TEST_RUN`;
 //!   connects and requests per second from a client namespace through the
 //!   node by plain routing, lb's external VIP, IPVS (NAT) and haproxy.
+//! - **election** ([`election`]): the node announcing an external VIP dies;
+//!   how long until a client's connect is answered by another node (and
+//!   the new holder's first ARP answer), p50/p99 over repeated deaths; the
+//!   Lease requests per second one VIP costs the API server.
 //!
 //! Output: a table on stdout, `target/bench/report.md` and the plot
 //! `target/bench/ratios.svg` ([`report`]). Targets of the Speed issue are
@@ -55,6 +59,7 @@ mod bpf_stats;
 mod client;
 mod discovery;
 mod dns;
+mod election;
 mod external;
 mod failover;
 mod format;
@@ -98,6 +103,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             Part::Owner,
             Part::Dns,
             Part::External,
+            Part::Election,
         ]
     } else {
         args.only.clone()
@@ -129,6 +135,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             Part::Owner => owner::run(&mut results)?,
             Part::Dns => dns::run(args.rounds, &dir, &mut results)?,
             Part::External => external::run(&mut results)?,
+            Part::Election => election::run(&mut results)?,
         }
         println!("    ({:?} took {:.0} s)", part, part_started.elapsed().as_secs_f64());
     }

@@ -321,6 +321,31 @@ fn tables(r: &Results) -> Vec<Table> {
         }
         tables.push(t);
     }
+    if let Some(e) = &r.election {
+        let mut t = Table::new(
+            &format!(
+                "The announcing node dies ({} nodes; lease {:.0} ms, renew and retry {:.0}/{:.0} ms; {} deaths, {} not taken over within 10 s)",
+                e.nodes, e.lease_duration_ms, e.renew_ms, e.retry_ms, e.rounds, e.failed_rounds
+            ),
+            &["from the death to", "p50", "p99"],
+        );
+        for (what, samples) in [
+            ("a client's connect answered by another node", &e.takeover_connect_ms),
+            ("the new holder's first ARP answer", &e.takeover_arp_ms),
+        ] {
+            t.row(vec![
+                what.to_owned(),
+                millis(median(samples)),
+                millis(percentile(samples, 99.0)),
+            ]);
+        }
+        t.row(vec![
+            "Lease requests per second for the VIP, steady state (all nodes)".to_owned(),
+            format!("{:.1}", e.api_requests_per_s),
+            String::new(),
+        ]);
+        tables.push(t);
+    }
     if let Some(d) = &r.dns {
         let mut t = Table::new(
             &format!(

@@ -195,6 +195,21 @@ impl External {
     }
 }
 
+/// The elections: the holder's death to the first connect answered by
+/// another node, and to its first ARP answer (ms, one per round); the
+/// Lease requests per second the nodes make for one VIP in steady state.
+pub struct Election {
+    pub nodes: usize,
+    pub rounds: usize,
+    pub failed_rounds: usize,
+    pub lease_duration_ms: f64,
+    pub renew_ms: f64,
+    pub retry_ms: f64,
+    pub takeover_connect_ms: Vec<f64>,
+    pub takeover_arp_ms: Vec<f64>,
+    pub api_requests_per_s: f64,
+}
+
 pub struct Dns {
     pub rounds: u32,
     pub qps: Vec<(DnsRoute, f64)>,
@@ -234,6 +249,7 @@ pub struct Results {
     pub owner_loop: Option<OwnerLoop>,
     pub dns: Option<Dns>,
     pub external: Option<External>,
+    pub election: Option<Election>,
     pub notes: Vec<String>,
     pub duration: Duration,
     /// The 1-minute load average when the run started: other work on the
@@ -258,6 +274,7 @@ impl Results {
             owner_loop: None,
             dns: None,
             external: None,
+            election: None,
             notes: Vec::new(),
             duration: Duration::ZERO,
             load_at_start: load_average(),

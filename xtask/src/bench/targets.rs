@@ -118,6 +118,19 @@ pub fn targets(r: &Results) -> Vec<(bool, String)> {
             }
         }
     }
+    if let Some(e) = &r.election {
+        let p99 = percentile(&e.takeover_connect_ms, 99.0);
+        lines.push((
+            e.failed_rounds == 0 && p99 <= 2_000.0,
+            format!(
+                "clients move within 2 s of the announcing node's death (issue 26): p99 {}, p50 {}, {} of {} deaths not taken over",
+                millis(p99),
+                millis(median(&e.takeover_connect_ms)),
+                e.failed_rounds,
+                e.rounds
+            ),
+        ));
+    }
     if let Some(d) = &r.dns {
         let (vip, forwarder) = (d.qps(DnsRoute::Vip), d.qps(DnsRoute::Forwarder));
         lines.push((
