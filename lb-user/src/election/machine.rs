@@ -7,7 +7,9 @@
 //! - **Compete only when eligible, and settled**: the node has had a usable
 //!   server for the service for [`Timings::settle`] without a break, so
 //!   readiness that flaps does not make the lease move back and forth. A
-//!   holder that stops being eligible releases at once.
+//!   holder that stops being eligible releases at once; one that finds the
+//!   lease its own when it starts (its daemon restarted after a crash)
+//!   renews it at once if it is eligible.
 //! - **Expiry by the candidate's own clock**: a record is expired when it
 //!   has not changed for its `leaseDurationSeconds` since this node saw it
 //!   change (as client-go does): the nodes' wall clocks never meet.
@@ -182,19 +184,22 @@ impl Machine {
             Some(due) if due > now => Step::Wait(Some(until.map_or(due, |u| u.min(due)))),
             _ => Step::Read,
         };
-        if !self.settled(now) {
-            if self.holds() {
+        if self.holds() {
+            // Settling is for taking a lease; one held (a daemon restarted
+            // after a crash finds the lease still its own) is renewed at
+            // once while the node is eligible.
+            if self.stopping || self.eligible_since.is_none() {
                 return Step::Release;
             }
+            let due = self.claimed_at.map_or(now, |t| t + self.timings.renew);
+            return if due <= now { Step::Claim } else { Step::Wait(Some(due)) };
+        }
+        if !self.settled(now) {
             if self.stopping {
                 return Step::Wait(None);
             }
             // Eligible soon: look again then; else keep the view fresh.
             return read_or_wait(self.eligible_since.map(|t| t + self.timings.settle));
-        }
-        if self.holds() {
-            let due = self.claimed_at.map_or(now, |t| t + self.timings.renew);
-            return if due <= now { Step::Claim } else { Step::Wait(Some(due)) };
         }
         if self.absent {
             return Step::Create;

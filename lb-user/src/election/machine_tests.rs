@@ -193,3 +193,22 @@ fn a_stopping_holder_releases_and_then_waits() {
     assert_eq!(m.next(t1 + 3 * MS), Step::Wait(None));
     assert_eq!(m.role(t1 + 3 * MS), Role::NotEligible("stopping"));
 }
+
+#[test]
+fn a_restarted_holder_renews_its_lease_at_once() {
+    // The daemon crashed and came back within the lease: the record still
+    // names this node. Eligible (its servers adopted as usable), it
+    // renews without waiting to settle, and is the holder again.
+    let t0 = Instant::now();
+    let mut m = eligible("a", t0);
+    m.on_read(Some(held_by("a", 9)), t0 + 5 * MS);
+    assert_eq!(m.next(t0 + 5 * MS), Step::Claim);
+    m.on_claimed(held_by("a", 10), t0 + 5 * MS, t0 + 8 * MS);
+    assert_eq!(m.role(t0 + 8 * MS), Role::Holder { fence: t0 + 755 * MS });
+    assert!(m.last_takeover().is_none(), "it held the lease all along");
+    // Not eligible when it comes back: it lets the lease go at once.
+    let mut m = Machine::new("a".to_owned(), timings());
+    m.set_eligible(Some("no usable server"), t0);
+    m.on_read(Some(held_by("a", 9)), t0 + 5 * MS);
+    assert_eq!(m.next(t0 + 5 * MS), Step::Release);
+}
