@@ -342,3 +342,70 @@ fn flapping_readiness_does_not_move_the_lease_back_and_forth() {
         drop(rt);
     });
 }
+
+/// Item 3: the API servers are themselves behind lb, as on a k3s or RKE2
+/// node (a local VIP whose service discovers `default/kubernetes`; the
+/// kubeconfig names the VIP). The elections reach them through that
+/// service's usable servers, as its discovery does: when the apiserver
+/// the holder was using dies, its next renewal goes to the other one,
+/// and it never falls silent.
+#[test]
+fn leases_go_through_the_apiservers_service_and_survive_an_apiserver_death() {
+    if !privileged() {
+        return;
+    }
+    let _serial = one_at_a_time();
+    in_new_netns(|| {
+        use lb_tests::fakes::apiserver::{Condition, endpoint, endpoint_slice};
+        let mut lan = Lan::new("el-via", 2);
+        lb_tests::sh(&["ip", "addr", "add", "198.18.0.251/24", "dev", "br0"]);
+        let rt = runtime();
+        let api = rt.block_on(FakeApiServer::start_at(format!("{API}:0").parse().unwrap()));
+        let (first, port) = (api.addr(), api.addr().port());
+        let second = rt.block_on(api.listen(format!("198.18.0.251:{port}").parse().unwrap()));
+        api.apply(endpoint_slice(
+            "kubernetes",
+            "kubernetes",
+            "IPv4",
+            &[("https", port)],
+            vec![
+                endpoint(&first.ip().to_string(), "cp-1", Condition::Ready),
+                endpoint(&second.ip().to_string(), "cp-2", Condition::Ready),
+            ],
+        ));
+        let apiservers = format!(
+            "[[service]]\nname = \"apiserver\"\nvip = \"127.0.0.1:6443\"\nservers = [\"{first}\"]\n\
+             [service.health]\ncheck = \"tcp\"\ninterval = \"100ms\"\ntimeout = \"100ms\"\n\
+             [service.discovery]\nkubernetes = {{ namespace = \"default\", service = \"kubernetes\", port = \"https\" }}\n\
+             debounce = \"100ms\"\n"
+        );
+        // The kubeconfig names the local VIP, as k3s's agent does.
+        let kubeconfig = Kubeconfig::write("http://127.0.0.1:6443");
+        for node in &mut lan.nodes {
+            node.start(kubeconfig.path(), &format!("{}{apiservers}", services(Servers::Static)));
+        }
+        let holder = lan.wait_holder(&api, None);
+        let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
+        std::thread::sleep(Duration::from_millis(500));
+        let cut = api.lease_requests().len();
+        api.stop_listener(first);
+        let mut roles = Vec::new();
+        for _ in 0..30 {
+            roles.push(lan.nodes[holder].role());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert!(roles.iter().all(|r| r.as_deref() == Some("holder")), "{roles:?}");
+        let after: Vec<_> = api.lease_requests().split_off(cut);
+        assert!(
+            after.iter().any(|r| r.via == second && r.method == "PUT" && r.status == 200),
+            "renewed through the other apiserver: {after:?}"
+        );
+        let turns = watch.turns();
+        assert_eq!(turns.len(), 1, "the holder kept answering, alone: {turns:?}");
+        assert_eq!(lan.nodes[holder].daemon().counter("xdp_announce_fenced"), 0, "never fenced");
+        drop(watch);
+        drop(lan);
+        drop(api);
+        drop(rt);
+    });
+}

@@ -4,7 +4,7 @@
 //! no such Lease) and delete. Each write takes the next resourceVersion of
 //! the store the slices share.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, net::SocketAddr};
 
 use http_body_util::BodyExt as _;
 use hyper::{Method, Request, Response, StatusCode, body::Incoming};
@@ -22,12 +22,28 @@ pub(super) const PREFIX: &str = "/apis/coordination.k8s.io/v1/namespaces/";
 #[derive(Default)]
 pub(super) struct Leases {
     pub(super) items: BTreeMap<(String, String), Lease>,
-    /// Requests answered: (method, name, status).
-    pub(super) log: Vec<(String, String, u16)>,
+    pub(super) log: Vec<LeaseRequest>,
 }
 
-/// Answers a request under [`PREFIX`].
-pub(super) async fn handle(shared: &Shared, request: Request<Incoming>) -> Response<ChannelBody> {
+/// One Lease request the fake answered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseRequest {
+    /// `GET`, `POST`, `PUT`, `DELETE`.
+    pub method: String,
+    /// The Lease's name.
+    pub name: String,
+    /// The HTTP status of the answer.
+    pub status: u16,
+    /// The listener (apiserver) that answered.
+    pub via: SocketAddr,
+}
+
+/// Answers a request under [`PREFIX`], at the listener `via`.
+pub(super) async fn handle(
+    shared: &Shared,
+    via: SocketAddr,
+    request: Request<Incoming>,
+) -> Response<ChannelBody> {
     let path = request.uri().path().to_owned();
     let method = request.method().clone();
     let rest = path.strip_prefix(PREFIX).unwrap_or_default();
@@ -103,7 +119,12 @@ pub(super) async fn handle(shared: &Shared, request: Request<Incoming>) -> Respo
         _ => (StatusCode::METHOD_NOT_ALLOWED, b"{}".to_vec(), format!("{method} {path}")),
     };
     let (status, body, name) = response;
-    state.leases.log.push((method.to_string(), name, status.as_u16()));
+    state.leases.log.push(LeaseRequest {
+        method: method.to_string(),
+        name,
+        status: status.as_u16(),
+        via,
+    });
     drop(state);
     if status.is_success() {
         json_response(status, body)

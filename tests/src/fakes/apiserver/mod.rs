@@ -44,6 +44,7 @@ pub use k8s_openapi::api::{
     coordination::v1::Lease,
     discovery::v1::{Endpoint, EndpointSlice},
 };
+pub use leases::LeaseRequest;
 pub use objects::{Condition, Kubeconfig, SERVICE_NAME_LABEL, endpoint, endpoint_slice};
 use serve::accept_loop;
 pub use store::RequestLog;
@@ -267,8 +268,8 @@ impl FakeApiServer {
         state.leases.items.get(&(namespace.to_owned(), name.to_owned())).cloned()
     }
 
-    /// The Lease requests answered so far: (method, name, HTTP status).
-    pub fn lease_requests(&self) -> Vec<(String, String, u16)> {
+    /// The Lease requests answered so far.
+    pub fn lease_requests(&self) -> Vec<LeaseRequest> {
         self.shared.state.lock().unwrap().leases.log.clone()
     }
 

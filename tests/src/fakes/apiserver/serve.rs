@@ -56,7 +56,7 @@ pub(super) async fn accept_loop(
                 let shared = shared.clone();
                 async move {
                     let response = if request.uri().path().starts_with(leases::PREFIX) {
-                        leases::handle(&shared, request).await
+                        leases::handle(&shared, via, request).await
                     } else {
                         handle(&shared, via, request)
                     };
