@@ -46,6 +46,9 @@ pub(super) struct External {
     interfaces: BTreeMap<String, (Role, Result<Mode, String>)>,
     /// Whether the kernel forwards IPv4 and IPv6, as last read.
     forwarding: Option<bool>,
+    /// The interfaces `lb_xdp` runs on, as the last sync found them: each
+    /// one's index and MAC address.
+    links: HashMap<String, (u32, announce::Mac)>,
     /// The addresses announced now, on which interfaces.
     announced: HashSet<Announced>,
     /// The same, for the repeated announcements (`tell_the_link`): one
@@ -158,13 +161,22 @@ impl Daemon {
                 warn!(interface = %name, "the external path cannot run here (tried again every second): {e}");
             }
         }
-        let link_macs: HashMap<u32, announce::Mac> = attached
+        // Each interface the program runs on, read once a sync: its MAC
+        // goes to LINK_MACS, and is what announcements answer with.
+        self.external.links = attached
             .iter()
             .filter(|(_, result)| result.is_ok())
             .filter_map(|(name, _)| {
-                Some((routes::ifindex(name)?, announce::interface_mac(name).ok()?))
+                let mac = announce::interface_mac(name)
+                    .inspect_err(
+                        |e| warn!(interface = %name, "reading the interface's MAC address: {e}"),
+                    )
+                    .ok()?;
+                Some((name.clone(), (routes::ifindex(name)?, mac)))
             })
             .collect();
+        let link_macs: HashMap<u32, announce::Mac> =
+            self.external.links.values().copied().collect();
         if let Err(e) = self.datapath.external().set_link_macs(&link_macs) {
             warn!("writing the interfaces' MAC addresses: {e:#}");
         }
@@ -210,7 +222,6 @@ impl Daemon {
     /// eligible (after the kernel has fallen silent, never before).
     fn announce(&mut self, external: &[usize]) {
         let mut wanted: HashMap<Announced, announce::Mac> = HashMap::new();
-        let mut macs: HashMap<String, Option<announce::Mac>> = HashMap::new();
         let mut eligible: HashMap<usize, Option<&'static str>> = HashMap::new();
         for &i in external {
             let service = &self.services[i];
@@ -218,18 +229,13 @@ impl Daemon {
             if config.announce != Announce::Arp {
                 continue;
             }
-            let mut here = Vec::new();
-            for name in &config.interfaces {
-                let Some(ifindex) = routes::ifindex(name) else { continue };
-                let mac = macs.entry(name.clone()).or_insert_with(|| {
-                    announce::interface_mac(name)
-                        .inspect_err(|e| warn!(interface = %name, "reading the interface's MAC address: {e}"))
-                        .ok()
-                });
-                if let Some(mac) = *mac {
-                    here.push((ifindex, mac));
-                }
-            }
+            // The interfaces the program runs on, as the last sync found
+            // them: no reads here, which every renewal of a lease runs.
+            let here: Vec<(u32, announce::Mac)> = config
+                .interfaces
+                .iter()
+                .filter_map(|name| self.external.links.get(name).copied())
+                .collect();
             let why_not = if !has_usable(service.balancer.servers()) {
                 Some("no usable server")
             } else if here.is_empty() {

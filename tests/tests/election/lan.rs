@@ -29,7 +29,7 @@ use lb_tests::{
 #[path = "../topology/mod.rs"]
 mod topology;
 
-pub use topology::{mac_of, pass_through, tx_checksums_off, who};
+pub use topology::{mac_of, neighbour, pass_through, tx_checksums_off, who};
 
 pub const VIP: &str = "198.18.1.100:80";
 pub const VIP_IP: &str = "198.18.1.100";
@@ -170,16 +170,7 @@ impl Lan {
 
     /// The MAC address the client's neighbour table holds for the VIP.
     pub fn client_neighbour(&self) -> Option<String> {
-        self.client.run(|| {
-            let out = std::process::Command::new("ip")
-                .args(["neigh", "show", VIP_IP, "dev", "c0"])
-                .output()
-                .unwrap();
-            let text = String::from_utf8_lossy(&out.stdout).into_owned();
-            let words: Vec<&str> = text.split_whitespace().collect();
-            let at = words.iter().position(|w| *w == "lladdr")?;
-            Some(words.get(at + 1)?.to_string())
-        })
+        neighbour(&self.client, VIP_IP)
     }
 }
 

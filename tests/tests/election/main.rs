@@ -31,6 +31,36 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// A LAN of `n` nodes for the test `tag`, and the fake API server on its
+/// bridge (on the runtime returned, which must outlive it).
+fn lan_and_api(tag: &str, n: usize) -> (Lan, tokio::runtime::Runtime, FakeApiServer) {
+    let lan = Lan::new(tag, n);
+    let rt = runtime();
+    let api = rt.block_on(FakeApiServer::start_at(format!("{API}:0").parse().unwrap()));
+    (lan, rt, api)
+}
+
+/// What the capture saw: node `from` answering, then node `to`, never
+/// both (the first's last answer before the second's first), the second
+/// within [`TAKEOVER`] of `since`. Returns the first's last answer and
+/// the second's first, since the capture began.
+#[track_caller]
+fn handed_over(
+    watch: &Watch,
+    lan: &Lan,
+    from: usize,
+    to: usize,
+    since: Duration,
+) -> (Duration, Duration) {
+    let turns = watch.turns();
+    assert_eq!(turns.len(), 2, "the old holder, then the new one, never both: {turns:?}");
+    let (old, new) = (&turns[0], &turns[1]);
+    assert_eq!((&old.0, &new.0), (&lan.nodes[from].mac, &lan.nodes[to].mac));
+    assert!(old.2 < new.1, "the old holder fell silent before the new one answered: {turns:?}");
+    assert!(new.1 - since <= TAKEOVER, "answered {:?} after the holder went", new.1 - since);
+    (old.2, new.1)
+}
+
 /// How often the client asks who has the VIP.
 const ASK_EVERY: Duration = Duration::from_millis(20);
 /// How long a takeover may take here: the lease running out (1 s) and
@@ -54,9 +84,7 @@ fn one_node_answers_and_a_killed_holder_is_replaced() {
     }
     let _serial = one_at_a_time();
     in_new_netns(|| {
-        let mut lan = Lan::new("el-kill", 3);
-        let rt = runtime();
-        let api = rt.block_on(FakeApiServer::start_at(format!("{API}:0").parse().unwrap()));
+        let (mut lan, rt, api) = lan_and_api("el-kill", 3);
         let kubeconfig = Kubeconfig::write(&api.url());
         for node in &mut lan.nodes {
             node.start(kubeconfig.path(), &services(Servers::Static));
@@ -74,16 +102,11 @@ fn one_node_answers_and_a_killed_holder_is_replaced() {
         lan.nodes[first].daemon_mut().kill();
         let second = lan.wait_holder(&api, Some(first));
         std::thread::sleep(Duration::from_secs(1));
-        let turns = watch.turns();
-        assert_eq!(turns.len(), 2, "the old holder, then the new one, never both: {turns:?}");
-        let (old, new) = (&turns[0], &turns[1]);
-        assert_eq!((&old.0, &new.0), (&lan.nodes[first].mac, &lan.nodes[second].mac));
-        assert!(old.2 < new.1, "the old holder fell silent before the new one answered: {turns:?}");
-        assert!(new.1 - killed_at <= TAKEOVER, "answered {:?} after the kill", new.1 - killed_at);
+        let (last, first_new) = handed_over(&watch, &lan, first, second, killed_at);
         println!(
             "SIGKILL takeover: the old holder's last answer {:?} after the kill, the new one's first {:?}",
-            old.2.saturating_sub(killed_at),
-            new.1 - killed_at
+            last.saturating_sub(killed_at),
+            first_new - killed_at
         );
         assert!(
             wait_until(Duration::from_secs(2), || lan.client_neighbour().as_deref()
@@ -129,9 +152,7 @@ fn a_stopped_holder_hands_over_at_once() {
     let _serial = one_at_a_time();
     in_new_netns(|| {
         use lb_tests::fakes::apiserver::{Condition, endpoint, endpoint_slice};
-        let mut lan = Lan::new("el-term", 2);
-        let rt = runtime();
-        let api = rt.block_on(FakeApiServer::start_at(format!("{API}:0").parse().unwrap()));
+        let (mut lan, rt, api) = lan_and_api("el-term", 2);
         api.apply(endpoint_slice(
             "web-1",
             "web",
@@ -160,15 +181,10 @@ fn a_stopped_holder_hands_over_at_once() {
         assert!(lan.nodes[first].daemon_mut().wait_exit(Duration::from_secs(10)), "it stops");
         let second = lan.wait_holder(&api, Some(first));
         std::thread::sleep(Duration::from_millis(500));
-        let turns = watch.turns();
-        assert_eq!(turns.len(), 2, "the old holder, then the new one, never both: {turns:?}");
-        let (old, new) = (&turns[0], &turns[1]);
-        assert_eq!((&old.0, &new.0), (&lan.nodes[first].mac, &lan.nodes[second].mac));
-        assert!(old.2 < new.1, "{turns:?}");
-        assert!(new.1 - stopped_at <= TAKEOVER, "took {:?}", new.1 - stopped_at);
+        let (_, first_new) = handed_over(&watch, &lan, first, second, stopped_at);
         println!(
             "SIGTERM handover: the new holder's first answer {:?} after the signal",
-            new.1 - stopped_at
+            first_new - stopped_at
         );
         let status = lan.nodes[second].daemon().status();
         assert_eq!(
@@ -192,9 +208,7 @@ fn a_holder_without_a_usable_server_hands_over() {
     }
     let _serial = one_at_a_time();
     in_new_netns(|| {
-        let mut lan = Lan::new("el-unusable", 2);
-        let rt = runtime();
-        let api = rt.block_on(FakeApiServer::start_at(format!("{API}:0").parse().unwrap()));
+        let (mut lan, rt, api) = lan_and_api("el-unusable", 2);
         let kubeconfig = Kubeconfig::write(&api.url());
         for node in &mut lan.nodes {
             node.start(kubeconfig.path(), &services(Servers::Static));
@@ -244,9 +258,7 @@ fn a_holder_cut_off_from_the_api_falls_silent_before_another_answers() {
     }
     let _serial = one_at_a_time();
     in_new_netns(|| {
-        let mut lan = Lan::new("el-cut", 2);
-        let rt = runtime();
-        let api = rt.block_on(FakeApiServer::start_at(format!("{API}:0").parse().unwrap()));
+        let (mut lan, rt, api) = lan_and_api("el-cut", 2);
         // An apiserver of its own for each node: one can be cut off alone.
         let mut reach = Vec::new();
         for node in &mut lan.nodes {
@@ -262,16 +274,11 @@ fn a_holder_cut_off_from_the_api_falls_silent_before_another_answers() {
         api.stop_listener(reach[first].0);
         let second = lan.wait_holder(&api, Some(first));
         std::thread::sleep(Duration::from_millis(500));
-        let turns = watch.turns();
-        assert_eq!(turns.len(), 2, "{turns:?}");
-        let (old, new) = (&turns[0], &turns[1]);
-        assert_eq!((&old.0, &new.0), (&lan.nodes[first].mac, &lan.nodes[second].mac));
-        assert!(old.2 < new.1, "never two at once: {turns:?}");
-        assert!(new.1 - cut_at <= TAKEOVER, "{:?}", new.1 - cut_at);
+        let (last, first_new) = handed_over(&watch, &lan, first, second, cut_at);
         println!(
             "API cut off: the holder's last answer {:?} after the cut, the new holder's first {:?}",
-            old.2.saturating_sub(cut_at),
-            new.1 - cut_at
+            last.saturating_sub(cut_at),
+            first_new - cut_at
         );
         let status = lan.nodes[first].daemon().status();
         let lease = &status["services"][0]["external"]["lease"];
@@ -296,9 +303,7 @@ fn flapping_readiness_does_not_move_the_lease_back_and_forth() {
     }
     let _serial = one_at_a_time();
     in_new_netns(|| {
-        let mut lan = Lan::new("el-flap", 2);
-        let rt = runtime();
-        let api = rt.block_on(FakeApiServer::start_at(format!("{API}:0").parse().unwrap()));
+        let (mut lan, rt, api) = lan_and_api("el-flap", 2);
         let kubeconfig = Kubeconfig::write(&api.url());
         // node2 never has a server: only node1 can hold the VIP.
         drop(lan.nodes[1].server.take());
@@ -357,10 +362,8 @@ fn leases_go_through_the_apiservers_service_and_survive_an_apiserver_death() {
     let _serial = one_at_a_time();
     in_new_netns(|| {
         use lb_tests::fakes::apiserver::{Condition, endpoint, endpoint_slice};
-        let mut lan = Lan::new("el-via", 2);
+        let (mut lan, rt, api) = lan_and_api("el-via", 2);
         lb_tests::sh(&["ip", "addr", "add", "198.18.0.251/24", "dev", "br0"]);
-        let rt = runtime();
-        let api = rt.block_on(FakeApiServer::start_at(format!("{API}:0").parse().unwrap()));
         let (first, port) = (api.addr(), api.addr().port());
         let second = rt.block_on(api.listen(format!("198.18.0.251:{port}").parse().unwrap()));
         api.apply(endpoint_slice(

@@ -197,8 +197,14 @@ pub fn has_xdp(dev: &str) -> bool {
 /// The link-layer address the client's neighbour table holds for `ip`,
 /// if it holds one that is usable.
 pub fn client_neighbour(net: &Topology, ip: &str) -> Option<String> {
+    neighbour(&net.client, ip)
+}
+
+/// The link-layer address the neighbour table of `ns` holds for `ip` on
+/// `c0` (a client's link), if it holds one that is usable.
+pub fn neighbour(ns: &Namespace, ip: &str) -> Option<String> {
     let ip = ip.to_owned();
-    net.client.run(move || {
+    ns.run(move || {
         let out = std::process::Command::new("ip")
             .args(["neigh", "show", &ip, "dev", "c0"])
             .output()

@@ -67,6 +67,7 @@ mod host;
 mod limits;
 mod owner;
 mod paths;
+mod plot;
 mod report;
 mod results;
 mod scale;
