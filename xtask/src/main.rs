@@ -12,7 +12,10 @@ mod previous;
 mod toolchain;
 mod vmtest;
 
-use std::process::{Command, ExitCode};
+use std::{
+    process::{Command, ExitCode},
+    time::Instant,
+};
 
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
@@ -159,15 +162,16 @@ fn test() -> anyhow::Result<()> {
         // the musl resolver with musl-tools.
         cmd::install_missing_packages(&TEST_PACKAGES)?;
     }
+    let started = Instant::now();
     style_checks()?;
 
-    println!("==> host tests (no privileges needed)");
+    stage(started, "host tests (no privileges needed)");
     cargo(&["test", "--workspace", "--exclude", "lb-tests"])?;
 
     // Each target briefly; `cargo xtask fuzz` runs them longer.
     fuzz::run(&fuzz::Args { seconds: fuzz::TEST_SECONDS, target: None })?;
 
-    println!("==> privileged integration tests on the host kernel");
+    stage(started, "privileged integration tests on the host kernel");
     cargo(&["build", "--package", "lb-user"])?;
     if !is_root() {
         println!("(not root: the integration tests will report themselves skipped)");
@@ -189,10 +193,10 @@ fn test() -> anyhow::Result<()> {
         println!("(not root: the demo smoke run and the VM tests are skipped)");
         return Ok(());
     }
-    println!("==> demo smoke run");
+    stage(started, "demo smoke run");
     demo::run(3)?;
 
-    println!("==> the integration tests on other kernels, in VMs");
+    stage(started, "the integration tests on other kernels, in VMs");
     if std::env::var("CI").is_ok_and(|v| v == "true") {
         // A kernel takes 6-7 min under software emulation on the 2-CPU
         // machine; three, with lb's release build (5.5 min), would take
@@ -203,6 +207,13 @@ fn test() -> anyhow::Result<()> {
     } else {
         vmtest::run(&Release::ALL.map(KernelSpec::Release))
     }
+}
+
+/// A stage's heading, with the time since `cargo xtask test` began: a CI
+/// log that ends early still says where the time went.
+fn stage(started: Instant, title: &str) {
+    let secs = started.elapsed().as_secs();
+    println!("==> {title} (at {}:{:02})", secs / 60, secs % 60);
 }
 
 /// Formatting and lints, before any test runs: `cargo fmt --check` over
