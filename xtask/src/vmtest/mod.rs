@@ -53,6 +53,7 @@ use self::{
     kernels::Kernel,
     libtest::TestResult,
     tools::Vng,
+    watch::Event,
 };
 use crate::{
     cargo::{cargo, cargo_command},
@@ -385,14 +386,11 @@ fn collect(results: &Path, tests: &[String], outcome: &mut Outcome) {
     let timing = fs::read_to_string(results.join("timing")).unwrap_or_default();
     let (mut first_start, mut last_end) = (None, None);
     for line in timing.lines() {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        let seconds =
-            words.last().and_then(|w| w.parse::<f64>().ok()).filter(|s| s.is_finite() && *s >= 0.0);
-        match words.first() {
-            Some(&"boot") => outcome.boot = seconds.map(Duration::from_secs_f64),
-            Some(&"start") => first_start = first_start.or(seconds),
-            Some(&"end") => last_end = seconds.or(last_end),
-            _ => {}
+        match Event::parse(line) {
+            Some(Event::Boot { at }) => outcome.boot = Some(Duration::from_secs_f64(at)),
+            Some(Event::Start { at, .. }) => first_start = first_start.or(Some(at)),
+            Some(Event::End { at, .. }) => last_end = Some(at),
+            None => {}
         }
     }
     if let (Some(start), Some(end)) = (first_start, last_end) {

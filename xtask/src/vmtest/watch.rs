@@ -77,7 +77,7 @@ pub fn follow(
                     println!("{}", progress_line(kernel, name, took, &status));
                     let _ = std::io::stdout().flush();
                 }
-                None => {}
+                Some(Event::Boot { .. }) | None => {}
             }
         }
         seen = seen.max(lines.len());
@@ -111,21 +111,24 @@ fn stop(child: &mut Child) {
     let _ = child.wait();
 }
 
-/// A line of the guest's timing file that marks a binary.
+/// A line of the guest's timing file (written by the guest script), with
+/// the guest's uptime in seconds.
 #[derive(Debug, PartialEq)]
-enum Event<'a> {
+pub enum Event<'a> {
+    Boot { at: f64 },
     Start { name: &'a str, at: f64 },
     End { name: &'a str, at: f64 },
 }
 
 impl<'a> Event<'a> {
-    /// `start <name> <uptime>` or `end <name> <uptime>`.
-    fn parse(line: &'a str) -> Option<Self> {
-        let mut words = line.split_whitespace();
-        let (kind, name, at) = (words.next()?, words.next()?, words.next()?.parse().ok()?);
-        match kind {
-            "start" => Some(Self::Start { name, at }),
-            "end" => Some(Self::End { name, at }),
+    /// `boot <uptime>`, `start <name> <uptime>` or `end <name> <uptime>`.
+    pub fn parse(line: &'a str) -> Option<Self> {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let uptime = |word: &str| word.parse().ok().filter(|s: &f64| s.is_finite() && *s >= 0.0);
+        match words.as_slice() {
+            ["boot", at] => Some(Self::Boot { at: uptime(at)? }),
+            ["start", name, at] => Some(Self::Start { name, at: uptime(at)? }),
+            ["end", name, at] => Some(Self::End { name, at: uptime(at)? }),
             _ => None,
         }
     }
@@ -148,13 +151,10 @@ mod tests {
 
     use super::*;
 
-    /// A stand-in guest: `script` run by sh in a fresh results directory.
-    fn guest(script: &str) -> (Child, std::path::PathBuf) {
-        let dir = std::env::temp_dir().join(format!(
-            "xtask-watch-{}-{}",
-            std::process::id(),
-            script.len()
-        ));
+    /// A stand-in guest: `script` run by sh in a fresh results directory
+    /// of its own (`test`: the test's name).
+    fn guest(test: &str, script: &str) -> (Child, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("xtask-watch-{}-{test}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).unwrap();
         let child = Command::new("sh").arg("-c").arg(script).current_dir(&dir).spawn().unwrap();
@@ -167,6 +167,7 @@ mod tests {
     #[test]
     fn a_guest_that_finishes_is_followed_to_its_end() {
         let (mut child, dir) = guest(
+            "finishes",
             "echo 'boot 0.5' > timing; echo 'start udp 1' >> timing; echo 0 > udp.status; \
              echo 'end udp 2' >> timing; exit 3",
         );
@@ -178,8 +179,10 @@ mod tests {
     #[test]
     fn a_guest_silent_past_its_binary_allowance_is_stopped() {
         let started = Instant::now();
-        let (mut child, dir) =
-            guest("echo 'boot 0.5' > timing; echo 'start election 1' >> timing; exec sleep 60");
+        let (mut child, dir) = guest(
+            "silent",
+            "echo 'boot 0.5' > timing; echo 'start election 1' >> timing; exec sleep 60",
+        );
         let ended = follow(&mut child, &dir, "test", QUICK).unwrap();
         let Ended::Wedged { quiet, running } = ended else { panic!("not stopped") };
         assert_eq!(running.as_deref(), Some("election"));
@@ -196,7 +199,8 @@ mod tests {
             Some(Event::Start { name: "udp", at: 525.85 })
         );
         assert_eq!(Event::parse("end udp 568.89"), Some(Event::End { name: "udp", at: 568.89 }));
-        assert_eq!(Event::parse("boot 3.2"), None);
+        assert_eq!(Event::parse("boot 3.2"), Some(Event::Boot { at: 3.2 }));
+        assert_eq!(Event::parse("boot -1"), None);
         assert_eq!(Event::parse("end udp"), None);
         assert_eq!(Event::parse("end udp 5x"), None);
         assert_eq!(
