@@ -157,6 +157,11 @@ pub mod maps {
     /// [`UNMARKED_KERNEL`](crate::UNMARKED_KERNEL) and
     /// [`UNMARKED_REPLACED`](crate::UNMARKED_REPLACED).
     pub const UNMARKED: &str = "UNMARKED";
+    /// Kernel-only, not pinned: [`MARK_SLOTS`](crate::MARK_SLOTS) `u64`s,
+    /// each the jiffy at which a server hashed to it was last marked
+    /// failed: a server whose slot was last marked longer ago than its
+    /// service's hold-down is usable without a `FAILED_AT` lookup.
+    pub const MARKED_AT: &str = "MARKED_AT";
     /// VIP → `u32` (reserved, zero): the VIPs the external path (XDP)
     /// forwards packets from the network for (layout 5).
     pub const EXTERNAL: &str = "EXTERNAL";
@@ -354,6 +359,14 @@ pub const UNMARKED_KERNEL: u32 = 0;
 pub const UNMARKED_REPLACED: u32 = 1;
 /// Number of `UNMARKED` slots.
 pub const UNMARKED_SLOTS: u32 = 2;
+
+/// Number of `MARKED_AT` slots (a power of two).
+pub const MARK_SLOTS: u32 = 64;
+/// A `MARKED_AT` slot whose last mark is of unknown age: the daemon writes
+/// it into every slot when its programs replace running ones, whose marks
+/// did not set the slots; a program that reads it takes it as a mark made
+/// now.
+pub const MARKED_UNKNOWN: u64 = u64::MAX;
 
 /// `SockEntry::flags`: the connection reached ESTABLISHED and is counted.
 pub const SOCK_ESTABLISHED: u32 = 1 << 0;

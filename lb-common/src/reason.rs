@@ -225,6 +225,10 @@ reasons! {
     /// passed to the kernel, which drops it. Only the node it was sent to
     /// forwards it.
     XdpOtherHost = 66 => "xdp_other_host",
+    /// xdp: a packet to a server was routed by asking the kernel's FIB;
+    /// this CPU's next packets to that server take the route it gave, for
+    /// up to 50 ms (the others are not counted apart).
+    XdpFibLookup = 67 => "xdp_fib_lookup",
 }
 
 impl Reason {
@@ -351,6 +355,7 @@ mod tests {
                 "xdp_too_big_dropped",
                 "xdp_announce_fenced",
                 "xdp_other_host",
+                "xdp_fib_lookup",
             ]
         );
     }

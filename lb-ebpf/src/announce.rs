@@ -20,7 +20,7 @@ use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpCon
 use lb_common::{AnnounceKey, Reason, checksum};
 
 use crate::{
-    ANNOUNCE, ANNOUNCE_UNTIL, count,
+    ANNOUNCE, ANNOUNCE_UNTIL, count_xdp,
     packet::{read, write},
 };
 
@@ -95,7 +95,7 @@ fn announced(key: &AnnounceKey) -> Option<[u8; 6]> {
     if let Some(&until) = unsafe { ANNOUNCE_UNTIL.get(key.addr) } {
         // SAFETY: plain helper call without arguments.
         if unsafe { bpf_ktime_get_ns() } >= until {
-            count(Reason::XdpAnnounceFenced);
+            count_xdp(Reason::XdpAnnounceFenced);
             return None;
         }
     }
@@ -126,7 +126,7 @@ fn arp(ctx: &XdpContext) -> Option<u32> {
     if !(write(ctx, 0, link) && write(ctx, ARP, reply)) {
         return None;
     }
-    count(Reason::XdpArpAnswered);
+    count_xdp(Reason::XdpArpAnswered);
     Some(xdp_action::XDP_TX)
 }
 
@@ -202,6 +202,6 @@ fn solicitation(ctx: &XdpContext) -> Option<u32> {
     if !written {
         return None;
     }
-    count(Reason::XdpNdpAnswered);
+    count_xdp(Reason::XdpNdpAnswered);
     Some(xdp_action::XDP_TX)
 }

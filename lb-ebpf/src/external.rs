@@ -44,10 +44,11 @@ use lb_common::{
 
 use crate::{
     EXTERNAL, FLOWS, IPPROTO_TCP, MAGLEV, NAT_REPLIES, NEW_FLOW, NODE_ADDRESSES, SERVICES, TRAFFIC,
-    atomic_add, count, icmp,
-    packet::{self, Packet, Route, TCP_FIN, TCP_RST, TCP_SYN},
+    count_xdp, icmp,
+    packet::{self, Packet, TCP_FIN, TCP_RST, TCP_SYN},
     report::{emit, mark_failed},
-    select::{XDP, choose_server, preferred, selected, usable},
+    route::{self, Route},
+    select::{XDP, choose_server, preferred, selected, unmarked_lately, usable},
     too_big,
 };
 
@@ -93,15 +94,15 @@ pub(crate) fn handle(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     }
     // SAFETY: as above.
     let Some(service) = (unsafe { SERVICES.get(&p.dst) }) else {
-        count(Reason::XdpNoServer);
+        count_xdp(Reason::XdpNoServer);
         return Some(xdp_action::XDP_DROP);
     };
     if packet::ttl(ctx, p) <= 1 {
-        count(Reason::XdpTtlExceeded);
+        count_xdp(Reason::XdpTtlExceeded);
         return Some(xdp_action::XDP_PASS);
     }
     if let Some(flow) = known(p, service) {
-        count(Reason::XdpForwarded);
+        count_xdp(Reason::XdpForwarded);
         return Some(send(ctx, p, flow, false));
     }
     if !choose(p, service) {
@@ -138,20 +139,20 @@ fn known(p: &Packet, service: &Service) -> Option<&'static mut Flow> {
 fn send(ctx: &XdpContext, p: &Packet, flow: &mut Flow, new: bool) -> u32 {
     // Routed before it is rewritten: a packet too big is quoted as the
     // client sent it.
-    let ifindex = match packet::route(ctx, p, &flow.node, &flow.server) {
+    let ifindex = match route::route(ctx, p, &flow.node, &flow.server) {
         Route::Via(ifindex) => ifindex,
         not_sent => {
             // The client's SYN sent again is the first the server sees,
             // not a sign that it is silent.
             flow.syn_at_ns = 0;
             if let Route::TooBig(mtu) = not_sent {
-                return too_big::answer(ctx, p, mtu);
+                return too_big::answer(ctx, p, mtu as u16);
             }
             return xdp_action::XDP_DROP;
         }
     };
     if !packet::rewrite(ctx, p, &flow.node, &flow.server) {
-        count(Reason::XdpTruncated);
+        count_xdp(Reason::XdpTruncated);
         return xdp_action::XDP_DROP;
     }
     let tcp = u32::from(p.protocol) == IPPROTO_TCP;
@@ -201,8 +202,10 @@ fn client_notes(flow: &Flow, p: &Packet) {
 /// sent again to a server that has not answered it (which fails it).
 #[inline(always)]
 fn keeps(service: &Service, flow: &Flow, p: &Packet) -> bool {
-    if !selected(service, &flow.server) || !usable(service, &flow.server) {
-        count(Reason::XdpFlowMoved);
+    let server = &flow.server;
+    if !selected(service, server) || !(unmarked_lately(service, server) || usable(service, server))
+    {
+        count_xdp(Reason::XdpFlowMoved);
         return false;
     }
     if !p.is_syn() || flow.syn_at_ns == 0 {
@@ -219,7 +222,7 @@ fn keeps(service: &Service, flow: &Flow, p: &Packet) -> bool {
     if now.wrapping_sub(flow.syn_at_ns) < SYN_RETRANSMIT_MIN_NS {
         return true;
     }
-    count(Reason::XdpSynRetransmitted);
+    count_xdp(Reason::XdpSynRetransmitted);
     mark_failed(&flow.server);
     emit(0, &p.dst, &flow.server, EventKind::ConnectTimeout);
     false
@@ -240,7 +243,7 @@ fn consistent(service: &Service, p: &Packet) -> Option<Endpoint> {
     if !(preferred(service, &server) && usable(service, &server)) {
         return None;
     }
-    count(Reason::XdpConsistent);
+    count_xdp(Reason::XdpConsistent);
     Some(server)
 }
 
@@ -258,11 +261,11 @@ fn choose(p: &Packet, service: &Service) -> bool {
         }
     };
     if server.is_v4() == p.ipv6 {
-        count(Reason::XdpFamilyMismatch);
+        count_xdp(Reason::XdpFamilyMismatch);
         return false;
     }
     let Some(slot) = NEW_FLOW.get_ptr_mut(0) else {
-        count(Reason::MapError);
+        count_xdp(Reason::MapError);
         return false;
     };
     // SAFETY: this CPU's slot, used by this program run alone (see
@@ -278,7 +281,7 @@ fn choose(p: &Packet, service: &Service) -> bool {
 #[inline(never)]
 fn new_flow(ctx: &XdpContext, p: &Packet) -> Option<&'static mut Flow> {
     let Some(slot) = NEW_FLOW.get_ptr_mut(0) else {
-        count(Reason::MapError);
+        count_xdp(Reason::MapError);
         return None;
     };
     // SAFETY: as in `choose`; its server written there for this packet.
@@ -286,7 +289,7 @@ fn new_flow(ctx: &XdpContext, p: &Packet) -> Option<&'static mut Flow> {
     let host = Endpoint { addr: new.nat.server.addr, port: 0, _pad: [0; 2] };
     // SAFETY: a copy of the value.
     let Some(node) = (unsafe { NODE_ADDRESSES.get(&host) }).copied() else {
-        count(Reason::XdpNoNodeAddress);
+        count_xdp(Reason::XdpNoNodeAddress);
         return None;
     };
     let macs = packet::macs(ctx)?;
@@ -323,7 +326,7 @@ fn new_flow(ctx: &XdpContext, p: &Packet) -> Option<&'static mut Flow> {
         }
     }
     if !allocated {
-        count(Reason::XdpNatPortsExhausted);
+        count_xdp(Reason::XdpNatPortsExhausted);
         return None;
     }
     // Its SYN's time is set as the SYN leaves (`send`).
@@ -333,11 +336,11 @@ fn new_flow(ctx: &XdpContext, p: &Packet) -> Option<&'static mut Flow> {
         Err(_) => None,
     };
     let Some(entry) = entry else {
-        count(Reason::MapError);
+        count_xdp(Reason::MapError);
         let _ = NAT_REPLIES.remove(&new.nat);
         return None;
     };
-    count(Reason::XdpNewFlow);
+    count_xdp(Reason::XdpNewFlow);
     // SAFETY: as in `known`.
     Some(unsafe { &mut *entry })
 }
@@ -361,7 +364,7 @@ fn reclaim(nat: &NatKey, tcp: bool, tick: u32, pressed: bool) -> bool {
     {
         let _ = FLOWS.remove(&key);
     }
-    count(Reason::XdpNatPortReused);
+    count_xdp(Reason::XdpNatPortReused);
     true
 }
 
@@ -371,7 +374,7 @@ fn reclaim(nat: &NatKey, tcp: bool, tick: u32, pressed: bool) -> bool {
 fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     let key = NatKey { server: p.src, node: p.dst, protocol: p.protocol, _pad: [0; 3] };
     let Some(entry) = NAT_REPLIES.get_ptr_mut(&key) else {
-        count(Reason::XdpNotOurs);
+        count_xdp(Reason::XdpNotOurs);
         return None;
     };
     if !packet::for_this_node(ctx) {
@@ -385,7 +388,7 @@ fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
         if !p.is_rst() {
             flags |= NAT_REPLY_ESTABLISHED;
         } else if refuses(ctx, &nat, p) {
-            count(Reason::XdpServerReset);
+            count_xdp(Reason::XdpServerReset);
             mark_failed(&p.src);
             emit(0, &nat.vip, &p.src, EventKind::ConnectFailed);
         }
@@ -401,13 +404,13 @@ fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
         unsafe { (*entry).flags = flags };
     }
     if packet::ttl(ctx, p) <= 1 {
-        count(Reason::XdpTtlExceeded);
+        count_xdp(Reason::XdpTtlExceeded);
         return Some(xdp_action::XDP_PASS);
     }
     if !packet::rewrite(ctx, p, &nat.vip, &nat.client) || !packet::set_link(ctx, p, nat.macs) {
         return Some(xdp_action::XDP_DROP);
     }
-    count(Reason::XdpReplied);
+    count_xdp(Reason::XdpReplied);
     Some(packet::redirect(nat.client_ifindex))
 }
 
@@ -457,12 +460,13 @@ fn add_traffic(server: &Endpoint, bytes: u32) {
     }
     let Some(traffic) = TRAFFIC.get_ptr_mut(server) else {
         // The map is full: uncounted.
-        count(Reason::MapError);
+        count_xdp(Reason::MapError);
         return;
     };
-    // SAFETY: a per-CPU map value of two u64s, valid for the program run.
+    // SAFETY: a per-CPU map value of two u64s, valid for the program run;
+    // plain adds, as in `count_xdp`.
     unsafe {
-        atomic_add(&raw mut (*traffic).packets, 1);
-        atomic_add(&raw mut (*traffic).bytes, u64::from(bytes));
+        (*traffic).packets += 1;
+        (*traffic).bytes += u64::from(bytes);
     }
 }

@@ -37,8 +37,9 @@ use aya_ebpf::{bindings::xdp_action, programs::XdpContext};
 use lb_common::{Endpoint, FlowKey, NatKey, Reason, checksum};
 
 use crate::{
-    EXTERNAL, FLOWS, IPPROTO_TCP, IPPROTO_UDP, NAT_REPLIES, count,
-    packet::{self, L3, Packet, Route, read, write},
+    EXTERNAL, FLOWS, IPPROTO_TCP, IPPROTO_UDP, NAT_REPLIES, count_xdp,
+    packet::{self, L3, Packet, read, write},
+    route::{self, Route},
 };
 
 pub(crate) const IPPROTO_ICMP: u8 = 1;
@@ -70,24 +71,24 @@ fn is_error(ipv6: bool, kind: u8) -> bool {
 pub(crate) fn parse(ctx: &XdpContext, p: &mut Packet) -> Option<()> {
     let at = if p.ipv6 { ICMP6 } else { ICMP4 };
     let Some(kind) = read::<u8>(ctx, at) else {
-        count(Reason::XdpTruncated);
+        count_xdp(Reason::XdpTruncated);
         return None;
     };
     if !is_error(p.ipv6, kind) {
-        count(Reason::XdpOtherProtocol);
+        count_xdp(Reason::XdpOtherProtocol);
         return None;
     }
     let quoted = if p.ipv6 { quote6(ctx, p) } else { quote4(ctx, p) };
     let Some(protocol) = quoted else {
-        count(Reason::XdpUnparsed);
+        count_xdp(Reason::XdpUnparsed);
         return None;
     };
     if u32::from(protocol) != IPPROTO_TCP && u32::from(protocol) != IPPROTO_UDP {
-        count(Reason::XdpOtherProtocol);
+        count_xdp(Reason::XdpOtherProtocol);
         return None;
     }
     let Some(ports) = read::<[u16; 2]>(ctx, if p.ipv6 { QUOTE6_L4 } else { QUOTE4_L4 }) else {
-        count(Reason::XdpTruncated);
+        count_xdp(Reason::XdpTruncated);
         return None;
     };
     p.protocol = protocol;
@@ -141,17 +142,17 @@ fn to_client(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     let key = NatKey { server: p.dst, node: p.src, protocol: p.protocol, _pad: [0; 3] };
     // SAFETY: a map value, valid for the whole program run, only read.
     let Some(nat) = (unsafe { NAT_REPLIES.get(&key) }) else {
-        count(Reason::XdpNotOurs);
+        count_xdp(Reason::XdpNotOurs);
         return None;
     };
     // SAFETY: the context's fields are valid for the whole program run.
     let ingress = unsafe { (*ctx.ctx).ingress_ifindex };
     if ingress != nat.server_ifindex {
-        count(Reason::XdpNotOurs);
+        count_xdp(Reason::XdpNotOurs);
         return None;
     }
     if packet::ttl(ctx, p) <= 1 {
-        count(Reason::XdpTtlExceeded);
+        count_xdp(Reason::XdpTtlExceeded);
         return Some(xdp_action::XDP_PASS);
     }
     let from = outer_source(ctx, p)?;
@@ -160,10 +161,10 @@ fn to_client(ctx: &XdpContext, p: &Packet) -> Option<u32> {
         || !quote(ctx, p, &nat.client, &nat.vip)
         || !packet::set_link(ctx, p, nat.macs)
     {
-        count(Reason::XdpTruncated);
+        count_xdp(Reason::XdpTruncated);
         return Some(xdp_action::XDP_DROP);
     }
-    count(Reason::XdpIcmpToClient);
+    count_xdp(Reason::XdpIcmpToClient);
     Some(packet::redirect(nat.client_ifindex))
 }
 
@@ -174,29 +175,29 @@ fn to_server(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     let key = FlowKey { client: p.dst, vip: p.src, protocol: p.protocol, _pad: [0; 3] };
     // SAFETY: as in `to_client`.
     let Some(flow) = (unsafe { FLOWS.get(&key) }) else {
-        count(Reason::XdpNotOurs);
+        count_xdp(Reason::XdpNotOurs);
         return None;
     };
     if packet::ttl(ctx, p) <= 1 {
-        count(Reason::XdpTtlExceeded);
+        count_xdp(Reason::XdpTtlExceeded);
         return Some(xdp_action::XDP_PASS);
     }
     if !outer(ctx, p, &flow.node.addr, &flow.server.addr)
         || !quote(ctx, p, &flow.server, &flow.node)
     {
-        count(Reason::XdpTruncated);
+        count_xdp(Reason::XdpTruncated);
         return Some(xdp_action::XDP_DROP);
     }
-    let ifindex = match packet::route(ctx, p, &flow.node, &flow.server) {
+    let ifindex = match route::route(ctx, p, &flow.node, &flow.server) {
         Route::Via(ifindex) => ifindex,
         Route::TooBig(_) => {
             // An error is never answered with another.
-            count(Reason::XdpTooBigDropped);
+            count_xdp(Reason::XdpTooBigDropped);
             return Some(xdp_action::XDP_DROP);
         }
         Route::Unreachable => return Some(xdp_action::XDP_DROP),
     };
-    count(Reason::XdpIcmpToServer);
+    count_xdp(Reason::XdpIcmpToServer);
     Some(packet::redirect(ifindex))
 }
 

@@ -50,10 +50,10 @@ use aya_ebpf::{
 };
 use lb_common::{
     AnnounceKey, AnnounceValue, COUNTER_SLOTS, ConnKey, EVENTS_BYTES, Endpoint, Flow, FlowKey,
-    MAX_CONNECTING_SOCKETS, MAX_EXTERNAL_FLOWS, MAX_FAILED_SERVERS, MAX_LINKS, MAX_SERVER_PAIRS,
-    MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS, MAX_UDP_PEER_SOCKETS, META_SLOTS,
-    NatKey, NatReply, Reason, Service, SockEntry, Traffic, UNMARKED_SLOTS, UdpPeers,
-    maglev::Maglev,
+    MARK_SLOTS, MAX_CONNECTING_SOCKETS, MAX_EXTERNAL_FLOWS, MAX_FAILED_SERVERS, MAX_LINKS,
+    MAX_SERVER_PAIRS, MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS,
+    MAX_UDP_PEER_SOCKETS, META_SLOTS, NatKey, NatReply, Reason, Service, SockEntry, Traffic,
+    UNMARKED_SLOTS, UdpPeers, maglev::Maglev,
 };
 
 /// VIP → service (its selection). Written only by the daemon, one whole
@@ -131,6 +131,13 @@ static SCRATCH: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
 #[map]
 static UNMARKED: Array<u32> = Array::with_max_entries(UNMARKED_SLOTS, 0);
 
+/// The jiffy at which a server hashed to each slot was last marked failed
+/// (`report.rs`), or `lb_common::MARKED_UNKNOWN`, written by the daemon:
+/// lets the external path skip `FAILED_AT` (`select::unmarked_lately`).
+/// Kernel-only, never pinned.
+#[map]
+static MARKED_AT: Array<u64> = Array::with_max_entries(MARK_SLOTS, 0);
+
 /// External VIP → 0: the VIPs whose packets from the network `lb_xdp`
 /// forwards (their selections are in `SERVICES`). Written by the daemon.
 #[map]
@@ -197,6 +204,11 @@ static NEW_FLOW: PerCpuArray<external::NewFlow> = PerCpuArray::with_max_entries(
 #[map]
 static PACKET: PerCpuArray<packet::Packet> = PerCpuArray::with_max_entries(1, 0);
 
+/// The routes the FIB gave for the external path's packets, kept a
+/// while per server on each CPU (`route.rs`). Kernel-only, never pinned.
+#[map]
+static ROUTES: PerCpuArray<route::KeptRoute> = PerCpuArray::with_max_entries(route::ROUTE_SLOTS, 0);
+
 /// Per-CPU counters of every decision, indexed by `lb_common::Reason`.
 #[map]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
@@ -219,11 +231,26 @@ const E2BIG: i32 = 7;
 const ALLOW: i32 = 1;
 const REFUSE: i32 = 0;
 
+/// Counts `reason`, from any program (`atomic_add`).
 #[inline(always)]
 fn count(reason: Reason) {
     if let Some(counter) = COUNTERS.get_ptr_mut(reason.index()) {
         // SAFETY: a u64 map value, valid for the whole program run.
         unsafe { atomic_add(counter, 1) };
+    }
+}
+
+/// Counts `reason` from `lb_xdp`, with a plain add: an atomic one costs
+/// several nanoseconds a packet. XDP runs in softirq, or with bottom
+/// halves off, where nothing on the CPU interrupts it to run a program
+/// that adds to the same slot; a cgroup program it interrupts adds with a
+/// single atomic instruction, never caught halfway. The same holds for
+/// `TRAFFIC`, which only `lb_xdp` writes.
+#[inline(always)]
+fn count_xdp(reason: Reason) {
+    if let Some(counter) = COUNTERS.get_ptr_mut(reason.index()) {
+        // SAFETY: a u64 map value, valid for the whole program run.
+        unsafe { *counter += 1 };
     }
 }
 
@@ -279,6 +306,7 @@ mod icmp;
 mod packet;
 mod release;
 mod report;
+mod route;
 mod select;
 mod sock_ops;
 mod too_big;

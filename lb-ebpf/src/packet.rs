@@ -3,8 +3,8 @@
 //! ICMP error quoting a TCP or UDP packet (`icmp.rs`). Parsing
 //! names where the headers are and what they say; rewriting changes the
 //! addresses and ports with incremental checksum updates
-//! (`lb_common::checksum`); routing asks the kernel's FIB where the
-//! rewritten packet goes, and it is redirected there.
+//! (`lb_common::checksum`); where the rewritten packet goes is
+//! `route.rs`'s, and it is redirected there.
 //!
 //! Addresses are kept as `Endpoint`s (IPv4 as IPv4-mapped, words in
 //! network byte order, loaded as they lie), the same keys the socket path
@@ -13,15 +13,10 @@
 
 use core::mem::size_of;
 
-use aya_ebpf::{
-    EbpfContext as _,
-    bindings::bpf_fib_lookup,
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect},
-    programs::XdpContext,
-};
+use aya_ebpf::{helpers::bpf_redirect, programs::XdpContext};
 use lb_common::{Endpoint, Reason, checksum};
 
-use crate::{AF_INET, AF_INET6, IPPROTO_TCP, IPPROTO_UDP, LINK_MACS, count, icmp};
+use crate::{IPPROTO_TCP, IPPROTO_UDP, LINK_MACS, count_xdp, icmp};
 
 const ETH_HLEN: usize = 14;
 /// EtherTypes, as the 16-bit field reads in network byte order.
@@ -30,10 +25,6 @@ const ETH_P_IPV6: u16 = 0x86dd;
 const IPV4_HLEN: usize = 20;
 const IPV6_HLEN: usize = 40;
 const TCP_HLEN: usize = 20;
-/// `BPF_FIB_LKUP_RET_SUCCESS`: the FIB found the route and the neighbour.
-const FIB_SUCCESS: i64 = 0;
-/// `BPF_FIB_LKUP_RET_FRAG_NEEDED`: the packet exceeds the route's MTU.
-const FIB_FRAG_NEEDED: i64 = 8;
 
 /// TCP flags (byte 13 of the header).
 pub(crate) const TCP_FIN: u8 = 0x01;
@@ -121,18 +112,18 @@ pub(crate) fn write<T>(ctx: &XdpContext, offset: usize, value: T) -> bool {
 #[inline(always)]
 pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
     let Some(ethertype) = read::<u16>(ctx, 12) else {
-        count(Reason::XdpNotIp);
+        count_xdp(Reason::XdpNotIp);
         return None;
     };
     let ethertype = u16::from_be(ethertype);
     let (ipv6, protocol, src, dst, ip_len, l4) = if ethertype == ETH_P_IP {
         let Some(header) = read::<[u8; IPV4_HLEN]>(ctx, ETH_HLEN) else {
-            count(Reason::XdpTruncated);
+            count_xdp(Reason::XdpTruncated);
             return None;
         };
         // Version 4, no options; not a fragment (neither MF nor an offset).
         if header[0] != 0x45 || u16::from_be_bytes([header[6], header[7]]) & 0x3fff != 0 {
-            count(Reason::XdpUnparsed);
+            count_xdp(Reason::XdpUnparsed);
             return None;
         }
         let word =
@@ -148,7 +139,7 @@ pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
         )
     } else if ethertype == ETH_P_IPV6 {
         let Some(header) = read::<[u32; IPV6_HLEN / 4]>(ctx, ETH_HLEN) else {
-            count(Reason::XdpTruncated);
+            count_xdp(Reason::XdpTruncated);
             return None;
         };
         let bytes = header[1].to_ne_bytes();
@@ -159,7 +150,7 @@ pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
             Endpoint { addr: [header[6], header[7], header[8], header[9]], port: 0, _pad: [0; 2] };
         (true, bytes[2], src, dst, ip_len, ETH_HLEN + IPV6_HLEN)
     } else {
-        count(Reason::XdpNotIp);
+        count_xdp(Reason::XdpNotIp);
         return None;
     };
     *packet = Packet {
@@ -175,7 +166,7 @@ pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
     };
     if u32::from(protocol) == IPPROTO_TCP {
         let Some(tcp) = read::<[u32; TCP_HLEN / 4]>(ctx, l4) else {
-            count(Reason::XdpTruncated);
+            count_xdp(Reason::XdpTruncated);
             return None;
         };
         let ports = tcp[0].to_ne_bytes();
@@ -186,7 +177,7 @@ pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
         packet.tcp_flags = tcp[3].to_ne_bytes()[1];
     } else if u32::from(protocol) == IPPROTO_UDP {
         let Some(ports) = read::<[u16; 2]>(ctx, l4) else {
-            count(Reason::XdpTruncated);
+            count_xdp(Reason::XdpTruncated);
             return None;
         };
         packet.src.port = ports[0];
@@ -196,10 +187,10 @@ pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
     } else if ipv6 && matches!(protocol, 0 | 43 | 44 | 50 | 51 | 60 | 135) {
         // Hop-by-hop, routing, fragment, ESP, AH, destination options,
         // mobility: extension headers lb does not walk.
-        count(Reason::XdpUnparsed);
+        count_xdp(Reason::XdpUnparsed);
         return None;
     } else {
-        count(Reason::XdpOtherProtocol);
+        count_xdp(Reason::XdpOtherProtocol);
         return None;
     }
     Some(())
@@ -292,7 +283,7 @@ pub(crate) fn for_this_node(ctx: &XdpContext) -> bool {
     if read::<[u8; 6]>(ctx, 0) == Some(link.mac) {
         return true;
     }
-    count(Reason::XdpOtherHost);
+    count_xdp(Reason::XdpOtherHost);
     false
 }
 
@@ -303,61 +294,6 @@ pub(crate) fn macs(ctx: &XdpContext) -> Option<[u8; 12]> {
     read::<[u8; 12]>(ctx, 0)
 }
 
-/// Where the kernel's FIB sends a packet from `src` to `dst` (the client's
-/// packet as it will leave, rewritten), as `route` finds it.
-pub(crate) enum Route {
-    /// Out of this interface: the next hop's MAC address is written into
-    /// the packet, and its TTL goes down by one.
-    Via(u32),
-    /// The packet is larger than the route's MTU (this one, from Linux
-    /// 5.12; before, the packet's own length): untouched.
-    TooBig(u16),
-    /// No route or no neighbour entry (counted): untouched.
-    Unreachable,
-}
-
-/// Asks the kernel's FIB where the packet goes once rewritten to leave
-/// from `src` to `dst`. The packet cannot go up the kernel's stack
-/// instead: its source will be an address of the node's own, which the
-/// stack drops as martian.
-#[inline(always)]
-pub(crate) fn route(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoint) -> Route {
-    // SAFETY: a plain C struct of integers, for which zero is valid.
-    let mut fib: bpf_fib_lookup = unsafe { core::mem::zeroed() };
-    fib.family = (if p.ipv6 { AF_INET6 } else { AF_INET }) as u8;
-    fib.l4_protocol = p.protocol;
-    fib.sport = src.port;
-    fib.dport = dst.port;
-    fib.__bindgen_anon_1.tot_len = p.ip_len as u16;
-    // SAFETY: the context's fields are valid for the whole program run.
-    fib.ifindex = unsafe { (*ctx.ctx).ingress_ifindex };
-    if p.ipv6 {
-        fib.__bindgen_anon_3.ipv6_src = src.addr;
-        fib.__bindgen_anon_4.ipv6_dst = dst.addr;
-    } else {
-        fib.__bindgen_anon_3.ipv4_src = src.addr[3];
-        fib.__bindgen_anon_4.ipv4_dst = dst.addr[3];
-    }
-    // SAFETY: `fib` is a valid, writable `bpf_fib_lookup` of its full size.
-    let found =
-        unsafe { fib_lookup(ctx.as_ptr(), &raw mut fib, size_of::<bpf_fib_lookup>() as i32, 0) };
-    if found == FIB_FRAG_NEEDED {
-        // SAFETY: a u16 either way; the FIB wrote the MTU there (5.12+).
-        return Route::TooBig(unsafe { fib.__bindgen_anon_1.mtu_result });
-    }
-    if found != FIB_SUCCESS {
-        count(Reason::XdpNoRoute);
-        return Route::Unreachable;
-    }
-    let mut macs = [0u8; 12];
-    macs[..6].copy_from_slice(&fib.dmac);
-    macs[6..].copy_from_slice(&fib.smac);
-    if !set_link(ctx, p, macs) {
-        return Route::Unreachable;
-    }
-    Route::Via(fib.ifindex)
-}
-
 /// Writes the link layer a packet leaves with (destination MAC, then
 /// source MAC) and takes one off its TTL or hop limit, as a router does.
 #[inline(always)]
@@ -365,14 +301,14 @@ pub(crate) fn set_link(ctx: &XdpContext, p: &Packet, macs: [u8; 12]) -> bool {
     if decrement_ttl(ctx, p) && write(ctx, 0, macs) {
         return true;
     }
-    count(Reason::XdpTruncated);
+    count_xdp(Reason::XdpTruncated);
     false
 }
 
 /// Sends the packet out of `ifindex`.
 #[inline(always)]
 pub(crate) fn redirect(ifindex: u32) -> u32 {
-    count(Reason::XdpRedirected);
+    count_xdp(Reason::XdpRedirected);
     // SAFETY: plain helper call.
     unsafe { bpf_redirect(ifindex, 0) as u32 }
 }

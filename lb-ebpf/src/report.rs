@@ -2,21 +2,47 @@
 //! and the external path (XDP) alike: a failure mark in `FAILED_AT`,
 //! which the next choice skips for the service's hold-down, and an event
 //! for the daemon, which confirms or clears it with its own checks.
+//!
+//! A mark also stamps the server's slot of `MARKED_AT` (one of
+//! `MARK_SLOTS`, by a hash of the server): a server whose slot has not
+//! been stamped within its service's hold-down has no mark that counts,
+//! and the external path, which asks for every packet, skips the
+//! `FAILED_AT` lookup (`select::unmarked_lately`).
 
-use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_ns};
-use lb_common::{Endpoint, Event, EventKind, Reason};
+use aya_ebpf::{
+    bindings::BPF_ANY,
+    helpers::{bpf_jiffies64, bpf_ktime_get_ns},
+};
+use lb_common::{Endpoint, Event, EventKind, MARK_SLOTS, Reason};
 
-use crate::{E2BIG, EVENTS, FAILED_AT, count};
+use crate::{E2BIG, EVENTS, FAILED_AT, MARKED_AT, count};
 
-/// Marks `server` failed now.
+/// Marks `server` failed now: its slot of `MARKED_AT` first, so that a
+/// program that finds the mark in `FAILED_AT` finds the slot stamped too.
 #[inline(always)]
 pub(crate) fn mark_failed(server: &Endpoint) {
+    if let Some(slot) = MARKED_AT.get_ptr_mut(mark_slot(server)) {
+        // SAFETY: a u64 map value, valid for the whole program run; a
+        // plain helper call without arguments.
+        unsafe { *slot = bpf_jiffies64() };
+    }
     // SAFETY: plain helper call without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     if let Err(e) = FAILED_AT.insert(server, now, u64::from(BPF_ANY)) {
         count(if e == -E2BIG { Reason::FailedAtFull } else { Reason::MapError });
     }
 }
+
+/// The slot of `MARKED_AT` that `server`'s marks stamp: a multiplicative
+/// hash of its address and port, its top bits.
+#[inline(always)]
+pub(crate) fn mark_slot(server: &Endpoint) -> u32 {
+    let [a, b, c, d] = server.addr;
+    let mixed = a ^ b ^ c ^ d ^ u32::from(server.port);
+    mixed.wrapping_mul(0x9e37_79b1) >> (32 - MARK_SLOTS.trailing_zeros())
+}
+
+const _: () = assert!(MARK_SLOTS.is_power_of_two());
 
 /// Tells the daemon what became of a connection to `server` through
 /// `vip` (`cookie`: its socket's, or 0 for a flow of the external path).

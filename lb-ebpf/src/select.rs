@@ -6,15 +6,17 @@
 
 use aya_ebpf::{
     EbpfContext as _,
-    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_ktime_get_ns},
+    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_ns},
     programs::SockAddrContext,
 };
 use lb_common::{
-    Endpoint, MAX_SERVERS, NETNS_ANY, NETNS_INITIAL, Reason, Service,
+    Endpoint, MARKED_UNKNOWN, MAX_SERVERS, NETNS_ANY, NETNS_INITIAL, Reason, Service,
     choose::{Choice, choose_from_mask, usable_mask},
 };
 
-use crate::{FAILED_AT, IPPROTO_TCP, IPPROTO_UDP, SCRATCH, SERVICES, count};
+use crate::{
+    FAILED_AT, IPPROTO_TCP, IPPROTO_UDP, MARKED_AT, SCRATCH, SERVICES, count, report::mark_slot,
+};
 
 /// The connect or send must fail (EPERM): its VIP's service has no server.
 pub(crate) struct Refuse;
@@ -127,7 +129,7 @@ pub(crate) fn choose_server(service: &Service, hook: &Hook) -> Result<Endpoint, 
 
 /// Whether `server` may be chosen now: no connect to it failed within
 /// `service`'s hold-down. The clock is read only for a server with a
-/// failure mark (the external path asks for every packet).
+/// failure mark.
 #[inline(always)]
 pub(crate) fn usable(service: &Service, server: &Endpoint) -> bool {
     // SAFETY: `FAILED_AT` values are single u64 timestamps.
@@ -135,6 +137,38 @@ pub(crate) fn usable(service: &Service, server: &Endpoint) -> bool {
     // SAFETY: plain helper call without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     now.wrapping_sub(failed_at) >= service.hold_down_ns
+}
+
+/// Whether `server` surely has no failure mark within `service`'s
+/// hold-down, without a `FAILED_AT` lookup: no mark stamped its slot of
+/// `MARKED_AT` within it (`report.rs`). The external path asks this
+/// before `usable` for every packet of a flow; the connect programs,
+/// whose stack has no room for it on Linux 5.10, ask `usable` alone.
+#[inline(always)]
+pub(crate) fn unmarked_lately(service: &Service, server: &Endpoint) -> bool {
+    !stamped_within(mark_slot(server), service.hold_down_ns)
+}
+
+/// Whether slot `slot` of `MARKED_AT` may have been stamped less than
+/// `hold_down_ns` ago. The slots count in jiffies, whose length this
+/// program does not know: a jiffy lasts at least a millisecond (the
+/// kernel's `HZ` is at most 1000), so a stamp older than the hold-down in
+/// milliseconds, plus one for the jiffy under way, is surely older than
+/// the hold-down. A slot of `MARKED_UNKNOWN` becomes a stamp of now.
+#[inline(always)]
+fn stamped_within(slot: u32, hold_down_ns: u64) -> bool {
+    let Some(stamp) = MARKED_AT.get_ptr_mut(slot) else { return true };
+    // SAFETY: plain helper call without arguments.
+    let now = unsafe { bpf_jiffies64() };
+    // SAFETY: a u64 map value, valid for the whole program run.
+    let stamped = unsafe { *stamp };
+    if stamped == MARKED_UNKNOWN {
+        // SAFETY: as above; any CPU may do the same, with the same effect.
+        unsafe { *stamp = now };
+        return true;
+    }
+    let ticks = hold_down_ns.div_ceil(1_000_000) + 1;
+    stamped != 0 && now.wrapping_sub(stamped) <= ticks
 }
 
 /// Whether `server` is one a choice prefers now: among the first `spread`
@@ -159,11 +193,15 @@ pub(crate) fn preferred(service: &Service, server: &Endpoint) -> bool {
 /// daemon removed is not, even as a last resort).
 #[inline(always)]
 pub(crate) fn selected(service: &Service, server: &Endpoint) -> bool {
-    let mut found = false;
     for i in 0..MAX_SERVERS {
-        found |= (i as u32) < service.count && service.servers[i] == *server;
+        if i as u32 >= service.count {
+            return false;
+        }
+        if service.servers[i] == *server {
+            return true;
+        }
     }
-    found
+    false
 }
 
 /// `value`, read back from map memory, so that the verifier no longer knows

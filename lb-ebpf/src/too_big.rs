@@ -25,7 +25,7 @@ use aya_ebpf::{
 use lb_common::{Reason, checksum};
 
 use crate::{
-    count,
+    count_xdp,
     packet::{self, L3, Packet, read, write},
 };
 
@@ -53,10 +53,10 @@ pub(crate) fn answer(ctx: &XdpContext, p: &Packet, mtu: u16) -> u32 {
     // IPv4 flags: DF is bit 0x40 of byte 6.
     let may_fragment = !p.ipv6 && read::<u8>(ctx, L3 + 6).is_some_and(|b| b & 0x40 == 0);
     if !known_mtu || may_fragment || !build(ctx, p, mtu) {
-        count(Reason::XdpTooBigDropped);
+        count_xdp(Reason::XdpTooBigDropped);
         return xdp_action::XDP_DROP;
     }
-    count(Reason::XdpTooBig);
+    count_xdp(Reason::XdpTooBig);
     xdp_action::XDP_TX
 }
 

@@ -14,8 +14,8 @@ use aya::{
     maps::{Array, MapData},
 };
 use lb_common::{
-    LAYOUT_VERSION, META_LAYOUT_VERSION, META_PROGRAMS_HIGH, META_PROGRAMS_LOW, UNMARKED_KERNEL,
-    UNMARKED_REPLACED, UPGRADABLE_LAYOUT, maps, programs,
+    LAYOUT_VERSION, MARK_SLOTS, MARKED_UNKNOWN, META_LAYOUT_VERSION, META_PROGRAMS_HIGH,
+    META_PROGRAMS_LOW, UNMARKED_KERNEL, UNMARKED_REPLACED, UPGRADABLE_LAYOUT, maps, programs,
 };
 
 use super::{
@@ -132,6 +132,7 @@ pub(super) fn replace_programs(
             unmarked.set(UNMARKED_REPLACED, 1, 0)
         })
         .with_context(|| format!("writing map {}", maps::UNMARKED))?;
+    forget_marks(&mut ebpf)?;
     let links = links_dir(bpffs);
     let pinned: Vec<(&str, PathBuf)> = programs::ALL
         .iter()
@@ -152,6 +153,9 @@ pub(super) fn replace_programs(
             .with_context(|| format!("updating link {} to the new {name}", link.display()))?;
     }
     xdp::replace(&mut ebpf, bpffs)?;
+    // A running program may have marked a server between the first
+    // `forget_marks` and its replacement.
+    forget_marks(&mut ebpf)?;
     let missing: Vec<&str> =
         programs::NEW_IN_LAYOUT.into_iter().filter(|p| !links.join(p).exists()).collect();
     if !missing.is_empty() {
@@ -166,6 +170,24 @@ pub(super) fn replace_programs(
     meta.set(META_LAYOUT_VERSION, LAYOUT_VERSION, 0)
         .with_context(|| format!("writing the layout version under {}", bpffs.display()))?;
     Ok(logger)
+}
+
+/// Fills the new programs' `MARKED_AT` with `MARKED_UNKNOWN`: the running
+/// programs' failure marks in `FAILED_AT` stamped their own map, not this
+/// one, and the new programs must look each server up until a hold-down
+/// has passed (`select::unmarked_lately` in lb-ebpf).
+fn forget_marks(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    let marked = ebpf
+        .map_mut(maps::MARKED_AT)
+        .with_context(|| format!("map {} missing from the eBPF object", maps::MARKED_AT))?;
+    let mut marked = Array::<_, u64>::try_from(marked)
+        .with_context(|| format!("map {} has an unexpected type or size", maps::MARKED_AT))?;
+    for slot in 0..MARK_SLOTS {
+        marked
+            .set(slot, MARKED_UNKNOWN, 0)
+            .with_context(|| format!("writing map {}", maps::MARKED_AT))?;
+    }
+    Ok(())
 }
 
 /// Whether the pins under `bpffs`, of layout `found`, are of the layout a

@@ -34,6 +34,7 @@ mod xdp_node;
 
 mod announce;
 mod icmp;
+mod kept;
 mod nat;
 mod too_big;
 

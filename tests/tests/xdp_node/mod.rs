@@ -11,12 +11,12 @@ use std::{
 
 use aya::{
     Ebpf,
-    maps::{HashMap, PerCpuArray},
+    maps::{Array, HashMap, PerCpuArray},
     programs::{TestRun, TestRunOptions, Xdp},
 };
 use lb_common::{
-    Endpoint, Flow, FlowKey, MAX_SERVERS, NAT_PORT_COUNT, NAT_PORT_FIRST, NatKey, NatReply, Reason,
-    Service, maglev::Maglev, maps, nat, programs,
+    Endpoint, Flow, FlowKey, MARK_SLOTS, MARKED_UNKNOWN, MAX_SERVERS, NAT_PORT_COUNT,
+    NAT_PORT_FIRST, NatKey, NatReply, Reason, Service, maglev::Maglev, maps, nat, programs,
 };
 use lb_tests::{
     in_new_netns,
@@ -289,6 +289,24 @@ impl Node {
         entries.get(key, 0).ok()
     }
 
+    /// Marks `server` failed now in `FAILED_AT` alone, as a program that
+    /// did not stamp `MARKED_AT` would (one of an older lb).
+    pub fn mark_without_stamp(&mut self, server: SocketAddr) {
+        let mut failed: HashMap<_, Endpoint, u64> =
+            HashMap::try_from(self.ebpf.map_mut(maps::FAILED_AT).unwrap()).unwrap();
+        failed.insert(Endpoint::from(server), monotonic_ns(), 0).unwrap();
+    }
+
+    /// Says every failure mark is of unknown age, as the daemon does when
+    /// its programs replace running ones.
+    pub fn forget_marks(&mut self) {
+        let mut marked: Array<_, u64> =
+            Array::try_from(self.ebpf.map_mut(maps::MARKED_AT).unwrap()).unwrap();
+        for slot in 0..MARK_SLOTS {
+            marked.set(slot, MARKED_UNKNOWN, 0).unwrap();
+        }
+    }
+
     pub fn failed(&self, server: SocketAddr) -> bool {
         let failed: HashMap<_, Endpoint, u64> =
             HashMap::try_from(self.ebpf.map(maps::FAILED_AT).unwrap()).unwrap();
@@ -302,6 +320,19 @@ pub fn monotonic_ns() -> u64 {
     // SAFETY: a valid timespec to write.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
     now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
+/// Keeps this thread on CPU 0, so that what the program keeps per CPU is
+/// the same from one run to the next.
+pub fn stay_on_one_cpu() {
+    // SAFETY: a zeroed cpu_set_t is a valid, empty set; CPU_SET and
+    // sched_setaffinity only read and write it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(0, &mut set);
+        let pinned = libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set);
+        assert_eq!(pinned, 0, "sched_setaffinity: {}", std::io::Error::last_os_error());
+    }
 }
 
 /// The address alone, as `NODE_ADDRESSES` keys and values hold it.

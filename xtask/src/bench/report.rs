@@ -276,7 +276,7 @@ fn tables(r: &Results) -> Vec<Table> {
         );
         for (what, ns) in [
             ("first of a flow (choice, NAT port, two inserts)", e.first_ns),
-            ("of an established flow (FIB lookup, redirect)", e.established_ns),
+            ("of an established flow (kept route, redirect)", e.established_ns),
             ("a server's reply (back the way the client came)", e.reply_ns),
             ("not the VIP's (passes untouched)", e.not_ours_ns),
         ] {

@@ -1,0 +1,88 @@
+//! What `lb_xdp` keeps so that an established flow's packet costs little
+//! (issue 25, item 7): the route to a server, a while per CPU
+//! (`ROUTES`); the stamps that let a server with no recent failure mark
+//! go without a `FAILED_AT` lookup (`MARKED_AT`). Each case checks that
+//! what is kept changes nothing the maps say: where packets go, which
+//! server is usable.
+
+use std::time::Duration;
+
+use lb_common::Reason;
+use lb_tests::packets::{Flags, read_frame};
+
+use crate::xdp_node::*;
+
+/// The longest a CPU keeps a route: 10 jiffies at `HZ` 100.
+const ROUTE_KEPT_AT_MOST: Duration = Duration::from_millis(100);
+
+#[test]
+fn a_servers_route_is_kept_and_a_changed_neighbour_is_followed() {
+    both_families(|node, f| {
+        stay_on_one_cpu();
+        let first = forwarded(node, f, f.client, 1_000);
+        assert_eq!(node.counter(Reason::XdpFibLookup), 1, "the SYN asks the FIB");
+        const PACKETS: u64 = 20;
+        let ack = from_client(f, f.client, Flags::ACK, 1_001).frame();
+        for _ in 0..PACKETS {
+            let (verdict, out) = node.run(&ack, None);
+            assert_eq!(verdict, XDP_REDIRECT);
+            let out = read_frame(&out).expect("the forwarded frame");
+            assert_eq!((out.src, out.dst), (first.src, first.dst));
+            assert_eq!(out.macs, (server_mac(first.dst), SRV_MAC), "a kept route's link layer");
+            assert_eq!(out.ttl, 63);
+        }
+        // Runs take microseconds: a route kept 10 ms or more serves most.
+        let asked = node.counter(Reason::XdpFibLookup) - 1;
+        assert!(asked < PACKETS / 2, "the FIB was asked for {asked} of {PACKETS} packets");
+
+        // A longer packet than the route was found for asks again: it may
+        // not fit the route's MTU.
+        let mut longer = from_client(f, f.client, Flags::ACK, 1_001);
+        longer.payload = vec![0; 200];
+        let before = node.counter(Reason::XdpFibLookup);
+        assert_eq!(node.run(&longer.frame(), None).0, XDP_REDIRECT);
+        assert_eq!(
+            node.counter(Reason::XdpFibLookup),
+            before + 1,
+            "a longer packet took the route"
+        );
+
+        // The server's MAC changes (its neighbour entry): followed once the
+        // kept route has aged out.
+        let mac = "02:00:00:00:02:99";
+        let ip = first.dst.ip().to_string();
+        sh(&["ip", "neigh", "replace", &ip, "lladdr", mac, "dev", "srv0", "nud", "permanent"]);
+        std::thread::sleep(ROUTE_KEPT_AT_MOST + Duration::from_millis(50));
+        let (verdict, out) = node.run(&ack, None);
+        assert_eq!(verdict, XDP_REDIRECT);
+        let out = read_frame(&out).expect("the forwarded frame");
+        assert_eq!(out.macs.0, [2, 0, 0, 0, 2, 0x99], "the new neighbour was not followed");
+    });
+}
+
+#[test]
+fn a_flows_server_is_looked_up_in_failed_at_while_its_slot_is_stamped_or_unknown() {
+    both_families(|node, f| {
+        let [a, b] = f.servers;
+        assert_eq!(forwarded(node, f, f.client, 1_000).dst, a);
+        let ack = from_client(f, f.client, Flags::ACK, 1_001).frame();
+        let to = |node: &Node| {
+            let (verdict, out) = node.run(&ack, None);
+            assert_eq!(verdict, XDP_REDIRECT);
+            read_frame(&out).expect("the forwarded frame").dst
+        };
+        assert_eq!(to(node), a);
+        // A mark that stamped no slot, as a program of an older lb made it
+        // before this one replaced it: the flow's packets do not look for
+        // it (a new flow's choice does).
+        node.mark_without_stamp(a);
+        assert_eq!(to(node), a, "an unstamped slot's server was looked up");
+        // The daemon says the marks are of unknown age, as it does when its
+        // programs replace running ones: the flow's next packet finds the
+        // mark, and the flow moves.
+        node.forget_marks();
+        assert_eq!(to(node), b, "the mark was not looked up");
+        assert_eq!(node.counter(Reason::XdpFlowMoved), 1);
+        assert_eq!(to(node), b);
+    });
+}
