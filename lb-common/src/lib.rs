@@ -29,7 +29,8 @@ pub mod user;
 
 pub use external::{
     AnnounceKey, AnnounceValue, Flow, FlowKey, MAX_EXTERNAL_FLOWS, NAT_PORT_COUNT, NAT_PORT_FIRST,
-    NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN, NatKey, NatReply, Traffic,
+    NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN, NatKey, NatReply, TRAFFIC_SLOT_COUNT,
+    TRAFFIC_SLOT_IDLE_TICKS, Traffic, TrafficSlot, traffic_slot,
 };
 pub use reason::{Reason, UnknownReason};
 pub use udp::{UdpPeer, UdpPeers};
@@ -100,13 +101,15 @@ const _: () = assert!(Reason::COUNT as u32 <= COUNTER_SLOTS);
 /// solicitations for; `MAGLEV`, the consistent-hash tables.
 /// 7: `ANNOUNCE_UNTIL`, when an elected node's answers stop by themselves
 /// (its lease's fence); `LINK_MACS`, the MAC of each interface `lb_xdp`
-/// runs on. A daemon of layout 7 adopts pins of layout 6 and upgrades
-/// them (`UPGRADABLE_LAYOUT`).
-pub const LAYOUT_VERSION: u32 = 7;
+/// runs on.
+/// 8: `TRAFFIC_SLOTS`, where the external path counts most of its
+/// traffic. A daemon of layout 8 adopts pins of layout 7 and upgrades them
+/// (`UPGRADABLE_LAYOUT`).
+pub const LAYOUT_VERSION: u32 = 8;
 /// The one older layout a daemon adopts, by adding what its layout lacks
 /// (maps and programs; nothing pinned changes shape) before it replaces
 /// the programs.
-pub const UPGRADABLE_LAYOUT: u32 = 6;
+pub const UPGRADABLE_LAYOUT: u32 = 7;
 
 /// Index of the layout version in `META`.
 pub const META_LAYOUT_VERSION: u32 = 0;
@@ -191,8 +194,13 @@ pub mod maps {
     /// address: `lb_xdp` takes only frames sent to it there, not those a
     /// switch floods to every port (layout 7).
     pub const LINK_MACS: &str = "LINK_MACS";
+    /// Per CPU, [`TRAFFIC_SLOT_COUNT`](crate::TRAFFIC_SLOT_COUNT) ×
+    /// [`TrafficSlot`](crate::TrafficSlot): what the external path
+    /// forwarded to each server, counted without a hash lookup; the rest
+    /// is in `TRAFFIC` (layout 8).
+    pub const TRAFFIC_SLOTS: &str = "TRAFFIC_SLOTS";
     /// Every map the daemon pins, in one list so attach, adopt and detach agree.
-    pub const ALL: [&str; 18] = [
+    pub const ALL: [&str; 19] = [
         SERVICES,
         FAILED_AT,
         SOCKETS,
@@ -211,9 +219,10 @@ pub mod maps {
         MAGLEV,
         ANNOUNCE_UNTIL,
         LINK_MACS,
+        TRAFFIC_SLOTS,
     ];
     /// The maps pins of `UPGRADABLE_LAYOUT` lack (an upgrade creates them).
-    pub const NEW_IN_LAYOUT: [&str; 2] = [ANNOUNCE_UNTIL, LINK_MACS];
+    pub const NEW_IN_LAYOUT: [&str; 1] = [TRAFFIC_SLOTS];
 }
 
 /// Names of the programs in the object file; also their link pin names.

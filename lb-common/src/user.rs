@@ -7,7 +7,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use crate::{
     AnnounceKey, AnnounceValue, ConnKey, Endpoint, Event, Flow, FlowKey, NatKey, NatReply, Service,
-    SockEntry, Traffic, UdpPeers,
+    SockEntry, Traffic, TrafficSlot, UdpPeers,
 };
 
 // SAFETY: all of these are `#[repr(C)]`, made only of integers and arrays of
@@ -33,6 +33,8 @@ unsafe impl aya::Pod for NatKey {}
 unsafe impl aya::Pod for NatReply {}
 // SAFETY: as above.
 unsafe impl aya::Pod for Traffic {}
+// SAFETY: as above.
+unsafe impl aya::Pod for TrafficSlot {}
 // SAFETY: as above.
 unsafe impl aya::Pod for AnnounceKey {}
 // SAFETY: as above.

@@ -34,17 +34,18 @@
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_NOEXIST, xdp_action},
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_ns},
     programs::XdpContext,
 };
 use lb_common::{
     Endpoint, EventKind, Flow, FlowKey, NAT_PORT_COUNT, NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED,
-    NAT_REPLY_SYN, NatKey, NatReply, Reason, Service, Traffic, maglev, nat,
+    NAT_REPLY_SYN, NatKey, NatReply, Reason, Service, TRAFFIC_SLOT_IDLE_TICKS, Traffic,
+    TrafficSlot, maglev, nat, traffic_slot,
 };
 
 use crate::{
     EXTERNAL, FLOWS, IPPROTO_TCP, MAGLEV, NAT_REPLIES, NEW_FLOW, NODE_ADDRESSES, SERVICES, TRAFFIC,
-    count_xdp, icmp,
+    TRAFFIC_SLOTS, count_xdp, icmp,
     packet::{self, Packet, TCP_FIN, TCP_RST, TCP_SYN},
     report::{emit, mark_failed},
     route::{self, Route},
@@ -449,24 +450,67 @@ fn swapped(macs: [u8; 12]) -> [u8; 12] {
     out
 }
 
-/// Counts a packet of `bytes` forwarded to `server`, as sock_ops counts
-/// connections (`add_connection`): the first packet to a server on any CPU
-/// creates its entry (the other CPUs' slots start at zero); one that lost
-/// that race to another CPU adds to the entry it made.
+/// Counts a packet of `bytes` forwarded to `server`: in this CPU's slot
+/// of `TRAFFIC_SLOTS` for it if the server holds it, or takes it (free,
+/// or idle for `TRAFFIC_SLOT_IDLE_TICKS`, its counts moved to its holder's
+/// `TRAFFIC` entry); else in `TRAFFIC` (`lb_common::TrafficSlot`).
 #[inline(always)]
 fn add_traffic(server: &Endpoint, bytes: u32) {
-    if TRAFFIC.get_ptr_mut(server).is_none() {
-        let _ = TRAFFIC.insert(server, &Traffic::default(), u64::from(BPF_NOEXIST));
+    // SAFETY: plain helper call without arguments.
+    let now = unsafe { bpf_jiffies64() };
+    if let Some(slot) = TRAFFIC_SLOTS.get_ptr_mut(traffic_slot(server)) {
+        // SAFETY: this CPU's slot, written only by `lb_xdp` on this CPU,
+        // which runs one packet at a time (see `count_xdp`).
+        let slot = unsafe { &mut *slot };
+        if slot.server == *server || take_slot(slot, server, now) {
+            slot.used_at = now;
+            slot.traffic.packets += 1;
+            slot.traffic.bytes += u64::from(bytes);
+            return;
+        }
     }
-    let Some(traffic) = TRAFFIC.get_ptr_mut(server) else {
-        // The map is full: uncounted.
-        count_xdp(Reason::MapError);
-        return;
-    };
+    let Some(traffic) = traffic_entry(server) else { return };
     // SAFETY: a per-CPU map value of two u64s, valid for the program run;
     // plain adds, as in `count_xdp`.
     unsafe {
         (*traffic).packets += 1;
         (*traffic).bytes += u64::from(bytes);
     }
+}
+
+/// Whether `server` may have `slot`, and has it now: the slot is free, or
+/// its holder has not used it for `TRAFFIC_SLOT_IDLE_TICKS` and its counts
+/// moved to the holder's `TRAFFIC` entry.
+#[inline(always)]
+fn take_slot(slot: &mut TrafficSlot, server: &Endpoint, now: u64) -> bool {
+    if slot.server != Endpoint::default() {
+        if now.wrapping_sub(slot.used_at) < TRAFFIC_SLOT_IDLE_TICKS {
+            return false;
+        }
+        let Some(traffic) = traffic_entry(&slot.server) else { return false };
+        // SAFETY: as in `add_traffic`.
+        unsafe {
+            (*traffic).packets += slot.traffic.packets;
+            (*traffic).bytes += slot.traffic.bytes;
+        }
+    }
+    *slot = TrafficSlot { server: *server, ..TrafficSlot::default() };
+    true
+}
+
+/// This CPU's entry of `server` in `TRAFFIC`, as sock_ops counts
+/// connections (`add_connection`): the first packet to a server on any
+/// CPU creates its entry (the other CPUs' slots start at zero); one that
+/// lost that race to another CPU adds to the entry it made. `None`
+/// (counted) if the map is full.
+#[inline(always)]
+fn traffic_entry(server: &Endpoint) -> Option<*mut Traffic> {
+    if TRAFFIC.get_ptr_mut(server).is_none() {
+        let _ = TRAFFIC.insert(server, &Traffic::default(), u64::from(BPF_NOEXIST));
+    }
+    let entry = TRAFFIC.get_ptr_mut(server);
+    if entry.is_none() {
+        count_xdp(Reason::MapError);
+    }
+    entry
 }

@@ -52,8 +52,8 @@ use lb_common::{
     AnnounceKey, AnnounceValue, COUNTER_SLOTS, ConnKey, EVENTS_BYTES, Endpoint, Flow, FlowKey,
     MARK_SLOTS, MAX_CONNECTING_SOCKETS, MAX_EXTERNAL_FLOWS, MAX_FAILED_SERVERS, MAX_LINKS,
     MAX_SERVER_PAIRS, MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS,
-    MAX_UDP_PEER_SOCKETS, META_SLOTS, NatKey, NatReply, Reason, Service, SockEntry, Traffic,
-    UNMARKED_SLOTS, UdpPeers, maglev::Maglev,
+    MAX_UDP_PEER_SOCKETS, META_SLOTS, NatKey, NatReply, Reason, Service, SockEntry,
+    TRAFFIC_SLOT_COUNT, Traffic, TrafficSlot, UNMARKED_SLOTS, UdpPeers, maglev::Maglev,
 };
 
 /// VIP → service (its selection). Written only by the daemon, one whole
@@ -165,6 +165,12 @@ static NAT_REPLIES: LruHashMap<NatKey, NatReply> =
 #[map]
 static TRAFFIC: PerCpuHashMap<Endpoint, Traffic> =
     PerCpuHashMap::with_max_entries(MAX_FAILED_SERVERS, 0);
+
+/// Per CPU, slots of what the external path forwarded to servers, found
+/// by a hash of the server (`lb_common::TrafficSlot`).
+#[map]
+static TRAFFIC_SLOTS: PerCpuArray<TrafficSlot> =
+    PerCpuArray::with_max_entries(TRAFFIC_SLOT_COUNT, 0);
 
 /// (Interface, address) → the interface's MAC: the VIPs whose ARP
 /// requests and neighbour solicitations `lb_xdp` answers there

@@ -47,9 +47,9 @@ fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
 /// from its commit by `cargo xtask test`, `$LB_PREVIOUS_BIN`) runs with its
 /// own programs, and is stopped as systemd stops it (SIGTERM); this
 /// version starts on its pins. Its daemon adopts the previous one's maps
-/// and replaces the previous programs under the storm. Issue 26: the
-/// previous version's pins are of layout 6; the upgrade adds the fences of
-/// elected VIPs (`ANNOUNCE_UNTIL`; no cgroup program is new).
+/// and replaces the previous programs under the storm. Issue 25: the
+/// previous version's pins are of layout 7; the upgrade adds the external
+/// path's traffic slots (`TRAFFIC_SLOTS`; no cgroup program is new).
 #[test]
 fn an_upgrade_from_the_previous_version_keeps_every_connect_rewritten() {
     if !privileged() {

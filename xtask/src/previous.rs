@@ -20,10 +20,10 @@ use crate::{
     cmd::{run_cmd, target_dir, workspace},
 };
 
-/// The commit of the previous version: main with the external path
-/// whole (#25, layout 6), before the elections by lease added
-/// `ANNOUNCE_UNTIL` (layout 7).
-pub const PREVIOUS: &str = "50ea4d7a233602d337b4507eacf98ca5c349ce17";
+/// The commit of the previous version: main with the elections by lease
+/// (#26, layout 7), before the external path counted its traffic in
+/// `TRAFFIC_SLOTS` (layout 8).
+pub const PREVIOUS: &str = "45cf3d61365589b67e7f476fa9c3751736f4ac20";
 
 /// The previous version's `lb`, built once under `target/previous/` (and
 /// kept there for the next run). `None` when this clone lacks its commit

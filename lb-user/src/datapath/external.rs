@@ -7,13 +7,14 @@
 use std::{
     collections::{BTreeMap, HashMap as StdHashMap, HashSet},
     net::{IpAddr, SocketAddr},
+    sync::{Mutex, PoisonError},
 };
 
 use anyhow::Context as _;
-use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap};
+use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap};
 use lb_common::{
-    AnnounceKey, AnnounceValue, Endpoint, Flow, FlowKey, NatKey, NatReply, Traffic, maglev::Maglev,
-    maps,
+    AnnounceKey, AnnounceValue, Endpoint, Flow, FlowKey, NatKey, NatReply, Traffic, TrafficSlot,
+    maglev::Maglev, maps,
 };
 
 /// Handles to the external path's pinned maps.
@@ -23,6 +24,9 @@ pub struct ExternalMaps {
     flows: HashMap<MapData, FlowKey, Flow>,
     nat: HashMap<MapData, NatKey, NatReply>,
     traffic: PerCpuHashMap<MapData, Endpoint, Traffic>,
+    traffic_slots: PerCpuArray<MapData, TrafficSlot>,
+    /// What `traffic` last said, per server: its figures never go down.
+    traffic_reported: Mutex<BTreeMap<SocketAddr, Forwarded>>,
     announce: HashMap<MapData, AnnounceKey, AnnounceValue>,
     maglev: HashMap<MapData, Endpoint, Maglev>,
     announce_until: HashMap<MapData, [u32; 4], u64>,
@@ -57,6 +61,8 @@ impl ExternalMaps {
             flows: typed!(HashMap, maps::FLOWS),
             nat: typed!(HashMap, maps::NAT_REPLIES),
             traffic: typed!(PerCpuHashMap, maps::TRAFFIC),
+            traffic_slots: typed!(PerCpuArray, maps::TRAFFIC_SLOTS),
+            traffic_reported: Mutex::default(),
             announce: typed!(HashMap, maps::ANNOUNCE),
             maglev: typed!(HashMap, maps::MAGLEV),
             announce_until: typed!(HashMap, maps::ANNOUNCE_UNTIL),
@@ -216,17 +222,46 @@ impl ExternalMaps {
         self.nat.keys().filter(Result::is_ok).count()
     }
 
-    /// What was forwarded to each server, summed over the CPUs.
+    /// What was forwarded to each server, summed over the CPUs: its
+    /// `TRAFFIC` entry and the slots of `TRAFFIC_SLOTS` it holds
+    /// (`lb_common::TrafficSlot`).
+    ///
+    /// `TRAFFIC` is read first. A slot that changes hands between the two
+    /// reads moves its counts to its holder's entry, and they are in
+    /// neither; such a reading is smaller than the one before, and the one
+    /// before is reported instead: the figures only grow, as counters must.
     pub fn traffic(&self) -> BTreeMap<SocketAddr, Forwarded> {
-        let mut found = BTreeMap::new();
+        let mut found: BTreeMap<SocketAddr, Forwarded> = BTreeMap::new();
+        let mut add = |server: Endpoint, t: &Traffic| {
+            let sum = found.entry(SocketAddr::from(server)).or_default();
+            sum.packets += t.packets;
+            sum.bytes += t.bytes;
+        };
         for (server, per_cpu) in self.traffic.iter().filter_map(Result::ok) {
-            let total = per_cpu.iter().fold(Forwarded::default(), |sum, t| Forwarded {
-                packets: sum.packets + t.packets,
-                bytes: sum.bytes + t.bytes,
-            });
-            found.insert(SocketAddr::from(server), total);
+            per_cpu.iter().for_each(|t| add(server, t));
         }
+        for per_cpu in self.traffic_slots.iter().filter_map(Result::ok) {
+            for slot in per_cpu.iter().filter(|slot| slot.server != Endpoint::default()) {
+                add(slot.server, &slot.traffic);
+            }
+        }
+        let mut reported = self.traffic_reported.lock().unwrap_or_else(PoisonError::into_inner);
+        never_less(&mut found, &mut reported);
         found
+    }
+}
+
+/// Raises each server's figures in `found` to at least those `reported`
+/// before, and records them as reported.
+fn never_less(
+    found: &mut BTreeMap<SocketAddr, Forwarded>,
+    reported: &mut BTreeMap<SocketAddr, Forwarded>,
+) {
+    for (server, now) in found.iter_mut() {
+        let before = reported.entry(*server).or_default();
+        now.packets = now.packets.max(before.packets);
+        now.bytes = now.bytes.max(before.bytes);
+        *before = *now;
     }
 }
 
@@ -239,5 +274,34 @@ fn remove<K: aya::Pod, V: aya::Pod>(
         Err(MapError::KeyNotFound) | Ok(()) => Ok(()),
         Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
         Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn forwarded(packets: u64, bytes: u64) -> Forwarded {
+        Forwarded { packets, bytes }
+    }
+
+    #[test]
+    fn traffic_figures_never_go_down() {
+        let a: SocketAddr = "198.18.2.2:8080".parse().unwrap();
+        let b: SocketAddr = "198.18.2.3:8080".parse().unwrap();
+        let mut reported = BTreeMap::new();
+        let mut found = BTreeMap::from([(a, forwarded(10, 1000)), (b, forwarded(1, 100))]);
+        never_less(&mut found, &mut reported);
+        assert_eq!(found[&a], forwarded(10, 1000));
+        // a's slot changed hands between the two reads: its counts were in
+        // neither map.
+        let mut found = BTreeMap::from([(a, forwarded(4, 400)), (b, forwarded(2, 200))]);
+        never_less(&mut found, &mut reported);
+        assert_eq!(found[&a], forwarded(10, 1000), "a went down");
+        assert_eq!(found[&b], forwarded(2, 200), "b's growth was lost");
+        // The next reading has them again, and more.
+        let mut found = BTreeMap::from([(a, forwarded(12, 1200))]);
+        never_less(&mut found, &mut reported);
+        assert_eq!(found[&a], forwarded(12, 1200));
     }
 }

@@ -1,13 +1,14 @@
 //! What `lb_xdp` keeps so that an established flow's packet costs little
 //! (issue 25, item 7): the route to a server, a while per CPU
-//! (`ROUTES`); the stamps that let a server with no recent failure mark
-//! go without a `FAILED_AT` lookup (`MARKED_AT`). Each case checks that
-//! what is kept changes nothing the maps say: where packets go, which
-//! server is usable.
+//! (`ROUTES`); a server's traffic in its slot of `TRAFFIC_SLOTS`; the
+//! stamps that let a server with no recent failure mark go without a
+//! `FAILED_AT` lookup (`MARKED_AT`). Each case checks that what is kept
+//! changes nothing the maps say: where packets go, what is counted,
+//! which server is usable.
 
-use std::time::Duration;
+use std::{net::SocketAddr, time::Duration};
 
-use lb_common::Reason;
+use lb_common::{Endpoint, Reason, TRAFFIC_SLOT_IDLE_TICKS, Traffic, TrafficSlot, traffic_slot};
 use lb_tests::packets::{Flags, read_frame};
 
 use crate::xdp_node::*;
@@ -61,6 +62,50 @@ fn a_servers_route_is_kept_and_a_changed_neighbour_is_followed() {
 }
 
 #[test]
+fn traffic_is_counted_in_the_servers_slot_or_else_in_its_entry() {
+    both_families(|node, f| {
+        stay_on_one_cpu();
+        let [a, b] = f.servers;
+        let ack = from_client(f, f.client, Flags::ACK, 1_001).frame();
+        let syn_len = ip_len(&from_client(f, f.client, Flags::SYN, 1_000).frame());
+        forwarded(node, f, f.client, 1_000);
+        for _ in 0..3 {
+            assert_eq!(node.run(&ack, None).0, XDP_REDIRECT);
+        }
+        assert_eq!(node.traffic(a), (4, syn_len + 3 * ip_len(&ack)));
+        assert_eq!(node.traffic(b), (0, 0));
+
+        // Another server, busy, holds b's slot on every CPU: b is counted
+        // in its `TRAFFIC` entry.
+        let holder = colliding(b);
+        let slot = traffic_slot(&Endpoint::from(b));
+        let busy = TrafficSlot {
+            server: Endpoint::from(holder),
+            used_at: jiffies(),
+            traffic: Traffic { packets: 5, bytes: 500 },
+            ..TrafficSlot::default()
+        };
+        node.set_traffic_slot(slot, busy);
+        let cpus = aya::util::nr_cpus().unwrap() as u64;
+        node.serve(f, &[b]);
+        // a left the selection: the flow moves to b.
+        let (verdict, out) = node.run(&ack, None);
+        assert_eq!(verdict, XDP_REDIRECT);
+        assert_eq!(read_frame(&out).unwrap().dst, b);
+        assert_eq!(node.traffic(b), (1, ip_len(&ack)));
+        assert_eq!(node.traffic(holder), (5 * cpus, 500 * cpus));
+
+        // Idle for longer than a slot may be, the holder gives it up to b
+        // on this CPU, and its counts there move to its entry.
+        let idle = TrafficSlot { used_at: jiffies() - TRAFFIC_SLOT_IDLE_TICKS - 1, ..busy };
+        node.set_traffic_slot(slot, idle);
+        assert_eq!(node.run(&ack, None).0, XDP_REDIRECT);
+        assert_eq!(node.traffic(b), (2, 2 * ip_len(&ack)));
+        assert_eq!(node.traffic(holder), (5 * cpus, 500 * cpus), "the holder's counts were lost");
+    });
+}
+
+#[test]
 fn a_flows_server_is_looked_up_in_failed_at_while_its_slot_is_stamped_or_unknown() {
     both_families(|node, f| {
         let [a, b] = f.servers;
@@ -85,4 +130,19 @@ fn a_flows_server_is_looked_up_in_failed_at_while_its_slot_is_stamped_or_unknown
         assert_eq!(node.counter(Reason::XdpFlowMoved), 1);
         assert_eq!(to(node), b);
     });
+}
+
+/// Bytes from the IP header on, as the traffic counts.
+fn ip_len(frame: &[u8]) -> u64 {
+    frame.len() as u64 - 14
+}
+
+/// A server other than `server` whose traffic slot is the same: its
+/// address, another port.
+fn colliding(server: SocketAddr) -> SocketAddr {
+    let slot = traffic_slot(&Endpoint::from(server));
+    (1..=u16::MAX)
+        .map(|port| SocketAddr::new(server.ip(), port))
+        .find(|other| *other != server && traffic_slot(&Endpoint::from(*other)) == slot)
+        .expect("no port of the server's address shares its slot")
 }

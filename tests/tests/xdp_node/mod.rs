@@ -11,12 +11,13 @@ use std::{
 
 use aya::{
     Ebpf,
-    maps::{Array, HashMap, PerCpuArray},
+    maps::{Array, HashMap, PerCpuArray, PerCpuHashMap, PerCpuValues},
     programs::{TestRun, TestRunOptions, Xdp},
 };
 use lb_common::{
     Endpoint, Flow, FlowKey, MARK_SLOTS, MARKED_UNKNOWN, MAX_SERVERS, NAT_PORT_COUNT,
-    NAT_PORT_FIRST, NatKey, NatReply, Reason, Service, maglev::Maglev, maps, nat, programs,
+    NAT_PORT_FIRST, NatKey, NatReply, Reason, Service, Traffic, TrafficSlot, maglev::Maglev, maps,
+    nat, programs, traffic_slot,
 };
 use lb_tests::{
     in_new_netns,
@@ -282,6 +283,29 @@ impl Node {
         }
     }
 
+    /// Packets and bytes forwarded to `server`, as the daemon sums them:
+    /// its `TRAFFIC` entry and the slots of `TRAFFIC_SLOTS` it holds, over
+    /// every CPU.
+    pub fn traffic(&self, server: SocketAddr) -> (u64, u64) {
+        let server = Endpoint::from(server);
+        let entries: PerCpuHashMap<_, Endpoint, Traffic> =
+            PerCpuHashMap::try_from(self.ebpf.map(maps::TRAFFIC).unwrap()).unwrap();
+        let mut sum: Vec<Traffic> = entries.get(&server, 0).map(|v| v.to_vec()).unwrap_or_default();
+        let slots: PerCpuArray<_, TrafficSlot> =
+            PerCpuArray::try_from(self.ebpf.map(maps::TRAFFIC_SLOTS).unwrap()).unwrap();
+        let per_cpu = slots.get(&traffic_slot(&server), 0).unwrap();
+        sum.extend(per_cpu.iter().filter(|slot| slot.server == server).map(|slot| slot.traffic));
+        sum.iter().fold((0, 0), |(p, b), t| (p + t.packets, b + t.bytes))
+    }
+
+    /// Writes `slot` into slot `index` of `TRAFFIC_SLOTS` on every CPU.
+    pub fn set_traffic_slot(&mut self, index: u32, slot: TrafficSlot) {
+        let mut slots: PerCpuArray<_, TrafficSlot> =
+            PerCpuArray::try_from(self.ebpf.map_mut(maps::TRAFFIC_SLOTS).unwrap()).unwrap();
+        let cpus = aya::util::nr_cpus().unwrap();
+        slots.set(index, PerCpuValues::try_from(vec![slot; cpus]).unwrap(), 0).unwrap();
+    }
+
     /// The NAT entry of `key`.
     pub fn nat_entry(&self, key: &NatKey) -> Option<NatReply> {
         let entries: HashMap<_, NatKey, NatReply> =
@@ -320,6 +344,13 @@ pub fn monotonic_ns() -> u64 {
     // SAFETY: a valid timespec to write.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
     now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
+/// The kernel's jiffies now (`bpf_jiffies64()`), from /proc/timer_list.
+pub fn jiffies() -> u64 {
+    let list = std::fs::read_to_string("/proc/timer_list").expect("reading /proc/timer_list");
+    let line = list.lines().find_map(|l| l.strip_prefix("jiffies: ")).expect("no jiffies line");
+    line.trim().parse().expect("jiffies")
 }
 
 /// Keeps this thread on CPU 0, so that what the program keeps per CPU is
