@@ -103,7 +103,7 @@ const _: () = assert!(Reason::COUNT as u32 <= COUNTER_SLOTS);
 /// (its lease's fence); `LINK_MACS`, the MAC of each interface `lb_xdp`
 /// runs on.
 /// 8: `TRAFFIC_SLOTS`, where the external path counts most of its
-/// traffic. A daemon of layout 8 adopts pins of layout 7 and upgrades them
+/// traffic; `MARKED_AT`, the failure marks' stamps. A daemon of layout 8 adopts pins of layout 7 and upgrades them
 /// (`UPGRADABLE_LAYOUT`).
 pub const LAYOUT_VERSION: u32 = 8;
 /// The one older layout a daemon adopts, by adding what its layout lacks
@@ -160,11 +160,6 @@ pub mod maps {
     /// [`UNMARKED_KERNEL`](crate::UNMARKED_KERNEL) and
     /// [`UNMARKED_REPLACED`](crate::UNMARKED_REPLACED).
     pub const UNMARKED: &str = "UNMARKED";
-    /// Kernel-only, not pinned: [`MARK_SLOTS`](crate::MARK_SLOTS) `u64`s,
-    /// each the jiffy at which a server hashed to it was last marked
-    /// failed: a server whose slot was last marked longer ago than its
-    /// service's hold-down is usable without a `FAILED_AT` lookup.
-    pub const MARKED_AT: &str = "MARKED_AT";
     /// VIP → `u32` (reserved, zero): the VIPs the external path (XDP)
     /// forwards packets from the network for (layout 5).
     pub const EXTERNAL: &str = "EXTERNAL";
@@ -199,8 +194,15 @@ pub mod maps {
     /// forwarded to each server, counted without a hash lookup; the rest
     /// is in `TRAFFIC` (layout 8).
     pub const TRAFFIC_SLOTS: &str = "TRAFFIC_SLOTS";
+    /// [`MARK_SLOTS`](crate::MARK_SLOTS) `u64`s, each the jiffy at which
+    /// a server hashed to it was last marked failed (or
+    /// [`MARKED_UNKNOWN`](crate::MARKED_UNKNOWN)): the external path looks
+    /// a flow's server up in `FAILED_AT` only if its slot was stamped
+    /// within the hold-down. Pinned, so that the marks of every program
+    /// (sock_ops, `lb_xdp`) stamp the one map `lb_xdp` reads (layout 8).
+    pub const MARKED_AT: &str = "MARKED_AT";
     /// Every map the daemon pins, in one list so attach, adopt and detach agree.
-    pub const ALL: [&str; 19] = [
+    pub const ALL: [&str; 20] = [
         SERVICES,
         FAILED_AT,
         SOCKETS,
@@ -220,9 +222,10 @@ pub mod maps {
         ANNOUNCE_UNTIL,
         LINK_MACS,
         TRAFFIC_SLOTS,
+        MARKED_AT,
     ];
     /// The maps pins of `UPGRADABLE_LAYOUT` lack (an upgrade creates them).
-    pub const NEW_IN_LAYOUT: [&str; 1] = [TRAFFIC_SLOTS];
+    pub const NEW_IN_LAYOUT: [&str; 2] = [TRAFFIC_SLOTS, MARKED_AT];
 }
 
 /// Names of the programs in the object file; also their link pin names.
@@ -372,9 +375,9 @@ pub const UNMARKED_SLOTS: u32 = 2;
 /// Number of `MARKED_AT` slots (a power of two).
 pub const MARK_SLOTS: u32 = 64;
 /// A `MARKED_AT` slot whose last mark is of unknown age: the daemon writes
-/// it into every slot when its programs replace running ones, whose marks
-/// did not set the slots; a program that reads it takes it as a mark made
-/// now.
+/// it into every slot when its programs replace running ones (those of
+/// layout 7 marked servers without stamping); a program that reads it
+/// takes it as a mark made now.
 pub const MARKED_UNKNOWN: u64 = u64::MAX;
 
 /// `SockEntry::flags`: the connection reached ESTABLISHED and is counted.

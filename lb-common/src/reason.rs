@@ -227,7 +227,7 @@ reasons! {
     XdpOtherHost = 66 => "xdp_other_host",
     /// xdp: a packet to a server was routed by asking the kernel's FIB;
     /// this CPU's next packets to that server take the route it gave, for
-    /// up to 50 ms (the others are not counted apart).
+    /// 10 jiffies (10-100 ms; the others are not counted apart).
     XdpFibLookup = 67 => "xdp_fib_lookup",
 }
 

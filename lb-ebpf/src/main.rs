@@ -134,7 +134,7 @@ static UNMARKED: Array<u32> = Array::with_max_entries(UNMARKED_SLOTS, 0);
 /// The jiffy at which a server hashed to each slot was last marked failed
 /// (`report.rs`), or `lb_common::MARKED_UNKNOWN`, written by the daemon:
 /// lets the external path skip `FAILED_AT` (`select::unmarked_lately`).
-/// Kernel-only, never pinned.
+/// Pinned: sock_ops and `lb_xdp`, loaded apart, stamp the same slots.
 #[map]
 static MARKED_AT: Array<u64> = Array::with_max_entries(MARK_SLOTS, 0);
 
@@ -251,7 +251,9 @@ fn count(reason: Reason) {
 /// halves off, where nothing on the CPU interrupts it to run a program
 /// that adds to the same slot; a cgroup program it interrupts adds with a
 /// single atomic instruction, never caught halfway. The same holds for
-/// `TRAFFIC`, which only `lb_xdp` writes.
+/// `TRAFFIC` and `TRAFFIC_SLOTS`, which only `lb_xdp` writes. Not under
+/// `BPF_PROG_TEST_RUN`, which older kernels run preemptible: the tests
+/// and benchmarks that use it load maps of their own.
 #[inline(always)]
 fn count_xdp(reason: Reason) {
     if let Some(counter) = COUNTERS.get_ptr_mut(reason.index()) {

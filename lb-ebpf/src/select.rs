@@ -149,12 +149,17 @@ pub(crate) fn unmarked_lately(service: &Service, server: &Endpoint) -> bool {
     !stamped_within(mark_slot(server), service.hold_down_ns)
 }
 
+/// Jiffies added to a hold-down before a stamp counts as older (see
+/// `stamped_within`).
+const STAMP_MARGIN_TICKS: u64 = 4;
+
 /// Whether slot `slot` of `MARKED_AT` may have been stamped less than
 /// `hold_down_ns` ago. The slots count in jiffies, whose length this
 /// program does not know: a jiffy lasts at least a millisecond (the
 /// kernel's `HZ` is at most 1000), so a stamp older than the hold-down in
-/// milliseconds, plus one for the jiffy under way, is surely older than
-/// the hold-down. A slot of `MARKED_UNKNOWN` becomes a stamp of now.
+/// milliseconds, plus `STAMP_MARGIN_TICKS` for the jiffy under way and a
+/// tick or two that jiffies may lag behind, is surely older than the
+/// hold-down. A slot of `MARKED_UNKNOWN` becomes a stamp of now.
 #[inline(always)]
 fn stamped_within(slot: u32, hold_down_ns: u64) -> bool {
     let Some(stamp) = MARKED_AT.get_ptr_mut(slot) else { return true };
@@ -167,7 +172,7 @@ fn stamped_within(slot: u32, hold_down_ns: u64) -> bool {
         unsafe { *stamp = now };
         return true;
     }
-    let ticks = hold_down_ns.div_ceil(1_000_000) + 1;
+    let ticks = hold_down_ns.div_ceil(1_000_000) + STAMP_MARGIN_TICKS;
     stamped != 0 && now.wrapping_sub(stamped) <= ticks
 }
 

@@ -252,7 +252,7 @@ impl ExternalMaps {
 }
 
 /// Raises each server's figures in `found` to at least those `reported`
-/// before, and records them as reported.
+/// before (adding the servers it lacks), and records them as reported.
 fn never_less(
     found: &mut BTreeMap<SocketAddr, Forwarded>,
     reported: &mut BTreeMap<SocketAddr, Forwarded>,
@@ -262,6 +262,10 @@ fn never_less(
         now.packets = now.packets.max(before.packets);
         now.bytes = now.bytes.max(before.bytes);
         *before = *now;
+    }
+    // A server whose counts were all in transit is reported as before.
+    for (server, before) in reported.iter() {
+        found.entry(*server).or_insert(*before);
     }
 }
 
@@ -299,9 +303,11 @@ mod tests {
         never_less(&mut found, &mut reported);
         assert_eq!(found[&a], forwarded(10, 1000), "a went down");
         assert_eq!(found[&b], forwarded(2, 200), "b's growth was lost");
-        // The next reading has them again, and more.
+        // The next reading has them again, and more; b's counts are in
+        // transit, in neither map.
         let mut found = BTreeMap::from([(a, forwarded(12, 1200))]);
         never_less(&mut found, &mut reported);
         assert_eq!(found[&a], forwarded(12, 1200));
+        assert_eq!(found[&b], forwarded(2, 200), "b went missing");
     }
 }

@@ -172,10 +172,11 @@ pub(super) fn replace_programs(
     Ok(logger)
 }
 
-/// Fills the new programs' `MARKED_AT` with `MARKED_UNKNOWN`: the running
-/// programs' failure marks in `FAILED_AT` stamped their own map, not this
-/// one, and the new programs must look each server up until a hold-down
-/// has passed (`select::unmarked_lately` in lb-ebpf).
+/// Fills `MARKED_AT` with `MARKED_UNKNOWN`: the running programs, if of
+/// layout 7, mark servers in `FAILED_AT` without stamping it, and the new
+/// programs must look each flow's server up until a hold-down has passed
+/// (`select::unmarked_lately` in lb-ebpf). Programs of this layout do
+/// stamp it; filling it after them only costs those lookups.
 fn forget_marks(ebpf: &mut Ebpf) -> anyhow::Result<()> {
     let marked = ebpf
         .map_mut(maps::MARKED_AT)

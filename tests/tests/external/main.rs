@@ -73,6 +73,28 @@ fn external_clients_reach_the_selected_server() {
             );
             assert!(has_xdp(name), "no XDP program on {name}");
         }
+        // The failure marks' stamps are one map for every program: a mark
+        // sock_ops makes (a local connect refused) reaches the external
+        // path's flows, which skip `FAILED_AT` while their slot is clear.
+        let stamps = aya::maps::MapInfo::from_pin(
+            daemon.bpffs.join("maps").join(lb_common::maps::MARKED_AT),
+        )
+        .expect("the pinned MARKED_AT")
+        .id();
+        let sock_ops = lb_user::datapath::pinned_program_ids(&daemon.bpffs)
+            .unwrap()
+            .into_iter()
+            .find(|(name, _)| *name == lb_common::programs::SOCK_OPS)
+            .expect("a pinned sock_ops link")
+            .1;
+        for program in [sock_ops, xdp_id("ext0").expect("the XDP program's id")] {
+            let info = aya::programs::loaded_programs()
+                .filter_map(Result::ok)
+                .find(|info| info.id() == program)
+                .expect("the program's info");
+            let maps = info.map_ids().unwrap().unwrap_or_default();
+            assert!(maps.contains(&stamps), "program {program} stamps a MARKED_AT of its own");
+        }
         // Failover: one server of each service takes every new flow (the
         // first whose check passed), and only it.
         let mut active: Vec<(String, String)> = Vec::new();

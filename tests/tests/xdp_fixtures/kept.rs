@@ -24,6 +24,7 @@ fn a_servers_route_is_kept_and_a_changed_neighbour_is_followed() {
         assert_eq!(node.counter(Reason::XdpFibLookup), 1, "the SYN asks the FIB");
         const PACKETS: u64 = 20;
         let ack = from_client(f, f.client, Flags::ACK, 1_001).frame();
+        let since = jiffies();
         for _ in 0..PACKETS {
             let (verdict, out) = node.run(&ack, None);
             assert_eq!(verdict, XDP_REDIRECT);
@@ -32,9 +33,15 @@ fn a_servers_route_is_kept_and_a_changed_neighbour_is_followed() {
             assert_eq!(out.macs, (server_mac(first.dst), SRV_MAC), "a kept route's link layer");
             assert_eq!(out.ttl, 63);
         }
-        // Runs take microseconds: a route kept 10 ms or more serves most.
+        // A route is kept 10 jiffies: asked again at most once per 10 that
+        // passed (and once more for the one under way), however slow the
+        // runs.
+        let ticks = jiffies() - since;
         let asked = node.counter(Reason::XdpFibLookup) - 1;
-        assert!(asked < PACKETS / 2, "the FIB was asked for {asked} of {PACKETS} packets");
+        assert!(
+            asked <= ticks / 10 + 1 && asked < PACKETS,
+            "the FIB was asked for {asked} of {PACKETS} packets in {ticks} jiffies"
+        );
 
         // A longer packet than the route was found for asks again: it may
         // not fit the route's MTU.
@@ -67,16 +74,16 @@ fn traffic_is_counted_in_the_servers_slot_or_else_in_its_entry() {
         stay_on_one_cpu();
         let [a, b] = f.servers;
         let ack = from_client(f, f.client, Flags::ACK, 1_001).frame();
-        let syn_len = ip_len(&from_client(f, f.client, Flags::SYN, 1_000).frame());
         forwarded(node, f, f.client, 1_000);
         for _ in 0..3 {
             assert_eq!(node.run(&ack, None).0, XDP_REDIRECT);
         }
-        assert_eq!(node.traffic(a), (4, syn_len + 3 * ip_len(&ack)));
-        assert_eq!(node.traffic(b), (0, 0));
+        let counted = |entry, slots| TrafficParts { entry, slots };
+        assert_eq!(node.traffic(a), counted(0, 4), "a free slot was not taken");
+        assert_eq!(node.traffic(b), counted(0, 0));
 
         // Another server, busy, holds b's slot on every CPU: b is counted
-        // in its `TRAFFIC` entry.
+        // in its `TRAFFIC` entry, and the holder keeps its slot.
         let holder = colliding(b);
         let slot = traffic_slot(&Endpoint::from(b));
         let busy = TrafficSlot {
@@ -92,16 +99,35 @@ fn traffic_is_counted_in_the_servers_slot_or_else_in_its_entry() {
         let (verdict, out) = node.run(&ack, None);
         assert_eq!(verdict, XDP_REDIRECT);
         assert_eq!(read_frame(&out).unwrap().dst, b);
-        assert_eq!(node.traffic(b), (1, ip_len(&ack)));
-        assert_eq!(node.traffic(holder), (5 * cpus, 500 * cpus));
+        assert_eq!(node.traffic(b), counted(1, 0), "a busy holder lost its slot");
+        assert_eq!(node.traffic(holder), counted(0, 5 * cpus));
 
         // Idle for longer than a slot may be, the holder gives it up to b
         // on this CPU, and its counts there move to its entry.
         let idle = TrafficSlot { used_at: jiffies() - TRAFFIC_SLOT_IDLE_TICKS - 1, ..busy };
         node.set_traffic_slot(slot, idle);
         assert_eq!(node.run(&ack, None).0, XDP_REDIRECT);
-        assert_eq!(node.traffic(b), (2, 2 * ip_len(&ack)));
-        assert_eq!(node.traffic(holder), (5 * cpus, 500 * cpus), "the holder's counts were lost");
+        assert_eq!(node.traffic(b), counted(1, 1), "an idle holder kept its slot");
+        assert_eq!(node.traffic(holder), counted(5, 5 * (cpus - 1)), "the holder's counts");
+    });
+}
+
+#[test]
+fn a_mark_made_by_a_program_stamps_its_slot_and_moves_the_servers_flows() {
+    both_families(|node, f| {
+        let [a, b] = f.servers;
+        assert_eq!(forwarded(node, f, f.client, 1_000).dst, a);
+        let ack = from_client(f, f.client, Flags::ACK, 1_001).frame();
+        assert_eq!(to(node, &ack), a);
+        // Another flow's SYN to a, sent again unanswered, fails a.
+        let other = SocketAddr::new(f.client.ip(), 40_001);
+        assert_eq!(forwarded(node, f, other, 1).dst, a);
+        node.age_syns(Duration::from_secs(1));
+        assert_eq!(forwarded(node, f, other, 1).dst, b);
+        assert_eq!(node.counter(Reason::XdpSynRetransmitted), 1);
+        // The first flow's next packet finds the mark, and moves.
+        assert_eq!(to(node, &ack), b, "the stamped mark was not looked up");
+        assert_eq!(node.counter(Reason::XdpFlowMoved), 1);
     });
 }
 
@@ -111,30 +137,27 @@ fn a_flows_server_is_looked_up_in_failed_at_while_its_slot_is_stamped_or_unknown
         let [a, b] = f.servers;
         assert_eq!(forwarded(node, f, f.client, 1_000).dst, a);
         let ack = from_client(f, f.client, Flags::ACK, 1_001).frame();
-        let to = |node: &Node| {
-            let (verdict, out) = node.run(&ack, None);
-            assert_eq!(verdict, XDP_REDIRECT);
-            read_frame(&out).expect("the forwarded frame").dst
-        };
-        assert_eq!(to(node), a);
-        // A mark that stamped no slot, as a program of an older lb made it
+        assert_eq!(to(node, &ack), a);
+        // A mark that stamped no slot, as a program of layout 7 made it
         // before this one replaced it: the flow's packets do not look for
         // it (a new flow's choice does).
         node.mark_without_stamp(a);
-        assert_eq!(to(node), a, "an unstamped slot's server was looked up");
+        assert_eq!(to(node, &ack), a, "an unstamped slot's server was looked up");
         // The daemon says the marks are of unknown age, as it does when its
         // programs replace running ones: the flow's next packet finds the
         // mark, and the flow moves.
         node.forget_marks();
-        assert_eq!(to(node), b, "the mark was not looked up");
+        assert_eq!(to(node, &ack), b, "the mark was not looked up");
         assert_eq!(node.counter(Reason::XdpFlowMoved), 1);
-        assert_eq!(to(node), b);
+        assert_eq!(to(node, &ack), b);
     });
 }
 
-/// Bytes from the IP header on, as the traffic counts.
-fn ip_len(frame: &[u8]) -> u64 {
-    frame.len() as u64 - 14
+/// Where `frame`, a client's packet of a flow, is forwarded to.
+fn to(node: &Node, frame: &[u8]) -> SocketAddr {
+    let (verdict, out) = node.run(frame, None);
+    assert_eq!(verdict, XDP_REDIRECT);
+    read_frame(&out).expect("the forwarded frame").dst
 }
 
 /// A server other than `server` whose traffic slot is the same: its

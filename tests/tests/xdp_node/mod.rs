@@ -283,19 +283,18 @@ impl Node {
         }
     }
 
-    /// Packets and bytes forwarded to `server`, as the daemon sums them:
-    /// its `TRAFFIC` entry and the slots of `TRAFFIC_SLOTS` it holds, over
-    /// every CPU.
-    pub fn traffic(&self, server: SocketAddr) -> (u64, u64) {
+    /// Packets forwarded to `server` as counted in its `TRAFFIC` entry and
+    /// in the slots of `TRAFFIC_SLOTS` it holds, each over every CPU.
+    pub fn traffic(&self, server: SocketAddr) -> TrafficParts {
         let server = Endpoint::from(server);
         let entries: PerCpuHashMap<_, Endpoint, Traffic> =
             PerCpuHashMap::try_from(self.ebpf.map(maps::TRAFFIC).unwrap()).unwrap();
-        let mut sum: Vec<Traffic> = entries.get(&server, 0).map(|v| v.to_vec()).unwrap_or_default();
+        let entry = entries.get(&server, 0).map(|v| v.iter().map(|t| t.packets).sum());
         let slots: PerCpuArray<_, TrafficSlot> =
             PerCpuArray::try_from(self.ebpf.map(maps::TRAFFIC_SLOTS).unwrap()).unwrap();
         let per_cpu = slots.get(&traffic_slot(&server), 0).unwrap();
-        sum.extend(per_cpu.iter().filter(|slot| slot.server == server).map(|slot| slot.traffic));
-        sum.iter().fold((0, 0), |(p, b), t| (p + t.packets, b + t.bytes))
+        let held = per_cpu.iter().filter(|slot| slot.server == server);
+        TrafficParts { entry: entry.unwrap_or(0), slots: held.map(|s| s.traffic.packets).sum() }
     }
 
     /// Writes `slot` into slot `index` of `TRAFFIC_SLOTS` on every CPU.
@@ -346,6 +345,16 @@ pub fn monotonic_ns() -> u64 {
     now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
+/// Packets forwarded to one server, where they were counted (see
+/// [`Node::traffic`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TrafficParts {
+    /// In its `TRAFFIC` entry.
+    pub entry: u64,
+    /// In the slots of `TRAFFIC_SLOTS` it holds.
+    pub slots: u64,
+}
+
 /// The kernel's jiffies now (`bpf_jiffies64()`), from /proc/timer_list.
 pub fn jiffies() -> u64 {
     let list = std::fs::read_to_string("/proc/timer_list").expect("reading /proc/timer_list");
@@ -353,14 +362,15 @@ pub fn jiffies() -> u64 {
     line.trim().parse().expect("jiffies")
 }
 
-/// Keeps this thread on CPU 0, so that what the program keeps per CPU is
-/// the same from one run to the next.
+/// Keeps this thread on the CPU it runs on, so that what the program
+/// keeps per CPU is the same from one run to the next.
 pub fn stay_on_one_cpu() {
     // SAFETY: a zeroed cpu_set_t is a valid, empty set; CPU_SET and
     // sched_setaffinity only read and write it.
     unsafe {
+        let cpu = usize::try_from(libc::sched_getcpu()).expect("sched_getcpu");
         let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(0, &mut set);
+        libc::CPU_SET(cpu, &mut set);
         let pinned = libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set);
         assert_eq!(pinned, 0, "sched_setaffinity: {}", std::io::Error::last_os_error());
     }
