@@ -160,14 +160,11 @@ pub struct TrafficSlot {
     pub traffic: Traffic,
 }
 
-/// The slot of `TRAFFIC_SLOTS` that counts `server`'s traffic: a
-/// multiplicative hash of its address and port, its top bits. The kernel
-/// and the daemon find slots by it alike.
+/// The slot of `TRAFFIC_SLOTS` that counts `server`'s traffic
+/// ([`Endpoint::slot`]). The kernel and the daemon find slots by it alike.
 #[inline(always)]
 pub const fn traffic_slot(server: &Endpoint) -> u32 {
-    let [a, b, c, d] = server.addr;
-    let mixed = a ^ b ^ c ^ d ^ server.port as u32;
-    mixed.wrapping_mul(0x9e37_79b1) >> (32 - TRAFFIC_SLOT_COUNT.trailing_zeros())
+    server.slot(0, TRAFFIC_SLOT_COUNT)
 }
 
 const _: () = assert!(TRAFFIC_SLOT_COUNT.is_power_of_two());

@@ -103,8 +103,8 @@ const _: () = assert!(Reason::COUNT as u32 <= COUNTER_SLOTS);
 /// (its lease's fence); `LINK_MACS`, the MAC of each interface `lb_xdp`
 /// runs on.
 /// 8: `TRAFFIC_SLOTS`, where the external path counts most of its
-/// traffic; `MARKED_AT`, the failure marks' stamps. A daemon of layout 8 adopts pins of layout 7 and upgrades them
-/// (`UPGRADABLE_LAYOUT`).
+/// traffic; `MARKED_AT`, the failure marks' stamps. A daemon of layout 8
+/// adopts pins of layout 7 and upgrades them (`UPGRADABLE_LAYOUT`).
 pub const LAYOUT_VERSION: u32 = 8;
 /// The one older layout a daemon adopts, by adding what its layout lacks
 /// (maps and programs; nothing pinned changes shape) before it replaces
@@ -314,6 +314,17 @@ impl Endpoint {
     /// Whether the address is IPv4 (stored IPv4-mapped).
     pub const fn is_v4(&self) -> bool {
         self.addr[0] == 0 && self.addr[1] == 0 && self.addr[2] == V4_MAPPED_WORD
+    }
+
+    /// This endpoint's slot in a table of `slots` (a power of two) that
+    /// the kernel finds without a hash lookup: a multiplicative hash of the
+    /// address, the port and `salt` (what else the table is keyed by), its
+    /// top bits.
+    #[inline(always)]
+    pub const fn slot(&self, salt: u32, slots: u32) -> u32 {
+        let [a, b, c, d] = self.addr;
+        let mixed = a ^ b ^ c ^ d ^ self.port as u32 ^ salt;
+        mixed.wrapping_mul(0x9e37_79b1) >> (32 - slots.trailing_zeros())
     }
 }
 

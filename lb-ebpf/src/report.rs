@@ -33,13 +33,10 @@ pub(crate) fn mark_failed(server: &Endpoint) {
     }
 }
 
-/// The slot of `MARKED_AT` that `server`'s marks stamp: a multiplicative
-/// hash of its address and port, its top bits.
+/// The slot of `MARKED_AT` that `server`'s marks stamp.
 #[inline(always)]
 pub(crate) fn mark_slot(server: &Endpoint) -> u32 {
-    let [a, b, c, d] = server.addr;
-    let mixed = a ^ b ^ c ^ d ^ u32::from(server.port);
-    mixed.wrapping_mul(0x9e37_79b1) >> (32 - MARK_SLOTS.trailing_zeros())
+    server.slot(0, MARK_SLOTS)
 }
 
 const _: () = assert!(MARK_SLOTS.is_power_of_two());

@@ -69,7 +69,10 @@ pub(crate) enum Route {
     /// the packet, and its TTL goes down by one.
     Via(u32),
     /// The packet is larger than the route's MTU (this one, from Linux
-    /// 5.12; before, the packet's own length): untouched.
+    /// 5.12; before, the packet's own length): untouched. A u32 holding a
+    /// u16: with payloads of one size, LLVM merges the variants without
+    /// shifting a stale register into the value, which the verifier
+    /// refused (it held a pointer).
     TooBig(u32),
     /// No route or no neighbour entry (counted): untouched.
     Unreachable,
@@ -147,12 +150,10 @@ pub(crate) fn route(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoint
 }
 
 /// The slot of `ROUTES` that keeps the route to `server` of packets
-/// arriving on `ingress`: a multiplicative hash of the two, its top bits.
+/// arriving on `ingress`.
 #[inline(always)]
 fn slot(server: &Endpoint, ingress: u32) -> u32 {
-    let [a, b, c, d] = server.addr;
-    let mixed = a ^ b ^ c ^ d ^ u32::from(server.port) ^ ingress.rotate_left(16);
-    mixed.wrapping_mul(0x9e37_79b1) >> (32 - ROUTE_SLOTS.trailing_zeros())
+    server.slot(ingress.rotate_left(16), ROUTE_SLOTS)
 }
 
 const _: () = assert!(ROUTE_SLOTS.is_power_of_two());

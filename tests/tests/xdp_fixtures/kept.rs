@@ -116,9 +116,7 @@ fn traffic_is_counted_in_the_servers_slot_or_else_in_its_entry() {
 fn a_mark_made_by_a_program_stamps_its_slot_and_moves_the_servers_flows() {
     both_families(|node, f| {
         let [a, b] = f.servers;
-        assert_eq!(forwarded(node, f, f.client, 1_000).dst, a);
-        let ack = from_client(f, f.client, Flags::ACK, 1_001).frame();
-        assert_eq!(to(node, &ack), a);
+        let ack = flow_to_first_server(node, f);
         // Another flow's SYN to a, sent again unanswered, fails a.
         let other = SocketAddr::new(f.client.ip(), 40_001);
         assert_eq!(forwarded(node, f, other, 1).dst, a);
@@ -135,9 +133,7 @@ fn a_mark_made_by_a_program_stamps_its_slot_and_moves_the_servers_flows() {
 fn a_flows_server_is_looked_up_in_failed_at_while_its_slot_is_stamped_or_unknown() {
     both_families(|node, f| {
         let [a, b] = f.servers;
-        assert_eq!(forwarded(node, f, f.client, 1_000).dst, a);
-        let ack = from_client(f, f.client, Flags::ACK, 1_001).frame();
-        assert_eq!(to(node, &ack), a);
+        let ack = flow_to_first_server(node, f);
         // A mark that stamped no slot, as a program of layout 7 made it
         // before this one replaced it: the flow's packets do not look for
         // it (a new flow's choice does).
@@ -151,6 +147,15 @@ fn a_flows_server_is_looked_up_in_failed_at_while_its_slot_is_stamped_or_unknown
         assert_eq!(node.counter(Reason::XdpFlowMoved), 1);
         assert_eq!(to(node, &ack), b);
     });
+}
+
+/// Opens the client's flow, which goes to the first server, and returns
+/// its next packet (an ACK).
+fn flow_to_first_server(node: &Node, f: &Family) -> Vec<u8> {
+    assert_eq!(forwarded(node, f, f.client, 1_000).dst, f.servers[0]);
+    let ack = from_client(f, f.client, Flags::ACK, 1_001).frame();
+    assert_eq!(to(node, &ack), f.servers[0]);
+    ack
 }
 
 /// Where `frame`, a client's packet of a flow, is forwarded to.
