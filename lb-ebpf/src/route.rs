@@ -5,9 +5,11 @@
 //!
 //! Asking the FIB was a fifth of an established packet's program time
 //! (35-40 ns of about 160). A kept route is taken only by a packet to the
-//! same server (address and port), from the same node address, arriving
-//! on the same interface, no longer than the packet it was found for (so
-//! it fits the route's MTU), within [`ROUTE_KEPT_TICKS`] of the lookup. A
+//! same server (address and port) over the same protocol, from the same
+//! node address, arriving on the same interface, no longer than the
+//! packet it was found for (so it fits the route's MTU), within
+//! [`ROUTE_KEPT_TICKS`] of the lookup (policy rules may route TCP and UDP
+//! apart, `ip rule ... ipproto`). A
 //! route or neighbour entry that changes (the server's MAC, the interface
 //! toward it) is followed at most that much later. Policy rules that match
 //! the source port (a flow's NAT port) are asked for one flow of a server,
@@ -47,10 +49,12 @@ pub(crate) const ROUTE_KEPT_TICKS: u64 = 10;
 #[repr(C)]
 pub(crate) struct KeptRoute {
     /// What the FIB was asked: the packet's new destination (the server),
-    /// its new source address (the node's), the interface it arrived on.
+    /// its new source address (the node's), the interface it arrived on,
+    /// its L4 protocol.
     server: Endpoint,
     node: [u32; 4],
     ingress: u32,
+    protocol: u32,
     /// What it answered: the interface out, and the link layer
     /// (destination MAC, then source MAC).
     ifindex: u32,
@@ -101,6 +105,7 @@ pub(crate) fn route(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoint
         && kept.server == *dst
         && kept.node == src.addr
         && kept.ingress == ingress
+        && kept.protocol == u32::from(p.protocol)
     {
         if !set_link(ctx, p, kept.macs) {
             return Route::Unreachable;
@@ -138,6 +143,7 @@ pub(crate) fn route(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoint
     kept.server = *dst;
     kept.node = src.addr;
     kept.ingress = ingress;
+    kept.protocol = u32::from(p.protocol);
     kept.ifindex = fib.ifindex;
     kept.macs[..6].copy_from_slice(&fib.dmac);
     kept.macs[6..].copy_from_slice(&fib.smac);

@@ -9,7 +9,7 @@
 use std::{net::SocketAddr, time::Duration};
 
 use lb_common::{Endpoint, Reason, TRAFFIC_SLOT_IDLE_TICKS, Traffic, TrafficSlot, traffic_slot};
-use lb_tests::packets::{Flags, read_frame};
+use lb_tests::packets::{Flags, Segment, read_frame};
 
 use crate::xdp_node::*;
 
@@ -53,6 +53,18 @@ fn a_servers_route_is_kept_and_a_changed_neighbour_is_followed() {
             node.counter(Reason::XdpFibLookup),
             before + 1,
             "a longer packet took the route"
+        );
+
+        // A UDP datagram to the same server asks again: policy rules may
+        // route TCP and UDP apart (`ip rule ... ipproto`).
+        let udp = Segment::udp((EXT_MAC, CLIENT_MAC), f.client, f.vip, b"x");
+        let (verdict, out) = node.run(&udp.frame(), None);
+        assert_eq!(verdict, XDP_REDIRECT);
+        assert_eq!(read_frame(&out).expect("the forwarded datagram").dst, first.dst);
+        assert_eq!(
+            node.counter(Reason::XdpFibLookup),
+            before + 2,
+            "a UDP datagram took a TCP flow's route"
         );
 
         // The server's MAC changes (its neighbour entry): followed once the
