@@ -216,6 +216,11 @@ impl Node {
     /// Starts (or restarts) the node's daemon, in its namespace, with
     /// `kubeconfig` and the `services` tables.
     pub fn start(&mut self, kubeconfig: &std::path::Path, services: &str) {
+        self.start_with(kubeconfig, "", services);
+    }
+
+    /// As [`Self::start`], with more `[daemon]` settings (lines of TOML).
+    pub fn start_with(&mut self, kubeconfig: &std::path::Path, daemon: &str, services: &str) {
         if let Some(mut daemon) = self.daemon.take() {
             self.daemon = Some(self.ns.run(move || {
                 daemon.restart();
@@ -225,7 +230,7 @@ impl Node {
         }
         let (name, settings) = (
             format!("{}-{}", self.tag, self.name),
-            format!("node_name = \"{}\"\nkubeconfig = {:?}\n", self.name, kubeconfig),
+            format!("node_name = \"{}\"\nkubeconfig = {:?}\n{daemon}", self.name, kubeconfig),
         );
         let cgroup = TestCgroup::new(&name);
         let services = services.to_owned();
