@@ -26,40 +26,19 @@
 //! resourceVersion, as the protocol says; an expired one gets `410` and
 //! relists.
 //!
-//! ## Reaching the apiserver (k3s 11349)
-//! The client is kube's usual stack (the kubeconfig's or the service
-//! account's TLS settings, server name and credentials, verified) on a
-//! connector of our own, `Dialer`. When the Service discovered is the
-//! apiservers' own (`default/kubernetes`), or the kubeconfig's server is
-//! this service's VIP or one of its usable servers, each new connection is
-//! dialled to the first server of the daemon's current usable list that
-//! accepts, then to the kubeconfig's address, and last to the config's own
-//! servers (the seeds: the usable list may be a persisted one whose
-//! apiservers were all replaced while the node was down, and the
-//! kubeconfig may point at the VIP). TLS still runs over
-//! that connection with the kubeconfig's server name, so the certificate
-//! is verified as before. Connections are not pooled, so when the watched
-//! apiserver dies the next list or watch dials afresh and lands on a live
-//! one: the watch follows the list it maintains. For any other Service the
-//! kubeconfig's address is dialled as usual.
+//! How the client reaches the apiserver (through the usable servers of the
+//! apiservers' own service, k3s 11349) is `discovery::dial`'s.
 
 use std::{
     collections::BTreeMap,
-    fmt,
-    future::Future,
     net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
-    pin::{Pin, pin},
-    task::{Context, Poll},
+    pin::pin,
     time::Duration,
 };
 
 use futures::StreamExt as _;
-use hyper::Uri;
-use hyper_util::{
-    client::legacy::connect::HttpConnector,
-    rt::{TokioExecutor, TokioIo},
-};
+use hyper_util::rt::TokioExecutor;
 use k8s_openapi::api::discovery::v1::{EndpointConditions, EndpointSlice};
 use kube::{
     Api, Client,
@@ -68,7 +47,6 @@ use kube::{
     runtime::watcher,
 };
 use tokio::{
-    net::TcpStream,
     sync::{mpsc, watch},
     time::Instant,
 };
@@ -76,6 +54,7 @@ use tower::{BoxError, ServiceBuilder};
 
 use super::{
     Backoff, Endpoint, chain,
+    dial::{DialRule, Dialer},
     forward::{Signal, rank},
 };
 use crate::{balancer::Readiness, config::PortRef};
@@ -83,8 +62,6 @@ use crate::{balancer::Readiness, config::PortRef};
 /// The label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
-/// How long one dial of one address may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Retries after a failure: from this, doubling...
 const BACKOFF_MIN: Duration = Duration::from_millis(250);
 /// ...up to this.
@@ -340,148 +317,6 @@ pub(crate) async fn client_with(
         .map_err(BoxError::from)
         .service(http);
     Ok(Client::new(service, config.default_namespace))
-}
-
-/// When the apiserver is reached through the service's usable servers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct DialRule {
-    pub vip: SocketAddr,
-    /// The Service discovered is `default/kubernetes`.
-    pub apiserver_service: bool,
-}
-
-/// One place to dial.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Dial {
-    /// A usable server of the service.
-    Server(SocketAddr),
-    /// The kubeconfig's server, as written (a name is resolved).
-    Configured,
-}
-
-impl DialRule {
-    /// Where to dial for a request to `configured` (the kubeconfig's server
-    /// address, when it is an IP address), in order. When the servers are
-    /// apiservers (the Service is the apiservers' own, or the kubeconfig
-    /// points at the VIP or at one of them): the usable servers, the
-    /// kubeconfig's address, then the config's servers (`seeds`) not tried
-    /// yet. Otherwise the kubeconfig's address alone.
-    pub(crate) fn plan(
-        &self,
-        configured: Option<SocketAddr>,
-        usable: &[SocketAddr],
-        seeds: &[SocketAddr],
-    ) -> Vec<Dial> {
-        let through_usable = self.apiserver_service
-            || configured
-                .is_some_and(|c| c == self.vip || usable.contains(&c) || seeds.contains(&c));
-        let mut plan: Vec<Dial> = Vec::new();
-        if through_usable {
-            plan.extend(usable.iter().map(|a| Dial::Server(*a)));
-        }
-        if !configured.is_some_and(|c| plan.contains(&Dial::Server(c))) {
-            plan.push(Dial::Configured);
-        }
-        if through_usable {
-            for seed in seeds {
-                if !plan.contains(&Dial::Server(*seed)) && configured != Some(*seed) {
-                    plan.push(Dial::Server(*seed));
-                }
-            }
-        }
-        plan
-    }
-}
-
-/// The IP address and port of a URI, when its host is an IP address.
-fn socket_addr_of(uri: &Uri) -> Option<SocketAddr> {
-    let host = uri.host()?;
-    let ip: IpAddr = host.trim_start_matches('[').trim_end_matches(']').parse().ok()?;
-    let port = uri.port_u16().unwrap_or(if uri.scheme_str() == Some("https") { 443 } else { 80 });
-    Some(SocketAddr::new(ip, port))
-}
-
-/// A connector (below TLS) that dials as [`DialRule::plan`] says: the
-/// first address that accepts wins. TLS above it still verifies the
-/// kubeconfig's server name.
-#[derive(Clone)]
-pub(crate) struct Dialer {
-    rule: DialRule,
-    seeds: Vec<SocketAddr>,
-    usable: watch::Receiver<Vec<SocketAddr>>,
-    tcp: HttpConnector,
-}
-
-impl Dialer {
-    pub(crate) fn new(
-        rule: DialRule,
-        seeds: Vec<SocketAddr>,
-        usable: watch::Receiver<Vec<SocketAddr>>,
-    ) -> Self {
-        let mut tcp = HttpConnector::new();
-        tcp.enforce_http(false);
-        tcp.set_nodelay(true);
-        tcp.set_connect_timeout(Some(CONNECT_TIMEOUT));
-        // A dead apiserver that sends nothing (powered off, partitioned)
-        // must not hold the watch forever.
-        tcp.set_keepalive(Some(Duration::from_secs(10)));
-        tcp.set_keepalive_interval(Some(Duration::from_secs(5)));
-        tcp.set_keepalive_retries(Some(3));
-        tcp.set_tcp_user_timeout(Some(Duration::from_secs(30)));
-        Self { rule, seeds, usable, tcp }
-    }
-}
-
-/// Every dial failed.
-#[derive(Debug)]
-pub(crate) struct DialError(String);
-
-impl fmt::Display for DialError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for DialError {}
-
-impl tower::Service<Uri> for Dialer {
-    type Response = TokioIo<TcpStream>;
-    type Error = DialError;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, DialError>> + Send>>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), DialError>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, uri: Uri) -> Self::Future {
-        let plan = self.rule.plan(socket_addr_of(&uri), &self.usable.borrow(), &self.seeds);
-        let tcp = self.tcp.clone();
-        Box::pin(async move {
-            let mut failures = Vec::new();
-            for dial in plan {
-                let (to, name) = match dial {
-                    Dial::Server(addr) => (
-                        format!("http://{addr}/").parse::<Uri>().expect("an address is a URI"),
-                        addr.to_string(),
-                    ),
-                    Dial::Configured => (
-                        uri.clone(),
-                        format!("{} (kubeconfig)", uri.authority().map_or("?", |a| a.as_str())),
-                    ),
-                };
-                match tower::ServiceExt::oneshot(tcp.clone(), to).await {
-                    Ok(stream) => {
-                        tracing::debug!(
-                            "kubernetes discovery: connected to the apiserver at {name}"
-                        );
-                        return Ok(stream);
-                    }
-                    Err(e) => failures.push(format!("{name}: {}", chain(&e))),
-                }
-            }
-            Err(DialError(format!("no apiserver accepted a connection ({})", failures.join("; "))))
-        })
-    }
 }
 
 #[cfg(test)]
@@ -760,76 +595,5 @@ mod tests {
         assert!(list[..12].iter().all(|e| e.readiness == Readiness::Ready));
         assert_eq!(list[12], ep("127.10.1.1:443", Readiness::Serving));
         assert_eq!(list[15], ep("127.10.1.4:443", Readiness::Serving));
-    }
-
-    #[test]
-    fn the_dial_plan_goes_through_usable_servers_only_for_apiservers() {
-        let vip = vip4();
-        let a: SocketAddr = "127.10.0.1:6443".parse().unwrap();
-        let b: SocketAddr = "127.10.0.2:6443".parse().unwrap();
-        let elsewhere: SocketAddr = "127.19.9.9:443".parse().unwrap();
-        let apiservers = DialRule { vip, apiserver_service: true };
-        let app = DialRule { vip, apiserver_service: false };
-        let none: &[SocketAddr] = &[];
-        // default/kubernetes: the usable servers first, then the kubeconfig.
-        assert_eq!(
-            apiservers.plan(Some(elsewhere), &[a, b], none),
-            [Dial::Server(a), Dial::Server(b), Dial::Configured]
-        );
-        assert_eq!(apiservers.plan(None, &[a], none), [Dial::Server(a), Dial::Configured]);
-        // The kubeconfig points at one of them: not dialled twice.
-        assert_eq!(app.plan(Some(b), &[a, b], none), [Dial::Server(a), Dial::Server(b)]);
-        // The kubeconfig points at the VIP: its servers, then the VIP (which
-        // the kernel rewrites when the daemon is in the attached cgroup).
-        assert_eq!(app.plan(Some(vip), &[b], none), [Dial::Server(b), Dial::Configured]);
-        // An application's Service: its servers are not apiservers.
-        assert_eq!(app.plan(Some(elsewhere), &[a, b], none), [Dial::Configured]);
-        assert_eq!(app.plan(None, &[a, b], none), [Dial::Configured]);
-        // Nothing usable yet: the kubeconfig.
-        assert_eq!(apiservers.plan(Some(vip), &[], none), [Dial::Configured]);
-    }
-
-    /// Trust #23, item 5: the config's servers stay a last resort. A
-    /// persisted list whose apiservers were all replaced while the node was
-    /// down, and a kubeconfig that points at the VIP: the seeds come last.
-    #[test]
-    fn the_config_servers_are_dialled_last() {
-        let vip = vip4();
-        let stale: SocketAddr = "127.10.0.1:6443".parse().unwrap();
-        let seed: SocketAddr = "127.10.0.9:6443".parse().unwrap();
-        let elsewhere: SocketAddr = "127.19.9.9:443".parse().unwrap();
-        let apiservers = DialRule { vip, apiserver_service: true };
-        let app = DialRule { vip, apiserver_service: false };
-        assert_eq!(
-            app.plan(Some(vip), &[stale], &[seed]),
-            [Dial::Server(stale), Dial::Configured, Dial::Server(seed)]
-        );
-        assert_eq!(apiservers.plan(None, &[], &[seed]), [Dial::Configured, Dial::Server(seed)]);
-        // A seed that is usable, or the kubeconfig's address: once.
-        assert_eq!(
-            apiservers.plan(Some(elsewhere), &[seed], &[seed]),
-            [Dial::Server(seed), Dial::Configured]
-        );
-        assert_eq!(
-            app.plan(Some(seed), &[stale], &[seed]),
-            [Dial::Server(stale), Dial::Configured]
-        );
-        // An application's Service: its seeds are not apiservers either.
-        assert_eq!(app.plan(Some(elsewhere), &[stale], &[seed]), [Dial::Configured]);
-    }
-
-    #[test]
-    fn uri_addresses() {
-        let uri = |s: &str| s.parse::<Uri>().unwrap();
-        assert_eq!(
-            socket_addr_of(&uri("https://127.10.0.1:6443/")),
-            Some("127.10.0.1:6443".parse().unwrap())
-        );
-        assert_eq!(
-            socket_addr_of(&uri("https://127.10.0.1/")),
-            Some("127.10.0.1:443".parse().unwrap())
-        );
-        assert_eq!(socket_addr_of(&uri("http://[::1]:8080/")), Some("[::1]:8080".parse().unwrap()));
-        assert_eq!(socket_addr_of(&uri("https://kubernetes.default.svc/")), None);
     }
 }

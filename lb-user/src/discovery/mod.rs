@@ -19,6 +19,8 @@
 //! by default). A build without one refuses a config that names it
 //! ([`config::Discovery::is_built`]).
 
+#[cfg(feature = "kubernetes")]
+pub(crate) mod dial;
 #[cfg(feature = "dns")]
 pub mod dns;
 #[cfg(any(feature = "kubernetes", feature = "dns"))]

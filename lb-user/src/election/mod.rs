@@ -171,7 +171,7 @@ async fn run(mut task: Task) {
     let mut last: Option<Standing> = None;
     let client = loop {
         let reach = &task.reach;
-        let rule = crate::discovery::kubernetes::DialRule {
+        let rule = crate::discovery::dial::DialRule {
             vip: reach.apiservers.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0))),
             apiserver_service: reach.apiservers.is_some(),
         };
