@@ -27,6 +27,8 @@ pub mod dns;
 mod forward;
 #[cfg(feature = "kubernetes")]
 pub mod kubernetes;
+#[cfg(feature = "kubernetes")]
+mod slices;
 
 use std::{fmt, net::SocketAddr, path::PathBuf, time::Duration};
 
