@@ -9,9 +9,9 @@
 //! node address, arriving on the same interface, no longer than the
 //! packet it was found for (so it fits the route's MTU), within
 //! [`ROUTE_KEPT_TICKS`] of the lookup (policy rules may route TCP and UDP
-//! apart, `ip rule ... ipproto`). A
-//! route or neighbour entry that changes (the server's MAC, the interface
-//! toward it) is followed at most that much later. Policy rules that match
+//! apart, `ip rule ... ipproto`). A route or neighbour entry that changes
+//! (the server's MAC, the interface toward it) is followed at most that
+//! much later. Policy rules that match
 //! the source port (a flow's NAT port) are asked for one flow of a server,
 //! and its route kept for the server's other flows too.
 

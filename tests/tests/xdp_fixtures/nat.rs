@@ -28,6 +28,11 @@ fn key_of(out: &lb_tests::packets::Segment) -> NatKey {
     }
 }
 
+/// The `FLOWS` key of `client`'s TCP flow to `f`'s VIP.
+fn tcp_flow(client: Endpoint, f: &Family) -> FlowKey {
+    FlowKey { client, vip: Endpoint::from(f.vip), protocol: 6, _pad: [0; 3] }
+}
+
 /// Every NAT port toward `f`'s first server but `except` taken by a flow
 /// of its own (client port = NAT port) whose entry has `flags`, with its
 /// `FLOWS` entry. The entries are stamped as the `NAT_REPLIES` writes
@@ -43,8 +48,12 @@ fn take_every_port(node: &mut Node, f: &Family, except: u16, flags: u32) -> u32 
         let node_end = Endpoint::from(SocketAddr::new(f.node, port));
         let key = NatKey { server, node: node_end, protocol: 6, _pad: [0; 3] };
         let reply = NatReply { client, vip: Endpoint::from(f.vip), flags, ..NatReply::default() };
-        let flow_key = FlowKey { client, vip: Endpoint::from(f.vip), protocol: 6, _pad: [0; 3] };
-        entries.push((key, reply, flow_key, Flow { server, node: node_end, syn_at_ns: 0 }));
+        entries.push((
+            key,
+            reply,
+            tcp_flow(client, f),
+            Flow { server, node: node_end, syn_at_ns: 0 },
+        ));
     }
     let mut flows: HashMap<_, FlowKey, Flow> =
         HashMap::try_from(node.ebpf.map_mut(maps::FLOWS).unwrap()).unwrap();
@@ -143,12 +152,7 @@ fn a_new_flow_takes_the_port_of_an_ended_one_when_none_is_free() {
         // and the ports are filled again otherwise, a few times at most.
         let client = SocketAddr::new(f.client.ip(), 30_000);
         let syn = from_client(f, client, Flags::SYN, 1).frame();
-        let flow = FlowKey {
-            client: Endpoint::from(client),
-            vip: Endpoint::from(f.vip),
-            protocol: 6,
-            _pad: [0; 3],
-        };
+        let flow = tcp_flow(Endpoint::from(client), f);
         let mut judged = None;
         for _ in 0..5 {
             let before = (
@@ -184,12 +188,7 @@ fn a_new_flow_takes_the_port_of_an_ended_one_when_none_is_free() {
         assert_eq!(entry.client, Endpoint::from(client), "the port still answers the old flow");
         // The old flow (client port = the NAT port) is gone: its next
         // packet is a new flow, never one sharing the port.
-        let old = FlowKey {
-            client: Endpoint::from(SocketAddr::new(f.client.ip(), out.src.port())),
-            vip: Endpoint::from(f.vip),
-            protocol: 6,
-            _pad: [0; 3],
-        };
+        let old = tcp_flow(Endpoint::from(SocketAddr::new(f.client.ip(), out.src.port())), f);
         assert!(!has_flow(node, &old), "the old flow still holds the port");
 
         // Live flows, idle a second, keep their ports.
