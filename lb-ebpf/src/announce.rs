@@ -20,7 +20,7 @@ use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpCon
 use lb_common::{AnnounceKey, Reason, checksum};
 
 use crate::{
-    ANNOUNCE, ANNOUNCE_UNTIL, count_xdp,
+    maps::{ANNOUNCE, ANNOUNCE_UNTIL, count_xdp},
     packet::{read, write},
 };
 

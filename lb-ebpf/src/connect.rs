@@ -11,7 +11,9 @@ use aya_log_ebpf::debug;
 use lb_common::{Endpoint, Reason, SockEntry, UNMARKED_KERNEL};
 
 use crate::{
-    CONNECTING, IPPROTO_TCP, IPPROTO_UDP, SOCKETS, SOCKETS_UDP, UNMARKED, count,
+    consts::{IPPROTO_TCP, IPPROTO_UDP},
+    ctx::ctx_read,
+    maps::{CONNECTING, SOCKETS, SOCKETS_UDP, UNMARKED, count},
     select::{CONNECT, Refuse, choose_server, service_for},
     udp::remember_peer,
 };

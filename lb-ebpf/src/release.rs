@@ -9,7 +9,10 @@
 use aya_ebpf::{EbpfContext as _, helpers::bpf_get_socket_cookie, programs::SockContext};
 use lb_common::{Reason, SOCK_CONNECT_PENDING};
 
-use crate::{CONNECTING, IPPROTO_TCP, IPPROTO_UDP, SOCKETS, SOCKETS_UDP, UDP_PEERS};
+use crate::{
+    consts::{IPPROTO_TCP, IPPROTO_UDP},
+    maps::{CONNECTING, SOCKETS, SOCKETS_UDP, UDP_PEERS},
+};
 
 /// TCP states as `bpf_sock::state` holds them (`include/net/tcp_states.h`).
 const TCP_SYN_SENT: u32 = 2;

@@ -15,7 +15,10 @@ use aya_ebpf::{
 };
 use lb_common::{Endpoint, Event, EventKind, MARK_SLOTS, Reason};
 
-use crate::{E2BIG, EVENTS, FAILED_AT, MARKED_AT, count};
+use crate::{
+    consts::E2BIG,
+    maps::{EVENTS, FAILED_AT, MARKED_AT, count},
+};
 
 /// Marks `server` failed now: its slot of `MARKED_AT` first, so that a
 /// program that finds the mark in `FAILED_AT` finds the slot stamped too.

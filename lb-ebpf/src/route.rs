@@ -26,8 +26,10 @@ use aya_ebpf::{
 use lb_common::{Endpoint, Reason};
 
 use crate::{
-    AF_INET, AF_INET6, ROUTES, count_xdp,
-    packet::{Packet, set_link},
+    consts::{AF_INET, AF_INET6},
+    maps::{ROUTES, count_xdp},
+    packet::set_link,
+    scratch::{Packet, ROUTE_SLOTS},
 };
 
 /// `BPF_FIB_LKUP_RET_SUCCESS`: the FIB found the route and the neighbour.
@@ -35,36 +37,11 @@ const FIB_SUCCESS: i64 = 0;
 /// `BPF_FIB_LKUP_RET_FRAG_NEEDED`: the packet exceeds the route's MTU.
 const FIB_FRAG_NEEDED: i64 = 8;
 
-/// Slots of `ROUTES` on each CPU: how many servers' routes it keeps at
-/// once (servers whose slot is the same take turns).
-pub(crate) const ROUTE_SLOTS: u32 = 256;
-
 /// How long a CPU keeps a route the FIB gave, in ticks of the kernel's
 /// clock (jiffies): 10 to 100 ms, as the kernel's `HZ` is 1000 to 100.
 /// Jiffies, not nanoseconds: the clock the route is kept by is read for
 /// every packet, and reading the nanosecond one costs some 15 ns.
 pub(crate) const ROUTE_KEPT_TICKS: u64 = 10;
-
-/// A route the FIB gave, in this CPU's slot of its server (`ROUTES`).
-#[repr(C)]
-pub(crate) struct KeptRoute {
-    /// What the FIB was asked: the packet's new destination (the server),
-    /// its new source address (the node's), the interface it arrived on,
-    /// its L4 protocol.
-    server: Endpoint,
-    node: [u32; 4],
-    ingress: u32,
-    protocol: u32,
-    /// What it answered: the interface out, and the link layer
-    /// (destination MAC, then source MAC).
-    ifindex: u32,
-    macs: [u8; 12],
-    /// The length (from the IP header on) of the packet it was asked for:
-    /// no longer packet takes the route without asking again.
-    fits: u32,
-    /// When it answered (`bpf_jiffies64()`); 0 in a slot never filled.
-    found_at: u64,
-}
 
 /// Where the FIB sends a packet from `src` to `dst` (the client's packet
 /// as it will leave, rewritten), as `route` finds it.
@@ -97,7 +74,7 @@ pub(crate) fn route(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoint
         return Route::Unreachable;
     };
     // SAFETY: this CPU's slot, used by this program run alone (see
-    // `PACKET` in main.rs); valid for the whole run.
+    // `PACKET` in maps.rs); valid for the whole run.
     let kept = unsafe { &mut *kept };
     if kept.found_at != 0
         && now.wrapping_sub(kept.found_at) < ROUTE_KEPT_TICKS

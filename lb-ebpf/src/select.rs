@@ -15,7 +15,10 @@ use lb_common::{
 };
 
 use crate::{
-    FAILED_AT, IPPROTO_TCP, IPPROTO_UDP, MARKED_AT, SCRATCH, SERVICES, count, report::mark_slot,
+    consts::{IPPROTO_TCP, IPPROTO_UDP},
+    ctx::ctx_read,
+    maps::{FAILED_AT, MARKED_AT, SCRATCH, SERVICES, count},
+    report::mark_slot,
 };
 
 /// The connect or send must fail (EPERM): its VIP's service has no server.

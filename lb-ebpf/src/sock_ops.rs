@@ -21,13 +21,14 @@ use lb_common::{
 };
 
 use crate::{
-    AF_INET, CONNECTING, CONNECTIONS, E2BIG, FAILED_AT, SOCKETS, UNMARKED, atomic_add, count,
+    consts::{AF_INET, E2BIG},
+    maps::{CONNECTING, CONNECTIONS, FAILED_AT, SOCKETS, UNMARKED, atomic_add, count},
     report::{emit, mark_failed},
 };
 
 /// Runs the callback `ctx` is for.
 #[inline(always)]
-pub(crate) fn handle(ctx: &SockOpsContext) {
+pub(crate) fn on_callback(ctx: &SockOpsContext) {
     // Only `TCP_CONNECT_CB` runs for every socket of the cgroup; the other
     // callbacks handled here are the ones `on_connect` asks for, so only
     // tracked sockets pay for them. Establishment is seen as a state change

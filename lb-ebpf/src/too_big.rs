@@ -25,8 +25,10 @@ use aya_ebpf::{
 use lb_common::{Reason, checksum};
 
 use crate::{
-    count_xdp,
-    packet::{self, L3, Packet, read, write},
+    consts::L3,
+    maps::count_xdp,
+    packet::{self, read, write},
+    scratch::Packet,
 };
 
 /// Bytes of the client's packet after its IP header that the error

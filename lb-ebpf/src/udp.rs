@@ -16,7 +16,8 @@ use aya_ebpf::{
 use lb_common::{Endpoint, Reason, UDP_PEERS_PER_SOCKET, UdpPeers};
 
 use crate::{
-    E2BIG, UDP_PEERS, count,
+    consts::E2BIG,
+    maps::{UDP_PEERS, count},
     select::{Refuse, SENDMSG, choose_server, preferred, service_for, usable},
 };
 

@@ -44,11 +44,16 @@ use lb_common::{
 };
 
 use crate::{
-    EXTERNAL, FLOWS, IPPROTO_TCP, MAGLEV, NAT_REPLIES, NEW_FLOW, NODE_ADDRESSES, SERVICES, TRAFFIC,
-    TRAFFIC_SLOTS, count_xdp, icmp,
-    packet::{self, Packet, TCP_FIN, TCP_RST, TCP_SYN},
+    consts::{IPPROTO_TCP, TCP_FIN, TCP_RST, TCP_SYN},
+    icmp,
+    maps::{
+        EXTERNAL, FLOWS, MAGLEV, NAT_REPLIES, NEW_FLOW, NODE_ADDRESSES, SERVICES, TRAFFIC,
+        TRAFFIC_SLOTS, count_xdp,
+    },
+    packet,
     report::{emit, mark_failed},
     route::{self, Route},
+    scratch::Packet,
     select::{XDP, choose_server, preferred, selected, unmarked_lately, usable},
     too_big,
 };
@@ -62,15 +67,6 @@ const NAT_TRIES: u32 = 8;
 /// time to answer: it follows the first and fails nothing.
 const SYN_RETRANSMIT_MIN_NS: u64 = 900_000_000;
 
-/// A new flow as `choose` (its server, `nat.server`) and `new_flow` (the
-/// rest) build it, in this CPU's `NEW_FLOW` slot: its `NAT_REPLIES` key
-/// and value, written to the map from there.
-#[repr(C)]
-pub(crate) struct NewFlow {
-    nat: NatKey,
-    reply: NatReply,
-}
-
 /// What to do with a packet the external path takes: `None` if it is
 /// neither for an external VIP nor a reply to a forwarded flow.
 ///
@@ -82,9 +78,9 @@ pub(crate) struct NewFlow {
 /// past the 512 bytes a program's call chain may use. The flow's entry
 /// goes from one to the next as a pointer into the map: looked up once.
 #[inline(always)]
-pub(crate) fn handle(ctx: &XdpContext, p: &Packet) -> Option<u32> {
+pub(crate) fn forward(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     if p.icmp_error {
-        return icmp::handle(ctx, p);
+        return icmp::forward_error(ctx, p);
     }
     // SAFETY: the values are only read; the daemon replaces values whole.
     if unsafe { EXTERNAL.get(&p.dst) }.is_none() {
@@ -270,7 +266,7 @@ fn choose(p: &Packet, service: &Service) -> bool {
         return false;
     };
     // SAFETY: this CPU's slot, used by this program run alone (see
-    // `PACKET` in main.rs).
+    // `PACKET` in maps.rs).
     unsafe { (*slot).nat.server = server };
     true
 }

@@ -1,6 +1,6 @@
 //! Packets as the XDP program sees them: Ethernet, then IPv4 (no options,
 //! no fragments) or IPv6 (no extension headers), then TCP or UDP, or an
-//! ICMP error quoting a TCP or UDP packet (`icmp.rs`). Parsing
+//! ICMP error quoting a TCP or UDP packet (`quote.rs`). Parsing
 //! names where the headers are and what they say; rewriting changes the
 //! addresses and ports with incremental checksum updates
 //! (`lb_common::checksum`); where the rewritten packet goes is
@@ -16,64 +16,16 @@ use core::mem::size_of;
 use aya_ebpf::{helpers::bpf_redirect, programs::XdpContext};
 use lb_common::{Endpoint, Reason, checksum};
 
-use crate::{IPPROTO_TCP, IPPROTO_UDP, LINK_MACS, count_xdp, icmp};
+pub(crate) mod quote;
 
-const ETH_HLEN: usize = 14;
-/// EtherTypes, as the 16-bit field reads in network byte order.
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86dd;
-const IPV4_HLEN: usize = 20;
-const IPV6_HLEN: usize = 40;
-const TCP_HLEN: usize = 20;
-
-/// TCP flags (byte 13 of the header).
-pub(crate) const TCP_FIN: u8 = 0x01;
-pub(crate) const TCP_SYN: u8 = 0x02;
-pub(crate) const TCP_RST: u8 = 0x04;
-pub(crate) const TCP_ACK: u8 = 0x10;
-
-/// What a parsed packet says. Its headers start at constant offsets
-/// (`L3`, `Packet::l4`), checked against the packet's end at every access.
-pub(crate) struct Packet {
-    pub(crate) ipv6: bool,
-    /// `IPPROTO_TCP` or `IPPROTO_UDP`.
-    pub(crate) protocol: u8,
-    pub(crate) src: Endpoint,
-    pub(crate) dst: Endpoint,
-    /// TCP flags; 0 for UDP.
-    pub(crate) tcp_flags: u8,
-    /// TCP: the acknowledgement number (host byte order); 0 for UDP.
-    pub(crate) tcp_ack: u32,
-    /// TCP: the sequence number (host byte order); 0 for UDP.
-    pub(crate) tcp_seq: u32,
-    /// Bytes from the IP header on.
-    pub(crate) ip_len: u32,
-    /// An ICMP error: `protocol`, `src` and `dst` are those of the packet
-    /// it quotes (`icmp::parse`), not its own.
-    pub(crate) icmp_error: bool,
-}
-
-/// Where the IP header starts: right after Ethernet (no VLAN tag).
-pub(crate) const L3: usize = ETH_HLEN;
-
-impl Packet {
-    /// Where the TCP or UDP header starts. A constant on each branch, never
-    /// a value read back from the packet's map slot, which the verifier
-    /// would not let near a packet pointer.
-    #[inline(always)]
-    fn l4(&self) -> usize {
-        if self.ipv6 { L3 + IPV6_HLEN } else { L3 + IPV4_HLEN }
-    }
-
-    /// A SYN opening a connection (no ACK).
-    pub(crate) fn is_syn(&self) -> bool {
-        self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
-    }
-
-    pub(crate) fn is_rst(&self) -> bool {
-        self.tcp_flags & TCP_RST != 0
-    }
-}
+use crate::{
+    consts::{
+        ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPPROTO_TCP, IPPROTO_UDP, IPV4_HLEN, IPV6_HLEN, L3,
+        TCP_HLEN,
+    },
+    maps::{LINK_MACS, count_xdp},
+    scratch::Packet,
+};
 
 /// A pointer to a `T` at `offset` bytes into the packet, if the packet
 /// holds all of it (the check the verifier needs before every access).
@@ -182,8 +134,8 @@ pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
         };
         packet.src.port = ports[0];
         packet.dst.port = ports[1];
-    } else if protocol == if ipv6 { icmp::IPPROTO_ICMPV6 } else { icmp::IPPROTO_ICMP } {
-        return icmp::parse(ctx, packet);
+    } else if protocol == if ipv6 { quote::IPPROTO_ICMPV6 } else { quote::IPPROTO_ICMP } {
+        return quote::parse(ctx, packet);
     } else if ipv6 && matches!(protocol, 0 | 43 | 44 | 50 | 51 | 60 | 135) {
         // Hop-by-hop, routing, fragment, ESP, AH, destination options,
         // mobility: extension headers lb does not walk.
