@@ -7,11 +7,7 @@ use std::{collections::HashSet, net::SocketAddr, sync::Arc, time::Instant};
 use tokio::sync::Notify;
 use tracing::{error, info, warn};
 
-use super::{
-    owner::{Close, Daemon},
-    service::CheckTask,
-    tasks::check_loop,
-};
+use super::{messages::Close, owner::Daemon, service::CheckTask, tasks::check_loop};
 use crate::{
     balancer::{CloseReason, Effect, KernelValue, State},
     config::CheckKind,

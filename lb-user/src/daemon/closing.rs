@@ -1,6 +1,6 @@
 //! Closing VIP connections: which to close, decided here; the sockets are
 //! picked from the kernel's table (only those made through a VIP) and
-//! destroyed with netlink `SOCK_DESTROY` on the closing thread (`closer`;
+//! destroyed with netlink `SOCK_DESTROY` on the closing thread (`close_worker`;
 //! in lb's network namespace and, for `scope = "all"`, in pods'), and the
 //! outcome comes back to the owner loop as a message to log, count and
 //! answer.
@@ -11,8 +11,9 @@ use tokio::sync::oneshot;
 use tracing::{error, info};
 
 use super::{
-    closer::Job,
-    owner::{Close, Counts, Daemon},
+    close_worker::Job,
+    messages::{Close, Counts},
+    owner::Daemon,
 };
 use crate::{balancer::CloseReason, config::Scope, control::Response};
 
@@ -24,7 +25,7 @@ impl Daemon {
     /// `wanted(vip, server)` picks; `close` says what to do with the
     /// outcome ([`Self::close_done`]). The walk of the `SOCKETS` map that
     /// picks them, the netlink socket dump and the destroys run on the
-    /// closing thread (`closer`), after the new selection is written: with
+    /// closing thread (`close_worker`), after the new selection is written: with
     /// thousands of connections they take a while, and the owner loop must
     /// keep answering kernel reports, checks and `lb status` meanwhile.
     ///

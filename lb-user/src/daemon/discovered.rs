@@ -11,10 +11,7 @@ use std::{
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
-use super::{
-    owner::{After, Daemon},
-    service::Discovery,
-};
+use super::{messages::After, owner::Daemon, service::Discovery};
 use crate::{
     balancer::{Effect, Readiness, State},
     config,

@@ -4,8 +4,10 @@
 //! as messages, and it carries out what the pure code decides.
 //!
 //! Rooms: this file is the select loop and the dispatch of messages;
-//! - `owner`: the owner loop's state (`Daemon`) and its messages, which
-//!   every other room uses (and which uses none of them);
+//! - `owner`: the owner loop's state (`Daemon`), which the rooms that act
+//!   on it use;
+//! - `messages`: what reaches the owner loop (`Message`, `Close`), plain
+//!   data that every room may use;
 //! - `startup`: the config to keep, the saved lists, adoption of a running
 //!   datapath, memory tuning;
 //! - `service`: one service's parts (config, balancer, tasks);
@@ -13,10 +15,12 @@
 //!   and the tick's look at the datapath;
 //! - `apply`: a balancer's effects carried out (one write per change);
 //! - `discovered`: discovered lists to server lists;
-//! - `external`: the external path (XDP) kept in step with the services;
+//! - `external_sync`: the external path (XDP) kept in step with the
+//!   services; `external_state`: what it keeps between two syncs;
 //! - `elections`: the leased VIPs' elections (`crate::election`) kept in
 //!   step with the services, and turned into announcements;
-//! - `closing`: VIP connections closed in the background;
+//! - `closing`: VIP connections closed in the background, by the
+//!   `close_worker` thread;
 //! - `requests`: control requests and metrics scrapes;
 //! - `reload`: a reload's plan (`crate::reload::plan`) executed;
 //! - `tasks`: the check loops and the kernel's event and log readers;
@@ -29,12 +33,14 @@
 
 mod apply;
 mod census;
-mod closer;
+mod close_worker;
 mod closing;
 mod discovered;
 mod elections;
-mod external;
+mod external_state;
+mod external_sync;
 mod inputs;
+mod messages;
 mod owner;
 mod reload;
 mod requests;
@@ -54,7 +60,7 @@ use tokio::{
 use tracing::info;
 
 pub use self::owner::Options;
-use self::{owner::Message, startup::Started};
+use self::{messages::Message, startup::Started};
 use crate::{
     control::{Request, Response},
     datapath,

@@ -1,30 +1,25 @@
-//! The owner loop's state and the messages it is sent: the one value
-//! that holds every service and the datapath. Every other room of the
-//! daemon imports it; it imports none of them but the parts of a service
-//! (`service`) and the timers (`timers`).
+//! The owner loop's state: the one value that holds every service and the
+//! datapath. The rooms that act on it import it; it imports only the
+//! parts it holds (`service`, `timers`, `census`, `close_worker`,
+//! `saver`, `watch`, `external_state`) and the messages (`messages`).
 
-use std::{
-    collections::{BTreeMap, HashMap},
-    net::SocketAddr,
-    path::PathBuf,
-    time::Duration,
-};
+use std::{collections::HashMap, net::SocketAddr, path::PathBuf};
 
 use anyhow::Context as _;
-use lb_common::Event;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use super::{
-    census::Census, closer::Closer, external::External, saver::Saver, service::Service,
-    timers::Timers, watch::TableWatch,
+    census::Census,
+    close_worker::Closer,
+    external_state::External,
+    messages::{After, Message},
+    saver::Saver,
+    service::Service,
+    timers::Timers,
+    watch::TableWatch,
 };
 use crate::{
-    balancer::{CloseReason, Health},
-    config,
-    control::{ReloadStatus, Response},
-    datapath::Datapath,
-    discovery, election,
-    metrics::Metrics,
+    config, control::ReloadStatus, datapath::Datapath, discovery, election, metrics::Metrics,
     state::SavedState,
 };
 
@@ -37,47 +32,6 @@ pub struct Options {
     /// Detach everything on SIGTERM/SIGINT instead of leaving the datapath
     /// working (fail-static).
     pub detach_on_exit: bool,
-}
-
-/// What reaches the owner task from the kernel, the health checks and its
-/// own background work. (Control requests come on their own channel, as
-/// `control::Call`s; discovered lists on theirs.)
-pub(super) enum Message {
-    Kernel(Event),
-    Health {
-        service: String,
-        server: SocketAddr,
-        result: Health,
-        took: Duration,
-    },
-    /// A background close is done ([`Daemon::close`]).
-    CloseDone {
-        close: Close,
-        result: Result<Counts, String>,
-    },
-}
-
-/// How many VIP connections were closed, per (VIP, server).
-pub(super) type Counts = BTreeMap<(SocketAddr, SocketAddr), u64>;
-
-/// A close: why it is done, which says what to do with its outcome.
-pub(super) enum Close {
-    /// One step of a service's balancer moved traffic off these servers.
-    Moved { service: String, vip: SocketAddr, servers: Vec<(SocketAddr, CloseReason)> },
-    /// `lb close-connections`: the client waits for the total.
-    Requested { server: SocketAddr, reply: oneshot::Sender<Response> },
-    /// A reload removed these VIPs.
-    RemovedVips,
-}
-
-/// Work that applied lists call for, done once for a burst of them
-/// ([`Daemon::after_discovered`]).
-#[derive(Default)]
-pub(super) struct After {
-    /// A list changed: write the state file.
-    pub(super) save: bool,
-    /// A server left: clean the kernel's maps of it.
-    pub(super) forget: bool,
 }
 
 /// The owner loop's state: every service, the datapath, the channels.

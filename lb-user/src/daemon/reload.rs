@@ -12,7 +12,7 @@ use tracing::{error, info, warn};
 
 use super::{
     apply::Write,
-    owner::Close,
+    messages::Close,
     owner::Daemon,
     service::{Service, checks_of},
     startup::{load_tls, parse_config, release_freed_memory},

@@ -19,9 +19,10 @@ use tracing::{error, info, warn};
 
 use super::{
     census::Census,
-    closer::Closer,
-    external::External,
-    owner::{After, Daemon, Message, Options},
+    close_worker::Closer,
+    external_state::External,
+    messages::{After, Message},
+    owner::{Daemon, Options},
     saver::Saver,
     service::Service,
     tasks::{forward_events, forward_kernel_logs},

@@ -13,7 +13,7 @@ use tokio::{
 };
 use tracing::error;
 
-use super::owner::Message;
+use super::messages::Message;
 use crate::{
     config, datapath,
     health::{Checker, Tls},

@@ -13,7 +13,7 @@ use std::{
 use tokio::sync::mpsc as tokio_mpsc;
 use tracing::warn;
 
-use super::owner::{Close, Counts, Message};
+use super::messages::{Close, Counts, Message};
 use crate::{datapath::SocketTables, sock_destroy};
 
 /// Which connections a close wants: `(vip, server) -> bool`.

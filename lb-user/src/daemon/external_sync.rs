@@ -17,63 +17,19 @@ use std::{
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-use super::owner::Daemon;
+use super::{external_state::Role, owner::Daemon};
 use crate::{
     announce,
     balancer::State,
     config::{Announce, Policy},
     control::{ExternalStatus, InterfaceStatus, ServiceExternal, TrafficStatus},
-    datapath::{Announced, xdp::Mode},
-    maglev,
-    routes::{self, Route},
+    datapath::Announced,
+    maglev, routes,
 };
 
 /// How often the routes to the servers are asked again (a route that
 /// changes moves the NAT source and the interface replies arrive on).
 pub(super) const ROUTES_REFRESH: Duration = Duration::from_secs(30);
-
-/// What the daemon keeps of the external path between two syncs.
-#[derive(Default)]
-pub(super) struct External {
-    /// The kernel's route to each server of a service with
-    /// `[service.external]`, or why there is none.
-    routes: HashMap<IpAddr, Result<Route, String>>,
-    /// When `routes` were last all asked again.
-    refreshed: Option<Instant>,
-    /// The program's count of packets it could not route, as last read.
-    unrouted: u64,
-    /// Each interface the program should run on: why, and how it went.
-    interfaces: BTreeMap<String, (Role, Result<Mode, String>)>,
-    /// Whether the kernel forwards IPv4 and IPv6, as last read.
-    forwarding: Option<bool>,
-    /// The interfaces `lb_xdp` runs on, as the last sync found them: each
-    /// one's index and MAC address.
-    links: HashMap<String, (u32, announce::Mac)>,
-    /// The addresses announced now, on which interfaces.
-    announced: HashSet<Announced>,
-    /// The same, for the repeated announcements (`tell_the_link`): one
-    /// withdrawn meanwhile is not told again.
-    announced_now: watch::Sender<HashSet<Announced>>,
-}
-
-/// Why `lb_xdp` runs on an interface.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Role {
-    /// A service lists it: clients' packets arrive there.
-    clients: bool,
-    /// A server is reached through it: its replies arrive there.
-    servers: bool,
-}
-
-impl Role {
-    fn name(self) -> &'static str {
-        match (self.clients, self.servers) {
-            (true, true) => "clients, servers",
-            (true, false) => "clients",
-            _ => "servers",
-        }
-    }
-}
 
 impl Daemon {
     /// Makes the external path's maps and XDP attachments match the
