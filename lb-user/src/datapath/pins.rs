@@ -3,10 +3,11 @@
 //!
 //! Layout under the configured bpffs directory: `links/<program>` (one
 //! cgroup link per program), `links/xdp-<mode>/<interface>` (the external
-//! path's, see `xdp`) and `maps/<MAP>`.
+//! path's: `Mode`, `attachments`) and `maps/<MAP>`.
 
 use std::{
     collections::HashMap,
+    fmt,
     fs::File,
     io,
     os::{fd::AsRawFd as _, unix::fs::MetadataExt as _},
@@ -29,6 +30,61 @@ pub(super) fn links_dir(bpffs: &Path) -> PathBuf {
 
 pub(super) fn maps_dir(bpffs: &Path) -> PathBuf {
     bpffs.join("maps")
+}
+
+/// Where an XDP program runs on an interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Mode {
+    /// In the driver, before any socket buffer is made.
+    Native,
+    /// In the stack, after the driver made a socket buffer (any driver;
+    /// slower).
+    Generic,
+}
+
+impl Mode {
+    pub(super) const ALL: [Self; 2] = [Self::Native, Self::Generic];
+
+    pub(super) fn dir(self, bpffs: &Path) -> PathBuf {
+        links_dir(bpffs).join(match self {
+            Self::Native => "xdp-native",
+            Self::Generic => "xdp-generic",
+        })
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Native => "native",
+            Self::Generic => "generic",
+        })
+    }
+}
+
+/// The interfaces the pinned XDP links are on, with their mode.
+pub fn attachments(bpffs: &Path) -> Vec<(String, Mode)> {
+    let mut found = Vec::new();
+    for mode in Mode::ALL {
+        let Ok(entries) = std::fs::read_dir(mode.dir(bpffs)) else { continue };
+        for entry in entries.flatten() {
+            if let Some(name) = entry.file_name().to_str() {
+                found.push((name.to_owned(), mode));
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Every pinned XDP link's path.
+pub(super) fn link_pins(bpffs: &Path) -> Vec<PathBuf> {
+    attachments(bpffs).into_iter().map(|(name, mode)| mode.dir(bpffs).join(name)).collect()
+}
+
+/// The directories of the XDP links' pins.
+pub(super) fn link_dirs(bpffs: &Path) -> [PathBuf; 2] {
+    Mode::ALL.map(|mode| mode.dir(bpffs))
 }
 
 pub(super) fn open_pinned_map(bpffs: &Path, name: &str) -> anyhow::Result<Map> {
@@ -179,7 +235,7 @@ pub(super) fn remove_pins(bpffs: &Path) -> anyhow::Result<Vec<PathBuf>> {
         removed.push(path);
     }
     // An XDP link detaches as its last reference goes.
-    for path in super::xdp::link_pins(bpffs) {
+    for path in link_pins(bpffs) {
         std::fs::remove_file(&path).with_context(|| format!("unpinning {}", path.display()))?;
         removed.push(path);
     }
@@ -191,7 +247,7 @@ pub(super) fn remove_pins(bpffs: &Path) -> anyhow::Result<Vec<PathBuf>> {
             Err(e) => return Err(e).with_context(|| format!("removing {}", path.display())),
         }
     }
-    let [native, generic] = super::xdp::link_dirs(bpffs);
+    let [native, generic] = link_dirs(bpffs);
     for dir in [native, generic, links_dir(bpffs), maps_dir(bpffs)] {
         match std::fs::remove_dir(&dir) {
             Ok(()) => {}

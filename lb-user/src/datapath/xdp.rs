@@ -11,11 +11,7 @@
 //! for the packet fixtures (`tests/tests/xdp_fixtures/`), which run it with
 //! `BPF_PROG_TEST_RUN`, and the benchmark of its program time.
 
-use std::{
-    fmt, io,
-    os::fd::AsFd as _,
-    path::{Path, PathBuf},
-};
+use std::{io, os::fd::AsFd as _, path::Path};
 
 use anyhow::Context as _;
 use aya::{
@@ -28,9 +24,10 @@ use aya::{
 };
 use lb_common::{maps, programs};
 
+pub use super::pins::{Mode, attachments};
 use super::{
     object::{load_object, load_retrying},
-    pins::{links_dir, maps_dir},
+    pins::maps_dir,
     sys::{bpf_link_update, bpf_obj_get},
 };
 
@@ -42,61 +39,6 @@ pub fn load_unattached() -> anyhow::Result<Ebpf> {
     let program = xdp_program(&mut ebpf)?;
     load_retrying(|| program.load()).with_context(|| format!("loading {}", programs::XDP))?;
     Ok(ebpf)
-}
-
-/// Where an XDP program runs on an interface.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Mode {
-    /// In the driver, before any socket buffer is made.
-    Native,
-    /// In the stack, after the driver made a socket buffer (any driver;
-    /// slower).
-    Generic,
-}
-
-impl Mode {
-    const ALL: [Self; 2] = [Self::Native, Self::Generic];
-
-    fn dir(self, bpffs: &Path) -> PathBuf {
-        links_dir(bpffs).join(match self {
-            Self::Native => "xdp-native",
-            Self::Generic => "xdp-generic",
-        })
-    }
-}
-
-impl fmt::Display for Mode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Native => "native",
-            Self::Generic => "generic",
-        })
-    }
-}
-
-/// The interfaces the pinned XDP links are on, with their mode.
-pub fn attachments(bpffs: &Path) -> Vec<(String, Mode)> {
-    let mut found = Vec::new();
-    for mode in Mode::ALL {
-        let Ok(entries) = std::fs::read_dir(mode.dir(bpffs)) else { continue };
-        for entry in entries.flatten() {
-            if let Some(name) = entry.file_name().to_str() {
-                found.push((name.to_owned(), mode));
-            }
-        }
-    }
-    found.sort();
-    found
-}
-
-/// Every pinned XDP link's path.
-pub(super) fn link_pins(bpffs: &Path) -> Vec<PathBuf> {
-    attachments(bpffs).into_iter().map(|(name, mode)| mode.dir(bpffs).join(name)).collect()
-}
-
-/// The directories of the XDP links' pins.
-pub(super) fn link_dirs(bpffs: &Path) -> [PathBuf; 2] {
-    Mode::ALL.map(|mode| mode.dir(bpffs))
 }
 
 /// `lb_xdp` loaded on the maps pinned under a bpffs directory, to attach.
