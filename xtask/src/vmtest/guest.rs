@@ -13,15 +13,9 @@ use anyhow::{Context as _, bail};
 use super::{
     kernels::Kernel,
     tools::Vng,
-    watch::{self, Ended},
+    watch::{self, BINARY_TIMEOUT_SECS, Ended},
 };
 
-/// One test binary inside the guest. Software emulation (no KVM here) is
-/// slow, and slower on some hosts than others: the slowest binary,
-/// `xdp_fixtures` (it loads `lb_xdp`, which the verifier takes seconds
-/// over, twice per case), took 200 s on one host and over 400 s on
-/// another. A hanging binary is killed and the others still run.
-pub const BINARY_TIMEOUT_SECS: u64 = 900;
 /// Console lines shown when a boot did not produce results.
 const TAIL_LINES: usize = 40;
 /// Modules the tests need that Debian builds as modules: `SOCK_DESTROY`

@@ -49,11 +49,11 @@ use anyhow::{Context as _, bail};
 
 pub use self::kernels::{KernelSpec, Release};
 use self::{
-    guest::{BINARY_TIMEOUT_SECS, Binaries},
+    guest::Binaries,
     kernels::Kernel,
     libtest::TestResult,
     tools::Vng,
-    watch::Event,
+    watch::{BINARY_TIMEOUT_SECS, Event},
 };
 use crate::{
     cargo::{cargo, cargo_command},

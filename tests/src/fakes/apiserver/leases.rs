@@ -4,39 +4,19 @@
 //! no such Lease) and delete. Each write takes the next resourceVersion of
 //! the store the slices share.
 
-use std::{collections::BTreeMap, net::SocketAddr};
+use std::net::SocketAddr;
 
 use http_body_util::BodyExt as _;
 use hyper::{Method, Request, Response, StatusCode, body::Incoming};
 use k8s_openapi::api::coordination::v1::Lease;
 
 use super::{
-    serve::{ChannelBody, json_response, status_response},
-    store::Shared,
+    responses::{ChannelBody, json_response, status_response},
+    store::{LeaseRequest, Shared},
 };
 
 /// The path prefix of Leases: `{PREFIX}{namespace}/leases[/{name}]`.
 pub(super) const PREFIX: &str = "/apis/coordination.k8s.io/v1/namespaces/";
-
-/// The Leases, by (namespace, name), and what was asked of them.
-#[derive(Default)]
-pub(super) struct Leases {
-    pub(super) items: BTreeMap<(String, String), Lease>,
-    pub(super) log: Vec<LeaseRequest>,
-}
-
-/// One Lease request the fake answered.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LeaseRequest {
-    /// `GET`, `POST`, `PUT`, `DELETE`.
-    pub method: String,
-    /// The Lease's name.
-    pub name: String,
-    /// The HTTP status of the answer.
-    pub status: u16,
-    /// The listener (apiserver) that answered.
-    pub via: SocketAddr,
-}
 
 /// Answers a request under [`PREFIX`], at the listener `via`.
 pub(super) async fn handle(

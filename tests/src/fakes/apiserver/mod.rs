@@ -26,6 +26,7 @@
 
 mod leases;
 mod objects;
+mod responses;
 mod serve;
 mod store;
 
@@ -44,9 +45,9 @@ pub use k8s_openapi::api::{
     coordination::v1::Lease,
     discovery::v1::{Endpoint, EndpointSlice},
 };
-pub use leases::LeaseRequest;
 pub use objects::{Condition, Kubeconfig, SERVICE_NAME_LABEL, endpoint, endpoint_slice};
 use serve::accept_loop;
+pub use store::LeaseRequest;
 pub use store::RequestLog;
 use store::{Change, Kind, Shared, State};
 use tokio::{

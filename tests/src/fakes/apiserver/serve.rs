@@ -4,18 +4,16 @@
 use std::{
     collections::HashMap,
     net::SocketAddr,
-    pin::Pin,
     sync::{
         Arc, Mutex,
         atomic::{AtomicUsize, Ordering},
     },
-    task::{Context, Poll},
     time::Duration,
 };
 
 use hyper::{
     Request, Response, StatusCode,
-    body::{Bytes, Frame, Incoming},
+    body::{Bytes, Incoming},
     server::conn::http1,
     service::service_fn,
 };
@@ -23,7 +21,7 @@ use hyper_util::rt::TokioIo;
 use k8s_openapi::{
     List,
     api::discovery::v1::EndpointSlice,
-    apimachinery::pkg::apis::meta::v1::{ListMeta, ObjectMeta, Status, WatchEvent},
+    apimachinery::pkg::apis::meta::v1::{ListMeta, ObjectMeta, WatchEvent},
 };
 use tokio::{
     net::TcpListener,
@@ -33,6 +31,7 @@ use tokio::{
 
 use super::{
     leases,
+    responses::{ChannelBody, json_response, status, status_response},
     store::{Kind, RequestLog, Shared, WatchScope, in_scope},
 };
 
@@ -66,49 +65,6 @@ pub(super) async fn accept_loop(
             let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
         });
     }
-}
-
-/// A response body: chunks from a channel, ended when the sender is dropped.
-pub(super) struct ChannelBody(mpsc::Receiver<Bytes>);
-
-impl hyper::body::Body for ChannelBody {
-    type Data = Bytes;
-    type Error = std::convert::Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        self.0.poll_recv(cx).map(|chunk| chunk.map(|c| Ok(Frame::data(c))))
-    }
-}
-
-pub(super) fn json_response(status: StatusCode, body: Vec<u8>) -> Response<ChannelBody> {
-    let (tx, rx) = mpsc::channel(1);
-    tx.try_send(Bytes::from(body)).unwrap();
-    Response::builder()
-        .status(status)
-        .header("content-type", "application/json")
-        .body(ChannelBody(rx))
-        .unwrap()
-}
-
-fn status(code: u16, reason: &str, message: &str) -> Status {
-    Status {
-        code: Some(i32::from(code)),
-        message: Some(message.to_owned()),
-        reason: Some(reason.to_owned()),
-        status: Some("Failure".to_owned()),
-        metadata: ListMeta::default(),
-        ..Status::default()
-    }
-}
-
-pub(super) fn status_response(code: u16, reason: &str, message: &str) -> Response<ChannelBody> {
-    let mut body = serde_json::to_value(status(code, reason, message)).unwrap();
-    body["kind"] = "Status".into();
-    body["apiVersion"] = "v1".into();
-    json_response(StatusCode::from_u16(code).unwrap(), serde_json::to_vec(&body).unwrap())
 }
 
 fn gone_message(rv: u64) -> String {

@@ -7,7 +7,7 @@ use std::{
     sync::{Mutex, atomic::AtomicUsize},
 };
 
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::{coordination::v1::Lease, discovery::v1::EndpointSlice};
 use tokio::sync::watch;
 
 /// One request the server answered.
@@ -58,7 +58,7 @@ pub(super) struct State {
     /// a slice in its scope changes.
     pub(super) watches: Vec<WatchScope>,
     /// The Leases (`leases.rs`).
-    pub(super) leases: super::leases::Leases,
+    pub(super) leases: Leases,
 }
 
 /// What one open watch stream watches. A change to a slice wakes only
@@ -101,4 +101,24 @@ pub(super) fn in_scope(
         && wanted
             .iter()
             .all(|(k, v)| slice.metadata.labels.as_ref().and_then(|l| l.get(k)) == Some(v))
+}
+
+/// The Leases, by (namespace, name), and what was asked of them.
+#[derive(Default)]
+pub(super) struct Leases {
+    pub(super) items: BTreeMap<(String, String), Lease>,
+    pub(super) log: Vec<LeaseRequest>,
+}
+
+/// One Lease request the fake answered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseRequest {
+    /// `GET`, `POST`, `PUT`, `DELETE`.
+    pub method: String,
+    /// The Lease's name.
+    pub name: String,
+    /// The HTTP status of the answer.
+    pub status: u16,
+    /// The listener (apiserver) that answered.
+    pub via: SocketAddr,
 }
