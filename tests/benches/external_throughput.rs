@@ -31,12 +31,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use lb_tests::{Daemon, TestCgroup, in_new_netns, privileged, sh};
-
-#[path = "../tests/topology/mod.rs"]
-mod topology;
-
-use topology::Topology;
+use lb_tests::{Daemon, TestCgroup, in_new_netns, privileged, sh, topology::Topology};
 
 /// Client threads per run (connections held, for `requests`).
 const CLIENTS: usize = 2;

@@ -17,26 +17,17 @@
 //!
 //! Prints one JSON line. Needs root and `LB_BIN`.
 
-#[path = "../tests/election/arp.rs"]
-#[allow(dead_code, reason = "the tests' helpers, not all used here")]
-mod arp;
-#[path = "../tests/election/lan.rs"]
-#[allow(dead_code, reason = "the tests' helpers, not all used here")]
-mod lan;
-
 use std::time::{Duration, Instant};
 
 use lb_tests::{
+    arp::Watch,
     fakes::{
         apiserver::{FakeApiServer, Kubeconfig},
         runtime,
     },
-    in_new_netns, privileged, wait_until,
-};
-
-use self::{
-    arp::Watch,
+    in_new_netns,
     lan::{API, Lan, Servers, services},
+    privileged, wait_until,
 };
 
 /// Holder deaths measured.

@@ -17,10 +17,7 @@ use std::{net::SocketAddr, time::Duration};
 
 use lb_tests::{in_new_netns, packets::Flags, privileged};
 
-#[path = "../tests/xdp_node/mod.rs"]
-mod xdp_node;
-
-use xdp_node::{Node, forwarded, from_client, from_server, v4};
+use lb_tests::xdp_node::{Node, forwarded, from_client, from_server, v4};
 
 /// Single runs per case.
 const RUNS: u16 = 3_000;

@@ -20,6 +20,12 @@
 //! - [`fakes`]: what discovery talks to (a Kubernetes API server, DNS);
 //! - [`resolvers`]: real DNS servers (dnsmasq) and resolvers (glibc, dig,
 //!   musl) for the UDP tests;
+//! - [`xdp_node`]: `lb_xdp` loaded once, on maps cleared between cases,
+//!   in a namespace of the case's own, for the XDP fixtures and the
+//!   program-time bench;
+//! - [`lan`] (with [`arp`], who answers for a VIP) and [`topology`]: the
+//!   network namespaces of the election and external-path tests and
+//!   benches;
 //! - [`packets`]: Ethernet frames for the XDP fixtures, built and checked;
 //! - `daemon` ([`Daemon`]) over `bpffs` (its pins' mount);
 //! - `client` ([`Client`], [`Connect`]) over `cgroup` ([`TestCgroup`]);
@@ -28,6 +34,7 @@
 //! - at the ground: `env` (root, the binaries, addresses), `wait` (polling,
 //!   the clock) and `leak` (how a guard reports what it found).
 
+pub mod arp;
 mod backend;
 mod bpffs;
 mod cgroup;
@@ -37,6 +44,7 @@ mod env;
 pub mod fakes;
 pub mod hardening;
 pub mod hold_backend;
+pub mod lan;
 mod leak;
 pub mod load;
 mod netns;
@@ -44,7 +52,9 @@ pub mod packets;
 pub mod resolvers;
 mod service;
 pub mod supervisor;
+pub mod topology;
 mod wait;
+pub mod xdp_node;
 
 pub use backend::Backend;
 pub use bpffs::files_under;

@@ -22,12 +22,10 @@ use lb_tests::{
         apiserver::{Condition, FakeApiServer, Kubeconfig, endpoint, endpoint_slice},
         runtime,
     },
-    in_new_netns, privileged, wait_until,
+    in_new_netns, privileged,
+    topology::{Topology, VIP4, who},
+    wait_until,
 };
-
-mod topology;
-
-use topology::{Topology, VIP4, who};
 
 /// One connect of the client loop: when it started and ended (since the
 /// loop's start) and which pod greeted it, or why none did.

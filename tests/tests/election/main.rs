@@ -6,22 +6,17 @@
 //! node serves it. Topology in `lan.rs`. Needs root; see
 //! `lb_tests::privileged`.
 
-mod arp;
-mod lan;
-
 use std::time::Duration;
 
 use lb_tests::{
+    arp::Watch,
     fakes::{
         apiserver::{FakeApiServer, Kubeconfig},
         runtime,
     },
-    in_new_netns, privileged, wait_until,
-};
-
-use self::{
-    arp::Watch,
-    lan::{API, LEASE, Lan, Servers, services},
+    in_new_netns,
+    lan::{self, API, LEASE, Lan, Servers, services},
+    privileged, wait_until,
 };
 
 /// The tests time takeovers to the 2 s bound on a machine of two cores:

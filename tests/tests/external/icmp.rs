@@ -7,12 +7,12 @@ use std::{
     time::Duration,
 };
 
-use lb_tests::{Daemon, TestCgroup, in_new_netns, privileged};
-
-use crate::{
-    services,
+use lb_tests::{
+    Daemon, TestCgroup, in_new_netns, privileged,
     topology::{Topology, VIP4, VIP6},
 };
+
+use crate::services;
 
 /// Item 1, ICMP: a datagram to a server with nothing listening on its
 /// port draws the server's "port unreachable", which the node translates

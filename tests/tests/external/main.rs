@@ -18,14 +18,13 @@
 
 use std::{io::Write as _, time::Duration};
 
-use lb_tests::{Daemon, TestCgroup, in_new_netns, privileged, wait_until};
-
-#[path = "../topology/mod.rs"]
-mod topology;
+use lb_tests::{
+    Daemon, TestCgroup, in_new_netns, privileged,
+    topology::{Topology, VIP4, VIP6, client_neighbour, has_xdp, mac_of, who, xdp_id},
+    wait_until,
+};
 
 mod icmp;
-
-use topology::{Topology, VIP4, VIP6, client_neighbour, has_xdp, mac_of, who, xdp_id};
 
 fn services(check: &str) -> String {
     services_announced(check, "none")
@@ -385,8 +384,8 @@ fn an_interface_created_anew_gets_the_program_again() {
         net.client.sh(&["ip", "addr", "add", "198.18.0.10/24", "dev", "c0"]);
         net.client.sh(&["ip", "link", "set", "c0", "up"]);
         net.client.sh(&["ip", "route", "add", "198.18.1.0/24", "via", "198.18.0.1"]);
-        net.client.run(|| topology::tx_checksums_off("c0"));
-        let _peer = net.client.run(|| topology::pass_through("c0"));
+        net.client.run(|| lb_tests::topology::tx_checksums_off("c0"));
+        let _peer = net.client.run(|| lb_tests::topology::pass_through("c0"));
         assert!(
             wait_until(Duration::from_secs(10), || net.ask(VIP4).as_deref() == Ok("s1")),
             "the new ext0 was not served\n{}",

@@ -8,7 +8,7 @@ use std::net::IpAddr;
 use aya::maps::HashMap;
 use lb_common::{AnnounceKey, AnnounceValue, Reason, maps};
 
-use super::xdp_node::*;
+use lb_tests::xdp_node::*;
 
 /// The MAC the node announces the VIP with.
 const ANNOUNCED_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x42];

@@ -6,7 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 use lb_common::Reason;
 use lb_tests::packets::{Flags, IcmpError, Segment, read_frame, read_icmp_error};
 
-use crate::xdp_node::*;
+use lb_tests::xdp_node::*;
 
 /// ICMP type, code and the four bytes after the checksum: "fragmentation
 /// needed" (IPv4) or "packet too big" (IPv6), with an MTU of 1280.

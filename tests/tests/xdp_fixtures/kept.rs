@@ -11,7 +11,7 @@ use std::{net::SocketAddr, time::Duration};
 use lb_common::{Endpoint, Reason, TRAFFIC_SLOT_IDLE_TICKS, Traffic, TrafficSlot, traffic_slot};
 use lb_tests::packets::{Flags, Segment, read_frame};
 
-use crate::xdp_node::*;
+use lb_tests::xdp_node::*;
 
 /// The longest a CPU keeps a route: 10 jiffies at `HZ` 100.
 const ROUTE_KEPT_AT_MOST: Duration = Duration::from_millis(100);

@@ -29,16 +29,13 @@ use lb_common::{
 };
 use lb_tests::packets::{Flags, Segment, read_frame};
 
-#[path = "../xdp_node/mod.rs"]
-mod xdp_node;
-
 mod announce;
 mod icmp;
 mod kept;
 mod nat;
 mod too_big;
 
-use xdp_node::*;
+use lb_tests::xdp_node::*;
 
 #[test]
 fn a_syn_goes_to_the_first_server_and_its_flow_stays_there() {

@@ -16,7 +16,7 @@ use lb_common::{
 };
 use lb_tests::packets::{Flags, read_frame};
 
-use crate::xdp_node::*;
+use lb_tests::xdp_node::*;
 
 /// The NAT key of the forwarded segment `out`'s flow.
 fn key_of(out: &lb_tests::packets::Segment) -> NatKey {

@@ -6,7 +6,7 @@
 use lb_common::{Reason, checksum};
 use lb_tests::packets::{Flags, read_icmp_error};
 
-use crate::xdp_node::*;
+use lb_tests::xdp_node::*;
 
 /// The MTU of the node's link toward the servers in these cases.
 const SERVERS_MTU: u16 = 1400;

@@ -22,12 +22,10 @@ use std::{
     time::Duration,
 };
 
-use lb_tests::{
-    Backend, Daemon, Namespace, TestCgroup, fakes::apiserver::FakeApiServer, sh, wait_until,
+use crate::{
+    Backend, Daemon, Namespace, TestCgroup, fakes::apiserver::FakeApiServer, sh, topology,
+    wait_until,
 };
-
-#[path = "../topology/mod.rs"]
-mod topology;
 
 pub use topology::{mac_of, neighbour, pass_through, tx_checksums_off, who};
 

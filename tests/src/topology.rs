@@ -1,7 +1,6 @@
 //! The external path's test topology (see `external.rs`): three network
 //! namespaces joined by veths, and what the tests ask of them. Shared by
 //! the external path's test files.
-#![allow(dead_code, reason = "each test file uses its own part")]
 
 use std::{
     io::{BufRead as _, BufReader, Write as _},
@@ -9,8 +8,8 @@ use std::{
     time::Duration,
 };
 
+use crate::{Backend, Namespace, sh};
 use aya::programs::{Xdp, xdp::XdpMode};
-use lb_tests::{Backend, Namespace, sh};
 
 pub const VIP4: &str = "198.18.1.100:80";
 pub const VIP6: &str = "[2001:2:0:1::100]:80";
@@ -27,6 +26,7 @@ pub struct Topology {
 impl Topology {
     /// Builds the picture above; the calling thread is the node. The
     /// client reaches the VIPs through the node as its router.
+    #[expect(clippy::new_without_default, reason = "it builds namespaces: not a default")]
     pub fn new() -> Self {
         Self::build(false)
     }

@@ -14,9 +14,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use lb_tests::Namespace;
-
-use super::lan::{VIP_IP, mac_of};
+use crate::{
+    Namespace,
+    lan::{VIP_IP, mac_of},
+};
 
 const ETH_P_ARP: u16 = 0x0806;
 const ETH_P_ALL: u16 = 0x0003;

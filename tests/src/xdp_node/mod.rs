@@ -2,15 +2,20 @@
 //! namespace whose routes and neighbours the test sets, `lb_xdp` loaded on
 //! maps of its own, and the frames the fixtures send it. Shared by the
 //! fixtures and the program-time benchmark (`benches/xdp_program_time.rs`).
-#![allow(dead_code, reason = "the fixtures and the benchmark each use their own part")]
 
 use std::{
     net::{IpAddr, SocketAddr},
     process::Command,
 };
 
+use crate::{
+    in_new_netns,
+    packets::{Flags, Mac, Segment, read_frame},
+    privileged,
+};
+mod program;
+
 use aya::{
-    Ebpf,
     maps::{Array, HashMap, PerCpuArray, PerCpuHashMap, PerCpuValues},
     programs::{TestRun, TestRunOptions, Xdp},
 };
@@ -18,11 +23,6 @@ use lb_common::{
     Endpoint, Flow, FlowKey, MARK_SLOTS, MARKED_UNKNOWN, MAX_SERVERS, NAT_PORT_COUNT,
     NAT_PORT_FIRST, NatKey, NatReply, Reason, Service, Traffic, TrafficSlot, maglev::Maglev, maps,
     nat, programs, traffic_slot,
-};
-use lb_tests::{
-    in_new_netns,
-    packets::{Flags, Mac, Segment, read_frame},
-    privileged,
 };
 
 pub const XDP_DROP: u32 = 1;
@@ -79,10 +79,13 @@ pub fn ifindex(name: &str) -> u32 {
     index
 }
 
+pub use self::program::Lent;
+
 /// The node: the topology above in this thread's network namespace, and
-/// the XDP program loaded with both families' services in its maps.
+/// the XDP program (loaded once per process, its maps emptied: see
+/// [`Lent`]) with both families' services in its maps.
 pub struct Node {
-    pub ebpf: Ebpf,
+    pub ebpf: Lent,
     /// `srv0`: where packets to the servers leave, and replies arrive.
     pub srv0: u32,
     /// Whether this kernel takes the interface a test packet arrives on
@@ -92,6 +95,7 @@ pub struct Node {
 }
 
 impl Node {
+    #[expect(clippy::new_without_default, reason = "it builds a topology: not a default")]
     pub fn new() -> Self {
         sh(&[
             "ip",
@@ -138,7 +142,7 @@ impl Node {
         {
             std::fs::write(path, "1").unwrap_or_else(|e| panic!("writing {path}: {e}"));
         }
-        let ebpf = lb_user::datapath::xdp::load_unattached().expect("loading the XDP program");
+        let ebpf = Lent::take();
         let mut node = Node { ebpf, srv0: ifindex("srv0"), ingress: std::cell::Cell::new(None) };
         for family in [v4(), v6()] {
             node.serve(&family, &family.servers);

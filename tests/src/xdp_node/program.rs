@@ -1,0 +1,151 @@
+//! `lb_xdp` loaded once per test process and lent to one case at a time,
+//! its maps emptied before each. The verifier takes seconds over the
+//! program (minutes in a guest under software emulation), so loading it
+//! for every case and family was most of what the fixtures cost; a case
+//! only needs maps as a fresh load leaves them.
+//!
+//! A program is not tied to a network namespace: under
+//! `BPF_PROG_TEST_RUN` it asks the FIB of the namespace of the thread that
+//! runs it, so each case still builds its own topology.
+
+use std::{
+    ops::{Deref, DerefMut},
+    os::fd::{AsFd as _, AsRawFd as _},
+    sync::{Mutex, MutexGuard, PoisonError},
+};
+
+use aya::{
+    Ebpf,
+    maps::{Map, MapData},
+};
+
+/// The program of this process, once loaded.
+static PROGRAM: Mutex<Option<Ebpf>> = Mutex::new(None);
+
+/// `lb_xdp` with empty maps, for one case: the next case waits until
+/// this one is dropped.
+pub struct Lent {
+    guard: MutexGuard<'static, Option<Ebpf>>,
+}
+
+impl Lent {
+    /// Loads the program if this process has not yet, waits for the case
+    /// before to give it back, and empties its maps.
+    pub fn take() -> Self {
+        // A case that failed still gave the program back; its maps are
+        // emptied here all the same.
+        let mut guard = PROGRAM.lock().unwrap_or_else(PoisonError::into_inner);
+        let ebpf = guard.get_or_insert_with(|| {
+            lb_user::datapath::xdp::load_unattached().expect("loading the XDP program")
+        });
+        for (name, map) in ebpf.maps_mut() {
+            empty(name, map);
+        }
+        Self { guard }
+    }
+}
+
+impl Deref for Lent {
+    type Target = Ebpf;
+
+    fn deref(&self) -> &Ebpf {
+        self.guard.as_ref().expect("loaded in Lent::take")
+    }
+}
+
+impl DerefMut for Lent {
+    fn deref_mut(&mut self) -> &mut Ebpf {
+        self.guard.as_mut().expect("loaded in Lent::take")
+    }
+}
+
+/// Empties `map` as a fresh load leaves it: a hash map without entries,
+/// an array of zeros. The object's global data (`.rodata`, `.bss`: set at
+/// load) and the ring buffer (the fixtures never read it) stay.
+fn empty(name: &str, map: &mut Map) {
+    if name.starts_with('.') {
+        return;
+    }
+    match map {
+        Map::HashMap(data)
+        | Map::LruHashMap(data)
+        | Map::PerCpuHashMap(data)
+        | Map::PerCpuLruHashMap(data) => delete_all(name, data),
+        Map::Array(data) => zero_all(name, data, 1),
+        Map::PerCpuArray(data) => zero_all(name, data, aya::util::nr_cpus().expect("CPUs")),
+        Map::RingBuf(_) => {}
+        _ => panic!("map {name}: a kind the fixtures do not know how to empty"),
+    }
+}
+
+/// `union bpf_attr` as the map element commands read it.
+#[repr(C)]
+#[derive(Default)]
+struct ElemAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    value_or_next_key: u64,
+    flags: u64,
+}
+
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
+const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+
+/// One `bpf(2)` call on a map element.
+fn bpf(cmd: libc::c_long, attr: &ElemAttr) -> std::io::Result<()> {
+    // SAFETY: `attr` is a valid `bpf_attr` prefix for `cmd`, its pointers
+    // point at buffers of the map's key and value sizes, and the kernel
+    // reads no further than the size given.
+    let done = unsafe {
+        libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_ref(attr), size_of::<ElemAttr>())
+    };
+    if done < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) }
+}
+
+/// Deletes every entry of a hash map: the first key, again and again.
+fn delete_all(name: &str, data: &MapData) {
+    let info = data.info().unwrap_or_else(|e| panic!("map {name}: {e}"));
+    let fd = data.fd().as_fd().as_raw_fd() as u32;
+    let mut key = vec![0u8; info.key_size() as usize];
+    // Each round deletes one entry: bounded by the map's size.
+    for _ in 0..=info.max_entries() {
+        let first = ElemAttr {
+            map_fd: fd,
+            value_or_next_key: key.as_mut_ptr() as u64,
+            ..ElemAttr::default()
+        };
+        match bpf(BPF_MAP_GET_NEXT_KEY, &first) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return,
+            Err(e) => panic!("map {name}: the first key: {e}"),
+        }
+        let delete = ElemAttr { map_fd: fd, key: key.as_ptr() as u64, ..ElemAttr::default() };
+        bpf(BPF_MAP_DELETE_ELEM, &delete).unwrap_or_else(|e| panic!("map {name}: delete: {e}"));
+    }
+    panic!("map {name}: still not empty after {} deletes", info.max_entries() + 1);
+}
+
+/// Writes zeros to every slot of an array, on each of `cpus` CPUs.
+fn zero_all(name: &str, data: &MapData, cpus: usize) {
+    let info = data.info().unwrap_or_else(|e| panic!("map {name}: {e}"));
+    let fd = data.fd().as_fd().as_raw_fd() as u32;
+    // A per-CPU value is the value rounded up to 8 bytes, once per CPU.
+    let size = if cpus == 1 {
+        info.value_size() as usize
+    } else {
+        (info.value_size() as usize).next_multiple_of(8) * cpus
+    };
+    let zeros = vec![0u8; size];
+    for index in 0..info.max_entries() {
+        let update = ElemAttr {
+            map_fd: fd,
+            key: std::ptr::from_ref(&index) as u64,
+            value_or_next_key: zeros.as_ptr() as u64,
+            flags: 0,
+            _pad: 0,
+        };
+        bpf(BPF_MAP_UPDATE_ELEM, &update).unwrap_or_else(|e| panic!("map {name}[{index}]: {e}"));
+    }
+}
