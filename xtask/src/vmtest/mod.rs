@@ -58,6 +58,7 @@ use self::{
 use crate::{
     cargo::{cargo, cargo_command},
     cmd::{output_of, target_dir},
+    stages::Stages,
 };
 
 /// `cargo xtask vmtest`'s command line. With neither option, every
@@ -157,13 +158,22 @@ impl Outcome {
 
 /// Tests each of `kernels` in turn, prints one line per kernel and a
 /// closing summary, and fails if any kernel did.
-pub fn run(kernels: &[KernelSpec], guests: Guests) -> anyhow::Result<()> {
+/// With `stages` (`cargo xtask test`), the build and each kernel are
+/// stages of its table.
+pub fn run(
+    kernels: &[KernelSpec],
+    guests: Guests,
+    mut stages: Option<&mut Stages>,
+) -> anyhow::Result<()> {
     let started = Instant::now();
     let base = std::path::absolute(target_dir().join("vmtest"))
         .context("resolving the target directory")?;
 
     // Held until the run ends: runs share `bin/` and `results/`.
     let _lock = tools::lock(&base)?;
+    if let Some(stages) = stages.as_deref_mut() {
+        stages.begin("VMs: virtme-ng, lb (release) and the tests built");
+    }
     let vng = tools::ensure(&base)?;
     let binaries = build(&base, guests)?;
 
@@ -177,7 +187,10 @@ pub fn run(kernels: &[KernelSpec], guests: Guests) -> anyhow::Result<()> {
             .map(|n| if n == 1 { spec.name() } else { format!("{}-{n}", spec.name()) })
             .find(|candidate| names.insert(candidate.clone()))
             .unwrap_or_else(|| spec.name());
-        println!("==> kernel {name}");
+        match stages.as_deref_mut() {
+            Some(stages) => stages.begin(&format!("VM {name}")),
+            None => println!("==> kernel {name}"),
+        }
         // A kernel that cannot be fetched is one failed kernel, not the end
         // of the run.
         let outcome = match spec.prepare(&base) {
