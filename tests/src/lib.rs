@@ -34,6 +34,7 @@
 //! - at the ground: `env` (root, the binaries, addresses), `wait` (polling,
 //!   the clock) and `leak` (how a guard reports what it found).
 
+#[cfg(feature = "rigs")]
 pub mod arp;
 mod backend;
 mod bpffs;
@@ -44,6 +45,7 @@ mod env;
 pub mod fakes;
 pub mod hardening;
 pub mod hold_backend;
+#[cfg(feature = "rigs")]
 pub mod lan;
 mod leak;
 pub mod load;
@@ -52,8 +54,10 @@ pub mod packets;
 pub mod resolvers;
 mod service;
 pub mod supervisor;
+#[cfg(feature = "rigs")]
 pub mod topology;
 mod wait;
+#[cfg(feature = "rigs")]
 pub mod xdp_node;
 
 pub use backend::Backend;
