@@ -19,7 +19,7 @@
 
 pub mod checksum;
 pub mod choose;
-mod external;
+mod flow_tables;
 pub mod maglev;
 pub mod nat;
 mod reason;
@@ -27,7 +27,7 @@ mod udp;
 #[cfg(feature = "user")]
 pub mod user;
 
-pub use external::{
+pub use flow_tables::{
     AnnounceKey, AnnounceValue, Flow, FlowKey, MAX_EXTERNAL_FLOWS, NAT_PORT_COUNT, NAT_PORT_FIRST,
     NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN, NatKey, NatReply, TRAFFIC_SLOT_COUNT,
     TRAFFIC_SLOT_IDLE_TICKS, Traffic, TrafficSlot, traffic_slot,

@@ -142,7 +142,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::external::{NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN};
+    use crate::flow_tables::{NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN};
 
     const SECOND: u64 = 1_000_000_000;
 

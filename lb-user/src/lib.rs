@@ -37,7 +37,7 @@ pub mod interfaces;
 pub mod maglev;
 pub mod metrics;
 pub mod netns;
-pub mod reload;
+pub mod reload_plan;
 pub mod routes;
 pub mod sock_destroy;
 pub mod state;

@@ -1,4 +1,4 @@
-//! The external path's test topology (see `external.rs`): three network
+//! The external path's test topology (see `tests/tests/external/`): three network
 //! namespaces joined by veths, and what the tests ask of them. Shared by
 //! the external path's test files.
 

@@ -3,7 +3,7 @@
 //! follows a fake Kubernetes API server (the real list and watch
 //! protocol, `lb_tests::fakes`) in the node's network namespace; the
 //! pods are servers in the servers' namespace and the client connects
-//! from its own, through the node's XDP program (see `external.rs` for
+//! from its own, through the node's XDP program (see `tests/tests/external/` for
 //! the topology). Needs root; see `lb_tests::privileged`.
 
 use std::{

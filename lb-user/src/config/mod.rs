@@ -16,7 +16,7 @@
 //! - `model`: the validated configuration and its defaults.
 
 mod election;
-mod external;
+mod external_service;
 mod model;
 mod parse;
 mod paths;

@@ -10,7 +10,7 @@ use toml::Spanned;
 use super::{
     ConfigError,
     election::{parse_election, parse_node_name},
-    external::parse_external,
+    external_service::parse_external,
     model::{
         Config, DEFAULT_BPFFS, DEFAULT_CONTROL_SOCKET, DEFAULT_HOLD_DOWN, DEFAULT_STATE_DIR,
         Daemon, HealthConfig, Policy, SOCKET_TABLE_SIZES, Scope, Service,

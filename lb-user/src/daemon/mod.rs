@@ -22,7 +22,7 @@
 //! - `closing`: VIP connections closed in the background, by the
 //!   `close_worker` thread;
 //! - `requests`: control requests and metrics scrapes;
-//! - `reload`: a reload's plan (`crate::reload::plan`) executed;
+//! - `reload`: a reload's plan (`crate::reload_plan::plan`) executed;
 //! - `tasks`: the check loops and the kernel's event and log readers;
 //! - `timers`: when each balancer next needs its clock;
 //! - `watch`: when a full socket table is worth a log line.

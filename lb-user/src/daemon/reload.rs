@@ -1,6 +1,6 @@
 //! `lb reload` and SIGHUP: the new file parsed (only the service tables
-//! that changed), its [`Plan`](crate::reload::Plan) made by the pure
-//! `reload::plan`, and carried out here: services removed, added and
+//! that changed), its [`Plan`](crate::reload_plan::Plan) made by the pure
+//! `reload_plan::plan`, and carried out here: services removed, added and
 //! updated, each touched VIP written once, removed VIPs closed.
 
 use std::{
@@ -21,7 +21,7 @@ use crate::{
     config,
     control::ReloadStatus,
     metrics::ResultLabels,
-    reload::{self, Change},
+    reload_plan::{self, Change},
 };
 
 impl Daemon {
@@ -48,7 +48,7 @@ impl Daemon {
         result
     }
 
-    /// Applies the config file's difference ([`reload::plan`]): unchanged
+    /// Applies the config file's difference ([`reload_plan::plan`]): unchanged
     /// services keep their state and connections; removed services stop
     /// being rewritten and their VIP connections are closed. Nothing
     /// changes if the file is invalid.
@@ -64,7 +64,7 @@ impl Daemon {
         if config.daemon != self.settings {
             warn!("[daemon] settings changed; they take effect at the next start");
         }
-        let plan = reload::plan(&running, &config.services);
+        let plan = reload_plan::plan(&running, &config.services);
         let changed = plan.changes.len();
         // The certificates of the services that start or restart their
         // checks; the others keep what they loaded.

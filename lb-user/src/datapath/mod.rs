@@ -28,7 +28,7 @@
 //! `upgrade` the `META` map and the programs' replacement, `sys` the raw
 //! system calls aya does not offer.
 
-mod external;
+mod external_maps;
 mod maps;
 mod object;
 mod pins;
@@ -57,7 +57,7 @@ use lb_common::{NETNS_ANY, maps as map_names, programs};
 use tracing::{info, warn};
 
 pub use self::{
-    external::{Announced, ExternalMaps, Forwarded},
+    external_maps::{Announced, ExternalMaps, Forwarded},
     maps::{Forgotten, PinnedMaps, VipEntry, failed_within},
     object::KernelLogger,
     pins::detach,

@@ -15,7 +15,7 @@
 //! descriptors or time; extra connections are closed at once, idle ones
 //! after a short timeout.
 
-mod external;
+mod external_series;
 mod lease;
 mod serve;
 
@@ -40,7 +40,7 @@ use prometheus_client::{
 };
 
 pub use self::{
-    external::ExternalSeries,
+    external_series::ExternalSeries,
     lease::LeaseSeries,
     serve::{Limits, ScrapeRequest, serve},
 };

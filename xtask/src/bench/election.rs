@@ -7,7 +7,7 @@
 use anyhow::Context as _;
 
 use super::{
-    external::bench_json,
+    external_path::bench_json,
     results::{Election, Results},
 };
 

@@ -60,7 +60,7 @@ mod client;
 mod discovery;
 mod dns;
 mod election;
-mod external;
+mod external_path;
 mod failover;
 mod format;
 mod host;
@@ -135,7 +135,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             Part::Discovery => discovery::run(&mut results)?,
             Part::Owner => owner::run(&mut results)?,
             Part::Dns => dns::run(args.rounds, &dir, &mut results)?,
-            Part::External => external::run(&mut results)?,
+            Part::External => external_path::run(&mut results)?,
             Part::Election => election::run(&mut results)?,
         }
         println!("    ({:?} took {:.0} s)", part, part_started.elapsed().as_secs_f64());
