@@ -17,7 +17,9 @@
 //! - [`load`], [`hardening`]: the load generators and the hostile clients
 //!   of the stress, chaos and hardening tests, and [`hold_backend`], the
 //!   backend that holds their tens of thousands of connections;
-//! - [`fakes`]: what discovery talks to (a Kubernetes API server, DNS);
+//! - [`fakes`]: what discovery talks to (a Kubernetes API server, DNS),
+//!   and [`discovery_rig`], the discovery tests' services, slices and
+//!   judges over them;
 //! - [`resolvers`]: real DNS servers (dnsmasq) and resolvers (glibc, dig,
 //!   musl) for the UDP tests;
 //! - [`xdp_node`]: `lb_xdp` loaded once, on maps cleared between cases,
@@ -41,6 +43,7 @@ mod bpffs;
 mod cgroup;
 mod client;
 mod daemon;
+pub mod discovery_rig;
 mod env;
 pub mod fakes;
 pub mod hardening;

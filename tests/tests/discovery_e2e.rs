@@ -1,4 +1,4 @@
-//! Discovery (issue 11) end to end: the real daemon follows a fake
+//! Discovery end to end: the real daemon follows a fake
 //! Kubernetes API server or a fake DNS server on loopback, and clients in
 //! the test cgroup connect through the VIP with the real kernel programs.
 //! Each test asserts what really happened: which server accepted each
@@ -19,308 +19,25 @@
 
 use std::{
     collections::{BTreeSet, HashMap},
-    net::{IpAddr, SocketAddr, TcpListener, UdpSocket},
-    path::PathBuf,
+    net::{IpAddr, SocketAddr},
     thread,
     time::{Duration, Instant},
 };
 
-use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 use lb_tests::{
-    Backend, Client, Connect, Daemon, Policy, ServiceBuilder, TestCgroup, addr,
+    Backend, Client, Daemon, Policy, ServiceBuilder, TestCgroup, addr,
+    discovery_rig::*,
     fakes::{
-        apiserver::{Condition, FakeApiServer, Kubeconfig, endpoint, endpoint_slice},
+        apiserver::{Condition, FakeApiServer, Kubeconfig},
         dns::{FakeDns, Mode},
         runtime,
     },
     load::{Attempt, Outcome, sample, scrape},
-    monotonic_ns, privileged, wait_until,
+    privileged, wait_until,
 };
-use serde_json::Value;
-
-/// The longest one expected change may take to show (debounce, apply,
-/// and a relist after a backoff of at most 5 s included).
-const WAIT: Duration = Duration::from_secs(20);
 
 fn client(cgroup: &TestCgroup) -> Client {
     Client::start(env!("CARGO_BIN_EXE_lb-test-client"), Some(cgroup))
-}
-
-/// A port that is free, for TCP and UDP (a [`Backend`] binds both), on
-/// every `127.77.<net>.<host>` of `hosts`: endpoints of one EndpointSlice
-/// share the slice's port number.
-fn shared_port(net: u8, hosts: &[u8]) -> u16 {
-    for _ in 0..50 {
-        let first = TcpListener::bind(addr(net, hosts[0], 0)).expect("binding a loopback port");
-        let port = first.local_addr().unwrap().port();
-        let mut held = Vec::new();
-        let free = hosts.iter().enumerate().all(|(i, host)| {
-            let at = addr(net, *host, port);
-            let tcp = if i == 0 { Ok(None) } else { TcpListener::bind(at).map(Some) };
-            match (tcp, UdpSocket::bind(at)) {
-                (Ok(tcp), Ok(udp)) => {
-                    held.push((tcp, udp));
-                    true
-                }
-                _ => false,
-            }
-        });
-        drop(held);
-        drop(first);
-        if free {
-            return port;
-        }
-    }
-    panic!("no port free on every one of 127.77.{net}.{hosts:?}");
-}
-
-/// The `[service.discovery]` lines of a Kubernetes source.
-fn kubernetes(
-    builder: ServiceBuilder,
-    service: &str,
-    port: &str,
-    debounce: Duration,
-) -> ServiceBuilder {
-    builder
-        .raw("[service.discovery]")
-        .raw(&format!(
-            "kubernetes = {{ namespace = \"default\", service = \"{service}\", port = \"{port}\" }}"
-        ))
-        .raw(&format!("debounce = \"{}ms\"", debounce.as_millis()))
-}
-
-/// `[daemon] kubeconfig = "..."`.
-fn kubeconfig_setting(kubeconfig: &Kubeconfig) -> String {
-    format!("kubeconfig = {:?}\n", kubeconfig.path())
-}
-
-/// One endpoint of a slice: (address, node, condition).
-fn endpoints(list: &[(SocketAddr, &str, Condition)]) -> Vec<Endpoint> {
-    list.iter().map(|(a, node, c)| endpoint(&a.ip().to_string(), node, *c)).collect()
-}
-
-/// An IPv4 EndpointSlice of Service `service` whose port `https` is `port`.
-fn slice(
-    name: &str,
-    service: &str,
-    port: u16,
-    list: &[(SocketAddr, &str, Condition)],
-) -> EndpointSlice {
-    endpoint_slice(name, service, "IPv4", &[("https", port)], endpoints(list))
-}
-
-fn service_status(daemon: &Daemon) -> Value {
-    daemon.status()["services"][0].clone()
-}
-
-fn addrs(value: &Value) -> Vec<SocketAddr> {
-    value
-        .as_array()
-        .map_or_else(Vec::new, |a| a.iter().filter_map(|s| s.as_str()?.parse().ok()).collect())
-}
-
-/// The kernel's selection and each listed server's readiness, as one view.
-#[derive(Debug, PartialEq, Eq)]
-struct View {
-    selected: Vec<SocketAddr>,
-    readiness: HashMap<SocketAddr, String>,
-}
-
-fn view(status: &Value) -> View {
-    let readiness = status["servers"]
-        .as_array()
-        .map(|servers| {
-            servers
-                .iter()
-                .filter_map(|s| {
-                    Some((
-                        s["address"].as_str()?.parse().ok()?,
-                        s["readiness"].as_str()?.to_owned(),
-                    ))
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    View { selected: addrs(&status["selected"]), readiness }
-}
-
-/// Whether the view is: exactly `ready` ∪ `serving` selected, the ready
-/// servers first (in any order: the kernel's leading group), each server
-/// with the readiness its endpoint declares.
-fn view_is(view: &View, ready: &[SocketAddr], serving: &[SocketAddr]) -> bool {
-    let want: BTreeSet<SocketAddr> = ready.iter().chain(serving).copied().collect();
-    let got: BTreeSet<SocketAddr> = view.selected.iter().copied().collect();
-    let leading: BTreeSet<SocketAddr> = view.selected.iter().take(ready.len()).copied().collect();
-    got == want
-        && view.selected.len() == want.len()
-        && leading == ready.iter().copied().collect()
-        && ready.iter().all(|a| view.readiness.get(a).is_some_and(|r| r == "ready"))
-        && serving.iter().all(|a| view.readiness.get(a).is_some_and(|r| r == "serving"))
-        && view.readiness.len() == want.len()
-}
-
-/// Waits until the kernel holds `ready` then `serving` (see [`view_is`]);
-/// returns CLOCK_MONOTONIC when that was observed: the change was applied
-/// before it.
-#[track_caller]
-fn wait_view(daemon: &Daemon, ready: &[SocketAddr], serving: &[SocketAddr], what: &str) -> u64 {
-    let mut last = None;
-    if wait_until(WAIT, || {
-        let v = view(&service_status(daemon));
-        let ok = view_is(&v, ready, serving);
-        last = Some(v);
-        ok
-    }) {
-        return monotonic_ns();
-    }
-    panic!(
-        "{what}: the kernel never held ready {ready:?} then serving {serving:?}; last view {last:?}\nstatus:\n{}\nlog:\n{}",
-        serde_json::to_string_pretty(&daemon.status()).unwrap(),
-        daemon.log()
-    );
-}
-
-/// Waits until `lb status --json` selects exactly the servers of `want`
-/// (in any order); returns CLOCK_MONOTONIC when observed.
-#[track_caller]
-fn wait_selected_set(daemon: &Daemon, want: &[SocketAddr], what: &str) -> u64 {
-    let want: BTreeSet<SocketAddr> = want.iter().copied().collect();
-    let mut last = Vec::new();
-    if wait_until(WAIT, || {
-        last = addrs(&service_status(daemon)["selected"]);
-        last.len() == want.len() && last.iter().copied().collect::<BTreeSet<_>>() == want
-    }) {
-        return monotonic_ns();
-    }
-    panic!("{what}: selected never became {want:?}; last {last:?}\nlog:\n{}", daemon.log());
-}
-
-/// Waits until `services[0].discovery` satisfies `pred`; returns it.
-#[track_caller]
-fn wait_discovery(daemon: &Daemon, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
-    let mut last = Value::Null;
-    if wait_until(WAIT, || {
-        last = service_status(daemon)["discovery"].clone();
-        pred(&last)
-    }) {
-        return last;
-    }
-    panic!("{what}: discovery status never matched; last {last}\nlog:\n{}", daemon.log());
-}
-
-/// Waits until every backend of `backends` answered `n` more client
-/// connections than when this was called (the client loop is running).
-#[track_caller]
-fn wait_traffic(backends: &[&Backend], n: usize, what: &str) {
-    let before: Vec<usize> = backends.iter().map(|b| b.accepted()).collect();
-    assert!(
-        wait_until(WAIT, || backends.iter().zip(&before).all(|(b, was)| b.accepted() >= was + n)),
-        "{what}: not every one of {:?} got {n} more connections: {:?} -> {:?}",
-        backends.iter().map(|b| &b.name).collect::<Vec<_>>(),
-        before,
-        backends.iter().map(|b| b.accepted()).collect::<Vec<_>>()
-    );
-}
-
-/// Lines of the daemon's log that contain `needle`.
-fn log_lines(daemon: &Daemon, needle: &str) -> usize {
-    daemon.log().lines().filter(|l| l.contains(needle)).count()
-}
-
-/// Connects `n` times through `vip`; returns who answered each.
-#[track_caller]
-fn connects(inside: &mut Client, vip: SocketAddr, n: usize) -> Vec<String> {
-    (0..n)
-        .map(|i| match inside.connect(vip) {
-            Connect::Ok { greeting, .. } => greeting,
-            Connect::Err(e) => panic!("connect {i} of {n} through {vip} failed: {e}"),
-        })
-        .collect()
-}
-
-#[track_caller]
-fn all_in(names: &[String], allowed: &[&str], what: &str) {
-    assert!(
-        names.iter().all(|n| allowed.contains(&n.as_str())),
-        "{what}: connects landed on {names:?}, only {allowed:?} allowed"
-    );
-}
-
-/// Creates the client loop's stop file when dropped, so that a failing
-/// test does not leave the loop running until its time limit.
-struct StopFile(PathBuf);
-
-impl Drop for StopFile {
-    fn drop(&mut self) {
-        let _ = std::fs::write(&self.0, "");
-    }
-}
-
-/// A change the test made to the source, and when it was applied.
-#[derive(Debug)]
-struct Step {
-    what: &'static str,
-    /// CLOCK_MONOTONIC when the test made the change at the fake.
-    changed: u64,
-    /// When the test saw the kernel's new selection (`None`: a change
-    /// that must not change the selection).
-    applied: Option<u64>,
-}
-
-fn ms(ns: u64) -> f64 {
-    ns as f64 / 1e6
-}
-
-/// The test changes the source (`change`) and waits until the kernel
-/// holds `ready` then `serving`.
-#[track_caller]
-fn change_applied(
-    daemon: &Daemon,
-    what: &'static str,
-    change: impl FnOnce(),
-    ready: &[SocketAddr],
-    serving: &[SocketAddr],
-) -> Step {
-    let changed = monotonic_ns();
-    change();
-    let applied = wait_view(daemon, ready, serving, what);
-    eprintln!("{what}: applied and seen {:.1} ms after the change", ms(applied - changed));
-    Step { what, changed, applied: Some(applied) }
-}
-
-/// The log line of the Kubernetes source for each event it got.
-const SOURCE_SAW: &str = "kubernetes discovery: EndpointSlices of default/";
-
-/// The test changes the source in a way that must leave the selection
-/// alone (a not-ready endpoint appears): waits until discovery saw the
-/// event, then two debounce windows, and until each of `still_serving`
-/// took more connects; the kernel must still hold exactly `ready`.
-#[track_caller]
-fn change_ignored(
-    daemon: &Daemon,
-    what: &'static str,
-    debounce: Duration,
-    change: impl FnOnce(),
-    ready: &[SocketAddr],
-    still_serving: &[&Backend],
-) -> Step {
-    let seen = log_lines(daemon, SOURCE_SAW);
-    let changed = monotonic_ns();
-    change();
-    assert!(
-        wait_until(WAIT, || log_lines(daemon, SOURCE_SAW) > seen),
-        "{what}: discovery never saw the change:\n{}",
-        daemon.log()
-    );
-    thread::sleep(debounce * 2);
-    wait_traffic(still_serving, 20, what);
-    let now = view(&service_status(daemon));
-    assert!(
-        view_is(&now, ready, &[]),
-        "{what}: the selection changed to {now:?}:\n{}",
-        daemon.log()
-    );
-    Step { what, changed, applied: None }
 }
 
 /// MetalLB 474 as it happened, through the real daemon and kernel: a
@@ -769,25 +486,6 @@ fn a_node_down_while_every_apiserver_was_replaced_recovers_through_the_config_se
         "discovery did not come back through the config's server {reg}:\n{}",
         daemon.log()
     );
-}
-
-/// The apiservers' own EndpointSlice (`default/kubernetes`): `list` as
-/// (address, node), every one ready, on port `port`.
-fn set_apiservers(api: &FakeApiServer, port: u16, list: &[(SocketAddr, &str)]) {
-    let list: Vec<_> = list.iter().map(|(a, n)| (*a, *n, Condition::Ready)).collect();
-    api.apply(slice("kubernetes", "kubernetes", port, &list));
-}
-
-/// The lb service `api` at `vip` that follows the apiservers' own Service,
-/// with `bootstrap` as its configured server.
-fn apiservers_service(vip: SocketAddr, bootstrap: SocketAddr) -> String {
-    kubernetes(
-        ServiceBuilder::new("api", vip).servers(&[bootstrap]),
-        "kubernetes",
-        "https",
-        Duration::from_millis(200),
-    )
-    .toml()
 }
 
 /// Start-up flapping: an endpoint added, removed and re-added within the
