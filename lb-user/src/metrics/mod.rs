@@ -3,12 +3,9 @@
 //! owner task for a fresh snapshot, which also reads the kernel's live
 //! connection counts and decision counters.
 //!
-//! The per-server series (state, health, connections, failures, closings:
-//! 14 series a server) are kept as plain numbers, one small record per
-//! server, and written out at each scrape (`ServerSeries`). As labelled
-//! series in `prometheus-client` families they took about 3 KB a server,
-//! 30 MB with 10,000 services. A server that leaves its service keeps its
-//! counters for [`KEEP_DEPARTED`].
+//! The per-server series are kept as plain numbers and written out at
+//! each scrape (`server_series.rs`). A server that leaves its service
+//! keeps its counters for [`KEEP_DEPARTED`].
 //!
 //! The endpoint (`serve`) is bounded ([`Limits`]): a local process that
 //! opens thousands of idle connections to it cannot take the daemon's file
@@ -18,31 +15,32 @@
 mod external_series;
 mod lease;
 mod serve;
+mod server_series;
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::HashMap,
     net::SocketAddr,
     sync::{Arc, Mutex},
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use prometheus_client::{
-    collector::Collector,
-    encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric as _, text::encode},
+    encoding::{EncodeLabelSet, text::encode},
     metrics::{
-        MetricType,
-        counter::{ConstCounter, Counter},
+        counter::Counter,
         family::Family,
-        gauge::{ConstGauge, Gauge},
+        gauge::Gauge,
         histogram::{Histogram, exponential_buckets},
     },
     registry::Registry,
 };
 
+use self::server_series::{CLOSE_REASONS, ServerCollector, ServerSeries, Servers};
 pub use self::{
     external_series::ExternalSeries,
     lease::LeaseSeries,
     serve::{Limits, ScrapeRequest, serve},
+    server_series::KEEP_DEPARTED,
 };
 use crate::balancer::{CloseReason, State};
 
@@ -104,131 +102,7 @@ pub struct DiscoveryLabels {
     pub result: String,
 }
 
-/// Reasons the daemon closes connections, as `lb_connections_closed_total`
-/// labels them (indexed by `CloseReason as usize`); every server has each
-/// series from the start, at zero.
-const CLOSE_REASONS: [CloseReason; 4] = CloseReason::ALL;
-
-const STATES: [State; 7] = [
-    State::Active,
-    State::Preferred,
-    State::Healthy,
-    State::Recovering,
-    State::Unchecked,
-    State::Standby,
-    State::Failed,
-];
-
 type HistogramFamily = Family<ServerLabels, Histogram, fn() -> Histogram>;
-
-/// How long the counters of a server that left its service are still
-/// served: a few scrape intervals, so that the connections closed because
-/// it was removed (counted after it left) are seen, and a server that comes
-/// back within it keeps counting from where it was (counters do not reset
-/// when a list flaps).
-pub const KEEP_DEPARTED: Duration = Duration::from_secs(300);
-
-/// What the metrics say about one server of one service.
-#[derive(Debug)]
-struct ServerSeries {
-    /// When the server left its service: from then on only its counters
-    /// are served, until [`KEEP_DEPARTED`] has passed.
-    departed: Option<Instant>,
-    state: State,
-    /// The last health check's outcome; `None` before the first, or
-    /// without checks (no `lb_server_healthy` series then).
-    healthy: Option<bool>,
-    /// Live connections, as the kernel counted them at the last scrape.
-    connections: i64,
-    connect_failures: u64,
-    /// Per [`CLOSE_REASONS`] entry.
-    closed: [u64; CLOSE_REASONS.len()],
-}
-
-/// Every server's series, by service name (sorted, so that scrapes list
-/// them in a stable order), then in the order the servers appeared (a
-/// service has at most 16: a short list beats a map's nodes).
-type Servers = BTreeMap<String, Vec<(SocketAddr, ServerSeries)>>;
-
-/// Writes the per-server series at each scrape; shares the records with
-/// [`Metrics`].
-#[derive(Debug)]
-struct ServerCollector(Arc<Mutex<Servers>>);
-
-impl Collector for ServerCollector {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let servers = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        // The server label of each series, formatted once per scrape.
-        let rows: Vec<(&str, String, &ServerSeries)> = servers
-            .iter()
-            .flat_map(|(service, servers)| {
-                servers.iter().map(|(addr, series)| (service.as_str(), addr.to_string(), series))
-            })
-            .collect();
-        let mut family = encoder.encode_descriptor(
-            "lb_server_connections",
-            "Live connections through the VIP to the server",
-            None,
-            MetricType::Gauge,
-        )?;
-        // The gauges describe servers in their service now.
-        let present: Vec<_> = rows.iter().filter(|(_, _, s)| s.departed.is_none()).collect();
-        for (service, server, series) in &present {
-            let labels = [("service", *service), ("server", server.as_str())];
-            ConstGauge::new(series.connections).encode(family.encode_family(&labels)?)?;
-        }
-        let mut family = encoder.encode_descriptor(
-            "lb_server_state",
-            "1 for the server's current state, 0 for the others",
-            None,
-            MetricType::Gauge,
-        )?;
-        for (service, server, series) in &present {
-            for state in STATES {
-                let labels =
-                    [("service", *service), ("server", server.as_str()), ("state", state.name())];
-                ConstGauge::new(i64::from(series.state == state))
-                    .encode(family.encode_family(&labels)?)?;
-            }
-        }
-        let mut family = encoder.encode_descriptor(
-            "lb_server_healthy",
-            "1 if the server's last health check passed, 0 if it failed",
-            None,
-            MetricType::Gauge,
-        )?;
-        for (service, server, series) in &present {
-            if let Some(healthy) = series.healthy {
-                let labels = [("service", *service), ("server", server.as_str())];
-                ConstGauge::new(i64::from(healthy)).encode(family.encode_family(&labels)?)?;
-            }
-        }
-        let mut family = encoder.encode_descriptor(
-            "lb_connect_failures",
-            "Connects through the VIP that failed before establishing",
-            None,
-            MetricType::Counter,
-        )?;
-        for (service, server, series) in &rows {
-            let labels = [("service", *service), ("server", server.as_str())];
-            ConstCounter::new(series.connect_failures).encode(family.encode_family(&labels)?)?;
-        }
-        let mut family = encoder.encode_descriptor(
-            "lb_connections_closed",
-            "VIP connections the daemon closed, by reason",
-            None,
-            MetricType::Counter,
-        )?;
-        for (service, server, series) in &rows {
-            for (reason, count) in CLOSE_REASONS.iter().zip(series.closed) {
-                let labels =
-                    [("service", *service), ("server", server.as_str()), ("reason", reason.name())];
-                ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
-            }
-        }
-        Ok(())
-    }
-}
 
 /// The daemon's Prometheus metrics: the families below, and the per-server
 /// series (state, health, connections, closes) kept apart and encoded by a
