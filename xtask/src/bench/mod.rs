@@ -38,7 +38,7 @@
 //!   Lease requests per second one VIP costs the API server.
 //!
 //! Output: a table on stdout, `target/bench/report.md` and the plot
-//! `target/bench/ratios.svg` ([`report`]). Targets of the Speed issue are
+//! `target/bench/ratios.svg` ([`report`]). The targets ([`targets`]) are
 //! PASS/MISS lines; a miss never fails the run. The run fails only if
 //! something did not work: a connect that landed on the wrong server, a
 //! transfer that lost bytes, a daemon that did not come up.
@@ -73,6 +73,7 @@ mod results;
 mod scale;
 mod stats;
 mod status;
+mod tables;
 mod targets;
 mod workloads;
 

@@ -1,0 +1,463 @@
+//! The bench's tables, one function per part (the parts that did not run
+//! have none), each rendered as aligned text or as Markdown.
+
+use super::{
+    discovery, dns,
+    format::{count, millis, ms, services},
+    owner,
+    paths::Route,
+    results::{DnsRoute, KeepAliveCost, Results, Workload},
+    stats::{median, percentile},
+    workloads::CONNECTS,
+};
+
+/// A table, rendered as aligned text or as Markdown.
+pub(super) struct Table {
+    title: String,
+    headers: Vec<String>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    pub(super) fn new(title: &str, headers: &[&str]) -> Self {
+        Self {
+            title: title.to_owned(),
+            headers: headers.iter().map(|h| (*h).to_owned()).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    pub(super) fn text(&self) -> String {
+        let widths: Vec<usize> = (0..self.headers.len())
+            .map(|i| {
+                self.rows
+                    .iter()
+                    .map(|r| r[i].chars().count())
+                    .chain([self.headers[i].chars().count()])
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        let line = |cells: &[String]| {
+            let mut out = String::from("  ");
+            for (i, cell) in cells.iter().enumerate() {
+                let pad = widths[i] - cell.chars().count();
+                out += cell;
+                out += &" ".repeat(pad + 3);
+            }
+            out.trim_end().to_owned() + "\n"
+        };
+        let mut out = format!("{}\n", self.title);
+        out += &line(&self.headers);
+        out +=
+            &format!("  {}\n", "-".repeat(widths.iter().sum::<usize>() + 3 * (widths.len() - 1)));
+        for row in &self.rows {
+            out += &line(row);
+        }
+        out
+    }
+
+    pub(super) fn markdown(&self) -> String {
+        let mut out = format!(
+            "### {}\n\n| {} |\n|{}\n",
+            self.title,
+            self.headers.join(" | "),
+            "---|".repeat(self.headers.len())
+        );
+        for row in &self.rows {
+            out += &format!("| {} |\n", row.join(" | "));
+        }
+        out + "\n"
+    }
+}
+
+fn rate(workload: Workload, value: f64) -> String {
+    match workload {
+        Workload::Bulk => format!("{value:.2} GB/s"),
+        _ => format!("{:.1}k/s", value / 1000.0),
+    }
+}
+
+/// Every part's tables, in the order of the parts, for the parts that ran.
+pub(super) fn tables(r: &Results) -> Vec<Table> {
+    let mut tables = Vec::new();
+    for part in [
+        paths,
+        daemon_cpu,
+        kernel_cost,
+        keepalive_cost,
+        scale,
+        failover,
+        owner_loop,
+        external,
+        election,
+        dns,
+        discovery,
+    ] {
+        part(r, &mut tables);
+    }
+    tables
+}
+
+fn paths(r: &Results, tables: &mut Vec<Table>) {
+    if !r.paths.is_empty() {
+        let workloads: Vec<Workload> = r.paths.iter().map(|(w, _)| *w).collect();
+        let mut headers = vec!["path".to_owned()];
+        headers.extend(workloads.iter().map(|w| format!("{} ({})", w.label(), w.unit())));
+        let mut t = Table {
+            title: "Throughput by path: × direct [interquartile range of the paired ratios] (absolute figure; wrk: p99 latency)".to_owned(),
+            headers,
+            rows: Vec::new(),
+        };
+        for route in Route::ALL {
+            let mut row = vec![route.label().to_owned()];
+            for w in &workloads {
+                let Some(f) = r.figure(*w, route) else {
+                    row.push("-".to_owned());
+                    continue;
+                };
+                let ratio = if route == Route::Direct {
+                    "1".to_owned()
+                } else {
+                    format!("{:.2} [{:.2}–{:.2}]", f.ratio, f.spread.0, f.spread.1)
+                };
+                let p99 = f.p99_ms.map(|p99| format!(", p99 {p99:.2} ms")).unwrap_or_default();
+                row.push(format!("{ratio} ({}{p99})", rate(*w, f.value)));
+            }
+            t.row(row);
+        }
+        tables.push(t);
+    }
+}
+
+fn daemon_cpu(r: &Results, tables: &mut Vec<Table>) {
+    if !r.daemon_cpu.is_empty() {
+        let mut t = Table::new(
+            "Daemon CPU (utime + stime of `lb run`, in clock ticks: 10 ms steps)",
+            &["during", "connects", "CPU", "per 10,000 connects", "per connect"],
+        );
+        for (what, cpu, n) in &r.daemon_cpu {
+            let per = |k: f64| if *n == 0 { f64::NAN } else { cpu.as_secs_f64() * k / *n as f64 };
+            t.row(vec![
+                what.clone(),
+                count(*n as usize),
+                ms(*cpu),
+                format!("{:.1} ms", per(1e7)),
+                format!("{:.1} µs", per(1e6)),
+            ]);
+        }
+        tables.push(t);
+    }
+}
+
+fn kernel_cost(r: &Results, tables: &mut Vec<Table>) {
+    if !r.kernel_cost.is_empty() {
+        let mut t = Table::new(
+            &format!(
+                "Kernel cost per connect (bpf_stats, one round of {} connects each)",
+                count(CONNECTS as usize)
+            ),
+            &["program", "VIP: runs", "VIP: ns", "in cgroup, not a VIP: runs", "in cgroup: ns"],
+        );
+        // Programs that ran (getpeername runs only when a client asks).
+        let mut programs: Vec<&str> = r
+            .kernel_cost
+            .iter()
+            .filter(|c| c.runs_per_connect > 0.0)
+            .map(|c| c.program.as_str())
+            .collect();
+        programs.sort_unstable();
+        programs.dedup();
+        let cell = |program: Option<&str>, route: Route| {
+            let costs = r
+                .kernel_cost
+                .iter()
+                .filter(|c| c.route == route && program.is_none_or(|p| c.program == p));
+            let (runs, ns) = costs.fold((0.0, 0.0), |(runs, ns), c| {
+                (runs + c.runs_per_connect, ns + c.ns_per_connect)
+            });
+            [format!("{runs:.2}"), format!("{ns:.0}")]
+        };
+        for program in programs.iter().map(|p| Some(*p)).chain([None]) {
+            let mut row = vec![program.unwrap_or("all lb programs").to_owned()];
+            row.extend(cell(program, Route::Vip));
+            row.extend(cell(program, Route::Cgroup));
+            t.row(row);
+        }
+        tables.push(t);
+    }
+}
+
+fn keepalive_cost(r: &Results, tables: &mut Vec<Table>) {
+    if let Some(KeepAliveCost { requests, runs, ns }) = r.keepalive_cost {
+        let mut t = Table::new(
+            "Kernel cost of keep-alive requests through the VIP (bpf_stats, one wrk run: its 16 connects and then requests on them)",
+            &["requests", "lb program runs", "run time", "per request"],
+        );
+        t.row(vec![
+            count(requests as usize),
+            count(runs as usize),
+            format!("{:.1} µs", ns as f64 / 1e3),
+            format!(
+                "{:.4} runs, {:.2} ns",
+                runs as f64 / requests as f64,
+                ns as f64 / requests as f64
+            ),
+        ]);
+        tables.push(t);
+    }
+}
+
+fn scale(r: &Results, tables: &mut Vec<Table>) {
+    if let Some(s) = &r.scale {
+        let mut t = Table::new("Scale (check = \"none\")", &["measure", "value"]);
+        for st in &s.startups {
+            t.row(vec![
+                format!(
+                    "{}: `lb run` to a status answer / to all listed with selections; RSS",
+                    services(st.services)
+                ),
+                match (st.answered, st.ready, st.rss) {
+                    (Some(answered), Some(ready), Some(rss)) => {
+                        format!("{} / {}; {:.0} MB", ms(answered), ms(ready), rss as f64 / 1e6)
+                    }
+                    _ => "> 60 s (no answer)".to_owned(),
+                },
+            ]);
+        }
+        if let Some((one, many)) = s.connects {
+            t.row(vec![
+                "connect + close through one VIP, 1 service".to_owned(),
+                format!("{:.1}k/s", one / 1000.0),
+            ]);
+            t.row(vec![
+                "connect + close through one VIP, 1,000 services".to_owned(),
+                format!("{:.1}k/s ({:.2} × 1 service)", many / 1000.0, many / one),
+            ]);
+        }
+        if !s.reload_ms.is_empty() {
+            t.row(vec![
+                format!(
+                    "reload changing 1 of 10,000 services, SIGHUP to kernel (median of {})",
+                    s.reload_ms.len()
+                ),
+                format!(
+                    "{} (max {})",
+                    millis(median(&s.reload_ms)),
+                    millis(percentile(&s.reload_ms, 100.0))
+                ),
+            ]);
+        }
+        tables.push(t);
+    }
+}
+
+fn failover(r: &Results, tables: &mut Vec<Table>) {
+    if let Some(f) = &r.failover {
+        let mut t = Table::new(
+            "Failover: server killed (listener closed) → first connect elsewhere",
+            &["path", "kills", "p50", "p99", "max"],
+        );
+        for (what, samples) in [
+            ("kernel (refused connect marks the server; checks every 60 s)", &f.kernel_ms),
+            ("kernel: from the refused connect's return", &f.reaction_ms),
+            ("daemon (TCP checks every 100 ms; until status' selection changes)", &f.daemon_ms),
+        ] {
+            t.row(vec![
+                what.to_owned(),
+                samples.len().to_string(),
+                millis(median(samples)),
+                millis(percentile(samples, 99.0)),
+                millis(percentile(samples, 100.0)),
+            ]);
+        }
+        tables.push(t);
+    }
+}
+
+fn owner_loop(r: &Results, tables: &mut Vec<Table>) {
+    if let Some(o) = &r.owner_loop {
+        let mut t = Table::new(
+            "Owner loop: a kernel report (a refused connect through a VIP) → the daemon's decision",
+            &["load", "reports", "p50", "p99"],
+        );
+        let loaded = format!(
+            "socket table full ({} of {} sockets); {} scrapes and {} status requests answered meanwhile",
+            count(o.tracked as usize),
+            count(owner::TABLE),
+            count(o.scrapes),
+            count(o.statuses)
+        );
+        for (what, (n, p50, p99)) in [("idle".to_owned(), o.idle), (loaded, o.loaded)] {
+            t.row(vec![what, n.to_string(), millis(p50), millis(p99)]);
+        }
+        tables.push(t);
+    }
+}
+
+fn external(r: &Results, tables: &mut Vec<Table>) {
+    if let Some(e) = &r.external {
+        let mut t = Table::new(
+            &format!(
+                "lb_xdp's program time per packet (BPF_PROG_TEST_RUN, IPv4; median of single runs less the kernel's timing overhead of {:.0} ns)",
+                e.overhead_ns
+            ),
+            &["packet", "ns"],
+        );
+        for (what, ns) in [
+            ("first of a flow (choice, NAT port, two inserts)", e.first_ns),
+            ("of an established flow (kept route, redirect)", e.established_ns),
+            ("a server's reply (back the way the client came)", e.reply_ns),
+            ("not the VIP's (passes untouched)", e.not_ours_ns),
+        ] {
+            t.row(vec![what.to_owned(), format!("{ns:.0}")]);
+        }
+        for (what, ns) in [
+            (
+                "live traffic, connects (kernel run-time stats, with their clock reads)",
+                e.live_connects_ns,
+            ),
+            ("live traffic, requests (established packets and replies)", e.live_requests_ns),
+        ] {
+            t.row(vec![what.to_owned(), format!("{ns:.0}")]);
+        }
+        tables.push(t);
+        let mut t = Table::new(
+            "External clients through the node (client namespace → node → server namespace; \
+             medians of alternated rounds, ratios to plain routing in the same round)",
+            &["route", "connects/s", "vs plain", "requests/s", "vs plain"],
+        );
+        for r in &e.routes {
+            t.row(vec![
+                r.name.clone(),
+                format!("{:.0}", r.connects_per_s),
+                format!("{:.2}", r.connects_ratio),
+                format!("{:.0}", r.requests_per_s),
+                format!("{:.2}", r.requests_ratio),
+            ]);
+        }
+        for (name, why) in &e.skipped {
+            t.row(vec![
+                name.clone(),
+                format!("not run: {why}"),
+                String::new(),
+                String::new(),
+                String::new(),
+            ]);
+        }
+        tables.push(t);
+    }
+}
+
+fn election(r: &Results, tables: &mut Vec<Table>) {
+    if let Some(e) = &r.election {
+        let mut t = Table::new(
+            &format!(
+                "The announcing node dies ({} nodes; lease {:.0} ms, renew and retry {:.0}/{:.0} ms; {} deaths, {} not taken over within 10 s)",
+                e.nodes, e.lease_duration_ms, e.renew_ms, e.retry_ms, e.rounds, e.failed_rounds
+            ),
+            &["from the death to", "p50", "p99"],
+        );
+        for (what, samples) in [
+            ("a client's connect answered by another node", &e.takeover_connect_ms),
+            ("the new holder's first ARP answer", &e.takeover_arp_ms),
+        ] {
+            t.row(vec![
+                what.to_owned(),
+                millis(median(samples)),
+                millis(percentile(samples, 99.0)),
+            ]);
+        }
+        t.row(vec![
+            "Lease requests per second for the VIP, steady state (all nodes)".to_owned(),
+            format!("{:.1}", e.api_requests_per_s),
+            String::new(),
+        ]);
+        tables.push(t);
+    }
+}
+
+fn dns(r: &Results, tables: &mut Vec<Table>) {
+    if let Some(d) = &r.dns {
+        let mut t = Table::new(
+            &format!(
+                "DNS queries per second (dnsperf, {} clients, {} s runs, one dnsmasq server; median of {} rounds)",
+                dns::CLIENTS,
+                dns::SECONDS,
+                d.rounds
+            ),
+            &["route", "queries/s", "vs direct", "lost"],
+        );
+        let direct = d.qps(DnsRoute::Direct);
+        for (route, qps) in &d.qps {
+            let ratio = match route {
+                DnsRoute::Direct => "1.00".to_owned(),
+                // The median of the paired ratios, as the paths part.
+                DnsRoute::Vip => format!("{:.2}", d.vip_ratio),
+                DnsRoute::Forwarder => format!("{:.2}", qps / direct),
+            };
+            let lost = d.lost.iter().find(|(r, _)| r == route).map_or(0, |(_, l)| *l);
+            t.row(vec![route.label().to_owned(), format!("{qps:.0}"), ratio, lost.to_string()]);
+        }
+        tables.push(t);
+        let mut t = Table::new(
+            &format!(
+                "lb's programs per DNS query through the VIP (bpf_stats, {} queries; rewrites during the rounds: {})",
+                count(d.queries_for_programs as usize),
+                d.rewritten
+                    .iter()
+                    .map(|(n, v)| format!("{n} {}", count(*v as usize)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            &["program", "runs per query", "ns per query"],
+        );
+        for (name, runs, ns) in &d.programs {
+            t.row(vec![name.clone(), format!("{runs:.2}"), format!("{ns:.0}")]);
+        }
+        tables.push(t);
+    }
+}
+
+fn discovery(r: &Results, tables: &mut Vec<Table>) {
+    if let Some(d) = &r.discovery {
+        let mut t = Table::new(
+            "Discovery (fake API server on loopback, debounce 1 ms)",
+            &["measure", "value"],
+        );
+        if !d.latency_ms.is_empty() {
+            t.row(vec![
+                format!(
+                    "EndpointSlice change → kernel's selection, {} changes",
+                    d.latency_ms.len()
+                ),
+                format!(
+                    "p50 {}, p99 {}",
+                    millis(median(&d.latency_ms)),
+                    millis(percentile(&d.latency_ms, 99.0))
+                ),
+            ]);
+        }
+        if let Some(sync) = d.initial_sync {
+            t.row(vec![
+                format!(
+                    "initial sync, {} services × {} endpoints",
+                    count(discovery::SERVICES),
+                    discovery::ENDPOINTS
+                ),
+                ms(sync),
+            ]);
+        }
+        if let Some(ups) = d.updates_per_second {
+            t.row(vec![
+                format!("updates applied, {} services changed at once", count(discovery::SERVICES)),
+                format!("{ups:.0}/s"),
+            ]);
+        }
+        tables.push(t);
+    }
+}
