@@ -90,7 +90,8 @@ const _: () = assert!(Reason::COUNT as u32 <= COUNTER_SLOTS);
 /// `META[META_LAYOUT_VERSION]` at attach. Bump it with every change a
 /// daemon of the previous version could not read or write correctly.
 ///
-/// 1 (implicit: no `META` map): up to the hardening of issue 10.
+/// 1 (implicit: no `META` map): before the daemon checked the layout of
+/// the pins it adopts.
 /// 2: `META`; `SOCKETS` a plain hash map of TCP sockets, `SOCKETS_UDP`;
 /// `Service::netns_cookie`; the `lb_sock_release` program.
 /// 3: `Service::daemon_states`.

@@ -94,8 +94,8 @@ fn daemonset_runs_on_the_host_network_with_only_the_capabilities_it_needs() {
         .filter_map(|v| v["hostPath"]["path"].as_str())
         .collect();
     assert!(host_paths.contains(&"/sys/fs/cgroup"));
-    // Trust #23, item 8: lb's own folder of the host's bpffs, not all of
-    // it (other programs' pins are none of lb's business), and the one the
+    // Least privilege: lb's own folder of the host's bpffs, not all of it
+    // (other programs' pins are none of lb's business), and the one the
     // config pins under.
     assert!(!host_paths.contains(&"/sys/fs/bpf"), "all of the host's bpffs is mounted");
     let config = configmap_config();
@@ -112,9 +112,9 @@ fn daemonset_runs_on_the_host_network_with_only_the_capabilities_it_needs() {
     );
 }
 
-/// Trust #23, item 8: a Role and RoleBinding in each namespace the
-/// shipped config's discovery names, and nothing cluster-wide. Issue 26:
-/// besides, one Role for the elections' Leases: get, create and update,
+/// Least privilege: a Role and RoleBinding in each namespace the shipped
+/// config's discovery names, and nothing cluster-wide. Besides, for the
+/// elections by lease, one Role for their Leases: get, create and update,
 /// no delete, nothing else.
 #[test]
 fn rbac_allows_only_listing_and_watching_endpointslices_where_discovery_looks() {

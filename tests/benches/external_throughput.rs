@@ -1,7 +1,7 @@
-//! The external path's throughput (issue 25, item 7), for `cargo xtask
-//! bench` (its `external` part): connects and requests per second from a
-//! client namespace to one server in another, through the node (this
-//! thread's namespace, the external path's test topology), by each route:
+//! The external path's throughput, for `cargo xtask bench` (its `external`
+//! part): connects and requests per second from a client namespace to one
+//! server in another, through the node (this thread's namespace, the
+//! external path's test topology), by each route:
 //!
 //! - `plain`: the server's own address, forwarded by the node's kernel
 //!   routing: the baseline;

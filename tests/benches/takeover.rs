@@ -1,8 +1,8 @@
-//! The elections' takeover time and API load (issue 26, item 7), for
-//! `cargo xtask bench` (its `election` part), on the election tests'
-//! topology (`tests/tests/election/lan.rs`: three nodes on one bridge with
-//! a client, the fake API server serving the Lease), default timings
-//! (lease 1 s, renew and retry 200 ms).
+//! The elections' takeover time and API load, for `cargo xtask bench` (its
+//! `election` part), on the election tests' topology
+//! (`tests/tests/election/lan.rs`: three nodes on one bridge with a client,
+//! the fake API server serving the Lease), default timings (lease 1 s,
+//! renew and retry 200 ms).
 //!
 //! - API requests per second for the VIP in steady state: every Lease
 //!   request the fake answered over [`STEADY`], all nodes together.

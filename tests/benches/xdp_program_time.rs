@@ -1,10 +1,9 @@
-//! The external path's program time per packet (issue 25, item 7), for
-//! `cargo xtask bench` (its `external` part): `lb_xdp` under
-//! `BPF_PROG_TEST_RUN` on the packet fixtures' node. Cases: the first
-//! packet of a flow (a SYN: a choice, a NAT port, two map inserts), a
-//! packet of an established flow, a server's reply, and a packet that is
-//! not the VIP's (the floor every other packet of the interface pays).
-//! IPv4. Prints one JSON line. Needs root.
+//! The external path's program time per packet, for `cargo xtask bench`
+//! (its `external` part): `lb_xdp` under `BPF_PROG_TEST_RUN` on the packet
+//! fixtures' node. Cases: the first packet of a flow (a SYN: a choice, a
+//! NAT port, two map inserts), a packet of an established flow, a server's
+//! reply, and a packet that is not the VIP's (the floor every other packet
+//! of the interface pays). IPv4. Prints one JSON line. Needs root.
 //!
 //! How: the program rewrites what it forwards, so each forwarded packet
 //! is one run on a fresh copy (`repeat` 1), whose time the kernel measures

@@ -522,12 +522,12 @@ fn restart_restores_the_runtime_server_list() {
     assert_eq!(landed(&inside.connect(vip)), "s2");
 }
 
-/// Hardening #4: a daemon restarted during an outage starts from what the
-/// kernel learned. Server 1 accepts nothing and was failed by the kernel's
-/// report more than a hold-down ago, so no kernel mark protects it any
-/// more; with `check = "none"` there is no check to ask after the restart
-/// either: only what the kernel holds about the previous daemon's view
-/// keeps connects off server 1.
+/// A daemon restarted during an outage starts from what the kernel learned.
+/// Server 1 accepts nothing and was failed by the kernel's report more than
+/// a hold-down ago, so no kernel mark protects it any more; with
+/// `check = "none"` there is no check to ask after the restart either: only
+/// what the kernel holds about the previous daemon's view keeps connects
+/// off server 1.
 #[test]
 fn restart_during_an_outage_sends_no_connect_to_the_dead_server() {
     if !privileged() {

@@ -1,6 +1,6 @@
-//! Discovery (issue 11) against a fake Kubernetes API server and a fake DNS
-//! server on loopback: `lb_user::discovery::spawn_with` is driven directly
-//! (no daemon, no eBPF, no root) and its updates are checked step by step.
+//! Discovery against a fake Kubernetes API server and a fake DNS server on
+//! loopback: `lb_user::discovery::spawn_with` is driven directly (no
+//! daemon, no eBPF, no root) and its updates are checked step by step.
 //!
 //! Every wait is bounded; nothing leaves loopback (the addresses in the
 //! slices are data, never dialled, except the fake apiservers' own).

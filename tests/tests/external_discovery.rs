@@ -1,10 +1,10 @@
-//! The external path under discovery (issue 25, item 6): MetalLB issue
-//! 474's rolling update, from a client on another machine. The daemon
-//! follows a fake Kubernetes API server (the real list and watch
-//! protocol, `lb_tests::fakes`) in the node's network namespace; the
-//! pods are servers in the servers' namespace and the client connects
-//! from its own, through the node's XDP program (see `tests/tests/external/` for
-//! the topology). Needs root; see `lb_tests::privileged`.
+//! The external path under discovery: MetalLB issue 474's rolling update,
+//! from a client on another machine. The daemon follows a fake Kubernetes
+//! API server (the real list and watch protocol, `lb_tests::fakes`) in the
+//! node's network namespace; the pods are servers in the servers' namespace
+//! and the client connects from its own, through the node's XDP program
+//! (see `tests/tests/external/` for the topology). Needs root; see
+//! `lb_tests::privileged`.
 
 use std::{
     collections::{BTreeSet, HashMap},

@@ -1,7 +1,7 @@
-//! Hardening (issue 10), datapath side: a connect its application gave up
-//! on is no server failure; released sockets leave the socket tables; the
-//! kernel forgets removed servers; one daemon per set of pins; pins of
-//! another map layout are refused (upgrades: `upgrade.rs`). Needs root; see
+//! Hardening, datapath side: a connect its application gave up on is no
+//! server failure; released sockets leave the socket tables; the kernel
+//! forgets removed servers; one daemon per set of pins; pins of another map
+//! layout are refused (upgrades: `upgrade.rs`). Needs root; see
 //! `lb_tests::privileged`.
 //!
 //! Every service here has the builder's default health setting, no checks:
@@ -45,25 +45,25 @@ fn maps(daemon: &Daemon) -> PinnedMaps {
     })
 }
 
-/// Issue 10, item 1: a healthy server whose SYN-ACKs to one client never
-/// come, and that client cancels 100 connects in SYN_SENT by closing them.
-/// Before, each cancelled connect marked the server failed in the kernel
-/// (its next connects went elsewhere) and reported a failed connect to the
-/// daemon.
+/// A connect its application gave up on is no server failure: a healthy
+/// server whose SYN-ACKs to one client never come, and that client cancels
+/// 100 connects in SYN_SENT by closing them. Before, each cancelled connect
+/// marked the server failed in the kernel (its next connects went
+/// elsewhere) and reported a failed connect to the daemon.
 #[test]
 fn a_cancelled_connect_is_no_server_failure() {
     cancelled_connects_are_no_server_failure("close", 60);
 }
 
-/// Trust #23, item 1: as above, given up on by `shutdown(SHUT_RDWR)`. It
-/// went through `tcp_disconnect`, which closes the socket like a reset
-/// would, and marked the healthy server failed for the whole node.
+/// As above, given up on by `shutdown(SHUT_RDWR)`. It went through
+/// `tcp_disconnect`, which closes the socket like a reset would, and marked
+/// the healthy server failed for the whole node.
 #[test]
 fn a_connect_shut_down_in_syn_sent_is_no_server_failure() {
     cancelled_connects_are_no_server_failure("shutdown", 69);
 }
 
-/// Trust #23, item 1: as above, given up on by `connect(AF_UNSPEC)`.
+/// As above, given up on by `connect(AF_UNSPEC)`.
 #[test]
 fn a_connect_disconnected_in_syn_sent_is_no_server_failure() {
     cancelled_connects_are_no_server_failure("unspec", 70);
@@ -157,11 +157,11 @@ fn cancelled_connects_are_no_server_failure(how: &str, test: u8) {
     assert_eq!(daemon.server_field(s1, "recently_failed"), true);
 }
 
-/// Trust #23, item 2 (a): connects that fail on the spot, after connect6
-/// rewrote them (an IPv6-only socket dialling the IPv4 VIP IPv4-mapped:
-/// `ENETUNREACH`), leave nothing in the socket table while their sockets
-/// stay open. Before, each held an entry until its close, and 65,536 of
-/// them left every later connect on the node untracked.
+/// Connects that fail on the spot, after connect6 rewrote them (an
+/// IPv6-only socket dialling the IPv4 VIP IPv4-mapped: `ENETUNREACH`),
+/// leave nothing in the socket table while their sockets stay open. Before,
+/// each held an entry until its close, and 65,536 of them left every later
+/// connect on the node untracked.
 #[test]
 fn connects_that_fail_on_the_spot_hold_no_socket_table_entry() {
     if !privileged() {
@@ -188,11 +188,11 @@ fn connects_that_fail_on_the_spot_hold_no_socket_table_entry() {
     assert_eq!(daemon.counter("sockops_connect_failed"), 0);
 }
 
-/// Trust #23, item 2 (b): a socket whose connect to the VIP failed on the
-/// spot, reused to connect elsewhere, is not taken for the VIP's. Before,
-/// its leftover entry made a refused connect to the user's own port mark
-/// the VIP's server failed, and a connect to the user's own listener lift
-/// a real failure mark (and report a recovery).
+/// A socket whose connect to the VIP failed on the spot, reused to connect
+/// elsewhere, is not taken for the VIP's. Before, its leftover entry made a
+/// refused connect to the user's own port mark the VIP's server failed, and
+/// a connect to the user's own listener lift a real failure mark (and
+/// report a recovery).
 #[test]
 fn a_socket_reused_after_a_connect_that_failed_on_the_spot_is_not_the_vips() {
     if !privileged() {
@@ -230,14 +230,10 @@ fn a_socket_reused_after_a_connect_that_failed_on_the_spot_is_not_the_vips() {
     assert_eq!(daemon.server_field(s1, "recently_failed"), true, "{}", daemon.log());
 }
 
-/// Issue 10, item 3: a churn of connected-UDP and TCP sockets through a VIP
-/// leaves the socket tables holding exactly the live sockets, and a held
-/// connection is still counted, still shows the VIP, and can still be
-/// closed. Before, UDP sockets stayed in the (LRU) table until evicted.
-/// Trust #23, item 4: a `TCP_FASTOPEN_CONNECT` socket is in SYN_SENT after
-/// its connect, with no SYN sent and no sock_ops callback asked for; closed
-/// before its first write, it must still leave `SOCKETS` (it stayed there
-/// for good), and it is no failure of the server.
+/// A `TCP_FASTOPEN_CONNECT` socket is in SYN_SENT after its connect, with
+/// no SYN sent and no sock_ops callback asked for; closed before its first
+/// write, it must still leave `SOCKETS` (it stayed there for good), and it
+/// is no failure of the server.
 #[test]
 fn fast_open_sockets_closed_before_a_write_leave_the_socket_table() {
     if !privileged() {
@@ -267,6 +263,10 @@ fn fast_open_sockets_closed_before_a_write_leave_the_socket_table() {
     assert_eq!(inside.connect(vip).landed(), "s1");
 }
 
+/// A churn of connected-UDP and TCP sockets through a VIP leaves the socket
+/// tables holding exactly the live sockets, and a held connection is still
+/// counted, still shows the VIP, and can still be closed. Before, UDP
+/// sockets stayed in the (LRU) table until evicted.
 #[test]
 fn released_sockets_leave_the_socket_table() {
     if !privileged() {
@@ -316,11 +316,11 @@ fn released_sockets_leave_the_socket_table() {
     assert!(wait_until(Duration::from_secs(5), || daemon.connections("api", s1.addr) == 0));
 }
 
-/// Issue 12: connect4 marks each TCP socket it tracks (a sock_ops callback
-/// flag, set with `bpf_setsockopt`, Linux 6.12+), so that sock_ops looks up
-/// no other connecting socket of the cgroup. An older kernel refuses the
-/// mark; then every connecting socket is looked up, as before. Tracking is
-/// the same either way.
+/// Fewer sock_ops lookups: connect4 marks each TCP socket it tracks (a
+/// sock_ops callback flag, set with `bpf_setsockopt`, Linux 6.12+), so that
+/// sock_ops looks up no other connecting socket of the cgroup. An older
+/// kernel refuses the mark; then every connecting socket is looked up, as
+/// before. Tracking is the same either way.
 #[test]
 fn sock_ops_looks_up_only_the_sockets_connect4_marked() {
     if !privileged() {
@@ -367,8 +367,8 @@ fn sock_ops_looks_up_only_the_sockets_connect4_marked() {
     assert_eq!(maps(&daemon).tracked_sockets(), (0, 0));
 }
 
-/// Issue 10, item 7, the API the daemon calls: `forget` removes the
-/// failure mark of a server in no service and the count of a pair no
+/// Forgetting removed servers, the API the daemon calls: `forget` removes
+/// the failure mark of a server in no service and the count of a pair no
 /// longer configured once it has no live connection; a pair with live
 /// connections keeps its count.
 #[test]
@@ -418,9 +418,10 @@ fn forget_removes_what_the_kernel_keeps_about_removed_servers() {
     assert!(inside.alive(held.id()));
 }
 
-/// Issue 10, item 7, end to end: the daemon forgets a server removed with
-/// `lb servers` (the daemon calls `Datapath::forget` after every change of
-/// its server lists: `lb servers`, reloads, discovered lists).
+/// Forgetting removed servers, end to end: the daemon forgets a server
+/// removed with `lb servers` (the daemon calls `Datapath::forget` after
+/// every change of its server lists: `lb servers`, reloads, discovered
+/// lists).
 #[test]
 fn removing_a_server_forgets_its_failure_mark() {
     if !privileged() {
@@ -455,9 +456,9 @@ fn removing_a_server_forgets_its_failure_mark() {
     );
 }
 
-/// Issue 10, item 10: a second daemon with its own control socket but the
-/// same pins exits, naming the first; the first keeps working. Before, the
-/// second adopted the pins and both ran.
+/// One daemon per set of pins: a second daemon with its own control socket
+/// but the same pins exits, naming the first; the first keeps working.
+/// Before, the second adopted the pins and both ran.
 #[test]
 fn a_second_daemon_on_the_same_pins_exits_naming_the_first() {
     if !privileged() {
@@ -501,9 +502,10 @@ fn a_second_daemon_on_the_same_pins_exits_naming_the_first() {
     );
 }
 
-/// Issue 10, item 5 (the refusal half): pins without the layout version
-/// this lb writes (an older lb's) are refused with a message naming
-/// `lb detach`, and left working; after `lb detach` the daemon starts.
+/// Pins another lb made, the refusal half (the upgrade half: `upgrade.rs`):
+/// pins without the layout version this lb writes (an older lb's) are
+/// refused with a message naming `lb detach`, and left working; after
+/// `lb detach` the daemon starts.
 #[test]
 fn pins_of_another_layout_are_refused_naming_lb_detach() {
     if !privileged() {

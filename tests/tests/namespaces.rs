@@ -19,12 +19,11 @@ fn client(cgroup: &TestCgroup) -> Client {
     Client::start(CLIENT, Some(cgroup))
 }
 
-/// Issue 10, item 2: a process in the attached cgroup but in a network
-/// namespace of its own, with its own listener on the VIP's address,
-/// reaches that listener while the service is `host`-scoped (the default
-/// for a loopback VIP); with `scope = "all"` the same connect is rewritten.
-/// Before, it was always rewritten (to the server address, inside its own
-/// namespace).
+/// A process in the attached cgroup but in a network namespace of its own,
+/// with its own listener on the VIP's address, reaches that listener while
+/// the service is `host`-scoped (the default for a loopback VIP); with
+/// `scope = "all"` the same connect is rewritten. Before, it was always
+/// rewritten (to the server address, inside its own namespace).
 #[test]
 fn a_host_scoped_service_leaves_other_network_namespaces_alone() {
     if !privileged() {
@@ -86,11 +85,11 @@ fn a_host_scoped_service_leaves_other_network_namespaces_alone() {
     assert_eq!(host.once(vip).as_deref(), Ok("s1"));
 }
 
-/// Issue 23, item 10: with `scope = "all"`, a pod's connection through a
-/// VIP (made from a network namespace of its own) is closed as the node's
-/// are: by `lb close-connections` and when its server leaves the service.
-/// Before, SOCK_DESTROY acted only in lb's own namespace, so the pod kept
-/// its connection to a server lb had moved traffic off.
+/// With `scope = "all"`, a pod's connection through a VIP (made from a
+/// network namespace of its own) is closed as the node's are: by
+/// `lb close-connections` and when its server leaves the service. Before,
+/// SOCK_DESTROY acted only in lb's own namespace, so the pod kept its
+/// connection to a server lb had moved traffic off.
 #[test]
 fn pods_connections_through_a_vip_are_closed_in_their_namespaces() {
     if !privileged() {

@@ -384,13 +384,13 @@ fn sigterm_leaves_the_datapath_working_unless_detach_on_exit() {
     );
 }
 
-/// Trust #23, item 7: `lb detach` wins over a supervisor, under the shipped
-/// privileges. `lb run` runs in a restart loop (systemd's `Restart=always`
-/// with the unit's `RestartPreventExitStatus=3`) without CAP_SYS_ADMIN, as
-/// does `lb detach`. A crash is restarted; `lb detach` stops the daemon,
-/// which exits with 3 and is not started again, and when `lb detach`
-/// returns nothing rewrites connects to the VIP any more. Before, the
-/// daemon was told to shut down (exit 0) and restarted a second later.
+/// `lb detach` wins over a supervisor, under the shipped privileges.
+/// `lb run` runs in a restart loop (systemd's `Restart=always` with the
+/// unit's `RestartPreventExitStatus=3`) without CAP_SYS_ADMIN, as does
+/// `lb detach`. A crash is restarted; `lb detach` stops the daemon, which
+/// exits with 3 and is not started again, and when `lb detach` returns
+/// nothing rewrites connects to the VIP any more. Before, the daemon was
+/// told to shut down (exit 0) and restarted a second later.
 #[test]
 fn detach_is_final_under_a_restart_loop_without_cap_sys_admin() {
     if !privileged() {
@@ -455,12 +455,11 @@ fn detach_is_final_under_a_restart_loop_without_cap_sys_admin() {
     );
 }
 
-/// Trust #23, item 13: kernel events left unread in the pinned ring buffer
-/// across a restart are history. While the daemon is down, 20 connects
-/// through the VIP are refused by s1 (hold-down 1 ms: each tries s1
-/// first), and s1 comes back. The restarted daemon reads those 20 events
-/// at start and acts on none: s1 is not failed, no failure is counted, and
-/// connects go to s1.
+/// Kernel events left unread in the pinned ring buffer across a restart are
+/// history. While the daemon is down, 20 connects through the VIP are
+/// refused by s1 (hold-down 1 ms: each tries s1 first), and s1 comes back.
+/// The restarted daemon reads those 20 events at start and acts on none: s1
+/// is not failed, no failure is counted, and connects go to s1.
 #[test]
 fn kernel_events_from_before_a_restart_are_history() {
     if !privileged() {

@@ -1,7 +1,7 @@
-//! The daemon under load (hardening, issue 10, items 8 and 9): closing
-//! thousands of connections must not stop the owner loop, and a flood of
-//! idle connections to the metrics endpoint must not take the daemon's file
-//! descriptors. Needs root; see `lb_tests::privileged`.
+//! The daemon under load: closing thousands of connections must not stop
+//! the owner loop, and a flood of idle connections to the metrics endpoint
+//! must not take the daemon's file descriptors. Needs root; see
+//! `lb_tests::privileged`.
 
 use std::{
     collections::HashMap,
@@ -70,16 +70,15 @@ fn connect_after_a_kill(inside: &mut Client, vip: SocketAddr) -> (String, usize)
     panic!("after its server was killed, the second connect through {vip} failed too");
 }
 
-/// How many VIP connections one server holds. 10,000 is the issue's
-/// number; it takes a few seconds to open on a 2-CPU machine.
+/// How many VIP connections one server holds. 10,000 is the scale the
+/// closing must handle; it takes a few seconds to open on a 2-CPU machine.
 const HELD: usize = 10_000;
 
-/// Hardening #8: 10,000 VIP connections to server a1; a1 fails its health
-/// check, so the daemon closes all 10,000 (a2 is healthy), on a blocking
-/// thread. While that closing is in progress, `lb status` answers and a
-/// second service fails over when its active server is killed. Then every
-/// one of the 10,000 is reset, which the client, the server and the
-/// metrics each see.
+/// 10,000 VIP connections to server a1; a1 fails its health check, so the
+/// daemon closes all 10,000 (a2 is healthy), on a blocking thread. While
+/// that closing is in progress, `lb status` answers and a second service
+/// fails over when its active server is killed. Then every one of the
+/// 10,000 is reset, which the client, the server and the metrics each see.
 #[test]
 fn closing_ten_thousand_connections_blocks_neither_status_nor_another_failover() {
     if !privileged() {
@@ -282,13 +281,13 @@ fn closing_ten_thousand_connections_blocks_neither_status_nor_another_failover()
     eprintln!("test took {:?}", test_started.elapsed());
 }
 
-/// Hardening #9: 2,000 idle connections to the metrics endpoint, kept
-/// open (each one the daemon closes is opened again, as a hostile
-/// neighbour would) while a check fails and recovers, `lb status`
-/// answers, and the active server is killed: the next connects go to the
-/// other server and status shows it failed. The daemon's descriptors stay
-/// within 200 of where they were: the endpoint's connection limit works.
-/// Once the flood stops, scrapes work again.
+/// 2,000 idle connections to the metrics endpoint, kept open (each one the
+/// daemon closes is opened again, as a hostile neighbour would) while a
+/// check fails and recovers, `lb status` answers, and the active server is
+/// killed: the next connects go to the other server and status shows it
+/// failed. The daemon's descriptors stay within 200 of where they were: the
+/// endpoint's connection limit works. Once the flood stops, scrapes work
+/// again.
 #[test]
 fn two_thousand_idle_metrics_connections_stop_neither_checks_nor_status_nor_failover() {
     if !privileged() {
@@ -418,13 +417,13 @@ fn two_thousand_idle_metrics_connections_stop_neither_checks_nor_status_nor_fail
     eprintln!("test took {:?}", test_started.elapsed());
 }
 
-/// Trust #23, item 9: the kernel's counters and live counts are exact under
-/// concurrency. Two clients with four connecting threads each, on two
-/// CPUs, through one VIP for three seconds: every connect made is counted
-/// once as rewritten, established and closed, and the live counts return
-/// to zero. A per-CPU slot is shared by every program that runs on its CPU
-/// (a preempted connect4, sock_ops in softirq), so plain increments could
-/// lose one; the programs add atomically.
+/// The kernel's counters and live counts are exact under concurrency. Two
+/// clients with four connecting threads each, on two CPUs, through one VIP
+/// for three seconds: every connect made is counted once as rewritten,
+/// established and closed, and the live counts return to zero. A per-CPU
+/// slot is shared by every program that runs on its CPU (a preempted
+/// connect4, sock_ops in softirq), so plain increments could lose one; the
+/// programs add atomically.
 #[test]
 fn the_kernels_counts_match_what_happened_under_a_connect_storm() {
     if !privileged() {
@@ -479,10 +478,10 @@ fn the_kernels_counts_match_what_happened_under_a_connect_storm() {
     }
 }
 
-/// Trust #23, item 3: a full TCP socket table degrades visibly and
-/// safely. With `socket_table = 64`, 80 held connections: every connect is
-/// still rewritten to the server, the ones beyond the table are counted,
-/// status and metrics say the table is full, and the log says so once.
+/// A full TCP socket table degrades visibly and safely. With
+/// `socket_table = 64`, 80 held connections: every connect is still
+/// rewritten to the server, the ones beyond the table are counted, status
+/// and metrics say the table is full, and the log says so once.
 #[test]
 fn a_full_socket_table_still_balances_and_says_so() {
     if !privileged() {
@@ -542,12 +541,12 @@ fn a_full_socket_table_still_balances_and_says_so() {
     assert_eq!(daemon.status()["datapath"]["tracked_sockets"]["tcp_full"], false);
 }
 
-/// Trust #23, item 11: a VIP's value is read whole. Two VIPs, each
-/// switching between two servers of its own as fast as the control socket
-/// takes it (the daemon writes one VIP, then the other), while 200 threads
-/// connect through both: no connect lands on the other VIP's server. In a
-/// preallocated hash map a replaced value goes back to the CPU's free list
-/// at once, and the next write can reuse it while connect4 still reads it.
+/// A VIP's value is read whole. Two VIPs, each switching between two
+/// servers of its own as fast as the control socket takes it (the daemon
+/// writes one VIP, then the other), while 200 threads connect through both:
+/// no connect lands on the other VIP's server. In a preallocated hash map a
+/// replaced value goes back to the CPU's free list at once, and the next
+/// write can reuse it while connect4 still reads it.
 #[test]
 fn a_vip_never_reads_another_vips_servers_while_both_change() {
     if !privileged() {

@@ -1,8 +1,8 @@
-//! UDP services (issue 24): a DNS service judged by DNS checks, against
-//! two fake DNS servers (`lb_tests::fakes::dns`); real resolvers through a
-//! DNS VIP in front of real DNS servers (`lb_tests::resolvers`);
-//! unconnected sends, their answers and their sockets' entries. Needs
-//! root; see `lb_tests::privileged`.
+//! UDP services: a DNS service judged by DNS checks, against two fake DNS
+//! servers (`lb_tests::fakes::dns`); real resolvers through a DNS VIP in
+//! front of real DNS servers (`lb_tests::resolvers`); unconnected sends,
+//! their answers and their sockets' entries. Needs root; see
+//! `lb_tests::privileged`.
 
 use std::{
     net::{Ipv4Addr, SocketAddr},
@@ -100,12 +100,12 @@ fn lead(daemon: &Daemon) -> Option<String> {
     daemon.status()["services"][0]["selected"][0].as_str().map(str::to_owned)
 }
 
-/// Issue 24, items 1 and 4: glibc (`getent`), bind9's `dig` and musl's
-/// `getaddrinfo` (a static musl binary: unconnected `sendto()`, answers
-/// only from the address it asked) resolve through a DNS VIP, from its
-/// own `resolv.conf`; when the server they use is killed, the DNS checks
-/// move the VIP to the other and every resolver is answered by it; their
-/// released sockets leave nothing in the kernel's UDP tables.
+/// glibc (`getent`), bind9's `dig` and musl's `getaddrinfo` (a static musl
+/// binary: unconnected `sendto()`, answers only from the address it asked)
+/// resolve through a DNS VIP, from its own `resolv.conf`; when the server
+/// they use is killed, the DNS checks move the VIP to the other and every
+/// resolver is answered by it; their released sockets leave nothing in the
+/// kernel's UDP tables.
 #[test]
 fn real_resolvers_resolve_through_a_dns_vip_and_fail_over() {
     if !privileged() || !resolvers::resolvers_present() {
@@ -163,11 +163,11 @@ fn real_resolvers_resolve_through_a_dns_vip_and_fail_over() {
     assert_eq!(daemon.status()["datapath"]["tracked_sockets"]["udp"], 0);
 }
 
-/// Issue 24, item 4: thousands of queries with `sendto()` from one
-/// unconnected socket (IPv4, IPv4-mapped from an IPv6 socket, and IPv6):
-/// every one is answered, every answer comes from the VIP, and all go to
-/// one server (a socket keeps its server, here with `spread`); while the
-/// last socket lives, `lb status` shows its reverse mapping.
+/// Thousands of queries with `sendto()` from one unconnected socket (IPv4,
+/// IPv4-mapped from an IPv6 socket, and IPv6): every one is answered, every
+/// answer comes from the VIP, and all go to one server (a socket keeps its
+/// server, here with `spread`); while the last socket lives, `lb status`
+/// shows its reverse mapping.
 #[test]
 fn thousands_of_unconnected_queries_from_one_socket_are_all_answered_by_the_vip() {
     if !privileged() || !resolvers::resolvers_present() {
@@ -224,10 +224,10 @@ fn thousands_of_unconnected_queries_from_one_socket_are_all_answered_by_the_vip(
     );
 }
 
-/// Issue 24, item 4: a churn of a million unconnected sockets (a tenth
-/// under emulation), each sending one query to a VIP and closed at once, leaves no UDP entry
-/// behind and does not disturb TCP tracking: connections held through a
-/// TCP VIP meanwhile stay tracked and counted.
+/// A churn of a million unconnected sockets (a tenth under emulation), each
+/// sending one query to a VIP and closed at once, leaves no UDP entry
+/// behind and does not disturb TCP tracking: connections held through a TCP
+/// VIP meanwhile stay tracked and counted.
 #[test]
 fn a_million_unconnected_sockets_leave_no_entry_and_tcp_tracking_alone() {
     if !privileged() || !resolvers::resolvers_present() {

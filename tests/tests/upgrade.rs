@@ -26,9 +26,10 @@ fn client(cgroup: &TestCgroup) -> Client {
     Client::start(CLIENT, Some(cgroup))
 }
 
-/// Issue 10, item 5 (the upgrade half): the pinned fingerprint says another
-/// build's programs (the same object under a faked fingerprint). Before,
-/// adoption kept the old programs.
+/// Pins another lb made, the upgrade half (the refusal half:
+/// `hardening.rs`): the pinned fingerprint says another build's programs
+/// (the same object under a faked fingerprint). Before, adoption kept the
+/// old programs.
 #[test]
 fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
     if !privileged() {
@@ -43,13 +44,13 @@ fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
     assert_eq!(added, Vec::<&str>::new(), "same layout: no program to add");
 }
 
-/// Issue 23, item 13: a real upgrade. The previous version of lb (built
-/// from its commit by `cargo xtask test`, `$LB_PREVIOUS_BIN`) runs with its
-/// own programs, and is stopped as systemd stops it (SIGTERM); this
-/// version starts on its pins. Its daemon adopts the previous one's maps
-/// and replaces the previous programs under the storm. Issue 25: the
-/// previous version's pins are of layout 7; the upgrade adds the external
-/// path's traffic slots (`TRAFFIC_SLOTS`; no cgroup program is new).
+/// A real upgrade. The previous version of lb (built from its commit by
+/// `cargo xtask test`, `$LB_PREVIOUS_BIN`) runs with its own programs, and
+/// is stopped as systemd stops it (SIGTERM); this version starts on its
+/// pins. Its daemon adopts the previous one's maps and replaces the
+/// previous programs under the storm. The previous version's pins are of
+/// layout 7; the upgrade adds the external path's traffic slots
+/// (`TRAFFIC_SLOTS`; no cgroup program is new).
 #[test]
 fn an_upgrade_from_the_previous_version_keeps_every_connect_rewritten() {
     if !privileged() {

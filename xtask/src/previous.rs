@@ -21,7 +21,7 @@ use crate::{
 };
 
 /// The commit of the previous version: main with the elections by lease
-/// (#26, layout 7), before the external path counted its traffic in
+/// (layout 7), before the external path counted its traffic in
 /// `TRAFFIC_SLOTS` (layout 8).
 pub const PREVIOUS: &str = "45cf3d61365589b67e7f476fa9c3751736f4ac20";
 

@@ -257,9 +257,10 @@ mod tests {
         assert_eq!(apiservers.plan(Some(vip), &[], none), [Dial::Configured]);
     }
 
-    /// Trust #23, item 5: the config's servers stay a last resort. A
-    /// persisted list whose apiservers were all replaced while the node was
-    /// down, and a kubeconfig that points at the VIP: the seeds come last.
+    /// The config's servers (the seeds) stay a last resort for reaching an
+    /// apiserver. A persisted list whose apiservers were all replaced while
+    /// the node was down, and a kubeconfig that points at the VIP: the seeds
+    /// come last.
     #[test]
     fn the_config_servers_are_dialled_last() {
         let vip = vip4();

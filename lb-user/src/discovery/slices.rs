@@ -314,8 +314,8 @@ mod tests {
         assert_eq!(endpoints_of([&none], vip4(), &PortRef::Number(6443)).0, []);
     }
 
-    /// Issue 24: the cluster's DNS (`kube-system/kube-dns`, port `dns`) is
-    /// UDP; a port is found by its name whatever its protocol.
+    /// UDP services: the cluster's DNS (`kube-system/kube-dns`, port `dns`)
+    /// is UDP; a port is found by its name whatever its protocol.
     #[test]
     fn a_udp_port_is_found_by_its_name() {
         let udp = EndpointPort { protocol: Some("UDP".into()), ..port("dns", 53) };

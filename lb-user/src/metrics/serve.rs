@@ -162,9 +162,9 @@ mod tests {
         answer
     }
 
-    /// Hardening #9: a flood of idle connections holds at most
-    /// `limits.connections` of the daemon's descriptors, and only until the
-    /// header timeout; scrapes work again right after.
+    /// A flood of idle connections holds at most `limits.connections` of
+    /// the daemon's descriptors, and only until the header timeout; scrapes
+    /// work again right after.
     #[tokio::test]
     async fn idle_connections_cannot_hold_the_endpoint() {
         use tokio::io::AsyncReadExt as _;
@@ -198,8 +198,9 @@ mod tests {
         assert!(answer.starts_with("HTTP/1.1 200") && answer.contains("lb_up 1"), "{answer}");
     }
 
-    /// Issue 23, item 12: scrapes back to back cost the owner task one
-    /// answer per [`SHARED_FOR`], and each gets that answer whole.
+    /// Scrapes back to back cannot keep the owner task from the kernel's
+    /// reports: they cost it one answer per [`SHARED_FOR`], and each gets
+    /// that answer whole.
     #[tokio::test]
     async fn scrapes_back_to_back_share_one_answer_a_second() {
         use std::sync::atomic::{AtomicUsize, Ordering};

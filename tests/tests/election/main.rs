@@ -1,10 +1,9 @@
-//! Several nodes, one announcer per VIP (issue 26): each node's daemon
-//! competes for the VIP's Lease on a fake Kubernetes API server (the real
-//! protocol, `lb_tests::fakes`) while it has a usable server; only the
-//! holder answers ARP for the VIP. A capture on the client's bridge port
-//! sees who answers, the client's neighbour entry and its connects which
-//! node serves it. Topology in `lan.rs`. Needs root; see
-//! `lb_tests::privileged`.
+//! Several nodes, one announcer per VIP: each node's daemon competes for
+//! the VIP's Lease on a fake Kubernetes API server (the real protocol,
+//! `lb_tests::fakes`) while it has a usable server; only the holder answers
+//! ARP for the VIP. A capture on the client's bridge port sees who answers,
+//! the client's neighbour entry and its connects which node serves it.
+//! Topology in `lan.rs`. Needs root; see `lb_tests::privileged`.
 
 use std::time::Duration;
 
@@ -58,20 +57,19 @@ fn handed_over(
 
 /// How often the client asks who has the VIP.
 const ASK_EVERY: Duration = Duration::from_millis(20);
-/// How long a takeover may take here: the lease running out (1 s) and
-/// being claimed, with room for a loaded machine or an emulated VM. The
-/// issue's goal, clients moved within 2 s, is measured by the bench
+/// How long a takeover may take here: the lease running out (1 s) and being
+/// claimed, with room for a loaded machine or an emulated VM. The
+/// elections' goal, clients moved within 2 s, is measured by the bench
 /// (`cargo xtask bench --only election`, p50 and p99 over repeated kills),
-/// not asserted against a wall clock here; the runs below print what
-/// they saw.
+/// not asserted against a wall clock here; the runs below print what they
+/// saw.
 const TAKEOVER: Duration = Duration::from_secs(10);
 
-/// Items 1, 2 and 6: of three nodes exactly one answers; a SIGKILLed
-/// holder (its kernel still attached: only the daemon died) falls silent
-/// by its fence, and another node answers once the lease has run out
-/// (about 1 s; the bench holds the 2 s goal); the client's
-/// neighbour entry and connects follow; the restarted node does not take
-/// the VIP back.
+/// Of three nodes exactly one answers; a SIGKILLed holder (its kernel still
+/// attached: only the daemon died) falls silent by its fence, and another
+/// node answers once the lease has run out (about 1 s; the bench holds the
+/// 2 s goal); the client's neighbour entry and connects follow; the
+/// restarted node does not take the VIP back.
 #[test]
 fn one_node_answers_and_a_killed_holder_is_replaced() {
     if !privileged() {
@@ -193,9 +191,9 @@ fn a_stopped_holder_hands_over_at_once() {
     });
 }
 
-/// Item 1: a holder whose servers all fail their checks is no longer
-/// eligible: it withdraws and releases, and a node that can serve takes
-/// the VIP. Its server back, it does not take the VIP back.
+/// A holder whose servers all fail their checks is no longer eligible: it
+/// withdraws and releases, and a node that can serve takes the VIP. Its
+/// server back, it does not take the VIP back.
 #[test]
 fn a_holder_without_a_usable_server_hands_over() {
     if !privileged() {
@@ -242,10 +240,10 @@ fn a_holder_without_a_usable_server_hands_over() {
     });
 }
 
-/// Items 1 and 3: the holder cut off from the API server cannot renew; it
-/// falls silent by its fence before its lease can run out for the others,
-/// so no two nodes ever answer at once (fencing wins over availability),
-/// and another node takes the VIP.
+/// The holder cut off from the API server cannot renew; it falls silent by
+/// its fence before its lease can run out for the others, so no two nodes
+/// ever answer at once (fencing wins over availability), and another node
+/// takes the VIP.
 #[test]
 fn a_holder_cut_off_from_the_api_falls_silent_before_another_answers() {
     if !privileged() {
@@ -286,11 +284,10 @@ fn a_holder_cut_off_from_the_api_falls_silent_before_another_answers() {
     });
 }
 
-/// Item 6: readiness that flaps does not make the lease move back and
-/// forth: a node competes only once it has been eligible for a whole
-/// lease duration. Here the one eligible node's server flaps; it gives the
-/// lease up at the first failure and takes it again only after it has
-/// held steady.
+/// Readiness that flaps does not make the lease move back and forth: a node
+/// competes only once it has been eligible for a whole lease duration. Here
+/// the one eligible node's server flaps; it gives the lease up at the first
+/// failure and takes it again only after it has held steady.
 #[test]
 fn flapping_readiness_does_not_move_the_lease_back_and_forth() {
     if !privileged() {

@@ -1,5 +1,5 @@
-//! ICMP end to end (issue 25, item 1): what the network says about a
-//! flow reaches the end that must hear it, through the node.
+//! ICMP end to end: what the network says about a flow reaches the end that
+//! must hear it, through the node.
 
 use std::{
     io::{ErrorKind, Read as _, Write as _},
@@ -14,10 +14,10 @@ use lb_tests::{
 
 use crate::services;
 
-/// Item 1, ICMP: a datagram to a server with nothing listening on its
-/// port draws the server's "port unreachable", which the node translates
-/// back: the client's connected socket sees the refusal at once, as it
-/// would from the VIP itself, instead of waiting out a timeout.
+/// ICMP: a datagram to a server with nothing listening on its port draws
+/// the server's "port unreachable", which the node translates back: the
+/// client's connected socket sees the refusal at once, as it would from the
+/// VIP itself, instead of waiting out a timeout.
 #[test]
 fn a_servers_port_unreachable_reaches_the_client() {
     if !privileged() {
@@ -47,13 +47,13 @@ fn a_servers_port_unreachable_reaches_the_client() {
     });
 }
 
-/// Item 1, the node's own "too big": the node's link toward the servers
-/// has a smaller MTU (1400) than the client's and the server's (1500),
-/// so neither end's MSS knows of it. The client's full-sized segments
-/// draw "fragmentation needed" / "packet too big" from the node, its
-/// stack lowers the path MTU to the VIP and sends them again smaller,
-/// and every byte arrives. Without the answer the transfer would stall
-/// in a black hole.
+/// The node's own "too big": the node's link toward the servers has a
+/// smaller MTU (1400) than the client's and the server's (1500), so neither
+/// end's MSS knows of it. The client's full-sized segments draw
+/// "fragmentation needed" / "packet too big" from the node, its stack
+/// lowers the path MTU to the VIP and sends them again smaller, and every
+/// byte arrives. Without the answer the transfer would stall in a black
+/// hole.
 #[test]
 fn a_smaller_mtu_toward_the_servers_is_learned_by_the_client() {
     if !privileged() {

@@ -1,8 +1,7 @@
-//! The external path end to end (issue 25, items 1 to 4 and 6): clients
-//! in a network namespace of their own reach a VIP through the node,
-//! whose daemon attaches `lb_xdp` to the node's interfaces and forwards
-//! with NAT to servers in a third namespace. Needs root; see
-//! `lb_tests::privileged`.
+//! The external path end to end: clients in a network namespace of their
+//! own reach a VIP through the node, whose daemon attaches `lb_xdp` to the
+//! node's interfaces and forwards with NAT to servers in a third namespace.
+//! Needs root; see `lb_tests::privileged`.
 //!
 //! ```text
 //!  [client ns] c0 ──── ext0 [node ns: lb run] srv0 ──── s0 [server ns]
@@ -45,9 +44,9 @@ fn services_announced(check: &str, announce: &str) -> String {
     toml
 }
 
-/// Items 1, 4, 5 and 6: TCP and UDP, IPv4 and IPv6, from another
-/// machine's namespace to the first server of each VIP, with status and
-/// counters saying so; `lb detach` removes every XDP program lb attached.
+/// TCP and UDP, IPv4 and IPv6, from another machine's namespace to the
+/// first server of each VIP, with status and counters saying so;
+/// `lb detach` removes every XDP program lb attached.
 #[test]
 fn external_clients_reach_the_selected_server() {
     if !privileged() {
@@ -193,11 +192,11 @@ fn a_flushed_neighbour_is_resolved_again() {
     });
 }
 
-/// Item 1, NAT: flows are not removed one by one, yet a server takes far
-/// more connections than it has NAT ports (4,536 toward each server):
-/// ports of flows that ended go to new ones. 5,000 connects, one after
-/// another, each closed by the client, all answered by the one server (a
-/// plain one here: `Backend` takes milliseconds per accept).
+/// NAT: flows are not removed one by one, yet a server takes far more
+/// connections than it has NAT ports (4,536 toward each server): ports of
+/// flows that ended go to new ones. 5,000 connects, one after another, each
+/// closed by the client, all answered by the one server (a plain one here:
+/// `Backend` takes milliseconds per accept).
 #[test]
 fn more_connects_than_nat_ports_all_land() {
     if !privileged() {
@@ -268,11 +267,11 @@ fn serve_in_turn(addr: &str, stop: &std::sync::atomic::AtomicBool) -> usize {
     served
 }
 
-/// Items 2 and 4: a server killed under load costs at most the connects
-/// in flight, the kernel moving to the next server at once (the health
-/// checks are off: only the reset marks it); with the daemon SIGKILLed a
-/// held flow keeps working and new ones are forwarded; a restarted daemon
-/// adopts the programs and the flow lives on.
+/// A server killed under load costs at most the connects in flight, the
+/// kernel moving to the next server at once (the health checks are off:
+/// only the reset marks it); with the daemon SIGKILLed a held flow keeps
+/// working and new ones are forwarded; a restarted daemon adopts the
+/// programs and the flow lives on.
 #[test]
 fn external_flows_survive_failover_and_the_daemon() {
     if !privileged() {
@@ -323,8 +322,8 @@ fn external_flows_survive_failover_and_the_daemon() {
     });
 }
 
-/// Item 4 and reload: a reload that removes a service's external table
-/// detaches the programs; one that adds it back attaches them again.
+/// A reload that removes a service's external table detaches the programs;
+/// one that adds it back attaches them again.
 #[test]
 fn a_reload_attaches_and_detaches_the_external_path() {
     if !privileged() {
@@ -358,10 +357,10 @@ fn a_reload_attaches_and_detaches_the_external_path() {
     });
 }
 
-/// Item 4: a listed interface deleted and created anew under its name (a
-/// driver reloaded, a veth recreated) gets the program again at the next
-/// sync: the pin named after it is found stale (the link followed the
-/// old device), not trusted.
+/// A listed interface deleted and created anew under its name (a driver
+/// reloaded, a veth recreated) gets the program again at the next sync: the
+/// pin named after it is found stale (the link followed the old device),
+/// not trusted.
 #[test]
 fn an_interface_created_anew_gets_the_program_again() {
     if !privileged() {
@@ -398,11 +397,11 @@ fn an_interface_created_anew_gets_the_program_again() {
     });
 }
 
-/// Item 3: with `announce = "arp"` the node answers ARP and neighbour
-/// solicitations for its VIPs on the listed interface, with that
-/// interface's MAC, while a server is usable; with every server failed it
-/// stops (a client that forgot the VIP's address cannot find it), and
-/// answers again once one is back. `lb detach` withdraws it.
+/// With `announce = "arp"` the node answers ARP and neighbour solicitations
+/// for its VIPs on the listed interface, with that interface's MAC, while a
+/// server is usable; with every server failed it stops (a client that
+/// forgot the VIP's address cannot find it), and answers again once one is
+/// back. `lb detach` withdraws it.
 #[test]
 fn an_announced_vip_is_found_on_the_link_while_it_has_a_server() {
     if !privileged() {

@@ -1,7 +1,7 @@
-//! Announcing (issue 25, item 3; issue 26, item 1): an ARP request for an
-//! announced VIP is answered in place, on the interface it is announced
-//! on, until its fence (`ANNOUNCE_UNTIL`, an elected node's deadline);
-//! past it, the request passes untouched and is counted.
+//! Announcing: an ARP request for an announced VIP is answered in place, on
+//! the interface it is announced on, until its fence (`ANNOUNCE_UNTIL`, an
+//! elected node's deadline); past it, the request passes untouched and is
+//! counted.
 
 use std::net::IpAddr;
 

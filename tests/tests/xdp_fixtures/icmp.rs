@@ -1,5 +1,5 @@
-//! ICMP errors about external flows (issue 25, item 1): translated both
-//! ways, checksums and all; forged or stray ones passed untouched.
+//! ICMP errors about external flows: translated both ways, checksums and
+//! all; forged or stray ones passed untouched.
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -46,11 +46,11 @@ fn quoted_endpoints(quote: &[u8]) -> (SocketAddr, SocketAddr) {
     (SocketAddr::new(src, ports(0)), SocketAddr::new(dst, ports(2)))
 }
 
-/// Item 1: an ICMP error from the servers' side about a forwarded packet
-/// (a router's "too big", the server's "port unreachable") reaches the
-/// flow's client, quoting the packet as the client sent it; the server's
-/// own address is shown as the VIP, a router keeps its own. One forged on
-/// the clients' side is passed untouched.
+/// An ICMP error from the servers' side about a forwarded packet (a
+/// router's "too big", the server's "port unreachable") reaches the flow's
+/// client, quoting the packet as the client sent it; the server's own
+/// address is shown as the VIP, a router keeps its own. One forged on the
+/// clients' side is passed untouched.
 #[test]
 fn icmp_errors_about_a_flow_reach_its_client() {
     both_families(|node, f| {
@@ -94,9 +94,9 @@ fn icmp_errors_about_a_flow_reach_its_client() {
     });
 }
 
-/// Item 1: an ICMP error from the clients' side about a reply (a router's
-/// "too big" on the way to the client) reaches the flow's server from the
-/// node's address, quoting the reply as the server sent it.
+/// An ICMP error from the clients' side about a reply (a router's "too big"
+/// on the way to the client) reaches the flow's server from the node's
+/// address, quoting the reply as the server sent it.
 #[test]
 fn icmp_errors_about_a_reply_reach_the_server() {
     both_families(|node, f| {

@@ -1,9 +1,10 @@
-//! Packet fixtures of the external path (issue 25, items 1, 2 and 6): the
-//! XDP program, loaded on maps of its own, runs under `BPF_PROG_TEST_RUN`
-//! on frames built here; each case checks the verdict and the frame the
-//! program made (addresses, ports, MACs, TTL, and every checksum, by a
-//! full recomputation in `lb_tests::packets`), and what it left in its
-//! maps. Needs root; see `lb_tests::privileged`.
+//! Packet fixtures of the external path (forwarding with NAT, replies,
+//! failure marks, ICMP errors, announcing): the XDP program, loaded on maps
+//! of its own, runs under `BPF_PROG_TEST_RUN` on frames built here; each
+//! case checks the verdict and the frame the program made (addresses,
+//! ports, MACs, TTL, and every checksum, by a full recomputation in
+//! `lb_tests::packets`), and what it left in its maps. Needs root; see
+//! `lb_tests::privileged`.
 //!
 //! Each case runs in a network namespace of its own (`in_new_netns`) whose
 //! routes and neighbours the test sets, so the kernel's FIB, which the
@@ -203,9 +204,9 @@ fn a_syn_sent_again_unanswered_fails_the_server_and_moves_the_flow() {
     });
 }
 
-/// Item 1: a `spread` service's new flows go where its consistent-hash
-/// (Maglev) table says, by client address and port; a slot whose server
-/// has failed falls back to the choice among the others.
+/// A `spread` service's new flows go where its consistent-hash (Maglev)
+/// table says, by client address and port; a slot whose server has failed
+/// falls back to the choice among the others.
 #[test]
 fn a_spread_services_new_flows_follow_its_maglev_table() {
     both_families(|node, f| {

@@ -1,7 +1,6 @@
-//! NAT ports (issue 25, item 1): a flow's end is noted in its
-//! `NAT_REPLIES` entry, and a new flow that finds no free port takes one
-//! whose flow has ended long enough ago (`lb_common::nat`), the old
-//! flow's `FLOWS` entry going with it.
+//! NAT ports: a flow's end is noted in its `NAT_REPLIES` entry, and a new
+//! flow that finds no free port takes one whose flow has ended long enough
+//! ago (`lb_common::nat`), the old flow's `FLOWS` entry going with it.
 
 use std::{net::SocketAddr, time::Duration};
 

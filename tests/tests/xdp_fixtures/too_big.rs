@@ -1,7 +1,7 @@
-//! The node's own "too big" (issue 25, item 1): a client's packet larger
-//! than the MTU of the route toward its server is answered, back the way
-//! it came, with "fragmentation needed" / "packet too big" from the VIP,
-//! carrying that MTU and quoting the packet as the client sent it.
+//! The node's own "too big": a client's packet larger than the MTU of the
+//! route toward its server is answered, back the way it came, with
+//! "fragmentation needed" / "packet too big" from the VIP, carrying that
+//! MTU and quoting the packet as the client sent it.
 
 use lb_common::{Reason, checksum};
 use lb_tests::packets::{Flags, read_icmp_error};

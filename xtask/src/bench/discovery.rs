@@ -1,5 +1,4 @@
-//! The discovery part (issue 11): how fast EndpointSlice changes reach the
-//! kernel.
+//! The discovery part: how fast EndpointSlice changes reach the kernel.
 //!
 //! - latency: one service whose one endpoint alternates between two
 //!   servers; a client in the cgroup connects through the VIP in a loop

@@ -1,5 +1,5 @@
-//! The DNS part (issue 24, item 5): DNS queries per second with `dnsperf`
-//! (Debian's package) against one dnsmasq server on the node, three ways:
+//! The DNS part: DNS queries per second with `dnsperf` (Debian's package)
+//! against one dnsmasq server on the node, three ways:
 //! - direct, to the server's address;
 //! - through a VIP, from inside the attached cgroup (dnsperf sends with
 //!   `sendto()` on unconnected sockets: lb's sendmsg and recvmsg programs);

@@ -1,8 +1,8 @@
-//! The elections' part (issue 26, item 7): how long clients wait when the
-//! node announcing an external VIP dies, and what the elections cost the
-//! API server, measured by `tests/benches/takeover.rs` (see there for
-//! how: three nodes, the holder SIGKILLed and its link taken down, the
-//! client connecting every 50 ms).
+//! The elections' part: how long clients wait when the node announcing an
+//! external VIP dies, and what the elections cost the API server, measured
+//! by `tests/benches/takeover.rs` (see there for how: three nodes, the
+//! holder SIGKILLed and its link taken down, the client connecting
+//! every 50 ms).
 
 use anyhow::Context as _;
 

@@ -1,10 +1,10 @@
-//! The external path's part (issue 25, item 7): `lb_xdp`'s program time
-//! per packet, measured by `tests/benches/xdp_program_time.rs` under
-//! `BPF_PROG_TEST_RUN` (see there for how: single runs less the kernel's
-//! timing overhead, measured in the same run); and connects and requests
-//! per second from a client namespace through the node, by plain routing,
-//! lb's external VIP, IPVS in NAT mode and haproxy, measured by
-//! `tests/benches/external_throughput.rs` (see there for how).
+//! The external path's part: `lb_xdp`'s program time per packet, measured
+//! by `tests/benches/xdp_program_time.rs` under `BPF_PROG_TEST_RUN` (see
+//! there for how: single runs less the kernel's timing overhead, measured
+//! in the same run); and connects and requests per second from a client
+//! namespace through the node, by plain routing, lb's external VIP, IPVS in
+//! NAT mode and haproxy, measured by `tests/benches/external_throughput.rs`
+//! (see there for how).
 
 use anyhow::Context as _;
 use serde_json::Value;

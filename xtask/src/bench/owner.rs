@@ -1,9 +1,9 @@
 //! The owner-loop part: how long a kernel report waits for the daemon's
 //! decision on it (the daemon's `lb_kernel_event_delay_seconds`), idle and
 //! under load: a full socket table (65,536 connections through VIPs) with a
-//! flood of metrics scrapes and `lb status` requests. The target (issue 23,
-//! item 12): p99 under 10 ms under that load. ("Full" leaves [`ROOM`]
-//! entries: a connect that finds the table full reports nothing.)
+//! flood of metrics scrapes and `lb status` requests. The target: p99 under
+//! 10 ms under that load. ("Full" leaves [`ROOM`] entries: a connect that
+//! finds the table full reports nothing.)
 //!
 //! - Reports: [`EVENTS`] services per phase whose first server refuses
 //!   (nothing listens on it; each service has its own); one connect

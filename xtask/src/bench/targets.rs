@@ -1,5 +1,5 @@
-//! The targets the bench checks (the Speed issue's, and issue 23's for
-//! the owner loop): PASS/MISS lines; a miss is reported, never an error.
+//! The targets the bench checks (speed, and the owner loop's latency):
+//! PASS/MISS lines; a miss is reported, never an error.
 
 use super::{
     format::{count, millis, ms},
@@ -8,7 +8,7 @@ use super::{
     stats::{median, percentile},
 };
 
-/// The Speed issue's targets that this run measured: (PASS, line).
+/// The targets that this run measured: (PASS, line).
 pub fn targets(r: &Results) -> Vec<(bool, String)> {
     let mut lines = Vec::new();
     let mut ratio = |what: &str, workload: Workload, route: Route, at_least: f64| {
@@ -93,7 +93,7 @@ pub fn targets(r: &Results) -> Vec<(bool, String)> {
         lines.push((
             e.established_ns < 100.0,
             format!(
-                "an established external flow's packet under 100 ns of program time (issue 25): {:.0} ns (first packet {:.0} ns, reply {:.0} ns)",
+                "an established external flow's packet under 100 ns of program time: {:.0} ns (first packet {:.0} ns, reply {:.0} ns)",
                 e.established_ns, e.first_ns, e.reply_ns
             ),
         ));
@@ -102,7 +102,9 @@ pub fn targets(r: &Results) -> Vec<(bool, String)> {
             {
                 lines.push((
                     ratio >= 0.95,
-                    format!("external {what} per second through lb ≥ 0.95 × plain routing (issue 25): {ratio:.2}"),
+                    format!(
+                        "external {what} per second through lb ≥ 0.95 × plain routing: {ratio:.2}"
+                    ),
                 ));
             }
             for other in ["ipvs", "haproxy"] {
@@ -110,7 +112,7 @@ pub fn targets(r: &Results) -> Vec<(bool, String)> {
                     lines.push((
                         lb.connects_per_s > o.connects_per_s && lb.requests_per_s > o.requests_per_s,
                         format!(
-                            "external lb ahead of {other} (issue 25): connects/s {:.0} vs {:.0}, requests/s {:.0} vs {:.0}",
+                            "external lb ahead of {other}: connects/s {:.0} vs {:.0}, requests/s {:.0} vs {:.0}",
                             lb.connects_per_s, o.connects_per_s, lb.requests_per_s, o.requests_per_s
                         ),
                     ));
@@ -123,7 +125,7 @@ pub fn targets(r: &Results) -> Vec<(bool, String)> {
         lines.push((
             e.failed_rounds == 0 && p99 <= 2_000.0,
             format!(
-                "clients move within 2 s of the announcing node's death (issue 26): p99 {}, p50 {}, {} of {} deaths not taken over",
+                "clients move within 2 s of the announcing node's death (elections): p99 {}, p50 {}, {} of {} deaths not taken over",
                 millis(p99),
                 millis(median(&e.takeover_connect_ms)),
                 e.failed_rounds,
@@ -136,7 +138,7 @@ pub fn targets(r: &Results) -> Vec<(bool, String)> {
         lines.push((
             d.vip_ratio >= 0.95 && vip > forwarder,
             format!(
-                "DNS queries per second through the VIP ≥ 0.95 × direct, ahead of a dnsmasq forwarder (issue 24): {:.2} × direct; {vip:.0} vs {forwarder:.0} queries/s",
+                "DNS queries per second through the VIP ≥ 0.95 × direct, ahead of a dnsmasq forwarder: {:.2} × direct; {vip:.0} vs {forwarder:.0} queries/s",
                 d.vip_ratio
             ),
         ));
@@ -146,7 +148,7 @@ pub fn targets(r: &Results) -> Vec<(bool, String)> {
         lines.push((
             p99 < 10.0,
             format!(
-                "a kernel report waits < 10 ms (p99) for the daemon's decision with a full socket table and a flood of scrapes (issue 23): {}",
+                "a kernel report waits < 10 ms (p99) for the daemon's decision with a full socket table and a flood of scrapes (owner loop): {}",
                 millis(p99)
             ),
         ));

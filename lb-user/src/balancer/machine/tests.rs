@@ -335,8 +335,8 @@ fn behaviour_4_a_failed_connect_is_confirmed_at_once_then_moves_everything() {
     assert_eq!(sim.state(a(2)), State::Failed);
 }
 
-/// Hardening #1: a client that gives up on its connects (or a lost SYN)
-/// must not fail a healthy server or reset its connections.
+/// A client that gives up on its connects (or a lost SYN) must not fail a
+/// healthy server or reset its connections.
 #[test]
 fn behaviour_4_one_ambiguous_report_never_resets_a_healthy_server() {
     let mut sim = Sim::failover(&[a(1), a(2)]);
@@ -356,12 +356,12 @@ fn behaviour_4_one_ambiguous_report_never_resets_a_healthy_server() {
     );
 }
 
-/// Hardening #4: a restarted daemon keeps the kernel's selection (server
-/// 3 down, left out of the spread group) until its own checks say
-/// otherwise, instead of writing the configured order with every server
-/// unchecked, which would put server 3 back among the servers the kernel
-/// picks from (found by the chaos test, with an outage longer than the
-/// hold-down: no failure mark is left to protect it).
+/// A restarted daemon keeps the kernel's selection (server 3 down, left out
+/// of the spread group) until its own checks say otherwise, instead of
+/// writing the configured order with every server unchecked, which would
+/// put server 3 back among the servers the kernel picks from (found by the
+/// chaos test, with an outage longer than the hold-down: no failure mark is
+/// left to protect it).
 #[test]
 fn adopting_keeps_the_kernels_selection_until_every_server_has_a_result() {
     let mut sim = Sim::new(Policy::Spread, CHECKS, &[a(1), a(2), a(3), a(4)], None);
@@ -459,8 +459,8 @@ fn passive_only_needs_fall_reports_in_a_row() {
     assert_eq!(sim.target(), Some(a(2)));
 }
 
-/// Hardening #6: with every server healthy, the first active server is the
-/// default, then the first configured, whatever order the checks answer in.
+/// With every server healthy, the first active server is the default, then
+/// the first configured, whatever order the checks answer in.
 #[test]
 fn the_first_election_is_the_default_then_configured_order_whoever_answers_first() {
     let orders: [[u8; 3]; 6] = [[1, 2, 3], [1, 3, 2], [2, 1, 3], [2, 3, 1], [3, 1, 2], [3, 2, 1]];
