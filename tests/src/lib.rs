@@ -3,6 +3,10 @@
 //! a daemon under test, and [`ServiceBuilder`] for the services of its
 //! config. Everything cleans up on drop, also when a test fails or panics.
 //!
+//! A test that needs root says so with [`privileged_test`] in place of
+//! `#[test]` (the `lb-test-macros` crate): it skips with a printed reason
+//! without root, and fails under `CI=true`.
+//!
 //! Leaks fail the test. Each guard ([`TestCgroup`], [`Client`], [`Daemon`],
 //! the bpffs mount, [`in_new_netns`]) first does all the cleanup it can, then
 //! checks that nothing is left (a cgroup, pins, a process, a process in the
@@ -69,6 +73,7 @@ pub use cgroup::{TestCgroup, cgroup2_root, start_in_cgroup};
 pub use client::{Client, Connect, tally};
 pub use daemon::Daemon;
 pub use env::{addr, client_bin, emulated, kernel_at_least, lb_bin, privileged};
+pub use lb_test_macros::privileged_test;
 pub use netns::{Namespace, NetnsGuard, in_new_netns, loopback_up, sh};
 pub use service::{Check, Policy, ServiceBuilder};
 pub use wait::{monotonic_ns, wait_until};

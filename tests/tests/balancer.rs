@@ -9,7 +9,7 @@ use std::{
 
 use lb_tests::{
     Backend, Check, Client, Connect, Daemon, ServiceBuilder, TestCgroup, addr, monotonic_ns,
-    privileged, wait_until,
+    privileged_test, wait_until,
 };
 
 fn client(cgroup: &TestCgroup) -> Client {
@@ -84,11 +84,8 @@ fn wait_dead(inside: &mut Client, id: u32, what: &str) {
 }
 
 /// k3s PR 11329's own test sequence, step by step, on real sockets.
-#[test]
+#[privileged_test]
 fn k3s_rework_sequence() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("k3sseq");
     let default = Backend::start("default", addr(20, 1, 0));
     let s1 = Backend::start("s1", addr(20, 2, 0));
@@ -165,11 +162,8 @@ fn k3s_rework_sequence() {
 }
 
 /// k3s 10240: every health check fails but the servers still accept.
-#[test]
+#[privileged_test]
 fn k3s_10240_all_checks_failing_still_connects() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("k10240");
     let s1 = Backend::start("s1", addr(21, 1, 0));
     let s2 = Backend::start("s2", addr(21, 2, 0));
@@ -194,11 +188,8 @@ fn k3s_10240_all_checks_failing_still_connects() {
 
 /// k3s 9882 / 7193: a removed server never gets another connection, and its
 /// VIP connections are closed.
-#[test]
+#[privileged_test]
 fn k3s_9882_removed_server_loses_everything() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("k9882");
     let s1 = Backend::start("s1", addr(22, 1, 0));
     let s2 = Backend::start("s2", addr(22, 2, 0));
@@ -236,11 +227,8 @@ fn k3s_9882_removed_server_loses_everything() {
 
 /// k3s 9910 / rke2 6376: a server that still accepts TCP but fails /readyz
 /// loses new connections and its connections to a healthy peer.
-#[test]
+#[privileged_test]
 fn k3s_9910_readyz_failure_moves_traffic_and_connections() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("k9910");
     let s1 = Backend::start("s1", addr(23, 1, 0));
     let s2 = Backend::start("s2", addr(23, 2, 0));
@@ -274,11 +262,8 @@ fn k3s_9910_readyz_failure_moves_traffic_and_connections() {
 
 /// With a 60 s health interval, only the kernel's report of a failed connect
 /// can explain traffic moving at once.
-#[test]
+#[privileged_test]
 fn passive_detection_moves_traffic_without_waiting_for_a_check() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("passive");
     let s1 = Backend::start("s1", addr(24, 1, 0));
     let s2 = Backend::start("s2", addr(24, 2, 0));
@@ -325,11 +310,8 @@ fn passive_detection_moves_traffic_without_waiting_for_a_check() {
 
 /// k3s 11311: after an outage of every real server, the recovery of one
 /// moves traffic back off the default and closes the default's connections.
-#[test]
+#[privileged_test]
 fn k3s_11311_fail_back_off_the_default() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("k11311");
     let default = Backend::start("default", addr(25, 1, 0));
     let s1 = Backend::start("s1", addr(25, 2, 0));
@@ -363,11 +345,8 @@ fn k3s_11311_fail_back_off_the_default() {
 
 /// k3s 11349: servers go down and come back, alternately, for several
 /// rounds; the node recovers every time with no restart.
-#[test]
+#[privileged_test]
 fn k3s_11349_recovers_round_after_round() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("k11349");
     let mut s1 = Some(Backend::start("s1", addr(26, 1, 0)));
     let mut s2 = Some(Backend::start("s2", addr(26, 2, 0)));
@@ -410,11 +389,8 @@ fn k3s_11349_recovers_round_after_round() {
 /// server list changes and checks flap: no panic, no deadlock, no
 /// connection to a server after it left the list, every client ends with a
 /// working connection.
-#[test]
+#[privileged_test]
 fn k3s_10317_no_races_under_concurrent_connects_and_list_changes() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("k10317");
     let backends: Vec<Backend> =
         (1..=4).map(|i| Backend::start(&format!("s{i}"), addr(27, i, 0))).collect();
@@ -495,11 +471,8 @@ fn k3s_10317_no_races_under_concurrent_connects_and_list_changes() {
 
 /// A daemon restarted mid-run restores the runtime server list from its
 /// state directory.
-#[test]
+#[privileged_test]
 fn restart_restores_the_runtime_server_list() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("statefile");
     let s1 = Backend::start("s1", addr(28, 1, 0));
     let s2 = Backend::start("s2", addr(28, 2, 0));
@@ -528,11 +501,8 @@ fn restart_restores_the_runtime_server_list() {
 /// `check = "none"` there is no check to ask after the restart either: only
 /// what the kernel holds about the previous daemon's view keeps connects
 /// off server 1.
-#[test]
+#[privileged_test]
 fn restart_during_an_outage_sends_no_connect_to_the_dead_server() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("adopt");
     let hung = full_listener(addr(34, 1, 0));
     let hung_addr = hung.addr;
@@ -574,11 +544,8 @@ fn restart_during_an_outage_sends_no_connect_to_the_dead_server() {
 /// A server that accepts nothing (its accept queue is full, so SYNs are
 /// dropped): sock_ops sees the SYN go unanswered for a retransmission
 /// timeout and marks it at once, well before the application gives up.
-#[test]
+#[privileged_test]
 fn passive_detection_of_a_server_that_accepts_nothing() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("hung");
     let good = Backend::start("good", addr(29, 2, 0));
     let hung = full_listener(addr(29, 1, 0));

@@ -11,7 +11,7 @@ use std::{net::SocketAddr, time::Duration};
 
 use lb_tests::{
     Backend, Client, Connect, Daemon, Policy, ServiceBuilder, TestCgroup, addr, in_new_netns,
-    privileged, tally, wait_until,
+    privileged_test, tally, wait_until,
 };
 
 fn client(cgroup: &TestCgroup) -> Client {
@@ -33,11 +33,8 @@ fn assert_lands(answer: &Connect, backend: &Backend, vip: SocketAddr) {
     }
 }
 
-#[test]
+#[privileged_test]
 fn ipv4_vip_is_rewritten_only_for_vips_and_only_inside_the_cgroup() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("ipv4");
     let one = Backend::start("one", addr(1, 1, 0));
     let two = Backend::start("two", addr(1, 2, 0));
@@ -67,11 +64,8 @@ fn ipv4_vip_is_rewritten_only_for_vips_and_only_inside_the_cgroup() {
     assert_eq!(one.accepted(), 2, "exactly the two TCP VIP connects reached server one");
 }
 
-#[test]
+#[privileged_test]
 fn ipv6_vip_in_a_test_netns() {
-    if !privileged() {
-        return;
-    }
     in_new_netns(|| {
         let cgroup = TestCgroup::new("ipv6");
         let one = Backend::start("one6", "[::1]:0".parse().unwrap());
@@ -89,11 +83,8 @@ fn ipv6_vip_in_a_test_netns() {
     });
 }
 
-#[test]
+#[privileged_test]
 fn changing_the_selection_moves_new_connections_and_keeps_established_ones() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("reselect");
     let one = Backend::start("one", addr(3, 1, 0));
     let two = Backend::start("two", addr(3, 2, 0));
@@ -114,11 +105,8 @@ fn changing_the_selection_moves_new_connections_and_keeps_established_ones() {
     assert!(inside.alive(old.id()), "an established connection must survive a selection change");
 }
 
-#[test]
+#[privileged_test]
 fn spread_mode_uses_every_selected_server() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("spread");
     let backends: Vec<Backend> =
         (1..=3).map(|i| Backend::start(&format!("s{i}"), addr(4, i, 0))).collect();
@@ -143,11 +131,8 @@ fn spread_mode_uses_every_selected_server() {
     assert_eq!(counts.values().sum::<usize>(), 60);
 }
 
-#[test]
+#[privileged_test]
 fn sock_ops_counts_connections_and_reports_refused_connects() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("sockops");
     let one = Backend::start("one", addr(5, 1, 0));
     // Nothing listens here: connects to it are refused.
@@ -199,11 +184,8 @@ fn sock_ops_counts_connections_and_reports_refused_connects() {
     assert_eq!(daemon.connections("api", dead), 0);
 }
 
-#[test]
+#[privileged_test]
 fn the_kernel_fails_over_and_back_while_the_daemon_is_dead() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("selfheal");
     let one = Backend::start("one", addr(6, 1, 0));
     let two = Backend::start("two", addr(6, 2, 0));
@@ -231,11 +213,8 @@ fn the_kernel_fails_over_and_back_while_the_daemon_is_dead() {
     assert_lands(&inside.connect(vip), &one, vip);
 }
 
-#[test]
+#[privileged_test]
 fn sigkill_keeps_traffic_flowing_restart_adopts_and_detach_removes_everything() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("failstatic");
     let one = Backend::start("one", addr(7, 1, 0));
     let vip = addr(7, 100, 6444);
@@ -277,11 +256,8 @@ fn sigkill_keeps_traffic_flowing_restart_adopts_and_detach_removes_everything() 
     assert!(matches!(&after, Connect::Err(e) if e.contains("refused")), "after detach: {after:?}");
 }
 
-#[test]
+#[privileged_test]
 fn closing_a_server_resets_only_its_vip_connections() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("close");
     let one = Backend::start("one", addr(8, 1, 0));
     let two = Backend::start("two", addr(8, 2, 0));
@@ -320,11 +296,8 @@ fn closing_a_server_resets_only_its_vip_connections() {
     assert!(wait_until(Duration::from_secs(5), || daemon.connections("api", one.addr) == 0));
 }
 
-#[test]
+#[privileged_test]
 fn a_thousand_services_load_and_route() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("thousand");
     let backends: Vec<Backend> =
         (1..=4).map(|i| Backend::start(&format!("b{i}"), addr(9, i, 0))).collect();

@@ -33,7 +33,7 @@ use lb_tests::{
         runtime,
     },
     load::{Attempt, Outcome, sample, scrape},
-    privileged, wait_until,
+    privileged_test, wait_until,
 };
 
 fn client(cgroup: &TestCgroup) -> Client {
@@ -56,11 +56,8 @@ fn client(cgroup: &TestCgroup) -> Client {
 /// - no connect reached a new pod before the test declared it ready;
 /// - no connect that started after a drain was applied reached the
 ///   drained pod, nor any after it was gone.
-#[test]
+#[privileged_test]
 fn metallb_474_rolling_update_with_zero_failed_connects() {
-    if !privileged() {
-        return;
-    }
     use Condition::{NotReady, Ready, TerminatingNotServing, TerminatingServing};
     const NET: u8 = 140;
     let rt = runtime();
@@ -251,11 +248,8 @@ fn metallb_474_rolling_update_with_zero_failed_connects() {
 /// ready one appears, new connects go there and the connections held to
 /// the terminating ones stay open; each is closed when its endpoint
 /// leaves the list (not before).
-#[test]
+#[privileged_test]
 fn terminating_endpoints_serve_until_a_ready_one_appears_and_keep_connections_until_they_leave() {
-    if !privileged() {
-        return;
-    }
     use Condition::{Ready, TerminatingServing};
     const NET: u8 = 141;
     let rt = runtime();
@@ -357,11 +351,8 @@ fn terminating_endpoints_serve_until_a_ready_one_appears_and_keep_connections_un
 /// server of the service: the VIP itself is not reachable from the
 /// daemon, which is outside the cgroup), and an endpoint change made after
 /// the outage reaches the kernel's selection.
-#[test]
+#[privileged_test]
 fn k3s_11349_the_watch_follows_the_apiservers_after_its_own_dies() {
-    if !privileged() {
-        return;
-    }
     const NET: u8 = 142;
     let rt = runtime();
     let api = rt.block_on(FakeApiServer::start());
@@ -441,11 +432,8 @@ fn k3s_11349_the_watch_follows_the_apiservers_after_its_own_dies() {
 /// persisted list and dials it and the VIP in vain, then `reg`, which
 /// lists the new apiserver. Before, the config's servers were forgotten
 /// once a discovered list was persisted, and the node never recovered.
-#[test]
+#[privileged_test]
 fn a_node_down_while_every_apiserver_was_replaced_recovers_through_the_config_servers() {
-    if !privileged() {
-        return;
-    }
     const NET: u8 = 146;
     let rt = runtime();
     let api = rt.block_on(FakeApiServer::start());
@@ -493,11 +481,8 @@ fn a_node_down_while_every_apiserver_was_replaced_recovers_through_the_config_se
 /// (`lb_selection_changes_total`, the "selection written" log lines and
 /// `lb_discovery_updates_total{result="applied"}` each grow by one), and
 /// the connection held through it is untouched.
-#[test]
+#[privileged_test]
 fn startup_flapping_within_the_debounce_window_is_one_selection_change() {
-    if !privileged() {
-        return;
-    }
     use Condition::Ready;
     const NET: u8 = 143;
     let rt = runtime();
@@ -585,11 +570,8 @@ fn startup_flapping_within_the_debounce_window_is_one_selection_change() {
 /// SIGKILLed and started again) uses the persisted list, not the static
 /// bootstrap one: connects work right after the restart and reach the
 /// discovered servers. When the apiserver is back, discovery recovers.
-#[test]
+#[privileged_test]
 fn empty_list_keeps_the_last_servers_and_a_restart_during_an_outage_uses_the_persisted_list() {
-    if !privileged() {
-        return;
-    }
     use Condition::Ready;
     const NET: u8 = 144;
     let rt = runtime();
@@ -674,11 +656,8 @@ fn empty_list_keeps_the_last_servers_and_a_restart_during_an_outage_uses_the_per
 /// no connect after the change reaches a server that left; SERVFAIL keeps
 /// the last list (status `last_error` says so, connects still work); the
 /// first good answer clears the error.
-#[test]
+#[privileged_test]
 fn dns_records_are_followed_and_servfail_keeps_the_last_list() {
-    if !privileged() {
-        return;
-    }
     const NET: u8 = 145;
     let rt = runtime();
     let dns = rt.block_on(FakeDns::start());

@@ -22,7 +22,7 @@ use lb_tests::{
         apiserver::{Condition, FakeApiServer, Kubeconfig, endpoint, endpoint_slice},
         runtime,
     },
-    in_new_netns, privileged,
+    in_new_netns, privileged_test,
     topology::{Topology, VIP4, who},
     wait_until,
 };
@@ -73,11 +73,8 @@ fn wait_view(daemon: &Daemon, ready: &[SocketAddr], serving: &[SocketAddr], what
 /// whole update. Not one connect may fail; while a new pod was not ready,
 /// the old ready pod on its node kept getting connects (the MetalLB bug
 /// withdrew that node); the new pods get connects once ready.
-#[test]
+#[privileged_test]
 fn metallb_474_rolling_update_from_another_machine() {
-    if !privileged() {
-        return;
-    }
     in_new_netns(|| {
         use Condition::{NotReady, Ready, TerminatingNotServing, TerminatingServing};
         let net = Topology::new();

@@ -16,7 +16,7 @@ use std::{
 use lb_tests::{
     Backend, Client, Daemon, ServiceBuilder, TestCgroup, addr,
     hardening::{SlowToOne, run_to_exit},
-    lb_bin, privileged, wait_until,
+    lb_bin, privileged_test, wait_until,
 };
 use lb_user::datapath::PinnedMaps;
 
@@ -50,7 +50,7 @@ fn maps(daemon: &Daemon) -> PinnedMaps {
 /// 100 connects in SYN_SENT by closing them. Before, each cancelled connect
 /// marked the server failed in the kernel (its next connects went
 /// elsewhere) and reported a failed connect to the daemon.
-#[test]
+#[privileged_test]
 fn a_cancelled_connect_is_no_server_failure() {
     cancelled_connects_are_no_server_failure("close", 60);
 }
@@ -58,13 +58,13 @@ fn a_cancelled_connect_is_no_server_failure() {
 /// As above, given up on by `shutdown(SHUT_RDWR)`. It went through
 /// `tcp_disconnect`, which closes the socket like a reset would, and marked
 /// the healthy server failed for the whole node.
-#[test]
+#[privileged_test]
 fn a_connect_shut_down_in_syn_sent_is_no_server_failure() {
     cancelled_connects_are_no_server_failure("shutdown", 69);
 }
 
 /// As above, given up on by `connect(AF_UNSPEC)`.
-#[test]
+#[privileged_test]
 fn a_connect_disconnected_in_syn_sent_is_no_server_failure() {
     cancelled_connects_are_no_server_failure("unspec", 70);
 }
@@ -74,9 +74,6 @@ fn a_connect_disconnected_in_syn_sent_is_no_server_failure() {
 /// test's addresses `addr(test, ..)`: no failure, and a real refusal still
 /// is one.
 fn cancelled_connects_are_no_server_failure(how: &str, test: u8) {
-    if !privileged() {
-        return;
-    }
     let _quiet = quiet();
     let name = format!("cancel-{how}");
     let cgroup = TestCgroup::new(&name);
@@ -162,11 +159,8 @@ fn cancelled_connects_are_no_server_failure(how: &str, test: u8) {
 /// leave nothing in the socket table while their sockets stay open. Before,
 /// each held an entry until its close, and 65,536 of them left every later
 /// connect on the node untracked.
-#[test]
+#[privileged_test]
 fn connects_that_fail_on_the_spot_hold_no_socket_table_entry() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("failfast");
     let s1 = Backend::start("s1", addr(71, 1, 0));
     let vip = addr(71, 100, 6444);
@@ -193,11 +187,8 @@ fn connects_that_fail_on_the_spot_hold_no_socket_table_entry() {
 /// refused connect to the user's own port mark the VIP's server failed, and
 /// a connect to the user's own listener lift a real failure mark (and
 /// report a recovery).
-#[test]
+#[privileged_test]
 fn a_socket_reused_after_a_connect_that_failed_on_the_spot_is_not_the_vips() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("reuse");
     let s1 = Backend::start("s1", addr(72, 1, 0));
     let vip = addr(72, 100, 6444);
@@ -234,11 +225,8 @@ fn a_socket_reused_after_a_connect_that_failed_on_the_spot_is_not_the_vips() {
 /// no SYN sent and no sock_ops callback asked for; closed before its first
 /// write, it must still leave `SOCKETS` (it stayed there for good), and it
 /// is no failure of the server.
-#[test]
+#[privileged_test]
 fn fast_open_sockets_closed_before_a_write_leave_the_socket_table() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("tfo");
     let s1 = Backend::start("s1", addr(62, 1, 0));
     let vip = addr(62, 100, 6444);
@@ -267,11 +255,8 @@ fn fast_open_sockets_closed_before_a_write_leave_the_socket_table() {
 /// tables holding exactly the live sockets, and a held connection is still
 /// counted, still shows the VIP, and can still be closed. Before, UDP
 /// sockets stayed in the (LRU) table until evicted.
-#[test]
+#[privileged_test]
 fn released_sockets_leave_the_socket_table() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("churn");
     let s1 = Backend::start("s1", addr(61, 1, 0));
     let vip = addr(61, 100, 6444);
@@ -321,11 +306,8 @@ fn released_sockets_leave_the_socket_table() {
 /// sock_ops looks up no other connecting socket of the cgroup. An older
 /// kernel refuses the mark; then every connecting socket is looked up, as
 /// before. Tracking is the same either way.
-#[test]
+#[privileged_test]
 fn sock_ops_looks_up_only_the_sockets_connect4_marked() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("marks");
     let s1 = Backend::start("s1", addr(68, 1, 0));
     let vip = addr(68, 100, 6444);
@@ -371,11 +353,8 @@ fn sock_ops_looks_up_only_the_sockets_connect4_marked() {
 /// the failure mark of a server in no service and the count of a pair no
 /// longer configured once it has no live connection; a pair with live
 /// connections keeps its count.
-#[test]
+#[privileged_test]
 fn forget_removes_what_the_kernel_keeps_about_removed_servers() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("forget");
     let s1 = Backend::start("s1", addr(63, 1, 0));
     let s2 = Backend::start("s2", addr(63, 2, 0));
@@ -422,11 +401,8 @@ fn forget_removes_what_the_kernel_keeps_about_removed_servers() {
 /// removed with `lb servers` (the daemon calls `Datapath::forget` after
 /// every change of its server lists: `lb servers`, reloads, discovered
 /// lists).
-#[test]
+#[privileged_test]
 fn removing_a_server_forgets_its_failure_mark() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("forgetd");
     let s1 = Backend::start("s1", addr(64, 1, 0));
     let s2 = Backend::start("s2", addr(64, 2, 0));
@@ -459,11 +435,8 @@ fn removing_a_server_forgets_its_failure_mark() {
 /// One daemon per set of pins: a second daemon with its own control socket
 /// but the same pins exits, naming the first; the first keeps working.
 /// Before, the second adopted the pins and both ran.
-#[test]
+#[privileged_test]
 fn a_second_daemon_on_the_same_pins_exits_naming_the_first() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("twodaemons");
     let s1 = Backend::start("s1", addr(65, 1, 0));
     let vip = addr(65, 100, 6444);
@@ -506,11 +479,8 @@ fn a_second_daemon_on_the_same_pins_exits_naming_the_first() {
 /// pins without the layout version this lb writes (an older lb's) are
 /// refused with a message naming `lb detach`, and left working; after
 /// `lb detach` the daemon starts.
-#[test]
+#[privileged_test]
 fn pins_of_another_layout_are_refused_naming_lb_detach() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("layout");
     let s1 = Backend::start("s1", addr(66, 1, 0));
     let vip = addr(66, 100, 6444);

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use lb_tests::{
     Backend, Client, Daemon, ServiceBuilder, TestCgroup, addr, hardening::connect_from_own_netns,
-    privileged, wait_until,
+    privileged_test, wait_until,
 };
 
 const CLIENT: &str = env!("CARGO_BIN_EXE_lb-test-client");
@@ -24,11 +24,8 @@ fn client(cgroup: &TestCgroup) -> Client {
 /// the service is `host`-scoped (the default for a loopback VIP); with
 /// `scope = "all"` the same connect is rewritten. Before, it was always
 /// rewritten (to the server address, inside its own namespace).
-#[test]
+#[privileged_test]
 fn a_host_scoped_service_leaves_other_network_namespaces_alone() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("netns");
     let s1 = Backend::start("s1", addr(62, 1, 0));
     let vip = addr(62, 100, 6444);
@@ -90,11 +87,8 @@ fn a_host_scoped_service_leaves_other_network_namespaces_alone() {
 /// `lb close-connections` and when its server leaves the service. Before,
 /// SOCK_DESTROY acted only in lb's own namespace, so the pod kept its
 /// connection to a server lb had moved traffic off.
-#[test]
+#[privileged_test]
 fn pods_connections_through_a_vip_are_closed_in_their_namespaces() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("podclose");
     let s1 = Backend::start("s1", addr(73, 1, 0));
     let s2 = Backend::start("s2", addr(73, 2, 0));

@@ -9,8 +9,8 @@ use std::{
 };
 
 use lb_tests::{
-    Backend, Check, Client, Connect, Daemon, Policy, ServiceBuilder, TestCgroup, addr, privileged,
-    wait_until,
+    Backend, Check, Client, Connect, Daemon, Policy, ServiceBuilder, TestCgroup, addr,
+    privileged_test, wait_until,
 };
 
 fn client(cgroup: &TestCgroup) -> Client {
@@ -42,11 +42,8 @@ fn service_names(status: &serde_json::Value) -> Vec<&str> {
     status["services"].as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect()
 }
 
-#[test]
+#[privileged_test]
 fn reload_applies_only_the_difference_under_live_connections() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("reload");
     let one = Backend::start("one", addr(30, 1, 0));
     let two = Backend::start("two", addr(30, 2, 0));
@@ -159,11 +156,8 @@ fn reload_applies_only_the_difference_under_live_connections() {
     );
 }
 
-#[test]
+#[privileged_test]
 fn an_invalid_reload_keeps_serving_the_old_config_and_says_so() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("badreload");
     let one = Backend::start("one", addr(31, 1, 0));
     let vip = addr(31, 100, 80);
@@ -215,11 +209,8 @@ fn an_invalid_reload_keeps_serving_the_old_config_and_says_so() {
     assert!(inside.alive(open.id()));
 }
 
-#[test]
+#[privileged_test]
 fn metrics_match_what_happened() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("metrics");
     let one = Backend::start("one", addr(32, 1, 0));
     let dead = addr(32, 9, one.addr.port());
@@ -350,11 +341,8 @@ fn metrics_match_what_happened() {
     );
 }
 
-#[test]
+#[privileged_test]
 fn sigterm_leaves_the_datapath_working_unless_detach_on_exit() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("sigterm");
     let one = Backend::start("one", addr(33, 1, 0));
     let vip = addr(33, 100, 80);
@@ -391,11 +379,8 @@ fn sigterm_leaves_the_datapath_working_unless_detach_on_exit() {
 /// exits with 3 and is not started again, and when `lb detach` returns
 /// nothing rewrites connects to the VIP any more. Before, the daemon was
 /// told to shut down (exit 0) and restarted a second later.
-#[test]
+#[privileged_test]
 fn detach_is_final_under_a_restart_loop_without_cap_sys_admin() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("detach-loop");
     let one = Backend::start("one", addr(35, 1, 0));
     let vip = addr(35, 100, 80);
@@ -460,11 +445,8 @@ fn detach_is_final_under_a_restart_loop_without_cap_sys_admin() {
 /// refused by s1 (hold-down 1 ms: each tries s1 first), and s1 comes back.
 /// The restarted daemon reads those 20 events at start and acts on none: s1
 /// is not failed, no failure is counted, and connects go to s1.
-#[test]
+#[privileged_test]
 fn kernel_events_from_before_a_restart_are_history() {
-    if !privileged() {
-        return;
-    }
     let cgroup = TestCgroup::new("history");
     let s1 = Backend::start("s1", addr(36, 1, 0));
     let s2 = Backend::start("s2", addr(36, 2, 0));

@@ -20,7 +20,7 @@ use lb_tests::{
         Flood, Outcome, ProcSample, log_since, raise_nofile, sample, scrape, server_field,
         timed_status,
     },
-    privileged, wait_until,
+    privileged_test, wait_until,
 };
 use lb_user::control::{Request, Response};
 
@@ -79,11 +79,8 @@ const HELD: usize = 10_000;
 /// that closing is in progress, `lb status` answers and a second service
 /// fails over when its active server is killed. Then every one of the
 /// 10,000 is reset, which the client, the server and the metrics each see.
-#[test]
+#[privileged_test]
 fn closing_ten_thousand_connections_blocks_neither_status_nor_another_failover() {
-    if !privileged() {
-        return;
-    }
     let _heavy = one_at_a_time();
     let test_started = Instant::now();
     // This process holds the server side of every connection, the client
@@ -288,11 +285,8 @@ fn closing_ten_thousand_connections_blocks_neither_status_nor_another_failover()
 /// failed. The daemon's descriptors stay within 200 of where they were: the
 /// endpoint's connection limit works. Once the flood stops, scrapes work
 /// again.
-#[test]
+#[privileged_test]
 fn two_thousand_idle_metrics_connections_stop_neither_checks_nor_status_nor_failover() {
-    if !privileged() {
-        return;
-    }
     let _heavy = one_at_a_time();
     let test_started = Instant::now();
     const IDLE: usize = 2_000;
@@ -424,11 +418,8 @@ fn two_thousand_idle_metrics_connections_stop_neither_checks_nor_status_nor_fail
 /// slot is shared by every program that runs on its CPU (a preempted
 /// connect4, sock_ops in softirq), so plain increments could lose one; the
 /// programs add atomically.
-#[test]
+#[privileged_test]
 fn the_kernels_counts_match_what_happened_under_a_connect_storm() {
-    if !privileged() {
-        return;
-    }
     let _heavy = one_at_a_time();
     let net = 93;
     let cgroup = TestCgroup::new("counts");
@@ -482,11 +473,8 @@ fn the_kernels_counts_match_what_happened_under_a_connect_storm() {
 /// `socket_table = 64`, 80 held connections: every connect is still
 /// rewritten to the server, the ones beyond the table are counted, status
 /// and metrics say the table is full, and the log says so once.
-#[test]
+#[privileged_test]
 fn a_full_socket_table_still_balances_and_says_so() {
-    if !privileged() {
-        return;
-    }
     let _heavy = one_at_a_time();
     let net = 94;
     let cgroup = TestCgroup::new("fulltable");
@@ -547,11 +535,8 @@ fn a_full_socket_table_still_balances_and_says_so() {
 /// no connect lands on the other VIP's server. In a preallocated hash map a
 /// replaced value goes back to the CPU's free list at once, and the next
 /// write can reuse it while connect4 still reads it.
-#[test]
+#[privileged_test]
 fn a_vip_never_reads_another_vips_servers_while_both_change() {
-    if !privileged() {
-        return;
-    }
     let _heavy = one_at_a_time();
     let net = 95;
     let cgroup = TestCgroup::new("whole");

@@ -12,7 +12,7 @@ use std::{
 use lb_tests::{
     Backend, Check, Client, Daemon, Policy, ServiceBuilder, TestCgroup, addr, emulated,
     fakes::dns::{FakeDns, Mode},
-    privileged,
+    privileged_test,
     resolvers::{self, Dnsmasq, Resolver, ResolverEnv},
     wait_until,
 };
@@ -23,11 +23,8 @@ const CLIENT: &str = env!("CARGO_BIN_EXE_lb-test-client");
 /// that drops queries or answers SERVFAIL fails its checks, and the
 /// kernel's selection moves to the other, with no TCP port to probe; the
 /// server is taken back once it answers again.
-#[test]
+#[privileged_test]
 fn a_dns_service_fails_over_on_its_dns_checks() {
-    if !privileged() {
-        return;
-    }
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let (a, b) = runtime.block_on(async { (FakeDns::start().await, FakeDns::start().await) });
     let cgroup = TestCgroup::new("dnscheck");
@@ -106,9 +103,9 @@ fn lead(daemon: &Daemon) -> Option<String> {
 /// they use is killed, the DNS checks move the VIP to the other and every
 /// resolver is answered by it; their released sockets leave nothing in the
 /// kernel's UDP tables.
-#[test]
+#[privileged_test]
 fn real_resolvers_resolve_through_a_dns_vip_and_fail_over() {
-    if !privileged() || !resolvers::resolvers_present() {
+    if !resolvers::resolvers_present() {
         return;
     }
     let cgroup = TestCgroup::new("resolvers");
@@ -168,9 +165,9 @@ fn real_resolvers_resolve_through_a_dns_vip_and_fail_over() {
 /// answer comes from the VIP, and all go to one server (a socket keeps its
 /// server, here with `spread`); while the last socket lives, `lb status`
 /// shows its reverse mapping.
-#[test]
+#[privileged_test]
 fn thousands_of_unconnected_queries_from_one_socket_are_all_answered_by_the_vip() {
-    if !privileged() || !resolvers::resolvers_present() {
+    if !resolvers::resolvers_present() {
         return;
     }
     let cgroup = TestCgroup::new("sendto");
@@ -228,9 +225,9 @@ fn thousands_of_unconnected_queries_from_one_socket_are_all_answered_by_the_vip(
 /// sending one query to a VIP and closed at once, leaves no UDP entry
 /// behind and does not disturb TCP tracking: connections held through a TCP
 /// VIP meanwhile stay tracked and counted.
-#[test]
+#[privileged_test]
 fn a_million_unconnected_sockets_leave_no_entry_and_tcp_tracking_alone() {
-    if !privileged() || !resolvers::resolvers_present() {
+    if !resolvers::resolvers_present() {
         return;
     }
     // A million on the host kernel; a tenth under emulation (the VMs).

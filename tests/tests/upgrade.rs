@@ -15,7 +15,9 @@
 
 use std::{path::Path, path::PathBuf, time::Duration};
 
-use lb_tests::{Backend, Client, Daemon, ServiceBuilder, TestCgroup, addr, privileged, wait_until};
+use lb_tests::{
+    Backend, Client, Daemon, ServiceBuilder, TestCgroup, addr, privileged_test, wait_until,
+};
 use lb_user::datapath::{
     PinnedMaps, pinned_program_ids, programs_fingerprint, read_program_fingerprint,
 };
@@ -30,11 +32,8 @@ fn client(cgroup: &TestCgroup) -> Client {
 /// `hardening.rs`): the pinned fingerprint says another build's programs
 /// (the same object under a faked fingerprint). Before, adoption kept the
 /// old programs.
-#[test]
+#[privileged_test]
 fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
-    if !privileged() {
-        return;
-    }
     let (_, _, added) = upgrade_under_a_storm("upgrade", 67, None, |daemon| {
         daemon.kill();
         // What an older lb's programs would look like to this one.
@@ -51,11 +50,8 @@ fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
 /// previous programs under the storm. The previous version's pins are of
 /// layout 7; the upgrade adds the external path's traffic slots
 /// (`TRAFFIC_SLOTS`; no cgroup program is new).
-#[test]
+#[privileged_test]
 fn an_upgrade_from_the_previous_version_keeps_every_connect_rewritten() {
-    if !privileged() {
-        return;
-    }
     let Some(previous) = std::env::var_os("LB_PREVIOUS_BIN").map(PathBuf::from) else {
         eprintln!(
             "SKIPPED: no previous version of lb ($LB_PREVIOUS_BIN; `cargo xtask test` builds it)"

@@ -11,7 +11,6 @@ use std::{
 use crate::{
     in_new_netns,
     packets::{Flags, Mac, Segment, read_frame},
-    privileged,
 };
 mod program;
 
@@ -393,11 +392,9 @@ pub fn server_mac(server: SocketAddr) -> Mac {
     SERVER_MACS.iter().find(|(l, _)| *l == last).expect("a server's MAC").1
 }
 
-/// Runs `case` for IPv4 and for IPv6, each on a node of its own.
+/// Runs `case` for IPv4 and for IPv6, each on a node of its own. The
+/// caller is a `#[privileged_test]`.
 pub fn both_families(case: fn(&mut Node, &Family)) {
-    if !privileged() {
-        return;
-    }
     for family in [v4(), v6()] {
         in_new_netns(move || {
             let mut node = Node::new();

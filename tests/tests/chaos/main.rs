@@ -24,7 +24,7 @@ use lb_tests::{
     Check, Client, Daemon, Policy, ServiceBuilder, TestCgroup, addr, files_under,
     hold_backend::HoldBackend,
     load::{Attempt, Outcome, ProcSample, log_len, log_since, panics},
-    monotonic_ns, privileged, wait_until,
+    monotonic_ns, privileged_test, wait_until,
 };
 
 mod judge;
@@ -239,11 +239,8 @@ impl Servers {
     }
 }
 
-#[test]
+#[privileged_test]
 fn chaos_restarts_reloads_and_server_kills_under_200_connecting_threads() {
-    if !privileged() {
-        return;
-    }
     let test_started = Instant::now();
     let cgroup = TestCgroup::new("chaos");
     let mut servers = Servers { backends: Vec::new(), addrs: Vec::new() };

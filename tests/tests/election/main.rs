@@ -15,7 +15,7 @@ use lb_tests::{
     },
     in_new_netns,
     lan::{self, API, LEASE, Lan, Servers, services},
-    privileged, wait_until,
+    privileged_test, wait_until,
 };
 
 /// The tests time takeovers to the 2 s bound on a machine of two cores:
@@ -70,11 +70,8 @@ const TAKEOVER: Duration = Duration::from_secs(10);
 /// node answers once the lease has run out (about 1 s; the bench holds the
 /// 2 s goal); the client's neighbour entry and connects follow; the
 /// restarted node does not take the VIP back.
-#[test]
+#[privileged_test]
 fn one_node_answers_and_a_killed_holder_is_replaced() {
-    if !privileged() {
-        return;
-    }
     let _serial = one_at_a_time();
     in_new_netns(|| {
         let (mut lan, rt, api) = lan_and_api("el-kill", 3);
@@ -137,11 +134,8 @@ fn one_node_answers_and_a_killed_holder_is_replaced() {
 /// eligible, judged per endpoint). A holder stopped gracefully (SIGTERM)
 /// withdraws the VIP, then releases the lease, and another node answers at
 /// once, not when the lease would have run out (kube-vip 1786).
-#[test]
+#[privileged_test]
 fn a_stopped_holder_hands_over_at_once() {
-    if !privileged() {
-        return;
-    }
     let _serial = one_at_a_time();
     in_new_netns(|| {
         use lb_tests::fakes::apiserver::{Condition, endpoint, endpoint_slice};
@@ -194,11 +188,8 @@ fn a_stopped_holder_hands_over_at_once() {
 /// A holder whose servers all fail their checks is no longer eligible: it
 /// withdraws and releases, and a node that can serve takes the VIP. Its
 /// server back, it does not take the VIP back.
-#[test]
+#[privileged_test]
 fn a_holder_without_a_usable_server_hands_over() {
-    if !privileged() {
-        return;
-    }
     let _serial = one_at_a_time();
     in_new_netns(|| {
         let (mut lan, rt, api) = lan_and_api("el-unusable", 2);
@@ -244,11 +235,8 @@ fn a_holder_without_a_usable_server_hands_over() {
 /// its fence before its lease can run out for the others, so no two nodes
 /// ever answer at once (fencing wins over availability), and another node
 /// takes the VIP.
-#[test]
+#[privileged_test]
 fn a_holder_cut_off_from_the_api_falls_silent_before_another_answers() {
-    if !privileged() {
-        return;
-    }
     let _serial = one_at_a_time();
     in_new_netns(|| {
         let (mut lan, rt, api) = lan_and_api("el-cut", 2);
@@ -288,11 +276,8 @@ fn a_holder_cut_off_from_the_api_falls_silent_before_another_answers() {
 /// competes only once it has been eligible for a whole lease duration. Here
 /// the one eligible node's server flaps; it gives the lease up at the first
 /// failure and takes it again only after it has held steady.
-#[test]
+#[privileged_test]
 fn flapping_readiness_does_not_move_the_lease_back_and_forth() {
-    if !privileged() {
-        return;
-    }
     let _serial = one_at_a_time();
     in_new_netns(|| {
         let (mut lan, rt, api) = lan_and_api("el-flap", 2);
@@ -346,11 +331,8 @@ fn flapping_readiness_does_not_move_the_lease_back_and_forth() {
 /// service's usable servers, as its discovery does: when the apiserver
 /// the holder was using dies, its next renewal goes to the other one,
 /// and it never falls silent.
-#[test]
+#[privileged_test]
 fn leases_go_through_the_apiservers_service_and_survive_an_apiserver_death() {
-    if !privileged() {
-        return;
-    }
     let _serial = one_at_a_time();
     in_new_netns(|| {
         use lb_tests::fakes::apiserver::{Condition, endpoint, endpoint_slice};

@@ -8,7 +8,7 @@ use std::{
 };
 
 use lb_tests::{
-    Daemon, TestCgroup, in_new_netns, privileged,
+    Daemon, TestCgroup, in_new_netns, privileged_test,
     topology::{Topology, VIP4, VIP6},
 };
 
@@ -18,11 +18,8 @@ use crate::services;
 /// the server's "port unreachable", which the node translates back: the
 /// client's connected socket sees the refusal at once, as it would from the
 /// VIP itself, instead of waiting out a timeout.
-#[test]
+#[privileged_test]
 fn a_servers_port_unreachable_reaches_the_client() {
-    if !privileged() {
-        return;
-    }
     in_new_netns(|| {
         // No server runs: the servers' ports are closed.
         let net = Topology::new();
@@ -54,11 +51,8 @@ fn a_servers_port_unreachable_reaches_the_client() {
 /// lowers the path MTU to the VIP and sends them again smaller, and every
 /// byte arrives. Without the answer the transfer would stall in a black
 /// hole.
-#[test]
+#[privileged_test]
 fn a_smaller_mtu_toward_the_servers_is_learned_by_the_client() {
-    if !privileged() {
-        return;
-    }
     if !lb_tests::kernel_at_least(5, 12) {
         eprintln!("SKIPPED: the node's own \"too big\" needs Linux 5.12+ (its FIB says the MTU)");
         return;

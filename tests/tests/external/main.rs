@@ -18,7 +18,7 @@
 use std::{io::Write as _, time::Duration};
 
 use lb_tests::{
-    Daemon, TestCgroup, in_new_netns, privileged,
+    Daemon, TestCgroup, in_new_netns, privileged_test,
     topology::{Topology, VIP4, VIP6, client_neighbour, has_xdp, mac_of, who, xdp_id},
     wait_until,
 };
@@ -47,11 +47,8 @@ fn services_announced(check: &str, announce: &str) -> String {
 /// TCP and UDP, IPv4 and IPv6, from another machine's namespace to the
 /// first server of each VIP, with status and counters saying so;
 /// `lb detach` removes every XDP program lb attached.
-#[test]
+#[privileged_test]
 fn external_clients_reach_the_selected_server() {
-    if !privileged() {
-        return;
-    }
     in_new_netns(|| {
         let net = Topology::new();
         let (_s1, _s2) = (net.server("s1", "198.18.2.2:8080"), net.server("s2", "198.18.2.3:8080"));
@@ -155,11 +152,8 @@ fn external_clients_reach_the_selected_server() {
 /// dropped (counted), the daemon has the kernel resolve the next hops at
 /// its next sync, and the SYN sent again reaches the same server. The
 /// drop was the node's: it fails no server.
-#[test]
+#[privileged_test]
 fn a_flushed_neighbour_is_resolved_again() {
-    if !privileged() {
-        return;
-    }
     in_new_netns(|| {
         let net = Topology::new();
         let (_s1, _s2) = (net.server("s1", "198.18.2.2:8080"), net.server("s2", "198.18.2.3:8080"));
@@ -197,11 +191,8 @@ fn a_flushed_neighbour_is_resolved_again() {
 /// flows that ended go to new ones. 5,000 connects, one after another, each
 /// closed by the client, all answered by the one server (a plain one here:
 /// `Backend` takes milliseconds per accept).
-#[test]
+#[privileged_test]
 fn more_connects_than_nat_ports_all_land() {
-    if !privileged() {
-        return;
-    }
     in_new_netns(|| {
         let net = Topology::new();
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -272,11 +263,8 @@ fn serve_in_turn(addr: &str, stop: &std::sync::atomic::AtomicBool) -> usize {
 /// only the reset marks it); with the daemon SIGKILLed a held flow keeps
 /// working and new ones are forwarded; a restarted daemon adopts the
 /// programs and the flow lives on.
-#[test]
+#[privileged_test]
 fn external_flows_survive_failover_and_the_daemon() {
-    if !privileged() {
-        return;
-    }
     in_new_netns(|| {
         let net = Topology::new();
         let s1 = net.server("s1", "198.18.2.2:8080");
@@ -324,11 +312,8 @@ fn external_flows_survive_failover_and_the_daemon() {
 
 /// A reload that removes a service's external table detaches the programs;
 /// one that adds it back attaches them again.
-#[test]
+#[privileged_test]
 fn a_reload_attaches_and_detaches_the_external_path() {
-    if !privileged() {
-        return;
-    }
     in_new_netns(|| {
         let net = Topology::new();
         let _s1 = net.server("s1", "198.18.2.2:8080");
@@ -361,11 +346,8 @@ fn a_reload_attaches_and_detaches_the_external_path() {
 /// reloaded, a veth recreated) gets the program again at the next sync: the
 /// pin named after it is found stale (the link followed the old device),
 /// not trusted.
-#[test]
+#[privileged_test]
 fn an_interface_created_anew_gets_the_program_again() {
-    if !privileged() {
-        return;
-    }
     in_new_netns(|| {
         let net = Topology::new();
         let _s1 = net.server("s1", "198.18.2.2:8080");
@@ -402,11 +384,8 @@ fn an_interface_created_anew_gets_the_program_again() {
 /// server is usable; with every server failed it stops (a client that
 /// forgot the VIP's address cannot find it), and answers again once one is
 /// back. `lb detach` withdraws it.
-#[test]
+#[privileged_test]
 fn an_announced_vip_is_found_on_the_link_while_it_has_a_server() {
-    if !privileged() {
-        return;
-    }
     in_new_netns(|| {
         let net = Topology::on_link();
         let s1 = net.server("s1", "198.18.2.2:8080");

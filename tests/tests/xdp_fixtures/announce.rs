@@ -8,6 +8,7 @@ use std::net::IpAddr;
 use aya::maps::HashMap;
 use lb_common::{AnnounceKey, AnnounceValue, Reason, maps};
 
+use lb_tests::privileged_test;
 use lb_tests::xdp_node::*;
 
 /// The MAC the node announces the VIP with.
@@ -25,11 +26,8 @@ fn arp_request(asker: [u8; 4], target: [u8; 4]) -> Vec<u8> {
     frame
 }
 
-#[test]
+#[privileged_test]
 fn an_announced_vip_is_answered_until_its_fence() {
-    if !lb_tests::privileged() {
-        return;
-    }
     lb_tests::in_new_netns(|| {
         let mut node = Node::new();
         let f = v4();

@@ -5,6 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use lb_common::Reason;
 use lb_tests::packets::{Flags, IcmpError, Segment, read_frame, read_icmp_error};
+use lb_tests::privileged_test;
 
 use lb_tests::xdp_node::*;
 
@@ -51,7 +52,7 @@ fn quoted_endpoints(quote: &[u8]) -> (SocketAddr, SocketAddr) {
 /// client, quoting the packet as the client sent it; the server's own
 /// address is shown as the VIP, a router keeps its own. One forged on the
 /// clients' side is passed untouched.
-#[test]
+#[privileged_test]
 fn icmp_errors_about_a_flow_reach_its_client() {
     both_families(|node, f| {
         let out = forwarded(node, f, f.client, 1_000);
@@ -97,7 +98,7 @@ fn icmp_errors_about_a_flow_reach_its_client() {
 /// An ICMP error from the clients' side about a reply (a router's "too big"
 /// on the way to the client) reaches the flow's server from the node's
 /// address, quoting the reply as the server sent it.
-#[test]
+#[privileged_test]
 fn icmp_errors_about_a_reply_reach_the_server() {
     both_families(|node, f| {
         let out = forwarded(node, f, f.client, 1_000);
@@ -128,7 +129,7 @@ fn icmp_errors_about_a_reply_reach_the_server() {
 
 /// ICMP that is about no flow passes untouched: an error quoting a packet
 /// the node never forwarded, and an echo request to the VIP.
-#[test]
+#[privileged_test]
 fn icmp_about_no_flow_passes_untouched() {
     both_families(|node, f| {
         let server_side = (SRV_MAC, server_mac(f.servers[0]));

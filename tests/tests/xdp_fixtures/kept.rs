@@ -10,13 +10,14 @@ use std::{net::SocketAddr, time::Duration};
 
 use lb_common::{Endpoint, Reason, TRAFFIC_SLOT_IDLE_TICKS, Traffic, TrafficSlot, traffic_slot};
 use lb_tests::packets::{Flags, Segment, read_frame};
+use lb_tests::privileged_test;
 
 use lb_tests::xdp_node::*;
 
 /// The longest a CPU keeps a route: 10 jiffies at `HZ` 100.
 const ROUTE_KEPT_AT_MOST: Duration = Duration::from_millis(100);
 
-#[test]
+#[privileged_test]
 fn a_servers_route_is_kept_and_a_changed_neighbour_is_followed() {
     both_families(|node, f| {
         stay_on_one_cpu();
@@ -80,7 +81,7 @@ fn a_servers_route_is_kept_and_a_changed_neighbour_is_followed() {
     });
 }
 
-#[test]
+#[privileged_test]
 fn traffic_is_counted_in_the_servers_slot_or_else_in_its_entry() {
     both_families(|node, f| {
         stay_on_one_cpu();
@@ -124,7 +125,7 @@ fn traffic_is_counted_in_the_servers_slot_or_else_in_its_entry() {
     });
 }
 
-#[test]
+#[privileged_test]
 fn a_mark_made_by_a_program_stamps_its_slot_and_moves_the_servers_flows() {
     both_families(|node, f| {
         let [a, b] = f.servers;
@@ -141,7 +142,7 @@ fn a_mark_made_by_a_program_stamps_its_slot_and_moves_the_servers_flows() {
     });
 }
 
-#[test]
+#[privileged_test]
 fn a_flows_server_is_looked_up_in_failed_at_while_its_slot_is_stamped_or_unknown() {
     both_families(|node, f| {
         let [a, b] = f.servers;

@@ -29,6 +29,7 @@ use lb_common::{
     maps,
 };
 use lb_tests::packets::{Flags, Segment, read_frame};
+use lb_tests::privileged_test;
 
 mod announce;
 mod icmp;
@@ -38,7 +39,7 @@ mod too_big;
 
 use lb_tests::xdp_node::*;
 
-#[test]
+#[privileged_test]
 fn a_syn_goes_to_the_first_server_and_its_flow_stays_there() {
     both_families(|node, f| {
         let first = forwarded(node, f, f.client, 1_000);
@@ -57,7 +58,7 @@ fn a_syn_goes_to_the_first_server_and_its_flow_stays_there() {
     });
 }
 
-#[test]
+#[privileged_test]
 fn replies_go_back_to_the_client_from_the_vip_the_way_they_came() {
     both_families(|node, f| {
         let out = forwarded(node, f, f.client, 1_000);
@@ -80,7 +81,7 @@ fn replies_go_back_to_the_client_from_the_vip_the_way_they_came() {
     });
 }
 
-#[test]
+#[privileged_test]
 fn udp_both_ways_with_and_without_an_ipv4_checksum() {
     both_families(|node, f| {
         let query = Segment::udp((EXT_MAC, CLIENT_MAC), f.client, f.vip, b"query");
@@ -110,7 +111,7 @@ fn udp_both_ways_with_and_without_an_ipv4_checksum() {
     });
 }
 
-#[test]
+#[privileged_test]
 fn what_is_not_ours_passes_untouched() {
     both_families(|node, f| {
         let other_port = SocketAddr::new(f.vip.ip(), 81);
@@ -149,7 +150,7 @@ fn what_is_not_ours_passes_untouched() {
     });
 }
 
-#[test]
+#[privileged_test]
 fn a_reset_answering_the_syn_fails_the_server_and_the_next_syn_goes_elsewhere() {
     both_families(|node, f| {
         let out = forwarded(node, f, f.client, 5_000);
@@ -181,7 +182,7 @@ fn a_reset_answering_the_syn_fails_the_server_and_the_next_syn_goes_elsewhere() 
     });
 }
 
-#[test]
+#[privileged_test]
 fn a_syn_sent_again_unanswered_fails_the_server_and_moves_the_flow() {
     both_families(|node, f| {
         let first = forwarded(node, f, f.client, 5_000);
@@ -207,7 +208,7 @@ fn a_syn_sent_again_unanswered_fails_the_server_and_moves_the_flow() {
 /// A `spread` service's new flows go where its consistent-hash (Maglev)
 /// table says, by client address and port; a slot whose server has failed
 /// falls back to the choice among the others.
-#[test]
+#[privileged_test]
 fn a_spread_services_new_flows_follow_its_maglev_table() {
     both_families(|node, f| {
         node.serve_spread(f, &f.servers);
@@ -238,7 +239,7 @@ fn a_spread_services_new_flows_follow_its_maglev_table() {
     });
 }
 
-#[test]
+#[privileged_test]
 fn a_removed_server_loses_its_flows_to_the_next() {
     both_families(|node, f| {
         let first = forwarded(node, f, f.client, 1);
@@ -251,7 +252,7 @@ fn a_removed_server_loses_its_flows_to_the_next() {
     });
 }
 
-#[test]
+#[privileged_test]
 fn no_server_or_no_nat_port_refuses_the_flow() {
     both_families(|node, f| {
         node.serve(f, &[]);
@@ -289,7 +290,7 @@ fn no_server_or_no_nat_port_refuses_the_flow() {
 /// Frames a switch floods (sent to another machine's MAC, such as a dead
 /// node's) are not forwarded: only the machine they were sent to may,
 /// or two nodes would each send the server a copy.
-#[test]
+#[privileged_test]
 fn a_frame_sent_to_another_machine_is_not_forwarded() {
     both_families(|node, f| {
         const OTHER_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x99];

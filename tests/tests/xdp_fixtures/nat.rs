@@ -14,6 +14,7 @@ use lb_common::{
     },
 };
 use lb_tests::packets::{Flags, read_frame};
+use lb_tests::privileged_test;
 
 use lb_tests::xdp_node::*;
 
@@ -88,7 +89,7 @@ fn has_flow(node: &Node, key: &FlowKey) -> bool {
     flows.get(key, 0).is_ok()
 }
 
-#[test]
+#[privileged_test]
 fn the_end_of_a_flow_is_noted_in_its_nat_entry() {
     both_families(|node, f| {
         // Closed by the client first: its FIN, then the server's.
@@ -140,7 +141,7 @@ fn the_end_of_a_flow_is_noted_in_its_nat_entry() {
     });
 }
 
-#[test]
+#[privileged_test]
 fn a_new_flow_takes_the_port_of_an_ended_one_when_none_is_free() {
     both_families(|node, f| {
         // Every port toward the first server held by a flow reset just now.

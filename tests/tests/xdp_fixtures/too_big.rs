@@ -5,6 +5,7 @@
 
 use lb_common::{Reason, checksum};
 use lb_tests::packets::{Flags, read_icmp_error};
+use lb_tests::privileged_test;
 
 use lb_tests::xdp_node::*;
 
@@ -24,7 +25,7 @@ fn big_segment(f: &Family, payload: usize) -> Vec<u8> {
     segment.frame()
 }
 
-#[test]
+#[privileged_test]
 fn a_packet_too_big_for_the_route_to_its_server_is_answered() {
     both_families(|node, f| {
         sh(&["ip", "link", "set", "srv0", "mtu", &SERVERS_MTU.to_string()]);
@@ -58,7 +59,7 @@ fn a_packet_too_big_for_the_route_to_its_server_is_answered() {
 
 /// An IPv4 packet that allows fragmenting is one a router would fragment;
 /// XDP cannot, and it is not answered either.
-#[test]
+#[privileged_test]
 fn an_ipv4_packet_that_may_be_fragmented_is_dropped_unanswered() {
     both_families(|node, f| {
         if !f.vip.is_ipv4() {
