@@ -141,7 +141,7 @@ impl Daemon {
 
     /// Makes the health check tasks of service `i` match its servers.
     pub(super) fn sync_checks(&mut self, i: usize) {
-        let tx = self.tx.clone();
+        let tx = self.senders.owner.clone();
         let service = &mut self.services[i];
         let wanted: HashSet<SocketAddr> =
             service.balancer.servers().iter().map(|s| s.addr).collect();

@@ -37,7 +37,7 @@ impl Daemon {
         wanted: impl Fn(SocketAddr, SocketAddr) -> bool + Send + 'static,
         close: Close,
     ) {
-        if !self.sock_destroy {
+        if !self.kernel.sock_destroy {
             if let Close::Requested { .. } = close {
                 self.close_done(close, Err(NO_SOCK_DESTROY.to_owned()));
             }
@@ -46,8 +46,8 @@ impl Daemon {
         // Pods' connections are in their own namespaces: searched only when
         // some VIP rewrites connects there.
         let other_namespaces =
-            self.close_in_pods && self.services.iter().any(|s| s.config.scope == Scope::All);
-        self.closer.close(Job { wanted: Box::new(wanted), close, other_namespaces });
+            self.kernel.close_in_pods && self.services.iter().any(|s| s.config.scope == Scope::All);
+        self.workers.closer.close(Job { wanted: Box::new(wanted), close, other_namespaces });
     }
 
     /// Closes what one balancer step moved traffic away from
@@ -80,7 +80,7 @@ impl Daemon {
         reply: oneshot::Sender<Response>,
     ) {
         let vip = match service
-            .map(|name| self.index(name).map(|i| self.services[i].config.vip))
+            .map(|name| self.services.index(name).map(|i| self.services[i].config.vip))
             .transpose()
         {
             Ok(vip) => vip,
@@ -109,7 +109,7 @@ impl Daemon {
                 let response = match result {
                     Ok(counts) => {
                         for (&(vip, server), &n) in &counts {
-                            if let Some(&i) = self.by_vip.get(&vip) {
+                            if let Some(&i) = self.services.by_vip.get(&vip) {
                                 let service = &self.services[i].config.name;
                                 self.metrics.count_closed(service, server, CloseReason::Manual, n);
                             }

@@ -147,7 +147,7 @@ impl Daemon {
     /// Starts (or restarts) the discovery task of service `i`, if it has a
     /// source.
     pub(super) fn start_discovery(&mut self, i: usize) {
-        let kubeconfig = self.settings.kubeconfig.clone();
+        let kubeconfig = self.config.settings.kubeconfig.clone();
         let service = &mut self.services[i];
         if let Some(old) = service.discovery.take() {
             old.task.abort();
@@ -162,7 +162,7 @@ impl Daemon {
             kubeconfig,
             service.config.servers.clone(),
             usable_rx,
-            self.discovered.clone(),
+            self.senders.discovered.clone(),
         );
         info!(service = %service.config.name, source = name.name(), "following the discovery source");
         let status =
@@ -174,13 +174,13 @@ impl Daemon {
     /// checks, kept in the state file), with each endpoint's readiness;
     /// an empty list or a failed sync keeps the last list.
     pub(super) fn on_discovered(&mut self, update: discovery::Update) {
-        let Ok(i) = self.index(&update.service) else { return };
+        let Ok(i) = self.services.index(&update.service) else { return };
         let source = update.source.name();
         let name = update.service;
         let mut result = update.result;
         if let Ok(endpoints) = &mut result {
             let vip = self.services[i].config.vip;
-            let dropped = screen(endpoints, vip, |addr| self.by_vip.contains_key(&addr));
+            let dropped = screen(endpoints, vip, |addr| self.services.by_vip.contains_key(&addr));
             self.count_dropped(i, &dropped);
         }
         let result = list_to_apply(result).and_then(|list| {
@@ -244,7 +244,7 @@ impl Daemon {
         let config = &self.services[i].config;
         let (name, vip, default) = (config.name.clone(), config.vip, config.default);
         let servers: Vec<SocketAddr> = list.iter().map(|(addr, _)| *addr).collect();
-        config::validate_servers(vip, &servers, default, |addr| self.vip_owner(addr))
+        config::validate_servers(vip, &servers, default, |addr| self.services.vip_owner(addr))
             .map_err(|problems| format!("the discovered list was refused: {problems}"))?;
         if truncated > 0 {
             warn!(service = %name, truncated, "the source lists more endpoints than a service holds; the best 16 are used");
@@ -288,7 +288,7 @@ impl Daemon {
             self.forget_stale();
         }
         if save {
-            self.saver.save(self.saved.clone(), None);
+            self.workers.saver.save(self.saved.clone(), None);
         }
     }
 

@@ -76,7 +76,7 @@ impl Daemon {
         });
         for (name, (i, lease)) in wanted {
             let election = self.elections.entry(name.clone()).or_insert_with(|| {
-                let settings = &self.settings;
+                let settings = &self.config.settings;
                 Election::start(
                     name,
                     lease,
@@ -88,7 +88,7 @@ impl Daemon {
                         settle: settings.election.duration,
                     },
                     reach(&self.services, settings.kubeconfig.clone()),
-                    self.election_updates.clone(),
+                    self.senders.elections.clone(),
                 )
             });
             election.set_eligible(eligible.get(&i).copied().unwrap_or(Some("no usable server")));
@@ -131,7 +131,7 @@ impl Daemon {
         let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         Some(LeaseStatus {
             lease: lease.to_string(),
-            node: self.settings.node_name.clone(),
+            node: self.config.settings.node_name.clone(),
             role: role.to_owned(),
             why,
             holder: standing.and_then(|s| s.holder.clone()),

@@ -35,7 +35,7 @@ impl Daemon {
                 warn!(%vip, %server, "connect through the VIP got no answer yet; the kernel skips this server for its hold-down");
             }
         }
-        let Some(&i) = self.by_vip.get(&vip) else { return };
+        let Some(&i) = self.services.by_vip.get(&vip) else { return };
         if report != KernelReport::Established {
             self.metrics.count_connect_failure(&self.services[i].config.name, server);
         }
@@ -55,7 +55,7 @@ impl Daemon {
         result: Health,
         took: Duration,
     ) {
-        let Ok(i) = self.index(service) else { return };
+        let Ok(i) = self.services.index(service) else { return };
         debug!(service, %server, ?result, ?took, "health check");
         let effects = self.services[i].balancer.on_health(server, result, Instant::now());
         self.apply(i, effects);
@@ -71,7 +71,7 @@ impl Daemon {
     /// The deadlines due at `now`: each of those balancers gets its tick.
     pub(super) fn on_deadlines(&mut self, now: Instant) {
         for name in self.timers.take_due(now) {
-            let Ok(i) = self.index(&name) else { continue };
+            let Ok(i) = self.services.index(&name) else { continue };
             let effects = self.services[i].balancer.on_tick(now);
             self.apply(i, effects);
             // `apply` set the next deadline if the tick had effects; a tick

@@ -10,7 +10,8 @@
 //!   data that every room may use;
 //! - `startup`: the config to keep, the saved lists, adoption of a running
 //!   datapath, memory tuning;
-//! - `service`: one service's parts (config, balancer, tasks);
+//! - `service`: one service's parts (config, balancer, tasks), and
+//!   `service_table` every service, by name and by VIP;
 //! - `inputs`: kernel reports, health results and deadlines to balancers,
 //!   and the tick's look at the datapath;
 //! - `apply`: a balancer's effects carried out (one write per change);
@@ -46,6 +47,7 @@ mod reload;
 mod requests;
 mod saver;
 mod service;
+mod service_table;
 mod startup;
 mod tasks;
 mod timers;
@@ -98,8 +100,8 @@ pub async fn run(options: Options) -> anyhow::Result<Ended> {
         mut elections,
         mut scrapes,
     } = startup::start(options).await?;
-    let socket_path = daemon.settings.control_socket.clone();
-    let bpffs = daemon.settings.bpffs.clone();
+    let socket_path = daemon.config.settings.control_socket.clone();
+    let bpffs = daemon.config.settings.bpffs.clone();
 
     let mut terminate = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;

@@ -3,9 +3,8 @@
 //! parts it holds (`service`, `timers`, `census`, `close_worker`,
 //! `saver`, `watch`, `external_state`) and the messages (`messages`).
 
-use std::{collections::HashMap, net::SocketAddr, path::PathBuf};
+use std::{collections::HashMap, path::PathBuf};
 
-use anyhow::Context as _;
 use tokio::sync::mpsc;
 
 use super::{
@@ -14,7 +13,7 @@ use super::{
     external_state::External,
     messages::{After, Message},
     saver::Saver,
-    service::Service,
+    service_table::ServiceTable,
     timers::Timers,
     watch::TableWatch,
 };
@@ -35,27 +34,16 @@ pub struct Options {
 }
 
 /// The owner loop's state: every service, the datapath, the channels.
+/// Grouped in parts, so that what a room touches shows in which parts it
+/// names.
 pub(super) struct Daemon {
-    /// The running config's `[daemon]` settings (the services are in
-    /// `services`).
-    pub(super) settings: config::Daemon,
-    pub(super) config_path: PathBuf,
-    /// The text the running config was read from: a reload parses only
-    /// the service tables that changed since.
-    pub(super) source: config::Source,
-    pub(super) cgroup: PathBuf,
+    /// What the daemon was started with.
+    pub(super) config: RunningConfig,
     pub(super) datapath: Datapath,
-    /// In the config's order.
-    pub(super) services: Vec<Service>,
-    /// Where each service is in `services`, by name and by VIP: with
-    /// thousands of services, every lookup (a kernel report, a check
-    /// result, a request) must not walk them all.
-    pub(super) by_name: HashMap<String, usize>,
-    pub(super) by_vip: HashMap<SocketAddr, usize>,
+    pub(super) services: ServiceTable,
     pub(super) saved: SavedState,
-    pub(super) tx: mpsc::Sender<Message>,
-    /// Where discovery tasks send their lists.
-    pub(super) discovered: mpsc::Sender<discovery::Update>,
+    /// Where background work reports to.
+    pub(super) senders: Senders,
     /// Work that discovered lists call for, done once for a burst of them
     /// ([`Self::after_discovered`]).
     pub(super) after_discovery: After,
@@ -63,17 +51,10 @@ pub(super) struct Daemon {
     pub(super) timers: Timers,
     pub(super) metrics: Metrics,
     pub(super) last_reload: Option<ReloadStatus>,
-    /// Netlink SOCK_DESTROY works on this kernel (probed once at start).
-    pub(super) sock_destroy: bool,
-    /// lb may enter pods' network namespaces to close their connections
-    /// (probed once at start: CAP_SYS_ADMIN, no seccomp filter against it).
-    pub(super) close_in_pods: bool,
-    /// Counts the socket tables for status and metrics, off this loop.
-    pub(super) census: Census,
-    /// Closes VIP connections, off this loop.
-    pub(super) closer: Closer,
-    /// Writes the state file, off this loop.
-    pub(super) saver: Saver,
+    /// What this kernel and these privileges allow, probed once at start.
+    pub(super) kernel: Abilities,
+    /// The work done off this loop.
+    pub(super) workers: Workers,
     /// `CLOCK_MONOTONIC` when this daemon started: kernel events from
     /// before (left in the ring buffer by a previous daemon) are history,
     /// not news; the kernel has already acted on them.
@@ -84,24 +65,46 @@ pub(super) struct Daemon {
     pub(super) external: External,
     /// The election of each leased service, by service name.
     pub(super) elections: HashMap<String, election::Election>,
-    /// Where election tasks send their news.
-    pub(super) election_updates: mpsc::Sender<election::Update>,
 }
 
-impl Daemon {
-    pub(super) fn index(&self, name: &str) -> anyhow::Result<usize> {
-        self.by_name.get(name).copied().with_context(|| format!("no service named {name:?}"))
-    }
+/// The running config's daemon side (the services are in
+/// [`Daemon::services`]).
+pub(super) struct RunningConfig {
+    /// Its `[daemon]` settings.
+    pub(super) settings: config::Daemon,
+    pub(super) path: PathBuf,
+    /// The text it was read from: a reload parses only the service tables
+    /// that changed since.
+    pub(super) source: config::Source,
+    /// The cgroup the programs are attached to.
+    pub(super) cgroup: PathBuf,
+}
 
-    /// Rebuilds `by_name` and `by_vip` after `services` changed shape.
-    pub(super) fn reindex(&mut self) {
-        self.by_name =
-            self.services.iter().enumerate().map(|(i, s)| (s.config.name.clone(), i)).collect();
-        self.by_vip = self.services.iter().enumerate().map(|(i, s)| (s.config.vip, i)).collect();
-    }
+/// The channels background work reports to the owner loop on.
+pub(super) struct Senders {
+    /// Kernel reports, health results, finished closes.
+    pub(super) owner: mpsc::Sender<Message>,
+    /// Where discovery tasks send their lists.
+    pub(super) discovered: mpsc::Sender<discovery::Update>,
+    /// Where election tasks send their news.
+    pub(super) elections: mpsc::Sender<election::Update>,
+}
 
-    /// Names the service whose VIP `addr` is, for server-list checks.
-    pub(super) fn vip_owner(&self, addr: SocketAddr) -> Option<String> {
-        self.by_vip.get(&addr).map(|&i| format!("service {:?}", self.services[i].config.name))
-    }
+/// What this kernel and these privileges allow.
+pub(super) struct Abilities {
+    /// Netlink SOCK_DESTROY works on this kernel.
+    pub(super) sock_destroy: bool,
+    /// lb may enter pods' network namespaces to close their connections
+    /// (CAP_SYS_ADMIN, no seccomp filter against it).
+    pub(super) close_in_pods: bool,
+}
+
+/// The threads that work off the owner loop.
+pub(super) struct Workers {
+    /// Counts the socket tables for status and metrics.
+    pub(super) census: Census,
+    /// Closes VIP connections.
+    pub(super) closer: Closer,
+    /// Writes the state file.
+    pub(super) saver: Saver,
 }

@@ -37,7 +37,7 @@ impl Daemon {
             .inc();
         if let Err(e) = &result {
             error!("reload failed; still serving the previous config:\n{e:#}");
-            self.source.forget();
+            self.config.source.forget();
         }
         release_freed_memory();
         self.last_reload = Some(ReloadStatus {
@@ -57,11 +57,12 @@ impl Daemon {
         let running: Vec<&config::Service> = self.services.iter().map(|s| &s.config).collect();
         // Only the changed services' settings are kept (copied below), and
         // the source, copied here out of the parser's arena.
-        let (config, source, read) =
-            parse_config(|| self.source.reload(&self.config_path, &self.settings, &running))?;
+        let (config, source, read) = parse_config(|| {
+            self.config.source.reload(&self.config.path, &self.config.settings, &running)
+        })?;
         let source = source.clone();
         let parsed_in = started.elapsed();
-        if config.daemon != self.settings {
+        if config.daemon != self.config.settings {
             warn!("[daemon] settings changed; they take effect at the next start");
         }
         let plan = reload_plan::plan(&running, &config.services);
@@ -89,8 +90,6 @@ impl Daemon {
                     let (service, effects) = Service::new(wanted, tls, &servers, default, now);
                     self.services.push(service);
                     let i = self.services.len() - 1;
-                    self.by_name.insert(self.services[i].config.name.clone(), i);
-                    self.by_vip.insert(self.services[i].config.vip, i);
                     let deferred = self.carry_out(i, effects, Write::Later);
                     moved.extend(deferred.close);
                     if deferred.reordered {
@@ -100,7 +99,7 @@ impl Daemon {
                     self.start_discovery(i);
                 }
                 Change::Update { service: wanted, what } => {
-                    let i = self.index(&wanted.name)?;
+                    let i = self.services.index(&wanted.name)?;
                     let service = &mut self.services[i];
                     service.config = wanted.clone();
                     let mut effects = Vec::new();
@@ -137,7 +136,7 @@ impl Daemon {
         // The NAT sources of new servers go in before any selection has them.
         self.sync_external(false);
         for name in &plan.writes {
-            let i = self.index(name)?;
+            let i = self.services.index(name)?;
             match self.datapath.write(&self.services[i].entry()) {
                 Ok(()) if reordered.contains(name) => self.written(i),
                 Ok(()) => {}
@@ -162,8 +161,8 @@ impl Daemon {
             let removed: HashSet<_> = plan.removed_vips.iter().copied().collect();
             self.close(move |vip, _| removed.contains(&vip), Close::RemovedVips);
         }
-        self.settings = config.daemon;
-        self.source = source;
+        self.config.settings = config.daemon;
+        self.config.source = source;
         info!(
             services = self.services.len(),
             changed,
@@ -187,11 +186,11 @@ impl Daemon {
         if removed.is_empty() {
             return;
         }
-        let (gone, kept): (Vec<Service>, Vec<Service>) = std::mem::take(&mut self.services)
+        let (gone, kept): (Vec<Service>, Vec<Service>) = std::mem::take(&mut self.services.list)
             .into_iter()
             .partition(|s| removed.contains(s.config.name.as_str()));
-        self.services = kept;
-        self.reindex();
+        self.services.list = kept;
+        self.services.reindex();
         for service in gone {
             let name = &service.config.name;
             info!(service = %name, vip = %service.config.vip, "service removed");
@@ -210,7 +209,7 @@ impl Daemon {
             let order: HashMap<&str, usize> =
                 wanted.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
             self.services.sort_by_cached_key(|s| order.get(s.config.name.as_str()).copied());
-            self.reindex();
+            self.services.reindex();
         }
     }
 }

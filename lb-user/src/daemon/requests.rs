@@ -106,7 +106,7 @@ impl Daemon {
                 },
             });
         };
-        self.saver.save(self.saved.clone(), Some(Box::new(done)));
+        self.workers.saver.save(self.saved.clone(), Some(Box::new(done)));
     }
 
     /// `lb servers`' list, checked and applied.
@@ -116,9 +116,9 @@ impl Daemon {
         servers: &[SocketAddr],
         default: Option<SocketAddr>,
     ) -> anyhow::Result<()> {
-        let i = self.index(name)?;
+        let i = self.services.index(name)?;
         let vip = self.services[i].config.vip;
-        config::validate_servers(vip, servers, default, |addr| self.vip_owner(addr))
+        config::validate_servers(vip, servers, default, |addr| self.services.vip_owner(addr))
             .map_err(anyhow::Error::msg)?;
         let effects = self.services[i].balancer.set_servers(servers, default, Instant::now());
         self.apply(i, effects);
@@ -145,7 +145,7 @@ impl Daemon {
         server: SocketAddr,
         undo: bool,
     ) -> anyhow::Result<()> {
-        let i = self.index(name)?;
+        let i = self.services.index(name)?;
         if self.services[i].balancer.server(server).is_none() {
             bail!("{server} is not a server of {name:?}");
         }
@@ -175,18 +175,18 @@ impl Daemon {
             })
             .collect();
         let config = ConfigStatus {
-            path: self.config_path.display().to_string(),
+            path: self.config.path.display().to_string(),
             last_reload: self.last_reload.clone(),
         };
         let mut datapath = datapath_status(
             &self.datapath,
-            &self.cgroup,
-            &self.settings.bpffs,
-            self.sock_destroy,
-            self.close_in_pods,
+            &self.config.cgroup,
+            &self.config.settings.bpffs,
+            self.kernel.sock_destroy,
+            self.kernel.close_in_pods,
         );
         datapath.external = self.external_status();
-        self.census.then(move |maps, tracked| {
+        self.workers.census.then(move |maps, tracked| {
             let kernel = KernelSnapshot::of(maps);
             let services = services
                 .iter()
@@ -207,7 +207,7 @@ impl Daemon {
     /// A metrics scrape: refresh what lives in the kernel, then encode.
     pub(super) fn scrape(&mut self) -> String {
         let maps = self.datapath.maps();
-        for service in &self.services {
+        for service in self.services.iter() {
             for server in service.balancer.servers() {
                 let count = maps.connections(service.config.vip, server.addr);
                 self.metrics.set_connections(&service.config.name, server.addr, count);
@@ -219,7 +219,7 @@ impl Daemon {
             .filter_map(|i| Some((self.services[i].config.name.clone(), self.lease_status(i)?)))
             .collect();
         self.metrics.leases.set(leases);
-        let tracked = self.census.latest();
+        let tracked = self.workers.census.latest();
         self.metrics.set_tracked_sockets("tcp", tracked.tcp, tracked.tcp_capacity);
         self.metrics.set_tracked_sockets("udp", tracked.udp, tracked.udp_capacity);
         // Not a protocol: the UDP sockets with a reverse mapping.

@@ -22,9 +22,10 @@ use super::{
     close_worker::Closer,
     external_state::External,
     messages::{After, Message},
-    owner::{Daemon, Options},
+    owner::{Abilities, Daemon, Options, RunningConfig, Senders, Workers},
     saver::Saver,
     service::Service,
+    service_table::ServiceTable,
     tasks::{forward_events, forward_kernel_logs},
     timers::Timers,
     watch::TableWatch,
@@ -156,33 +157,22 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
     let census = Census::start(&settings.bpffs).context("starting the census thread")?;
     let table_watch = TableWatch::new(datapath.maps().untracked_connects());
     let mut daemon = Daemon {
-        settings,
-        config_path: options.config_path,
-        source,
-        cgroup,
+        config: RunningConfig { settings, path: options.config_path, source, cgroup },
         datapath,
-        services,
+        services: ServiceTable::new(services),
         saved,
-        tx,
+        senders: Senders { owner: tx, discovered, elections: election_updates },
         metrics: Metrics::new(),
         last_reload: None,
-        sock_destroy,
-        close_in_pods,
-        census,
-        closer,
-        saver,
+        kernel: Abilities { sock_destroy, close_in_pods },
+        workers: Workers { census, closer, saver },
         started_ns,
-        discovered,
         after_discovery: After::default(),
         timers: Timers::default(),
-        by_name: HashMap::new(),
-        by_vip: HashMap::new(),
         table_watch,
         external: External::default(),
         elections: HashMap::new(),
-        election_updates,
     };
-    daemon.reindex();
     for i in 0..daemon.services.len() {
         daemon.service_appeared(i);
         let service = &daemon.services[i];
