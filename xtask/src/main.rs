@@ -7,6 +7,7 @@ mod bench;
 mod cargo;
 mod cmd;
 mod demo;
+mod doc_paths;
 mod fuzz;
 mod previous;
 mod stages;

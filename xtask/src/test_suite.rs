@@ -7,7 +7,7 @@
 use crate::{
     cargo::{cargo, cargo_command},
     cmd::{self, is_root, lb_bin, run_cmd, workspace},
-    demo, fuzz, previous,
+    demo, doc_paths, fuzz, previous,
     stages::Stages,
     toolchain,
     vmtest::{self, KernelSpec, Release},
@@ -96,6 +96,8 @@ fn stages_in_order(stages: &mut Stages) -> anyhow::Result<()> {
 /// BPF target.
 fn style_checks() -> anyhow::Result<()> {
     toolchain::ensure_lint_tools()?;
+    println!("==> the docs name only paths that exist, and ARCHITECTURE.md every source file");
+    doc_paths::check(&workspace())?;
     println!("==> formatting (cargo fmt --all --check)");
     cargo(&["fmt", "--all", "--check"])?;
 
