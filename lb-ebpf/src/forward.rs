@@ -73,7 +73,7 @@ const SYN_RETRANSMIT_MIN_NS: u64 = 900_000_000;
 /// A client's packet goes through `known` (its flow, if it has one that
 /// keeps its server), or `choose` and `new_flow` (a new flow), then
 /// `send`, one after the other: each is a BPF function of its own (not
-/// inlined), with its own stack frame, as are `reply` and `packet::route`.
+/// inlined), with its own stack frame, as are `reply` and `route::route`.
 /// Inlined into one, or calling each other, their frames would add up
 /// past the 512 bytes a program's call chain may use. The flow's entry
 /// goes from one to the next as a pointer into the map: looked up once.

@@ -7,11 +7,11 @@
 //!   in `mod.rs`, one file per job beside it);
 //! - `datapath/` (loading, attaching, pinning, adopting and upgrading the
 //!   eBPF programs; map reads and writes), `metrics` (Prometheus), `health`
-//!   (tcp, http, https checks), `discovery/` (EndpointSlices, DNS), `routes`
+//!   (tcp, http, https and dns checks), `discovery/` (EndpointSlices, DNS), `routes`
 //!   (the kernel's route to a server, over netlink),
 //!   `status` (the status view and its table);
 //! - `balancer` (the server state machine: sans-I/O, simulated-time tests),
-//!   `cli` (the command line), `reload` (a reload's plan: pure);
+//!   `cli` (the command line), `reload_plan` (a reload's plan: pure);
 //! - `control` (the control socket protocol, client and server), `config`
 //!   (the TOML file and the one validation of server lists);
 //! - `sock_destroy` (closing VIP connections, with `netns` in pods'), `state` (server lists set at

@@ -424,7 +424,7 @@ fn k3s_11349_the_watch_follows_the_apiservers_after_its_own_dies() {
     );
 }
 
-/// Trust #23, item 5, the k3s agent's case: the lb service is the
+/// The k3s agent's case, the config's servers a last resort: the lb service is the
 /// apiservers' own, the kubeconfig points at its VIP, and the config's
 /// server is the registration address `reg` (an apiserver that stays).
 /// The discovered apiservers are persisted; the daemon dies, and while it

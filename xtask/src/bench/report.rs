@@ -1,5 +1,5 @@
 //! What the bench found, three ways: a table on stdout, a Markdown report
-//! (`target/bench/report.md`, what the README copies) and a plot of the
+//! (`target/bench/report.md`, what `docs/benchmark.md` copies) and a plot of the
 //! ratios per path and workload (`target/bench/ratios.svg`). The tables
 //! are `tables.rs`'s; the targets are PASS/MISS lines, and a miss is
 //! reported, never an error.
