@@ -352,10 +352,10 @@ pub struct Service {
     /// the cookie of the one network namespace (the daemon's) whose
     /// sockets are rewritten; others are left alone.
     pub netns_cookie: u64,
-    /// The daemon's state of each server in `servers`, in its own encoding:
-    /// written and read only by the daemon (the kernel never looks), so
-    /// that a restarted daemon starts from what the previous one knew, e.g.
-    /// which servers had failed, even after their failure marks expired.
+    /// The daemon's state of each server in `servers`, in its own encoding,
+    /// so that a restarted daemon starts from what the previous one knew,
+    /// e.g. which servers had failed, even after their failure marks
+    /// expired. The kernel reads one value of it: [`DAEMON_STATE_FAILED`].
     pub daemon_states: [u8; MAX_SERVERS],
 }
 
@@ -371,6 +371,16 @@ impl Default for Service {
         }
     }
 }
+
+/// The one daemon state (`Service::daemon_states`) the kernel reads: the
+/// daemon has confirmed the server's failure. The external path then
+/// moves even the server's established flows, which a failure mark of
+/// the kernel's own never moves.
+pub const DAEMON_STATE_FAILED: u8 = 1;
+
+/// The socket cookie of an `Event` about a flow of the external path
+/// (a socket's cookie is never 0).
+pub const EXTERNAL_FLOW_COOKIE: u64 = 0;
 
 /// `UNMARKED[UNMARKED_KERNEL]` is 1 once a connect program found that this
 /// kernel does not let it mark the sockets it tracks (before Linux 6.12), or

@@ -229,6 +229,14 @@ reasons! {
     /// this CPU's next packets to that server take the route it gave, for
     /// 10 jiffies (10-100 ms; the others are not counted apart).
     XdpFibLookup = 67 => "xdp_fib_lookup",
+    /// xdp: a client's SYN came again unanswered, but it was not one a
+    /// server must answer (flags other than SYN, a bad header length or
+    /// checksum, or data): it fails no server, and its flow stays.
+    XdpSynMalformed = 68 => "xdp_syn_malformed",
+    /// xdp: an established TCP flow's server has a failure mark; the flow
+    /// stays (only the server leaving the selection, or the daemon
+    /// confirming the failure, moves it: under NAT a moved flow is reset).
+    XdpKeptEstablished = 69 => "xdp_kept_established",
 }
 
 impl Reason {

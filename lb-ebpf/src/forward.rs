@@ -38,9 +38,9 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use lb_common::{
-    Endpoint, EventKind, Flow, FlowKey, NAT_PORT_COUNT, NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED,
-    NAT_REPLY_SYN, NatKey, NatReply, Reason, Service, TRAFFIC_SLOT_IDLE_TICKS, Traffic,
-    TrafficSlot, maglev, nat, traffic_slot,
+    DAEMON_STATE_FAILED, EXTERNAL_FLOW_COOKIE, Endpoint, EventKind, Flow, FlowKey, NAT_PORT_COUNT,
+    NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN, NatKey, NatReply, Reason, Service,
+    TRAFFIC_SLOT_IDLE_TICKS, Traffic, TrafficSlot, maglev, nat, traffic_slot,
 };
 
 use crate::{
@@ -51,10 +51,10 @@ use crate::{
         TRAFFIC_SLOTS, count_xdp,
     },
     packet,
-    report::{emit, mark_failed},
+    report::{emit, mark_failed_reporting},
     route::{self, Route},
     scratch::Packet,
-    select::{XDP, choose_server, preferred, selected, unmarked_lately, usable},
+    select::{XDP, choose_server, daemon_state, preferred, unmarked_lately, usable},
     too_big,
 };
 
@@ -98,7 +98,7 @@ pub(crate) fn forward(ctx: &XdpContext, p: &Packet) -> Option<u32> {
         count_xdp(Reason::XdpTtlExceeded);
         return Some(xdp_action::XDP_PASS);
     }
-    if let Some(flow) = known(p, service) {
+    if let Some(flow) = known(ctx, p, service) {
         count_xdp(Reason::XdpForwarded);
         return Some(send(ctx, p, flow, false));
     }
@@ -115,13 +115,13 @@ pub(crate) fn forward(ctx: &XdpContext, p: &Packet) -> Option<u32> {
 /// known and keeps its server (a flow that does not loses its reply entry,
 /// and so its NAT port).
 #[inline(never)]
-fn known(p: &Packet, service: &Service) -> Option<&'static mut Flow> {
+fn known(ctx: &XdpContext, p: &Packet, service: &Service) -> Option<&'static mut Flow> {
     // SAFETY: a map value, valid for the whole program run; this CPU alone
     // writes a flow's entry while it handles the flow's packet (a flow
     // arrives on one queue). Used in place: the flow tables' structs are
     // not copied onto the stack.
     let flow = unsafe { &mut *FLOWS.get_ptr_mut(&flow_key(p))? };
-    if keeps(service, flow, p) {
+    if keeps(ctx, service, flow, p) {
         return Some(flow);
     }
     let _ = NAT_REPLIES.remove(&reply_key(flow, p.protocol));
@@ -194,24 +194,38 @@ fn client_notes(flow: &Flow, p: &Packet) {
     }
 }
 
-/// Whether a packet of a known flow keeps going to the flow's server: the
-/// server is still selected and usable, and this is not the client's SYN
-/// sent again to a server that has not answered it (which fails it).
+/// Whether a packet of a known flow keeps going to the flow's server.
+/// It does while the server is in the selection and usable. A failure
+/// mark of the kernel's own moves the flow only if it is not an
+/// established TCP flow (under NAT the next server resets a moved one);
+/// the daemon's confirmed failure moves every flow. The client's SYN
+/// sent again to a server that has not answered it fails the server,
+/// if it is a SYN the server must answer (`packet::syn`), and moves it.
 #[inline(always)]
-fn keeps(service: &Service, flow: &Flow, p: &Packet) -> bool {
+fn keeps(ctx: &XdpContext, service: &Service, flow: &Flow, p: &Packet) -> bool {
     let server = &flow.server;
-    if !selected(service, server) || !(unmarked_lately(service, server) || usable(service, server))
-    {
+    let Some(state) = daemon_state(service, server) else {
         count_xdp(Reason::XdpFlowMoved);
         return false;
-    }
-    if !p.is_syn() || flow.syn_at_ns == 0 {
+    };
+    let confirmed = state == DAEMON_STATE_FAILED;
+    let marked = confirmed || !(unmarked_lately(service, server) || usable(service, server));
+    let syn_again = p.is_syn() && flow.syn_at_ns != 0;
+    if !marked && !syn_again {
         return true;
     }
     // SAFETY: a copy of the flags.
     let flags = unsafe { NAT_REPLIES.get(&reply_key(flow, p.protocol)) }.map_or(0, |r| r.flags);
-    if flags & NAT_REPLY_ESTABLISHED != 0 {
-        // A new connection on the same ports, after the last one.
+    let established = u32::from(p.protocol) == IPPROTO_TCP && flags & NAT_REPLY_ESTABLISHED != 0;
+    if marked {
+        if confirmed || !established {
+            count_xdp(Reason::XdpFlowMoved);
+            return false;
+        }
+        count_xdp(Reason::XdpKeptEstablished);
+    }
+    if !syn_again || established {
+        // Established: a new connection on the same ports, after the last.
         return true;
     }
     // SAFETY: plain helper call without arguments.
@@ -219,9 +233,14 @@ fn keeps(service: &Service, flow: &Flow, p: &Packet) -> bool {
     if now.wrapping_sub(flow.syn_at_ns) < SYN_RETRANSMIT_MIN_NS {
         return true;
     }
+    if !packet::syn::answerable(ctx, p) {
+        count_xdp(Reason::XdpSynMalformed);
+        return true;
+    }
     count_xdp(Reason::XdpSynRetransmitted);
-    mark_failed(&flow.server);
-    emit(0, &p.dst, &flow.server, EventKind::ConnectTimeout);
+    if mark_failed_reporting(&flow.server) {
+        emit(EXTERNAL_FLOW_COOKIE, &p.dst, &flow.server, EventKind::ConnectTimeout);
+    }
     false
 }
 
@@ -386,8 +405,9 @@ fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
             flags |= NAT_REPLY_ESTABLISHED;
         } else if refuses(ctx, &nat, p) {
             count_xdp(Reason::XdpServerReset);
-            mark_failed(&p.src);
-            emit(0, &nat.vip, &p.src, EventKind::ConnectFailed);
+            if mark_failed_reporting(&p.src) {
+                emit(EXTERNAL_FLOW_COOKIE, &nat.vip, &p.src, EventKind::ConnectFailed);
+            }
         }
     }
     if u32::from(p.protocol) == IPPROTO_TCP {

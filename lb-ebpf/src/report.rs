@@ -36,6 +36,22 @@ pub(crate) fn mark_failed(server: &Endpoint) {
     }
 }
 
+/// How long after a server's failure mark the external path tells the
+/// daemon of another: a burst of flows failing together is one report,
+/// and a flood of them cannot crowd the ring buffer.
+const REPORT_AGAIN_NS: u64 = 1_000_000_000;
+
+/// Marks `server` failed now, as [`mark_failed`]; whether the daemon
+/// should hear of it: not if it was marked less than
+/// [`REPORT_AGAIN_NS`] ago.
+#[inline(always)]
+pub(crate) fn mark_failed_reporting(server: &Endpoint) -> bool {
+    // SAFETY: a copy of a u64 value; a plain helper call.
+    let (last, now) = (unsafe { FAILED_AT.get(server) }.copied(), unsafe { bpf_ktime_get_ns() });
+    mark_failed(server);
+    last.is_none_or(|at| now.wrapping_sub(at) >= REPORT_AGAIN_NS)
+}
+
 /// The slot of `MARKED_AT` that `server`'s marks stamp.
 #[inline(always)]
 pub(crate) fn mark_slot(server: &Endpoint) -> u32 {

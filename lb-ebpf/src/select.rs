@@ -197,19 +197,19 @@ pub(crate) fn preferred(service: &Service, server: &Endpoint) -> bool {
     found
 }
 
-/// Whether `server` is still in `service`'s selection (a server the
-/// daemon removed is not, even as a last resort).
+/// The daemon's state of `server` (`Service::daemon_states`) if it is
+/// still in `service`'s selection; `None` if the daemon removed it.
 #[inline(always)]
-pub(crate) fn selected(service: &Service, server: &Endpoint) -> bool {
+pub(crate) fn daemon_state(service: &Service, server: &Endpoint) -> Option<u8> {
     for i in 0..MAX_SERVERS {
         if i as u32 >= service.count {
-            return false;
+            return None;
         }
         if service.servers[i] == *server {
-            return true;
+            return Some(service.daemon_states[i]);
         }
     }
-    false
+    None
 }
 
 /// `value`, read back from map memory, so that the verifier no longer knows

@@ -17,6 +17,7 @@ use aya_ebpf::{helpers::bpf_redirect, programs::XdpContext};
 use lb_common::{Endpoint, Reason, checksum};
 
 pub(crate) mod quote;
+pub(crate) mod syn;
 
 use crate::{
     consts::{

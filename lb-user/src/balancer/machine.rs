@@ -365,6 +365,18 @@ impl Balancer {
                     );
                 }
             }
+            KernelReport::ExternalFailure => {
+                // With checks, a check decides; without, the kernel's
+                // hold-down alone steers new flows away for a while.
+                let server = &mut self.servers[i];
+                if !self.checks.passive_only
+                    && !server.suspect
+                    && !matches!(server.state, State::Failed | State::Standby)
+                {
+                    server.suspect = true;
+                    step.effects.push(Effect::CheckNow { server: addr });
+                }
+            }
             KernelReport::ConnectFailed | KernelReport::ConnectTimeout => {
                 let why = if report == KernelReport::ConnectFailed {
                     "connects through the VIP failed (confirmed by `fall` reports in a row)"

@@ -49,7 +49,7 @@ impl State {
     pub const fn code(self) -> u8 {
         match self {
             Self::Invalid => 0,
-            Self::Failed => 1,
+            Self::Failed => lb_common::DAEMON_STATE_FAILED,
             Self::Standby => 2,
             Self::Unchecked => 3,
             Self::Recovering => 4,
@@ -62,7 +62,7 @@ impl State {
     /// The state a [`Self::code`] names, if any.
     pub const fn from_code(code: u8) -> Option<Self> {
         Some(match code {
-            1 => Self::Failed,
+            lb_common::DAEMON_STATE_FAILED => Self::Failed,
             2 => Self::Standby,
             3 => Self::Unchecked,
             4 => Self::Recovering,
@@ -129,12 +129,21 @@ pub enum KernelReport {
     ConnectFailed,
     /// The SYN went unanswered for a retransmission timeout.
     ConnectTimeout,
+    /// A flow of the external path was refused, or its client's SYN came
+    /// again unanswered. Packets from the network shape this (a client
+    /// decides when to send its SYN again): only ever grounds for a check,
+    /// never a failure by itself.
+    ExternalFailure,
 }
 
-impl From<lb_common::EventKind> for KernelReport {
-    fn from(kind: lb_common::EventKind) -> Self {
+impl KernelReport {
+    /// The report of an event of `kind` about a connection whose socket
+    /// cookie is `cookie` (`lb_common::EXTERNAL_FLOW_COOKIE` for a flow of
+    /// the external path).
+    pub fn of(kind: lb_common::EventKind, cookie: u64) -> Self {
         match kind {
             lb_common::EventKind::Established => Self::Established,
+            _ if cookie == lb_common::EXTERNAL_FLOW_COOKIE => Self::ExternalFailure,
             lb_common::EventKind::ConnectFailed => Self::ConnectFailed,
             lb_common::EventKind::ConnectTimeout => Self::ConnectTimeout,
         }

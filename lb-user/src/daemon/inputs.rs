@@ -22,8 +22,8 @@ impl Daemon {
         if event.time_ns < self.started_ns {
             return debug!(%vip, %server, kind = event.kind, "ignoring a kernel event from before this daemon started");
         }
-        let report = match EventKind::try_from(event.kind).map(KernelReport::from) {
-            Ok(report) => report,
+        let report = match EventKind::try_from(event.kind) {
+            Ok(kind) => KernelReport::of(kind, event.cookie),
             Err(e) => return warn!("ignoring a kernel event: {e}"),
         };
         match report {
@@ -33,6 +33,9 @@ impl Daemon {
             }
             KernelReport::ConnectTimeout => {
                 warn!(%vip, %server, "connect through the VIP got no answer yet; the kernel skips this server for its hold-down");
+            }
+            KernelReport::ExternalFailure => {
+                warn!(%vip, %server, "a flow from the network was refused or went unanswered; the kernel skips this server for its new flows for its hold-down, and a check decides");
             }
         }
         let Some(&i) = self.services.by_vip.get(&vip) else { return };

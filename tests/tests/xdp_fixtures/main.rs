@@ -32,6 +32,7 @@ use lb_tests::packets::{Flags, Segment, read_frame};
 use lb_tests::privileged_test;
 
 mod announce;
+mod hostile;
 mod icmp;
 mod kept;
 mod nat;

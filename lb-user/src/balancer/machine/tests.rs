@@ -608,6 +608,58 @@ fn passive_only_uses_kernel_reports_as_health() {
     assert_eq!(sim.state(a(1)), State::Preferred);
 }
 
+/// Reports from the external path are shaped by packets from the network:
+/// with checks they ask for one (which decides); without, they never fail
+/// a server, however many come (the kernel's hold-down alone steers new
+/// flows away meanwhile).
+#[test]
+fn reports_from_the_external_path_fail_no_server_by_themselves() {
+    let mut sim = Sim::failover(&[a(1), a(2)]);
+    sim.pass(a(1));
+    sim.pass(a(2));
+    assert_eq!(
+        sim.kernel(a(1), KernelReport::ExternalFailure),
+        [Effect::CheckNow { server: a(1) }]
+    );
+    for _ in 0..100 {
+        let effects = sim.kernel(a(1), KernelReport::ExternalFailure).to_vec();
+        assert!(effects.is_empty(), "already being checked: {effects:?}");
+    }
+    assert_eq!(sim.state(a(1)), State::Active);
+    sim.pass(a(1));
+    assert_eq!(sim.state(a(1)), State::Active, "the check decided: it passes");
+
+    let checks = Checks { rise: 1, fall: 1, passive_only: true };
+    let mut sim = Sim::new(Policy::Failover, checks, &[a(1), a(2)], None);
+    for _ in 0..100 {
+        let effects = sim.kernel(a(1), KernelReport::ExternalFailure).to_vec();
+        assert!(effects.is_empty(), "{effects:?}");
+    }
+    assert_eq!(sim.state(a(1)), State::Active, "check = \"none\": the network failed a server");
+    assert_eq!(sim.target(), Some(a(1)));
+}
+
+/// The external path's events carry the cookie no socket has: theirs
+/// become `ExternalFailure`, whatever the kind of failure.
+#[test]
+fn an_event_of_the_external_path_is_an_external_report() {
+    use lb_common::{EXTERNAL_FLOW_COOKIE, EventKind};
+    assert_eq!(
+        KernelReport::of(EventKind::ConnectFailed, EXTERNAL_FLOW_COOKIE),
+        KernelReport::ExternalFailure
+    );
+    assert_eq!(
+        KernelReport::of(EventKind::ConnectTimeout, EXTERNAL_FLOW_COOKIE),
+        KernelReport::ExternalFailure
+    );
+    assert_eq!(KernelReport::of(EventKind::ConnectFailed, 7), KernelReport::ConnectFailed);
+    assert_eq!(KernelReport::of(EventKind::ConnectTimeout, 7), KernelReport::ConnectTimeout);
+    assert_eq!(
+        KernelReport::of(EventKind::Established, EXTERNAL_FLOW_COOKIE),
+        KernelReport::Established
+    );
+}
+
 /// The sequence of k3s's own load balancer test (PR 11329), step by step.
 #[test]
 fn k3s_rework_sequence() {

@@ -1,0 +1,144 @@
+//! What a client's packets cannot do to other clients: fail a server with
+//! SYNs a server never answers (SYN|FIN, a bad checksum, a header length
+//! that does not fit), or move an established flow with a failure mark
+//! of the kernel's own. Only the daemon's confirmed failure, or the
+//! server leaving the selection, moves an established flow.
+
+use std::{net::SocketAddr, time::Duration};
+
+use aya::maps::HashMap;
+use lb_common::{DAEMON_STATE_FAILED, Endpoint, Reason, Service, maps};
+use lb_tests::{
+    packets::{Flags, read_frame},
+    privileged_test,
+    xdp_node::*,
+};
+
+/// Offsets in a frame of the TCP header's data offset and checksum.
+fn tcp_at(f: &Family) -> usize {
+    14 + if f.vip.is_ipv4() { 20 } else { 40 }
+}
+
+/// The client's SYNs a server drops without a word, each as sent again
+/// by a client whose first SYN (well formed) went unanswered.
+fn unanswerable(f: &Family, client: SocketAddr, seq: u32) -> Vec<(&'static str, Vec<u8>)> {
+    let syn = || from_client(f, client, Flags::SYN, seq).frame();
+    let mut syn_fin = from_client(f, client, Flags::SYN, seq);
+    syn_fin.tcp.as_mut().unwrap().flags.fin = true;
+    let mut bad_checksum = syn();
+    bad_checksum[tcp_at(f) + 16] ^= 0x5a;
+    let mut short_header = syn();
+    short_header[tcp_at(f) + 12] = 4 << 4;
+    let mut long_header = syn();
+    long_header[tcp_at(f) + 12] = 15 << 4;
+    let mut with_data = from_client(f, client, Flags::SYN, seq);
+    with_data.payload = b"GET / HTTP/1.1\r\n".to_vec();
+    vec![
+        ("SYN|FIN", syn_fin.frame()),
+        ("a bad checksum", bad_checksum),
+        ("a header shorter than 20 bytes", short_header),
+        ("a header longer than the segment", long_header),
+        ("data", with_data.frame()),
+    ]
+}
+
+#[privileged_test]
+fn a_syn_a_server_never_answers_sent_again_fails_no_server() {
+    both_families(|node, f| {
+        for n in 0..5 {
+            let client = SocketAddr::new(f.client.ip(), 41_000 + n as u16);
+            let (what, frame) = unanswerable(f, client, 5_000).swap_remove(n);
+            let first = forwarded(node, f, client, 5_000);
+            assert_eq!(first.dst, f.servers[0]);
+            node.age_syns(Duration::from_secs(1));
+            let (verdict, out) = node.run(&frame, None);
+            assert_eq!(verdict, XDP_REDIRECT, "{what}: not forwarded along its flow");
+            assert_eq!(read_frame_unchecked(&out), f.servers[0], "{what}: the flow moved");
+            assert!(!node.failed(f.servers[0]), "{what}: the server was failed");
+        }
+        assert_eq!(node.counter(Reason::XdpSynMalformed), 5);
+        assert_eq!(node.counter(Reason::XdpSynRetransmitted), 0);
+        // The same client's well-formed SYN, sent again: that one counts.
+        let client = SocketAddr::new(f.client.ip(), 41_000);
+        node.age_syns(Duration::from_secs(1));
+        assert_eq!(forwarded(node, f, client, 5_000).dst, f.servers[1]);
+        assert!(node.failed(f.servers[0]), "a well-formed SYN sent again failed nothing");
+        assert_eq!(node.counter(Reason::XdpSynRetransmitted), 1);
+    });
+}
+
+#[privileged_test]
+fn a_kernel_mark_moves_half_open_flows_but_keeps_established_ones() {
+    both_families(|node, f| {
+        let [a, b] = f.servers;
+        let established = SocketAddr::new(f.client.ip(), 42_001);
+        let half_open = SocketAddr::new(f.client.ip(), 42_002);
+        let out = forwarded(node, f, established, 1_000);
+        assert_eq!(out.dst, a);
+        let (verdict, _) = node.run(&from_server(&out, Flags::SYN_ACK).frame(), Some(node.srv0));
+        assert_eq!(verdict, XDP_REDIRECT);
+        assert_eq!(forwarded(node, f, half_open, 2_000).dst, a);
+        fail_by_a_silent_syn(node, f);
+
+        let ack = from_client(f, established, Flags::ACK, 1_001).frame();
+        assert_eq!(to(node, &ack), a, "an established flow moved on a kernel mark");
+        assert_eq!(node.counter(Reason::XdpKeptEstablished), 1);
+        let ack = from_client(f, half_open, Flags::ACK, 2_001).frame();
+        assert_eq!(to(node, &ack), b, "a half-open flow stayed on a marked server");
+        assert_eq!(node.counter(Reason::XdpFlowMoved), 1);
+    });
+}
+
+#[privileged_test]
+fn the_daemons_confirmed_failure_moves_established_flows() {
+    both_families(|node, f| {
+        let [a, b] = f.servers;
+        let out = forwarded(node, f, f.client, 1_000);
+        let (verdict, _) = node.run(&from_server(&out, Flags::SYN_ACK).frame(), Some(node.srv0));
+        assert_eq!(verdict, XDP_REDIRECT);
+        let ack = from_client(f, f.client, Flags::ACK, 1_001).frame();
+        assert_eq!(to(node, &ack), a);
+        // The daemon confirms a's failure: a stays in the selection, last.
+        let mut services: HashMap<_, Endpoint, Service> =
+            HashMap::try_from(node.ebpf.map_mut(maps::SERVICES).unwrap()).unwrap();
+        let vip = Endpoint::from(f.vip);
+        let mut service = services.get(&vip, 0).unwrap();
+        service.servers[..2].copy_from_slice(&[Endpoint::from(b), Endpoint::from(a)]);
+        service.daemon_states[1] = DAEMON_STATE_FAILED;
+        services.insert(vip, service, 0).unwrap();
+        assert_eq!(to(node, &ack), b, "a confirmed failure left the flow on its server");
+        assert_eq!(node.counter(Reason::XdpFlowMoved), 1);
+        assert_eq!(node.counter(Reason::XdpKeptEstablished), 0);
+    });
+}
+
+/// Fails the first server as a silent one is failed: another client's
+/// well-formed SYN, sent again after a second unanswered.
+fn fail_by_a_silent_syn(node: &mut Node, f: &Family) {
+    let other = SocketAddr::new(f.client.ip(), 42_999);
+    assert_eq!(forwarded(node, f, other, 9).dst, f.servers[0]);
+    node.age_syns(Duration::from_secs(1));
+    assert_eq!(forwarded(node, f, other, 9).dst, f.servers[1]);
+    assert!(node.failed(f.servers[0]));
+}
+
+/// Where a forwarded frame goes, without judging its checksums (a
+/// malformed one is forwarded as it came).
+fn read_frame_unchecked(frame: &[u8]) -> SocketAddr {
+    let ip = &frame[14..];
+    if ip[0] >> 4 == 4 {
+        let port = u16::from_be_bytes([ip[22], ip[23]]);
+        SocketAddr::from(([ip[16], ip[17], ip[18], ip[19]], port))
+    } else {
+        let addr: [u8; 16] = ip[24..40].try_into().unwrap();
+        let port = u16::from_be_bytes([ip[42], ip[43]]);
+        SocketAddr::from((addr, port))
+    }
+}
+
+/// Where `frame`, a client's packet of a flow, is forwarded to.
+fn to(node: &Node, frame: &[u8]) -> SocketAddr {
+    let (verdict, out) = node.run(frame, None);
+    assert_eq!(verdict, XDP_REDIRECT);
+    read_frame(&out).expect("the forwarded frame").dst
+}
