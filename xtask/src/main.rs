@@ -69,6 +69,9 @@ enum Task {
     /// parsing, control requests, the state file, kernel event decoding.
     /// Fails if any target finds a crash.
     Fuzz(fuzz::Args),
+    /// Check that the docs name only paths that exist and that
+    /// ARCHITECTURE.md names every source file (as `test` does first).
+    CheckDocs,
     /// (internal) The benchmark's client.
     #[command(hide = true)]
     BenchClient {
@@ -132,6 +135,7 @@ fn run(task: Task) -> anyhow::Result<()> {
             fuzz::run(&args)
         }
         Task::DemoGet { addr } => demo::get(&addr),
+        Task::CheckDocs => doc_paths::check(&cmd::workspace()),
         Task::BuildPrevious => {
             toolchain::ensure()?;
             match previous::build()? {
