@@ -72,19 +72,28 @@ pub struct Args {
     /// Always a file, even when its name is a release's.
     #[arg(long = "kernel", value_name = "FILE")]
     kernels: Vec<PathBuf>,
+    /// Run only this test binary (`xdp_fixtures`, `datapath`, ...) in the
+    /// guests; may be repeated. Default: every binary but the host-only.
+    #[arg(long = "test", value_name = "BINARY")]
+    tests: Vec<String>,
 }
 
 impl Args {
+    /// The test binaries asked for: all (but the host-only) when none was.
+    pub fn guests(&self) -> Guests {
+        if self.tests.is_empty() { Guests::All } else { Guests::Only(self.tests.clone()) }
+    }
+
     /// The kernels asked for, the releases first; every release when none
     /// was. A `--kernel` that names no file is an error here, before
     /// anything is built.
-    pub fn kernel_specs(self) -> anyhow::Result<Vec<KernelSpec>> {
-        let Self { releases, kernels } = self;
+    pub fn kernel_specs(&self) -> anyhow::Result<Vec<KernelSpec>> {
+        let Self { releases, kernels, tests: _ } = self;
         if releases.is_empty() && kernels.is_empty() {
             return Ok(Release::ALL.map(KernelSpec::Release).to_vec());
         }
-        let releases = releases.into_iter().map(KernelSpec::Release);
-        let files = kernels.into_iter().map(KernelSpec::file);
+        let releases = releases.iter().copied().map(KernelSpec::Release);
+        let files = kernels.iter().cloned().map(KernelSpec::file);
         releases.map(Ok).chain(files).collect()
     }
 }
@@ -175,7 +184,7 @@ pub fn run(
         stages.begin("VMs: virtme-ng, lb (release) and the tests built");
     }
     let vng = tools::ensure(&base)?;
-    let binaries = build(&base, guests)?;
+    let binaries = build(&base, &guests)?;
 
     let mut outcomes = Vec::new();
     let mut names = BTreeSet::new();
@@ -236,12 +245,14 @@ const HOST_ONLY: [&str; 3] = ["chaos", "stress", "discovery"];
 const TRIMMED_IN_CI: [&str; 2] = ["discovery_e2e", "election"];
 
 /// Which test binaries the guests run.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Guests {
     /// All but [`HOST_ONLY`].
     All,
     /// All but [`HOST_ONLY`] and [`TRIMMED_IN_CI`].
     Trimmed,
+    /// These binaries, and no others (`--test`).
+    Only(Vec<String>),
 }
 
 /// The client binaries the tests start inside the guest, and the variable
@@ -255,7 +266,7 @@ const CLIENTS: [(&str, &str); 1] = [("lb-test-client", "LB_TEST_CLIENT")];
 /// where the debug build is too slow for the tests' own deadlines (a
 /// daemon must answer within 60 s). The test binaries stay debug builds;
 /// they do little work of their own.
-fn build(base: &Path, guests: Guests) -> anyhow::Result<Binaries> {
+fn build(base: &Path, guests: &Guests) -> anyhow::Result<Binaries> {
     println!("==> building lb (release) and the integration tests");
     cargo(&["build", "--release", "--package", "lb-user"])?;
     let out = output_of(&mut cargo_command(&[
@@ -268,9 +279,14 @@ fn build(base: &Path, guests: Guests) -> anyhow::Result<Binaries> {
     let (mut tests, clients) = parse_artifacts(&out)?;
     tests.retain(|test| {
         let name = test.name.as_str();
-        let why = if HOST_ONLY.contains(&name) {
+        let why = if let Guests::Only(wanted) = guests {
+            if wanted.iter().any(|w| w == name) {
+                return true;
+            }
+            "was not asked for (--test)"
+        } else if HOST_ONLY.contains(&name) {
             "runs on the host kernel only (cargo xtask test runs it there)"
-        } else if guests == Guests::Trimmed && TRIMMED_IN_CI.contains(&name) {
+        } else if *guests == Guests::Trimmed && TRIMMED_IN_CI.contains(&name) {
             "runs on the host kernel only in CI (`cargo xtask vmtest` runs it in the guests)"
         } else {
             return true;
@@ -473,6 +489,23 @@ mod tests {
         let cli = crate::Cli::try_parse_from(["cargo xtask", "vmtest"].iter().chain(args))?;
         let crate::Task::Vmtest(args) = cli.command else { panic!("not the vmtest command") };
         args.kernel_specs()
+    }
+
+    #[test]
+    fn the_test_binaries_asked_for() {
+        let cli = crate::Cli::try_parse_from([
+            "cargo xtask",
+            "vmtest",
+            "--test",
+            "xdp_fixtures",
+            "--test",
+            "datapath",
+        ])
+        .unwrap();
+        let crate::Task::Vmtest(args) = cli.command else { panic!("not the vmtest command") };
+        assert!(
+            matches!(args.guests(), Guests::Only(names) if names == ["xdp_fixtures", "datapath"])
+        );
     }
 
     #[test]
