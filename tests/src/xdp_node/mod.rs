@@ -70,6 +70,28 @@ pub fn sh(args: &[&str]) {
     assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// Runs `commands` (`ip` commands without the `ip`) in one `ip -batch`.
+pub fn ip_batch(commands: &[String]) {
+    use std::io::Write as _;
+    let mut ip = Command::new("ip")
+        .args(["-batch", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("running ip");
+    ip.stdin
+        .take()
+        .expect("ip's stdin")
+        .write_all(commands.join("\n").as_bytes())
+        .expect("writing to ip");
+    let out = ip.wait_with_output().expect("waiting for ip");
+    assert!(
+        out.status.success(),
+        "ip -batch {commands:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 pub fn ifindex(name: &str) -> u32 {
     let c = std::ffi::CString::new(name).unwrap();
     // SAFETY: a valid C string.
@@ -96,45 +118,25 @@ pub struct Node {
 impl Node {
     #[expect(clippy::new_without_default, reason = "it builds a topology: not a default")]
     pub fn new() -> Self {
-        sh(&[
-            "ip",
-            "link",
-            "add",
-            "ext0",
-            "address",
-            "02:00:00:00:00:02",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "srv0",
-            "address",
-            "02:00:00:00:02:01",
-        ]);
-        for dev in ["ext0", "srv0"] {
-            sh(&["ip", "link", "set", dev, "up"]);
-        }
-        sh(&["ip", "addr", "add", "198.18.0.1/24", "dev", "ext0"]);
-        sh(&["ip", "addr", "add", "198.18.2.1/24", "dev", "srv0"]);
-        sh(&["ip", "-6", "addr", "add", "2001:2::1/64", "dev", "ext0", "nodad"]);
-        sh(&["ip", "-6", "addr", "add", "2001:2:0:2::1/64", "dev", "srv0", "nodad"]);
+        // One `ip` for the whole topology: under a guest's software
+        // emulation each process costs a good part of a second.
+        let mut commands = vec![
+            "link add ext0 address 02:00:00:00:00:02 type veth peer name srv0 address 02:00:00:00:02:01"
+                .to_owned(),
+            "link set ext0 up".to_owned(),
+            "link set srv0 up".to_owned(),
+            "addr add 198.18.0.1/24 dev ext0".to_owned(),
+            "addr add 198.18.2.1/24 dev srv0".to_owned(),
+            "addr add 2001:2::1/64 dev ext0 nodad".to_owned(),
+            "addr add 2001:2:0:2::1/64 dev srv0 nodad".to_owned(),
+        ];
         for (last, mac) in SERVER_MACS {
             let mac = mac.map(|b| format!("{b:02x}")).join(":");
             for ip in [format!("198.18.2.{last}"), format!("2001:2:0:2::{last}")] {
-                sh(&[
-                    "ip",
-                    "neigh",
-                    "replace",
-                    &ip,
-                    "lladdr",
-                    &mac,
-                    "dev",
-                    "srv0",
-                    "nud",
-                    "permanent",
-                ]);
+                commands.push(format!("neigh replace {ip} lladdr {mac} dev srv0 nud permanent"));
             }
         }
+        ip_batch(&commands);
         // The FIB answers for forwarding only where forwarding is on.
         for path in
             ["/proc/sys/net/ipv4/conf/all/forwarding", "/proc/sys/net/ipv6/conf/all/forwarding"]
