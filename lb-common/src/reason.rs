@@ -364,6 +364,8 @@ mod tests {
                 "xdp_announce_fenced",
                 "xdp_other_host",
                 "xdp_fib_lookup",
+                "xdp_syn_malformed",
+                "xdp_kept_established",
             ]
         );
     }
