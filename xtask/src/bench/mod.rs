@@ -28,7 +28,7 @@
 //! - **dns** ([`dns`]): DNS queries per second with dnsperf against one
 //!   dnsmasq server: direct, through a VIP (unconnected UDP), through a
 //!   dnsmasq forwarder; lb's program time per query.
-//! - **external** ([`external`]): the XDP program's time per packet (first
+//! - **external** ([`external_path`]): the XDP program's time per packet (first
 //!   of a flow, established, reply, not ours), under `BPF_PROG_TEST_RUN`;
 //!   connects and requests per second from a client namespace through the
 //!   node by plain routing, lb's external VIP, IPVS (NAT) and haproxy.
