@@ -81,14 +81,6 @@ pub fn pass_through(dev: &str) -> PassThrough {
         // exit
         Insn { code: 0x95, regs: 0, off: 0, imm: 0 },
     ];
-    // Before Linux 5.11 BPF memory is charged against RLIMIT_MEMLOCK, per
-    // user: the daemons under test (root, as this process) charge the same
-    // account, and the next load here fails with EPERM. aya's loader lifts
-    // the limit on that EPERM; this one lifts it first.
-    let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
-    // SAFETY: setrlimit reads the struct passed.
-    let lifted = unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) };
-    assert_eq!(lifted, 0, "lifting RLIMIT_MEMLOCK: {}", std::io::Error::last_os_error());
     let license = c"GPL";
     let load = ProgLoadAttr {
         prog_type: BPF_PROG_TYPE_XDP,
