@@ -54,7 +54,7 @@ pub struct Node {
 pub struct Lan {
     pub client: Namespace,
     pub nodes: Vec<Node>,
-    _peers: Vec<crate::pass_through::PassThrough>,
+    _peers: Vec<aya::Ebpf>,
 }
 
 impl Lan {

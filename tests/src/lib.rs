@@ -58,8 +58,6 @@ mod leak;
 pub mod load;
 mod netns;
 pub mod packets;
-#[cfg(feature = "rigs")]
-pub mod pass_through;
 pub mod resolvers;
 mod service;
 pub mod supervisor;

@@ -8,8 +8,8 @@ use std::{
     time::Duration,
 };
 
-pub use crate::pass_through::pass_through;
-use crate::{Backend, Namespace, pass_through::PassThrough, sh};
+use crate::{Backend, Namespace, sh};
+use aya::programs::{Xdp, xdp::XdpMode};
 
 pub const VIP4: &str = "198.18.1.100:80";
 pub const VIP6: &str = "[2001:2:0:1::100]:80";
@@ -20,7 +20,7 @@ pub struct Topology {
     pub client: Namespace,
     pub servers: Namespace,
     /// The pass-through programs on c0 and s0, attached while this lives.
-    _peers: Vec<PassThrough>,
+    _peers: Vec<aya::Ebpf>,
 }
 
 impl Topology {
@@ -123,6 +123,15 @@ impl Topology {
             Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
         })
     }
+}
+
+/// `lb_xdp` on its own empty maps, natively on `dev`: passes every packet,
+/// and gives the veth the NAPI that redirected packets need.
+pub fn pass_through(dev: &str) -> aya::Ebpf {
+    let mut ebpf = lb_user::datapath::xdp::load_unattached().expect("loading lb_xdp");
+    let program: &mut Xdp = ebpf.program_mut("lb_xdp").unwrap().try_into().unwrap();
+    program.attach(dev, XdpMode::Driver).unwrap_or_else(|e| panic!("attaching to {dev}: {e}"));
+    ebpf
 }
 
 /// Turns `dev`'s transmit checksum offload off (`ethtool -K dev tx off`,
