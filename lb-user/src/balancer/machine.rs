@@ -70,9 +70,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::types::{
-    Checks, CloseReason, Effect, Health, KernelReport, KernelValue, Readiness, Selection, Server,
-    State,
+use super::{
+    decide, membership,
+    types::{
+        Checks, Effect, Health, KernelReport, KernelValue, Readiness, Selection, Server, State,
+    },
 };
 use crate::config::Policy;
 
@@ -209,93 +211,17 @@ impl Balancer {
         now: Instant,
         step: &mut Step,
     ) {
-        let mut unique: Vec<SocketAddr> = Vec::with_capacity(list.len());
-        for addr in list {
-            if !unique.contains(addr) {
-                unique.push(*addr);
-            }
-        }
         let first = if self.checks.passive_only { State::Healthy } else { State::Unchecked };
-
-        // Forget removed servers (a removed default stays as standby). The
-        // list ends with at most the listed servers and the default: sized
-        // for that, as 10,000 services hold one each.
-        let mut kept = Vec::with_capacity(unique.len() + usize::from(default.is_some()));
-        for mut server in std::mem::take(&mut self.servers) {
-            let listed = unique.contains(&server.addr);
-            let is_default = Some(server.addr) == default;
-            if listed {
-                if !server.in_list {
-                    // The standby default joins the list: checked like any server.
-                    step.effects.push(Effect::StateChanged {
-                        server: server.addr,
-                        from: server.state,
-                        to: first,
-                        why: "added to the server list",
-                    });
-                    server.state = first;
-                    server.since = now;
-                    server.in_list = true;
-                }
-                server.is_default = is_default;
-                kept.push(server);
-            } else if is_default {
-                if server.in_list {
-                    step.effects.push(Effect::StateChanged {
-                        server: server.addr,
-                        from: server.state,
-                        to: State::Standby,
-                        why: "removed from the list; kept as the default",
-                    });
-                    server.state = State::Standby;
-                    server.since = now;
-                    server.in_list = false;
-                    step.demoted.push(server.addr);
-                }
-                server.is_default = true;
-                kept.push(server);
-            } else {
-                step.effects.push(Effect::StateChanged {
-                    server: server.addr,
-                    from: server.state,
-                    to: State::Invalid,
-                    why: "removed",
-                });
-                step.effects.push(Effect::CloseConnections {
-                    server: server.addr,
-                    reason: CloseReason::Removed,
-                });
-            }
-        }
-        self.servers = kept;
-        for addr in &unique {
-            if self.server(*addr).is_none() {
-                let mut server = Server::new(*addr, first, true, now);
-                server.is_default = Some(*addr) == default;
-                step.effects.push(Effect::StateChanged {
-                    server: *addr,
-                    from: State::Invalid,
-                    to: first,
-                    why: "added",
-                });
-                self.servers.push(server);
-            }
-        }
-        if let Some(addr) = default
-            && self.server(addr).is_none()
-        {
-            let mut server = Server::new(addr, State::Standby, false, now);
-            server.is_default = true;
-            step.effects.push(Effect::StateChanged {
-                server: addr,
-                from: State::Invalid,
-                to: State::Standby,
-                why: "set as the default",
-            });
-            self.servers.push(server);
-        }
-        // Configured order: the list first, the standby default last.
-        self.servers.sort_by_key(|s| (!s.in_list, unique.iter().position(|a| *a == s.addr)));
+        let servers = std::mem::take(&mut self.servers);
+        self.servers = membership::replaced(
+            servers,
+            list,
+            default,
+            first,
+            now,
+            &mut step.effects,
+            &mut step.demoted,
+        );
     }
 
     /// A health check result for `addr`.
@@ -537,30 +463,6 @@ impl Balancer {
         self.servers.iter().position(|s| s.addr == addr)
     }
 
-    /// Whether the first election must still wait for server `candidate`'s
-    /// betters: a ready listed server that ranks above it and has no
-    /// result yet (or is still rising).
-    fn first_election_pending(&self, candidate: usize, now: Instant) -> bool {
-        if self.elected_once || now.saturating_duration_since(self.created) >= FIRST_ELECTION_WAIT {
-            return false;
-        }
-        let rank = self.election_rank(candidate);
-        self.servers.iter().enumerate().any(|(i, s)| {
-            s.in_list
-                && s.readiness == Readiness::Ready
-                && matches!(s.state, State::Unchecked | State::Recovering)
-                && self.election_rank(i) > rank
-        })
-    }
-
-    /// Who wins an election among servers of the same state: after an
-    /// adoption the server the kernel used first, then the default, then
-    /// the configured order.
-    fn election_rank(&self, i: usize) -> (bool, bool, std::cmp::Reverse<usize>) {
-        let server = &self.servers[i];
-        (self.adopted_first == Some(server.addr), server.is_default, std::cmp::Reverse(i))
-    }
-
     fn transition(
         &mut self,
         i: usize,
@@ -602,18 +504,6 @@ impl Balancer {
         self.transition(i, State::Failed, why, now, &mut step.effects);
     }
 
-    /// Whether connections to `addr` have somewhere better to go: a server
-    /// in the healthy class, or a standby default whose checks pass.
-    fn has_alternative_to(&self, addr: SocketAddr) -> bool {
-        self.servers.iter().any(|s| {
-            s.addr != addr
-                && (s.in_healthy_class()
-                    || (s.state == State::Standby
-                        && s.readiness == Readiness::Ready
-                        && (s.healthy == Some(true) || self.checks.passive_only)))
-        })
-    }
-
     /// Elects, decides which connections to close and emits the selection.
     fn settle(&mut self, mut step: Step, now: Instant) -> Vec<Effect> {
         if now.saturating_duration_since(self.created) >= FIRST_ELECTION_WAIT {
@@ -636,46 +526,31 @@ impl Balancer {
         }
         if self.policy == Policy::Failover && !self.servers.iter().any(|s| s.state == State::Active)
         {
-            let best = self
-                .servers
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.in_healthy_class())
-                .max_by_key(|(i, s)| (s.state, self.election_rank(*i)))
-                .map(|(i, _)| i);
-            if let Some(i) = best
-                && !self.first_election_pending(i, now)
+            let waiting = |i| {
+                !self.elected_once
+                    && now.saturating_duration_since(self.created) < FIRST_ELECTION_WAIT
+                    && decide::first_election_pending(&self.servers, self.adopted_first, i)
+            };
+            if let Some(i) = decide::elected(&self.servers, self.adopted_first)
+                && !waiting(i)
             {
                 self.transition(i, State::Active, "elected active", now, &mut step.effects);
                 self.elected_once = true;
             }
         }
 
-        for addr in step.demoted {
-            if self.server(addr).is_some_and(|s| !s.in_healthy_class())
-                && self.has_alternative_to(addr)
-            {
-                step.effects
-                    .push(Effect::CloseConnections { server: addr, reason: CloseReason::Failed });
-            }
-        }
-        let healthy_now = self.servers.iter().any(Server::in_healthy_class);
-        if healthy_now && !step.healthy_before {
-            for s in &self.servers {
-                if matches!(s.state, State::Standby | State::Failed | State::Recovering)
-                        && !step.effects.iter().any(|e| matches!(e, Effect::CloseConnections { server, .. } if *server == s.addr))
-                    {
-                        step.effects.push(Effect::CloseConnections { server: s.addr, reason: CloseReason::FailBack });
-                    }
-            }
-        }
-
-        if let Some(until) = self.hold_writes_until {
-            let informed = self.servers.iter().all(|s| !s.in_list || s.state != State::Unchecked);
-            let closing = step.effects.iter().any(|e| matches!(e, Effect::CloseConnections { .. }));
-            if informed || closing || now >= until {
-                self.hold_writes_until = None;
-            }
+        let passive_only = self.checks.passive_only;
+        decide::closes(
+            &self.servers,
+            passive_only,
+            &step.demoted,
+            step.healthy_before,
+            &mut step.effects,
+        );
+        if let Some(until) = self.hold_writes_until
+            && decide::hold_over(&self.servers, &step.effects, until, now)
+        {
+            self.hold_writes_until = None;
         }
         let value = self.kernel_value();
         if self.hold_writes_until.is_none() && self.written.as_ref() != Some(&value) {
