@@ -84,6 +84,7 @@ pub fn check(workspace: &Path) -> anyhow::Result<()> {
     for root in SOURCE_ROOTS {
         rust_sources(workspace, Path::new(root), &mut sources)?;
     }
+    sources.sort();
     let unnamed: Vec<String> = sources.into_iter().filter(|path| !named.contains(path)).collect();
     if !unnamed.is_empty() {
         bail!(
@@ -113,7 +114,6 @@ fn rust_sources(workspace: &Path, dir: &Path, found: &mut Vec<String>) -> anyhow
             found.push(path.to_string_lossy().into_owned());
         }
     }
-    found.sort();
     Ok(())
 }
 
