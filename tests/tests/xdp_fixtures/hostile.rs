@@ -112,6 +112,44 @@ fn the_daemons_confirmed_failure_moves_established_flows() {
     });
 }
 
+/// A server that refuses a burst of flows (or a flood of forged flows it
+/// resets) is reported to the daemon once, not once a flow: the ring
+/// buffer the socket path reports through cannot be crowded from the
+/// network.
+#[privileged_test]
+fn a_burst_of_refused_flows_is_one_report() {
+    both_families(|node, f| {
+        if !node.knows_ingress() {
+            eprintln!(
+                "SKIPPED: the server's own resets (they must arrive on srv0, and this kernel cannot say so)"
+            );
+            return;
+        }
+        drain_events(node);
+        let opened: Vec<_> = (0..20)
+            .map(|n| forwarded(node, f, SocketAddr::new(f.client.ip(), 43_000 + n), 1))
+            .collect();
+        for out in &opened {
+            assert_eq!(out.dst, f.servers[0]);
+            let rst = from_server(out, Flags::RST_ACK).frame();
+            assert_eq!(node.run(&rst, Some(node.srv0)).0, XDP_REDIRECT);
+        }
+        assert_eq!(node.counter(Reason::XdpServerReset), 20, "every refusal was seen");
+        assert!(node.failed(f.servers[0]));
+        assert_eq!(drain_events(node), 1, "a burst of refusals was reported more than once");
+    });
+}
+
+/// Reads every event waiting in the program's ring buffer: how many.
+fn drain_events(node: &mut Node) -> usize {
+    let mut ring = aya::maps::RingBuf::try_from(node.ebpf.map_mut(maps::EVENTS).unwrap()).unwrap();
+    let mut read = 0;
+    while ring.next().is_some() {
+        read += 1;
+    }
+    read
+}
+
 /// Fails the first server as a silent one is failed: another client's
 /// well-formed SYN, sent again after a second unanswered.
 fn fail_by_a_silent_syn(node: &mut Node, f: &Family) {
