@@ -22,15 +22,23 @@
 //!   taken; refusing the flow would cost it that second every time;
 //! - an established TCP flow (the client acknowledged the server's
 //!   answer) idle for [`ESTABLISHED_IDLE_TICKS`] (2 h);
+//! - a half-open TCP flow (a SYN never answered, or answered for a
+//!   client that never acknowledged) [`HALF_OPEN_TICKS`] (10 s) after the
+//!   client's SYN, and when no port is free otherwise after
+//!   [`HALF_OPEN_PRESSED_TICKS`] (1 s): a flood from forged addresses
+//!   holds a port a second, not a minute. The server's SYN-ACKs sent again
+//!   do not stamp it ([`stamp_reply`]): it lives from the client's SYN,
+//!   whatever the server does. A server still holding the old half-open
+//!   connection on those ports answers the new flow's SYN with an ACK that
+//!   the client resets, and takes its SYN sent again a second later, as
+//!   for TIME_WAIT below;
 //! - any other flow idle for [`IDLE_TICKS`] (30 s, conntrack's UDP
-//!   timeout): UDP, and TCP whose handshake did not complete (a SYN never
-//!   answered, or answered for a client that never acknowledged: a flood
-//!   from forged addresses holds ports 30 s, not 2 h).
+//!   timeout): UDP.
 //!
-//! The program stamps an entry on the server's packets (each reply) and
-//! on the client's FINs and resets and the packet that completes its
-//! handshake; a flow whose server sends nothing for those times is
-//! counted idle.
+//! The program stamps an entry on the server's packets (each reply, but
+//! not those of a half-open flow) and on the client's FINs and resets and
+//! the packet that completes its handshake; a flow whose server sends
+//! nothing for those times is counted idle.
 
 /// `NatReply::flags`: the client sent a FIN.
 pub const NAT_REPLY_CLIENT_FIN: u32 = 1 << 2;
@@ -72,6 +80,11 @@ pub const CLOSED_WAIT_TICKS: u32 = 64;
 pub const TIME_WAIT_TICKS: u32 = ticks(64);
 /// How long an established TCP flow may be idle before its port may go.
 pub const ESTABLISHED_IDLE_TICKS: u32 = ticks(7_200);
+/// How long after the client's SYN a half-open TCP flow keeps its port.
+pub const HALF_OPEN_TICKS: u32 = ticks(10);
+/// As [`HALF_OPEN_TICKS`], when no port is free otherwise: a client on
+/// any network acknowledges the server's answer sooner.
+pub const HALF_OPEN_PRESSED_TICKS: u32 = ticks(1);
 /// How long any other flow may be idle before its port may go.
 pub const IDLE_TICKS: u32 = ticks(30);
 
@@ -85,6 +98,18 @@ pub const fn tick(now_ns: u64) -> u32 {
 #[inline(always)]
 pub const fn stamp(flags: u32, tick: u32) -> u32 {
     (flags & ((1 << SEEN_SHIFT) - 1)) | (tick << SEEN_SHIFT)
+}
+
+/// The flags of an entry that had `before` after a server's packet made
+/// them `after`, at `tick`: stamped, unless the flow is a half-open TCP
+/// one (the client never acknowledged): a server sending its SYN-ACK
+/// again, to a forged address, must not keep the port.
+#[inline(always)]
+pub const fn stamp_reply(before: u32, after: u32, tcp: bool, tick: u32) -> u32 {
+    if tcp && after & NAT_REPLY_CLIENT_ACKED == 0 {
+        return stamp(after, before >> SEEN_SHIFT);
+    }
+    stamp(after, tick)
 }
 
 /// `flags` after a TCP packet of the flow with `fin`, `rst` or `syn`
@@ -131,6 +156,10 @@ pub const fn reusable(flags: u32, tcp: bool, now: u32, pressed: bool) -> bool {
         }
     } else if tcp && flags & NAT_REPLY_CLIENT_ACKED != 0 {
         ESTABLISHED_IDLE_TICKS
+    } else if tcp && pressed {
+        HALF_OPEN_PRESSED_TICKS
+    } else if tcp {
+        HALF_OPEN_TICKS
     } else {
         IDLE_TICKS
     };
@@ -189,16 +218,45 @@ mod tests {
     }
 
     #[test]
-    fn udp_and_unanswered_flows_go_after_30_seconds() {
+    fn udp_flows_go_after_30_seconds() {
         let udp = stamp(NAT_REPLY_ESTABLISHED, tick(0));
         assert!(!reusable(udp, false, tick(29 * SECOND), false));
+        assert!(!reusable(udp, false, tick(29 * SECOND), true));
         assert!(reusable(udp, false, tick(31 * SECOND), false));
+    }
+
+    #[test]
+    fn half_open_flows_go_after_10_seconds_or_1_when_pressed() {
         let unanswered = stamp(NAT_REPLY_SYN, tick(0));
-        assert!(reusable(unanswered, true, tick(31 * SECOND), false));
         // Answered, but the client never acknowledged (a forged address).
-        let half_open = stamp(NAT_REPLY_SYN | NAT_REPLY_ESTABLISHED, tick(0));
-        assert!(!reusable(half_open, true, tick(29 * SECOND), true));
-        assert!(reusable(half_open, true, tick(31 * SECOND), false));
+        let answered = after_tcp(NAT_REPLY_SYN | NAT_REPLY_ESTABLISHED, true, true, false, false);
+        let half_open = stamp(answered, tick(0));
+        for flags in [unanswered, half_open] {
+            assert!(!reusable(flags, true, tick(SECOND / 2), true));
+            assert!(reusable(flags, true, tick(SECOND + SECOND / 10), true));
+            assert!(!reusable(flags, true, tick(9 * SECOND), false));
+            assert!(reusable(flags, true, tick(11 * SECOND), false));
+        }
+    }
+
+    #[test]
+    fn a_servers_syn_ack_sent_again_keeps_no_half_open_port() {
+        let first = stamp(NAT_REPLY_SYN, tick(0));
+        let mut flags = first;
+        // The server re-sends its SYN-ACK to a client that never answers,
+        // at 1, 3, 7, 15 and 31 s.
+        for at in [1, 3, 7, 15, 31] {
+            let after = after_tcp(flags | NAT_REPLY_ESTABLISHED, true, true, false, false);
+            flags = stamp_reply(flags, after, true, tick(at * SECOND));
+        }
+        assert!(reusable(flags, true, tick(11 * SECOND), false));
+        // Once the client acknowledges, the server's packets keep it.
+        let acked = after_tcp(flags, false, false, false, false);
+        let flags = stamp_reply(acked, acked, true, tick(40 * SECOND));
+        assert!(!reusable(flags, true, tick(3_600 * SECOND), true));
+        // UDP replies always stamp.
+        let udp = stamp_reply(stamp(0, tick(0)), NAT_REPLY_ESTABLISHED, false, tick(20 * SECOND));
+        assert!(!reusable(udp, false, tick(40 * SECOND), false));
     }
 
     #[test]
@@ -212,7 +270,7 @@ mod tests {
         );
         let again = after_tcp(closed, true, true, false, false);
         assert_eq!(again & NAT_REPLY_ENDED, 0);
-        assert!(!reusable(stamp(again, tick(SECOND)), true, tick(2 * SECOND), true));
+        assert!(!reusable(stamp(again, tick(SECOND)), true, tick(SECOND + SECOND / 2), true));
     }
 
     proptest! {

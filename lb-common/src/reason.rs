@@ -237,6 +237,22 @@ reasons! {
     /// stays (only the server leaving the selection, or the daemon
     /// confirming the failure, moves it: under NAT a moved flow is reset).
     XdpKeptEstablished = 69 => "xdp_kept_established",
+    /// xdp: a client's TCP packet other than a SYN, of no flow (one never
+    /// opened, or whose server left): it opens none, and is answered with
+    /// the node's reset unless it is one (`xdp_reset_sent`).
+    XdpNoFlow = 70 => "xdp_no_flow",
+    /// xdp: the node answered a client's TCP packet with a reset from the
+    /// VIP, as a host answers a segment of no connection.
+    XdpResetSent = 71 => "xdp_reset_sent",
+    /// xdp: a packet from a server's address to a NAT port arrived on an
+    /// interface other than the one the flow's packets to that server
+    /// leave by: not the server's (forged, or the route changed); dropped.
+    XdpReplyElsewhere = 72 => "xdp_reply_elsewhere",
+    /// xdp: a packet to an external VIP's address on a port or protocol
+    /// lb does not serve there (or a fragment): never handed to the
+    /// kernel, which does not own the address; TCP is answered with the
+    /// node's reset (`xdp_reset_sent`), anything else dropped.
+    XdpUnserved = 73 => "xdp_unserved",
 }
 
 impl Reason {
@@ -366,6 +382,10 @@ mod tests {
                 "xdp_fib_lookup",
                 "xdp_syn_malformed",
                 "xdp_kept_established",
+                "xdp_no_flow",
+                "xdp_reset_sent",
+                "xdp_reply_elsewhere",
+                "xdp_unserved",
             ]
         );
     }

@@ -13,8 +13,17 @@
 //! A flow keeps its server while the server is in the selection and
 //! usable; then its next packet chooses again.
 //!
+//! Only a SYN opens a TCP flow: a client's TCP packet of no flow that is
+//! not one is answered with the node's own reset (`reset.rs`), as a host
+//! answers it, and reaches no server.
+//!
 //! A server's packet to a NAT port (`reply`) is translated back to the
-//! VIP and the client, and leaves the way the client's packets came.
+//! VIP and the client, and leaves the way the client's packets came, if
+//! it arrived on the interface the flow's packets to the server leave by
+//! (anything else claiming to be the server is dropped). The server's
+//! packets keep the flow's NAT port (`lb_common::nat`), except while the
+//! flow is half-open: a server re-sending its SYN-ACK to a forged address
+//! does not hold the port.
 //!
 //! ICMP errors about a flow, from either side, are translated as its
 //! packets are (`icmp.rs`).
@@ -23,8 +32,9 @@
 //! the client's SYN sent again while the server has not answered, marks
 //! the server failed (`FAILED_AT`), so the next choice skips it, and tells
 //! the daemon. A reset counts only if it arrives where packets to the
-//! server leave and acknowledges the SYN: a packet forged on the client's
-//! side cannot fail a server.
+//! server leave and acknowledges the SYN, and a SYN only if the server
+//! must answer it (`packet::syn`): a packet forged on the client's side
+//! cannot fail a server.
 
 #![allow(
     clippy::needless_borrows_for_generic_args,
@@ -44,7 +54,7 @@ use lb_common::{
 };
 
 use crate::{
-    consts::{IPPROTO_TCP, TCP_FIN, TCP_RST, TCP_SYN},
+    consts::{IPPROTO_TCP, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     icmp,
     maps::{
         EXTERNAL, FLOWS, MAGLEV, NAT_REPLIES, NEW_FLOW, NODE_ADDRESSES, SERVICES, TRAFFIC,
@@ -52,6 +62,7 @@ use crate::{
     },
     packet,
     report::{emit, mark_failed_reporting},
+    reset,
     route::{self, Route},
     scratch::Packet,
     select::{XDP, choose_server, daemon_state, preferred, unmarked_lately, usable},
@@ -84,7 +95,7 @@ pub(crate) fn forward(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     }
     // SAFETY: the values are only read; the daemon replaces values whole.
     if unsafe { EXTERNAL.get(&p.dst) }.is_none() {
-        return reply(ctx, p);
+        return reply(ctx, p).or_else(|| unserved(ctx, p));
     }
     if !packet::for_this_node(ctx) {
         return Some(xdp_action::XDP_PASS);
@@ -102,18 +113,62 @@ pub(crate) fn forward(ctx: &XdpContext, p: &Packet) -> Option<u32> {
         count_xdp(Reason::XdpForwarded);
         return Some(send(ctx, p, flow, false));
     }
+    // Only a SYN opens a TCP flow; anything else of no flow is answered
+    // as a host answers it.
+    if u32::from(p.protocol) == IPPROTO_TCP
+        && p.tcp_flags & (TCP_SYN | TCP_ACK | TCP_FIN | TCP_RST) != TCP_SYN
+    {
+        count_xdp(Reason::XdpNoFlow);
+        return Some(reset::answer(ctx, p));
+    }
     if !choose(p, service) {
         return Some(xdp_action::XDP_DROP);
     }
-    match new_flow(ctx, p) {
-        Some(flow) => Some(send(ctx, p, flow, true)),
-        None => Some(xdp_action::XDP_DROP),
+    let Some(flow) = new_flow(ctx, p) else { return Some(xdp_action::XDP_DROP) };
+    let verdict = send(ctx, p, flow, true);
+    if verdict != xdp_action::XDP_REDIRECT {
+        forget(p, flow);
     }
+    Some(verdict)
+}
+
+/// Removes a new flow whose first packet was not sent (no route or
+/// neighbour yet, too big): the flow's next packet opens it anew. Kept,
+/// it would not know where its server's replies arrive (`send`), and
+/// they would be dropped.
+#[inline(never)]
+fn forget(p: &Packet, flow: &Flow) {
+    let _ = NAT_REPLIES.remove(&reply_key(flow, p.protocol));
+    let _ = FLOWS.remove(&flow_key(p));
+}
+
+/// A packet to an external VIP's address that lb does not serve there
+/// (another port, another protocol, a fragment: `p` may be `Unbalanced`,
+/// its `dst` address alone its own): `None` if it is not to such an
+/// address. It is never handed to the kernel, which does not own the
+/// address and would route it back out (or ask its neighbours for it):
+/// TCP is answered with the node's reset, as a host with no listener
+/// answers; anything else is dropped (an ICMP "unreachable" would answer
+/// forged sources, and a VIP answering pings would claim a service that
+/// may have no server). Counted either way (`xdp_unserved`).
+#[inline(never)]
+pub(crate) fn unserved(ctx: &XdpContext, p: &Packet) -> Option<u32> {
+    let address = Endpoint { addr: p.dst.addr, port: 0, _pad: [0; 2] };
+    // SAFETY: the values are only read.
+    unsafe { EXTERNAL.get(&address) }?;
+    if !packet::for_this_node(ctx) {
+        return Some(xdp_action::XDP_PASS);
+    }
+    count_xdp(Reason::XdpUnserved);
+    if u32::from(p.protocol) == IPPROTO_TCP && !p.icmp_error && p.dst.port != 0 {
+        return Some(reset::answer(ctx, p));
+    }
+    Some(xdp_action::XDP_DROP)
 }
 
 /// A client's packet to an external VIP: its flow's entry, if the flow is
-/// known and keeps its server (a flow that does not loses its reply entry,
-/// and so its NAT port).
+/// known and keeps its server (a flow that does not leaves both tables,
+/// and so frees its NAT port: its next packet is of no flow).
 #[inline(never)]
 fn known(ctx: &XdpContext, p: &Packet, service: &Service) -> Option<&'static mut Flow> {
     // SAFETY: a map value, valid for the whole program run; this CPU alone
@@ -125,6 +180,7 @@ fn known(ctx: &XdpContext, p: &Packet, service: &Service) -> Option<&'static mut
         return Some(flow);
     }
     let _ = NAT_REPLIES.remove(&reply_key(flow, p.protocol));
+    let _ = FLOWS.remove(&flow_key(p));
     None
 }
 
@@ -140,7 +196,7 @@ fn send(ctx: &XdpContext, p: &Packet, flow: &mut Flow, new: bool) -> u32 {
         Route::Via(ifindex) => ifindex,
         not_sent => {
             // The client's SYN sent again is the first the server sees,
-            // not a sign that it is silent.
+            // not a sign that it is silent (a new flow is forgotten).
             flow.syn_at_ns = 0;
             if let Route::TooBig(mtu) = not_sent {
                 return too_big::answer(ctx, p, mtu as u16);
@@ -399,23 +455,30 @@ fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     // SAFETY: a map value, valid for the whole program run; copied, and
     // written back only in its flags word.
     let nat = unsafe { *entry };
+    // SAFETY: the context's fields are valid for the whole program run.
+    if unsafe { (*ctx.ctx).ingress_ifindex } != nat.server_ifindex {
+        count_xdp(Reason::XdpReplyElsewhere);
+        return Some(xdp_action::XDP_DROP);
+    }
     let mut flags = nat.flags;
     if flags & NAT_REPLY_ESTABLISHED == 0 {
         if !p.is_rst() {
             flags |= NAT_REPLY_ESTABLISHED;
-        } else if refuses(ctx, &nat, p) {
+        } else if refuses(&nat, p) {
             count_xdp(Reason::XdpServerReset);
             if mark_failed_reporting(&p.src) {
                 emit(EXTERNAL_FLOW_COOKIE, &nat.vip, &p.src, EventKind::ConnectFailed);
             }
         }
     }
-    if u32::from(p.protocol) == IPPROTO_TCP {
+    let tcp = u32::from(p.protocol) == IPPROTO_TCP;
+    if tcp {
         let (syn, fin) = (p.tcp_flags & TCP_SYN != 0, p.tcp_flags & TCP_FIN != 0);
         flags = nat::after_tcp(flags, true, syn, fin, p.is_rst());
     }
     // SAFETY: plain helper call without arguments.
-    let flags = nat::stamp(flags, nat::tick(unsafe { bpf_ktime_get_ns() }));
+    let tick = nat::tick(unsafe { bpf_ktime_get_ns() });
+    let flags = nat::stamp_reply(nat.flags, flags, tcp, tick);
     if flags != nat.flags {
         // SAFETY: as above; a stamp changes about once a millisecond.
         unsafe { (*entry).flags = flags };
@@ -431,17 +494,12 @@ fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     Some(packet::redirect(nat.client_ifindex))
 }
 
-/// Whether the reset `p` is the server refusing the flow's SYN: the flow
-/// began with a SYN, the reset acknowledges it, and it arrived where the
-/// flow's packets to the server leave.
+/// Whether the reset `p` (from where the flow's packets to the server
+/// leave: `reply` checked) is the server refusing the flow's SYN: the
+/// flow began with a SYN and the reset acknowledges it.
 #[inline(always)]
-fn refuses(ctx: &XdpContext, nat: &NatReply, p: &Packet) -> bool {
-    // SAFETY: the context's fields are valid for the whole program run.
-    let ingress = unsafe { (*ctx.ctx).ingress_ifindex };
-    nat.flags & NAT_REPLY_SYN != 0
-        && nat.server_ifindex != 0
-        && ingress == nat.server_ifindex
-        && p.tcp_ack == nat.syn_seq.wrapping_add(1)
+fn refuses(nat: &NatReply, p: &Packet) -> bool {
+    nat.flags & NAT_REPLY_SYN != 0 && p.tcp_ack == nat.syn_seq.wrapping_add(1)
 }
 
 /// The `FLOWS` key of `p`'s flow.

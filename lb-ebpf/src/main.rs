@@ -65,6 +65,7 @@ mod maps;
 mod packet;
 mod release;
 mod report;
+mod reset;
 mod route;
 mod scratch;
 mod select;
@@ -77,6 +78,7 @@ use crate::{
     consts::{ALLOW, REFUSE},
     ctx::{ctx_read, ctx_write, read_endpoint6, read_port, write_endpoint6, write_port},
     maps::{PACKET, count},
+    packet::Parsed,
     release::try_release,
     select::Refuse,
     udp::{try_sendmsg, vip_of_source},
@@ -192,8 +194,9 @@ pub fn lb_sock_ops(ctx: SockOpsContext) -> u32 {
 }
 
 /// The external path: a packet from the network to an external VIP goes to
-/// a server, a server's reply back to its client (`forward.rs`);
-/// anything else passes untouched.
+/// a server, a server's reply back to its client (`forward.rs`); one to
+/// a VIP's address that lb does not serve is answered or dropped
+/// (`forward::unserved`); anything else passes untouched.
 #[xdp]
 pub fn lb_xdp(ctx: XdpContext) -> u32 {
     let Some(slot) = PACKET.get_ptr_mut(0) else {
@@ -207,10 +210,11 @@ pub fn lb_xdp(ctx: XdpContext) -> u32 {
     if answered != announce::NOT_ASKED {
         return answered;
     }
-    if packet::parse(&ctx, p).is_none() {
-        return xdp_action::XDP_PASS;
+    match packet::parse(&ctx, p) {
+        Parsed::Packet => forward::forward(&ctx, p).unwrap_or(xdp_action::XDP_PASS),
+        Parsed::Unbalanced => forward::unserved(&ctx, p).unwrap_or(xdp_action::XDP_PASS),
+        Parsed::Other => xdp_action::XDP_PASS,
     }
-    forward::forward(&ctx, p).unwrap_or(xdp_action::XDP_PASS)
 }
 
 #[cfg(not(target_arch = "bpf"))]

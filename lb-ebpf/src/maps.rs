@@ -107,7 +107,9 @@ pub(crate) static UNMARKED: Array<u32> = Array::with_max_entries(UNMARKED_SLOTS,
 pub(crate) static MARKED_AT: Array<u64> = Array::with_max_entries(MARK_SLOTS, 0);
 
 /// External VIP → 0: the VIPs whose packets from the network `lb_xdp`
-/// forwards (their selections are in `SERVICES`). Written by the daemon.
+/// forwards (their selections are in `SERVICES`), and each of their
+/// addresses with port 0, for what arrives there that lb does not serve
+/// (`forward::unserved`). Written by the daemon.
 #[map]
 pub(crate) static EXTERNAL: HashMap<Endpoint, u32> =
     HashMap::with_max_entries(MAX_SERVICES, BPF_F_NO_PREALLOC);

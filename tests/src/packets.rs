@@ -68,6 +68,12 @@ impl Segment {
         Self { macs, src, dst, ttl: 64, tcp: None, payload: payload.to_vec() }
     }
 
+    /// The same segment, sent to `dst`.
+    pub fn to(mut self, dst: SocketAddr) -> Self {
+        self.dst = dst;
+        self
+    }
+
     /// The Ethernet frame, with correct checksums. Panics if `src` and
     /// `dst` are of different families.
     pub fn frame(&self) -> Vec<u8> {

@@ -59,28 +59,45 @@ pub(crate) fn write<T>(ctx: &XdpContext, offset: usize, value: T) -> bool {
     }
 }
 
-/// Parses the packet's headers into `packet`: `None` (counted) for
-/// anything the external path does not forward, which is then passed
-/// untouched.
+/// What `parse` made of a packet.
+pub(crate) enum Parsed {
+    /// TCP, UDP, or an ICMP error quoting one: the `Packet` says what.
+    Packet,
+    /// An IP packet the external path does not balance (another protocol,
+    /// an ICMP message that is not an error, a fragment, IPv4 options,
+    /// IPv6 extension headers): of the `Packet`, only `dst`'s address
+    /// (port 0) is its own.
+    Unbalanced,
+    /// Anything else (not IP, truncated, an ICMP error's quote lb cannot
+    /// have sent): passed untouched.
+    Other,
+}
+
+/// Parses the packet's headers into `packet` (counted when it is not one
+/// the external path forwards).
 #[inline(always)]
-pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
+pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Parsed {
     let Some(ethertype) = read::<u16>(ctx, 12) else {
         count_xdp(Reason::XdpNotIp);
-        return None;
+        return Parsed::Other;
     };
     let ethertype = u16::from_be(ethertype);
     let (ipv6, protocol, src, dst, ip_len, l4) = if ethertype == ETH_P_IP {
         let Some(header) = read::<[u8; IPV4_HLEN]>(ctx, ETH_HLEN) else {
             count_xdp(Reason::XdpTruncated);
-            return None;
+            return Parsed::Other;
         };
+        let word =
+            |i: usize| u32::from_ne_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]]);
         // Version 4, no options; not a fragment (neither MF nor an offset).
         if header[0] != 0x45 || u16::from_be_bytes([header[6], header[7]]) & 0x3fff != 0 {
             count_xdp(Reason::XdpUnparsed);
-            return None;
+            if header[0] >> 4 != 4 {
+                return Parsed::Other;
+            }
+            packet.dst = Endpoint::from_v4_raw(word(16), 0);
+            return Parsed::Unbalanced;
         }
-        let word =
-            |i: usize| u32::from_ne_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]]);
         let ip_len = u32::from(u16::from_be_bytes([header[2], header[3]]));
         (
             false,
@@ -93,7 +110,7 @@ pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
     } else if ethertype == ETH_P_IPV6 {
         let Some(header) = read::<[u32; IPV6_HLEN / 4]>(ctx, ETH_HLEN) else {
             count_xdp(Reason::XdpTruncated);
-            return None;
+            return Parsed::Other;
         };
         let bytes = header[1].to_ne_bytes();
         let ip_len = u32::from(u16::from_be_bytes([bytes[0], bytes[1]])) + IPV6_HLEN as u32;
@@ -104,7 +121,7 @@ pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
         (true, bytes[2], src, dst, ip_len, ETH_HLEN + IPV6_HLEN)
     } else {
         count_xdp(Reason::XdpNotIp);
-        return None;
+        return Parsed::Other;
     };
     *packet = Packet {
         ipv6,
@@ -120,7 +137,7 @@ pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
     if u32::from(protocol) == IPPROTO_TCP {
         let Some(tcp) = read::<[u32; TCP_HLEN / 4]>(ctx, l4) else {
             count_xdp(Reason::XdpTruncated);
-            return None;
+            return Parsed::Other;
         };
         let ports = tcp[0].to_ne_bytes();
         packet.src.port = u16::from_ne_bytes([ports[0], ports[1]]);
@@ -131,7 +148,7 @@ pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
     } else if u32::from(protocol) == IPPROTO_UDP {
         let Some(ports) = read::<[u16; 2]>(ctx, l4) else {
             count_xdp(Reason::XdpTruncated);
-            return None;
+            return Parsed::Other;
         };
         packet.src.port = ports[0];
         packet.dst.port = ports[1];
@@ -141,12 +158,12 @@ pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Option<()> {
         // Hop-by-hop, routing, fragment, ESP, AH, destination options,
         // mobility: extension headers lb does not walk.
         count_xdp(Reason::XdpUnparsed);
-        return None;
+        return Parsed::Unbalanced;
     } else {
         count_xdp(Reason::XdpOtherProtocol);
-        return None;
+        return Parsed::Unbalanced;
     }
-    Some(())
+    Parsed::Packet
 }
 
 /// Where the L4 checksum is, and whether it may be left alone (IPv4 UDP

@@ -7,7 +7,7 @@
 use aya_ebpf::programs::XdpContext;
 use lb_common::{Endpoint, Reason};
 
-use super::read;
+use super::{Parsed, read};
 use crate::{
     consts::{IPPROTO_TCP, IPPROTO_UDP, L3},
     maps::count_xdp,
@@ -37,37 +37,38 @@ fn is_error(ipv6: bool, kind: u8) -> bool {
 
 /// Parses an ICMP error's quote into `p` (the outer family and length
 /// stay): its protocol, and its source and destination as the quoted
-/// packet had them. `None` (counted) for any other ICMP message, or a
-/// quote the external path cannot have sent.
+/// packet had them. `Unbalanced` (counted) for any other ICMP message (an
+/// echo request, say; `p` is still the packet's own), `Other` for a quote
+/// the external path cannot have sent.
 #[inline(always)]
-pub(crate) fn parse(ctx: &XdpContext, p: &mut Packet) -> Option<()> {
+pub(crate) fn parse(ctx: &XdpContext, p: &mut Packet) -> Parsed {
     let at = if p.ipv6 { ICMP6 } else { ICMP4 };
     let Some(kind) = read::<u8>(ctx, at) else {
         count_xdp(Reason::XdpTruncated);
-        return None;
+        return Parsed::Other;
     };
     if !is_error(p.ipv6, kind) {
         count_xdp(Reason::XdpOtherProtocol);
-        return None;
+        return Parsed::Unbalanced;
     }
     let quoted = if p.ipv6 { quote6(ctx, p) } else { quote4(ctx, p) };
     let Some(protocol) = quoted else {
         count_xdp(Reason::XdpUnparsed);
-        return None;
+        return Parsed::Other;
     };
     if u32::from(protocol) != IPPROTO_TCP && u32::from(protocol) != IPPROTO_UDP {
         count_xdp(Reason::XdpOtherProtocol);
-        return None;
+        return Parsed::Other;
     }
     let Some(ports) = read::<[u16; 2]>(ctx, if p.ipv6 { QUOTE6_L4 } else { QUOTE4_L4 }) else {
         count_xdp(Reason::XdpTruncated);
-        return None;
+        return Parsed::Other;
     };
     p.protocol = protocol;
     p.src.port = ports[0];
     p.dst.port = ports[1];
     p.icmp_error = true;
-    Some(())
+    Parsed::Packet
 }
 
 /// The quoted IPv4 header's addresses into `p`; its protocol.

@@ -13,8 +13,8 @@ use std::{
 use anyhow::Context as _;
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap};
 use lb_common::{
-    AnnounceKey, AnnounceValue, Endpoint, Flow, FlowKey, NatKey, NatReply, Traffic, TrafficSlot,
-    maglev::Maglev, maps,
+    AnnounceKey, AnnounceValue, Endpoint, Flow, FlowKey, MAX_SERVICES, NatKey, NatReply, Traffic,
+    TrafficSlot, maglev::Maglev, maps,
 };
 
 /// Handles to the external path's pinned maps.
@@ -70,10 +70,21 @@ impl ExternalMaps {
         })
     }
 
-    /// Makes `EXTERNAL` hold exactly `vips`. Returns how many entries
-    /// changed.
+    /// Makes `EXTERNAL` hold exactly `vips`, and each of their addresses
+    /// with port 0: `lb_xdp` answers or drops what arrives for a VIP's
+    /// address that it does not serve, rather than hand it to a kernel
+    /// that does not own the address. Returns how many entries changed.
     pub fn set_vips(&mut self, vips: &HashSet<SocketAddr>) -> anyhow::Result<usize> {
-        let wanted: HashSet<Endpoint> = vips.iter().copied().map(Endpoint::from).collect();
+        let addresses = vips.iter().map(|vip| SocketAddr::new(vip.ip(), 0));
+        let wanted: HashSet<Endpoint> =
+            vips.iter().copied().chain(addresses).map(Endpoint::from).collect();
+        if wanted.len() > MAX_SERVICES as usize {
+            anyhow::bail!(
+                "{} external VIPs and their {} addresses are more than EXTERNAL holds ({MAX_SERVICES})",
+                vips.len(),
+                wanted.len() - vips.len()
+            );
+        }
         let present: HashSet<Endpoint> = self.vips.keys().filter_map(Result::ok).collect();
         let mut changed = 0;
         for vip in wanted.difference(&present) {

@@ -29,6 +29,9 @@ pub const XDP_PASS: u32 = 2;
 pub const XDP_TX: u32 = 3;
 pub const XDP_REDIRECT: u32 = 4;
 
+/// Loopback's interface index, in every network namespace.
+pub const LOOPBACK: u32 = 1;
+
 /// The client's router, as the node sees it.
 pub const CLIENT_MAC: Mac = [2, 0, 0, 0, 0, 1];
 /// The node's interface toward clients (`ext0`).
@@ -113,6 +116,9 @@ pub struct Node {
     /// (an input `xdp_md`, Linux 5.14+); before, every one arrives on
     /// loopback.
     pub ingress: std::cell::Cell<Option<bool>>,
+    /// Whether the flows' NAT entries now say their servers are behind
+    /// loopback (see [`Node::run`]).
+    servers_on_loopback: std::cell::Cell<bool>,
 }
 
 impl Node {
@@ -144,7 +150,12 @@ impl Node {
             std::fs::write(path, "1").unwrap_or_else(|e| panic!("writing {path}: {e}"));
         }
         let ebpf = Lent::take();
-        let mut node = Node { ebpf, srv0: ifindex("srv0"), ingress: std::cell::Cell::new(None) };
+        let mut node = Node {
+            ebpf,
+            srv0: ifindex("srv0"),
+            ingress: std::cell::Cell::new(None),
+            servers_on_loopback: std::cell::Cell::new(false),
+        };
         for family in [v4(), v6()] {
             node.serve(&family, &family.servers);
             let mut addresses: HashMap<_, Endpoint, Endpoint> =
@@ -169,9 +180,11 @@ impl Node {
         let mut services: HashMap<_, Endpoint, Service> =
             HashMap::try_from(self.ebpf.map_mut(maps::SERVICES).unwrap()).unwrap();
         services.insert(Endpoint::from(family.vip), service, 0).unwrap();
+        // The VIP, and its address with port 0, as the daemon writes them.
         let mut external: HashMap<_, Endpoint, u32> =
             HashMap::try_from(self.ebpf.map_mut(maps::EXTERNAL).unwrap()).unwrap();
         external.insert(Endpoint::from(family.vip), 0, 0).unwrap();
+        external.insert(host(family.vip.ip()), 0, 0).unwrap();
     }
 
     /// As [`Self::serve`], with `policy = "spread"` over every server and
@@ -190,11 +203,38 @@ impl Node {
     }
 
     /// Runs the program on `frame` as if it arrived on `ingress` (loopback
-    /// when `None`, or when this kernel cannot say: see
-    /// [`Node::knows_ingress`]): its verdict and the frame it left.
+    /// when `None`): its verdict and the frame it left.
+    ///
+    /// A kernel that runs test packets on loopback alone (before Linux
+    /// 5.14, [`Node::knows_ingress`]) cannot deliver a server's packet on
+    /// `srv0`, where `lb_xdp` takes replies from. There the flows' NAT
+    /// entries are made to say their servers are behind loopback for a
+    /// packet meant to arrive on `srv0`, and `srv0` again for any other,
+    /// so that a reply from elsewhere is still one from elsewhere.
     pub fn run(&self, frame: &[u8], ingress: Option<u32>) -> (u32, Vec<u8>) {
+        let from_servers = ingress == Some(self.srv0);
+        if (from_servers || self.servers_on_loopback.get()) && !self.knows_ingress() {
+            self.servers_behind(if from_servers { LOOPBACK } else { self.srv0 });
+            self.servers_on_loopback.set(from_servers);
+        }
         let ingress = ingress.filter(|_| self.knows_ingress());
         self.try_run(frame, ingress).expect("BPF_PROG_TEST_RUN")
+    }
+
+    /// Makes every NAT entry that names `srv0` or loopback as where its
+    /// server is name `ifindex`.
+    fn servers_behind(&self, ifindex: u32) {
+        let map = self.ebpf.map(maps::NAT_REPLIES).unwrap();
+        let entries: HashMap<_, NatKey, NatReply> = HashMap::try_from(map).unwrap();
+        let all: Vec<(NatKey, NatReply)> = entries.iter().map(Result::unwrap).collect();
+        for (key, mut entry) in all {
+            if [self.srv0, LOOPBACK].contains(&entry.server_ifindex)
+                && entry.server_ifindex != ifindex
+            {
+                entry.server_ifindex = ifindex;
+                program::update(map, &key, &entry);
+            }
+        }
     }
 
     /// Whether test packets can arrive on an interface of choice (Linux
@@ -317,6 +357,13 @@ impl Node {
         entries.get(key, 0).ok()
     }
 
+    /// How many NAT ports are held (entries in `NAT_REPLIES`).
+    pub fn nat_entries(&self) -> usize {
+        let entries: HashMap<_, NatKey, NatReply> =
+            HashMap::try_from(self.ebpf.map(maps::NAT_REPLIES).unwrap()).unwrap();
+        entries.keys().count()
+    }
+
     /// Marks `server` failed now in `FAILED_AT` alone, as a program that
     /// did not stamp `MARKED_AT` would (one of an older lb).
     pub fn mark_without_stamp(&mut self, server: SocketAddr) {
@@ -434,4 +481,26 @@ pub fn forwarded(node: &Node, f: &Family, client: SocketAddr, seq: u32) -> Segme
 pub fn from_server(to: &Segment, flags: Flags) -> Segment {
     let ack = to.tcp.unwrap().seq.wrapping_add(1);
     Segment::tcp((SRV_MAC, server_mac(to.dst)), to.dst, to.src, flags, 7_000, ack)
+}
+
+/// Checks that the node answers `packet`, a client's TCP packet other
+/// than a SYN of no flow (or of one whose server left), with its own
+/// reset from the VIP, back the way the packet came.
+pub fn assert_reset(node: &Node, f: &Family, packet: &Segment) {
+    assert_eq!(packet.dst.ip(), f.vip.ip(), "not a packet to the VIP");
+    let (verdict, out) = node.run(&packet.frame(), None);
+    assert_eq!(verdict, XDP_TX, "a packet of no flow was not answered with a reset");
+    let reset = read_frame(&out).expect("the reset");
+    assert_eq!((reset.src, reset.dst), (packet.dst, packet.src), "the reset's addresses");
+    assert_eq!(reset.macs, (packet.macs.1, packet.macs.0), "the reset's link layer");
+    let (sent, tcp) = (packet.tcp.unwrap(), reset.tcp.unwrap());
+    assert!(tcp.flags.rst && !tcp.flags.syn && !tcp.flags.fin, "not a reset: {:?}", tcp.flags);
+    if sent.flags.ack {
+        assert_eq!((tcp.seq, tcp.flags.ack), (sent.ack, false), "the reset's sequence");
+    } else {
+        let controls = u32::from(sent.flags.syn) + u32::from(sent.flags.fin);
+        let length = packet.payload.len() as u32 + controls;
+        assert_eq!((tcp.ack, tcp.flags.ack), (sent.seq + length, true), "what the reset acks");
+    }
+    assert!(reset.payload.is_empty(), "the reset carries data");
 }

@@ -104,6 +104,21 @@ fn bpf(cmd: libc::c_long, attr: &ElemAttr) -> std::io::Result<()> {
     if done < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) }
 }
 
+/// Writes `value` at `key` in the hash map `map`, through a shared
+/// borrow of it (between program runs, the kernel's map is all there is).
+pub(super) fn update<K, V>(map: &Map, key: &K, value: &V) {
+    let (Map::HashMap(data) | Map::LruHashMap(data)) = map else {
+        panic!("update: not a hash map");
+    };
+    let update = ElemAttr {
+        map_fd: data.fd().as_fd().as_raw_fd() as u32,
+        key: std::ptr::from_ref(key) as u64,
+        value_or_next_key: std::ptr::from_ref(value) as u64,
+        ..ElemAttr::default()
+    };
+    bpf(BPF_MAP_UPDATE_ELEM, &update).unwrap_or_else(|e| panic!("update: {e}"));
+}
+
 /// Deletes every entry of a hash map: the first key, again and again.
 fn delete_all(name: &str, data: &MapData) {
     let info = data.info().unwrap_or_else(|e| panic!("map {name}: {e}"));

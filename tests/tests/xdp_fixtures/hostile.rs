@@ -9,7 +9,7 @@ use std::{net::SocketAddr, time::Duration};
 use aya::maps::HashMap;
 use lb_common::{DAEMON_STATE_FAILED, Endpoint, Reason, Service, maps};
 use lb_tests::{
-    packets::{Flags, read_frame},
+    packets::{Flags, IcmpError, Segment, read_frame},
     privileged_test,
     xdp_node::*,
 };
@@ -83,9 +83,11 @@ fn a_kernel_mark_moves_half_open_flows_but_keeps_established_ones() {
         let ack = from_client(f, established, Flags::ACK, 1_001).frame();
         assert_eq!(to(node, &ack), a, "an established flow moved on a kernel mark");
         assert_eq!(node.counter(Reason::XdpKeptEstablished), 1);
-        let ack = from_client(f, half_open, Flags::ACK, 2_001).frame();
-        assert_eq!(to(node, &ack), b, "a half-open flow stayed on a marked server");
+        // The half-open one leaves the marked server: the node resets its
+        // next packet, and its SYN sent again goes to the next server.
+        assert_reset(node, f, &from_client(f, half_open, Flags::ACK, 2_001));
         assert_eq!(node.counter(Reason::XdpFlowMoved), 1);
+        assert_eq!(forwarded(node, f, half_open, 2_000).dst, b);
     });
 }
 
@@ -106,8 +108,9 @@ fn the_daemons_confirmed_failure_moves_established_flows() {
         service.servers[..2].copy_from_slice(&[Endpoint::from(b), Endpoint::from(a)]);
         service.daemon_states[1] = DAEMON_STATE_FAILED;
         services.insert(vip, service, 0).unwrap();
-        assert_eq!(to(node, &ack), b, "a confirmed failure left the flow on its server");
-        assert_eq!(node.counter(Reason::XdpFlowMoved), 1);
+        assert_reset(node, f, &from_client(f, f.client, Flags::ACK, 1_001));
+        assert_eq!(node.counter(Reason::XdpFlowMoved), 1, "a confirmed failure kept the flow");
+        assert_eq!(forwarded(node, f, f.client, 5_000).dst, b);
         assert_eq!(node.counter(Reason::XdpKeptEstablished), 0);
     });
 }
@@ -119,12 +122,6 @@ fn the_daemons_confirmed_failure_moves_established_flows() {
 #[privileged_test]
 fn a_burst_of_refused_flows_is_one_report() {
     both_families(|node, f| {
-        if !node.knows_ingress() {
-            eprintln!(
-                "SKIPPED: the server's own resets (they must arrive on srv0, and this kernel cannot say so)"
-            );
-            return;
-        }
         drain_events(node);
         let opened: Vec<_> = (0..20)
             .map(|n| forwarded(node, f, SocketAddr::new(f.client.ip(), 43_000 + n), 1))
@@ -137,6 +134,81 @@ fn a_burst_of_refused_flows_is_one_report() {
         assert_eq!(node.counter(Reason::XdpServerReset), 20, "every refusal was seen");
         assert!(node.failed(f.servers[0]));
         assert_eq!(drain_events(node), 1, "a burst of refusals was reported more than once");
+    });
+}
+
+/// Only a SYN opens a TCP flow: any other packet of no flow (a forged
+/// ACK, FIN, data, a SYN|ACK) takes no NAT port and reaches no server; it
+/// is answered with the node's reset, as a host answers it. A reset of no
+/// flow is dropped unanswered.
+#[privileged_test]
+fn only_a_syn_opens_a_flow() {
+    both_families(|node, f| {
+        let mut with_data = from_client(f, f.client, Flags::ACK, 10);
+        with_data.payload = b"GET / HTTP/1.1\r\n".to_vec();
+        let mut fin = from_client(f, f.client, Flags::FIN_ACK, 20);
+        fin.tcp.as_mut().unwrap().ack = 0x1234_5678;
+        let mut syn_fin = from_client(f, f.client, Flags::SYN, 30);
+        syn_fin.tcp.as_mut().unwrap().flags.fin = true;
+        let strays = [
+            from_client(f, f.client, Flags::ACK, 1),
+            with_data,
+            fin,
+            from_client(f, f.client, Flags::SYN_ACK, 40),
+            syn_fin,
+        ];
+        for stray in &strays {
+            assert_reset(node, f, stray);
+        }
+        let rst = from_client(f, f.client, Flags::RST_ACK, 50).frame();
+        assert_eq!(node.run(&rst, None).0, XDP_DROP, "a reset was answered");
+        assert_eq!(node.counter(Reason::XdpNoFlow), 6);
+        assert_eq!(node.counter(Reason::XdpResetSent), 5);
+        assert_eq!(node.counter(Reason::XdpNewFlow), 0, "a packet other than a SYN opened a flow");
+        assert_eq!(node.nat_entries(), 0, "a NAT port was taken");
+        // The client's SYN opens its flow, and its ACK follows it.
+        let out = forwarded(node, f, f.client, 99);
+        assert_eq!(to(node, &from_client(f, f.client, Flags::ACK, 100).frame()), out.dst);
+    });
+}
+
+/// Nothing for a VIP's address is handed to the kernel, which does not
+/// own it (it would route it back out, or ask its neighbours who has
+/// it): TCP to a port lb does not serve there is answered with the
+/// node's reset, anything else (UDP, a ping, another protocol, a
+/// fragment) dropped. Another address's packets pass untouched.
+#[privileged_test]
+fn a_vips_address_is_never_handed_to_the_kernel() {
+    both_families(|node, f| {
+        let other_port = SocketAddr::new(f.vip.ip(), 81);
+        assert_reset(node, f, &from_client(f, f.client, Flags::SYN, 1).to(other_port));
+        let udp = Segment::udp((EXT_MAC, CLIENT_MAC), f.client, other_port, b"query");
+        let echo_request = if f.vip.is_ipv4() { 8 } else { 128 };
+        let ping = IcmpError::new(
+            (EXT_MAC, CLIENT_MAC),
+            (f.client.ip(), f.vip.ip()),
+            (echo_request, 0, [0, 1, 0, 1]),
+            b"ping",
+        );
+        let to_vip = SocketAddr::new(f.vip.ip(), 80);
+        let mut gre = Segment::udp((EXT_MAC, CLIENT_MAC), f.client, to_vip, b"tunnel").frame();
+        gre[14 + if f.vip.is_ipv4() { 9 } else { 6 }] = 47;
+        let mut dropped = vec![udp.frame(), ping.frame(), gre];
+        if f.vip.is_ipv4() {
+            // A first fragment (MF set) of a datagram to the VIP's port.
+            let mut fragment = Segment::udp((EXT_MAC, CLIENT_MAC), f.client, to_vip, b"x").frame();
+            fragment[14 + 6] |= 0x20;
+            dropped.push(fragment);
+        }
+        for frame in &dropped {
+            assert_eq!(node.run(frame, None).0, XDP_DROP, "handed to the kernel: {frame:02x?}");
+        }
+        assert_eq!(node.counter(Reason::XdpUnserved), 1 + dropped.len() as u64);
+        // Another address, on the same ports: not lb's.
+        let elsewhere = SocketAddr::new(f.servers[0].ip(), 81);
+        let frame = from_client(f, f.client, Flags::SYN, 1).to(elsewhere).frame();
+        assert_eq!(node.run(&frame, None), (XDP_PASS, frame));
+        assert_eq!(node.counter(Reason::XdpUnserved), 1 + dropped.len() as u64);
     });
 }
 

@@ -109,9 +109,7 @@ fn traffic_is_counted_in_the_servers_slot_or_else_in_its_entry() {
         let cpus = aya::util::nr_cpus().unwrap() as u64;
         node.serve(f, &[b]);
         // a left the selection: the flow moves to b.
-        let (verdict, out) = node.run(&ack, None);
-        assert_eq!(verdict, XDP_REDIRECT);
-        assert_eq!(read_frame(&out).unwrap().dst, b);
+        assert_eq!(moved_to(node, f), b);
         assert_eq!(node.traffic(b), counted(1, 0), "a busy holder lost its slot");
         assert_eq!(node.traffic(holder), counted(0, 5 * cpus));
 
@@ -137,8 +135,9 @@ fn a_mark_made_by_a_program_stamps_its_slot_and_moves_the_servers_flows() {
         assert_eq!(forwarded(node, f, other, 1).dst, b);
         assert_eq!(node.counter(Reason::XdpSynRetransmitted), 1);
         // The first flow's next packet finds the mark, and moves.
-        assert_eq!(to(node, &ack), b, "the stamped mark was not looked up");
+        assert_ne!(to_or_reset(node, &ack), Some(a), "the stamped mark was not looked up");
         assert_eq!(node.counter(Reason::XdpFlowMoved), 1);
+        assert_eq!(moved_to(node, f), b);
     });
 }
 
@@ -156,8 +155,9 @@ fn a_flows_server_is_looked_up_in_failed_at_while_its_slot_is_stamped_or_unknown
         // programs replace running ones: the flow's next packet finds the
         // mark, and the flow moves.
         node.forget_marks();
-        assert_eq!(to(node, &ack), b, "the mark was not looked up");
+        assert_ne!(to_or_reset(node, &ack), Some(a), "the mark was not looked up");
         assert_eq!(node.counter(Reason::XdpFlowMoved), 1);
+        assert_eq!(moved_to(node, f), b);
         assert_eq!(to(node, &ack), b);
     });
 }
@@ -169,6 +169,25 @@ fn flow_to_first_server(node: &Node, f: &Family) -> Vec<u8> {
     let ack = from_client(f, f.client, Flags::ACK, 1_001).frame();
     assert_eq!(to(node, &ack), f.servers[0]);
     ack
+}
+
+/// Where the client's flow goes once it has left its server: its next
+/// packet is answered with the node's reset, and the client's SYN sent
+/// again on the same ports goes to the server returned.
+fn moved_to(node: &Node, f: &Family) -> SocketAddr {
+    assert_reset(node, f, &from_client(f, f.client, Flags::ACK, 1_001));
+    forwarded(node, f, f.client, 1_000).dst
+}
+
+/// Where `frame`, a client's packet of a flow, is forwarded to; `None`
+/// if the node answered it instead (its flow left its server).
+fn to_or_reset(node: &Node, frame: &[u8]) -> Option<SocketAddr> {
+    let (verdict, out) = node.run(frame, None);
+    if verdict == XDP_TX {
+        return None;
+    }
+    assert_eq!(verdict, XDP_REDIRECT);
+    Some(read_frame(&out).expect("the forwarded frame").dst)
 }
 
 /// Where `frame`, a client's packet of a flow, is forwarded to.

@@ -6,8 +6,8 @@ use std::{net::SocketAddr, time::Duration};
 
 use aya::maps::HashMap;
 use lb_common::{
-    Endpoint, Flow, FlowKey, NAT_PORT_COUNT, NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED, NatKey,
-    NatReply, Reason, maps,
+    Endpoint, Flow, FlowKey, NAT_PORT_COUNT, NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN,
+    NatKey, NatReply, Reason, maps,
     nat::{
         self, NAT_REPLY_CLIENT_ACKED, NAT_REPLY_CLIENT_FIN, NAT_REPLY_RESET,
         NAT_REPLY_SERVER_CLOSED_FIRST, NAT_REPLY_SERVER_FIN,
@@ -192,10 +192,71 @@ fn a_new_flow_takes_the_port_of_an_ended_one_when_none_is_free() {
         assert!(!has_flow(node, &old), "the old flow still holds the port");
 
         // Live flows, idle a second, keep their ports.
-        take_every_port(node, f, 0, NAT_REPLY_ESTABLISHED);
+        take_every_port(node, f, 0, NAT_REPLY_ESTABLISHED | NAT_REPLY_CLIENT_ACKED);
         node.age_nat(Duration::from_secs(1));
         let syn = from_client(f, SocketAddr::new(f.client.ip(), 30_001), Flags::SYN, 1).frame();
         assert_eq!(node.run(&syn, None).0, XDP_DROP, "a live flow's port was taken");
         assert_eq!(node.counter(Reason::XdpNatPortReused), reused + 1);
+    });
+}
+
+/// A flood of SYNs from forged addresses, answered by the server and
+/// never acknowledged, holds the ports it took a second, not a minute:
+/// the server's SYN-ACKs sent again do not keep them, and a client's SYN
+/// that finds no other port free takes one of them.
+#[privileged_test]
+fn a_flood_of_half_open_flows_holds_its_ports_a_second() {
+    both_families(|node, f| {
+        let stamped = take_every_port(node, f, 0, NAT_REPLY_SYN | NAT_REPLY_ESTABLISHED);
+        let client = SocketAddr::new(f.client.ip(), 30_000);
+        let syn = from_client(f, client, Flags::SYN, 1).frame();
+        let verdict = node.run(&syn, None).0;
+        // Judged only if it ran within the second (a slow guest may not).
+        if ticks_since(stamped) < nat::HALF_OPEN_PRESSED_TICKS {
+            assert_eq!(verdict, XDP_DROP, "a half-open flow's port was taken at once");
+        }
+
+        // The server sends its SYN-ACK again to one of them: no stamp.
+        let server = Endpoint::from(f.servers[0]);
+        let port = NAT_PORT_FIRST + 7;
+        let key = NatKey {
+            server,
+            node: Endpoint::from(SocketAddr::new(f.node, port)),
+            protocol: 6,
+            _pad: [0; 3],
+        };
+        node.age_nat(Duration::from_secs(2));
+        let mut entry = node.nat_entry(&key).expect("the flood's entry");
+        entry.server_ifindex = node.srv0;
+        let mut replies: HashMap<_, NatKey, NatReply> =
+            HashMap::try_from(node.ebpf.map_mut(maps::NAT_REPLIES).unwrap()).unwrap();
+        replies.insert(key, entry, 0).unwrap();
+        let to_forged = SocketAddr::new(f.client.ip(), port);
+        let syn_ack = lb_tests::packets::Segment::tcp(
+            (SRV_MAC, server_mac(f.servers[0])),
+            f.servers[0],
+            SocketAddr::new(f.node, port),
+            Flags::SYN_ACK,
+            7_000,
+            2,
+        );
+        let (verdict, out) = node.run(&syn_ack.frame(), Some(node.srv0));
+        assert_eq!(verdict, XDP_REDIRECT, "the server's answer did not reach its client");
+        assert_eq!(read_frame(&out).unwrap().dst, to_forged);
+        let after = node.nat_entry(&key).expect("the entry");
+        assert_eq!(
+            after.flags >> 8,
+            entry.flags >> 8,
+            "the server's SYN-ACK stamped a half-open flow"
+        );
+
+        // Two seconds on, a client's SYN takes one of their ports.
+        let reused = node.counter(Reason::XdpNatPortReused);
+        let (verdict, out) = node.run(&syn, None);
+        assert_eq!(verdict, XDP_REDIRECT, "no half-open flow's port was taken");
+        assert_eq!(node.counter(Reason::XdpNatPortReused), reused + 1);
+        let out = read_frame(&out).expect("the forwarded SYN");
+        let entry = node.nat_entry(&key_of(&out)).expect("the new flow's NAT entry");
+        assert_eq!(entry.client, Endpoint::from(client));
     });
 }
