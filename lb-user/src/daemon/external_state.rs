@@ -30,6 +30,9 @@ pub(super) struct External {
     pub(super) interfaces: BTreeMap<String, (Role, Result<Mode, String>)>,
     /// Whether the kernel forwards IPv4 and IPv6, as last read.
     pub(super) forwarding: Option<bool>,
+    /// Whether the NAT ports are reserved from the node's own connections
+    /// (`nat_ports`): done once, tried again at each sync until it is.
+    pub(super) nat_ports_reserved: bool,
     /// The interfaces `lb_xdp` runs on, as the last sync found them: each
     /// one's index and MAC address.
     pub(super) links: HashMap<String, (u32, announce::Mac)>,

@@ -24,7 +24,7 @@ use crate::{
     config::{Announce, Policy},
     control::{ExternalStatus, InterfaceStatus, ServiceExternal, TrafficStatus},
     datapath::Announced,
-    maglev, routes,
+    maglev, nat_ports, routes,
 };
 
 /// How often the routes to the servers are asked again (a route that
@@ -146,6 +146,7 @@ impl Daemon {
         let families = (vips.iter().any(SocketAddr::is_ipv4), vips.iter().any(SocketAddr::is_ipv6));
         if !external.is_empty() {
             self.watch_forwarding(families);
+            self.reserve_nat_ports();
         }
         self.announce(&external);
         self.consistent_hashing(&external);
@@ -272,6 +273,40 @@ impl Daemon {
             }
         }
         self.external.forwarding = Some(on);
+    }
+
+    /// Keeps the node's own connections off the NAT ports, once
+    /// (`nat_ports`), and says so when its ephemeral range overlaps them.
+    fn reserve_nat_ports(&mut self) {
+        if self.external.nat_ports_reserved {
+            return;
+        }
+        let nat = nat_ports::nat_ports();
+        let nat = format!("{}-{}", nat.start(), nat.end());
+        match nat_ports::reserve() {
+            Ok(done) => {
+                if done.added {
+                    info!(
+                        "NAT ports {nat} reserved from the node's own connections (net.ipv4.ip_local_reserved_ports)"
+                    );
+                }
+                if let Some(range) = done.overlap {
+                    warn!(
+                        "the node's ephemeral ports (net.ipv4.ip_local_port_range {}-{}) overlap the external path's NAT \
+                         ports {nat}: those are reserved, so the node's own connections skip them; lower the \
+                         range's end below {} to keep every port it names",
+                        range.start(),
+                        range.end(),
+                        nat_ports::nat_ports().start()
+                    );
+                }
+                self.external.nat_ports_reserved = true;
+            }
+            Err(e) => warn!(
+                "could not reserve the NAT ports {nat} from the node's own connections: {e:#}; a connection the node \
+                 makes from one of them would have its replies taken for a flow's"
+            ),
+        }
     }
 
     /// A service's external path in `lb status`.

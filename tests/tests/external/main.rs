@@ -24,6 +24,7 @@ use lb_tests::{
 };
 
 mod icmp;
+mod nat_ports;
 
 fn services(check: &str) -> String {
     services_announced(check, "none")

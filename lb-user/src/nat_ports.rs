@@ -1,0 +1,145 @@
+//! The external path's NAT ports kept from the node's own connections.
+//!
+//! `lb_xdp` takes packets to the node's address on a NAT port
+//! (`lb_common::NAT_PORT_FIRST`.., to 65535) as replies to its flows. A
+//! connection the node itself makes from one of those ports (its
+//! ephemeral range, `net.ipv4.ip_local_port_range`, reaching that far)
+//! would have its replies taken for a flow's, or lost. So while lb serves
+//! an external VIP, the ports are reserved in the node's network namespace
+//! (`net.ipv4.ip_local_reserved_ports`, which IPv6 follows too): the
+//! kernel skips them when it picks an ephemeral port. An overlapping
+//! ephemeral range is warned about, as it leaves the node fewer ports.
+//! The reservation is added to whatever the list held, and stays when lb
+//! stops (flows may outlive the daemon: fail-static).
+
+use std::ops::RangeInclusive;
+
+use lb_common::{NAT_PORT_COUNT, NAT_PORT_FIRST};
+
+/// Where the reserved ports are listed.
+const RESERVED: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
+/// The node's ephemeral port range.
+const EPHEMERAL: &str = "/proc/sys/net/ipv4/ip_local_port_range";
+
+/// The NAT ports.
+pub fn nat_ports() -> RangeInclusive<u16> {
+    NAT_PORT_FIRST..=NAT_PORT_FIRST + (NAT_PORT_COUNT - 1)
+}
+
+/// What [`reserve`] found and did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reservation {
+    /// Whether it added the NAT ports to the reserved list (false: they
+    /// were reserved already).
+    pub added: bool,
+    /// The node's ephemeral range, if it overlaps the NAT ports.
+    pub overlap: Option<RangeInclusive<u16>>,
+}
+
+/// Reserves the NAT ports in this network namespace if they are not yet,
+/// and says whether the ephemeral range overlaps them.
+pub fn reserve() -> anyhow::Result<Reservation> {
+    use anyhow::Context as _;
+    let listed =
+        std::fs::read_to_string(RESERVED).with_context(|| format!("reading {RESERVED}"))?;
+    let ranges = parse_list(&listed).with_context(|| format!("{RESERVED}: {:?}", listed.trim()))?;
+    let added = !covers(&ranges, &nat_ports());
+    if added {
+        let written = with_nat_ports(&ranges);
+        std::fs::write(RESERVED, &written)
+            .with_context(|| format!("writing {written:?} to {RESERVED}"))?;
+    }
+    let ephemeral =
+        std::fs::read_to_string(EPHEMERAL).with_context(|| format!("reading {EPHEMERAL}"))?;
+    let ephemeral =
+        parse_range(&ephemeral).with_context(|| format!("{EPHEMERAL}: {:?}", ephemeral.trim()))?;
+    let overlap = (ephemeral.end() >= nat_ports().start()).then_some(ephemeral);
+    Ok(Reservation { added, overlap })
+}
+
+/// The port ranges of a reserved-ports list: `"8080,61000-65535"`; empty
+/// for an empty list.
+fn parse_list(text: &str) -> anyhow::Result<Vec<RangeInclusive<u16>>> {
+    text.trim()
+        .split(',')
+        .filter(|part| !part.trim().is_empty())
+        .map(|part| match part.trim().split_once('-') {
+            Some((first, last)) => Ok(first.trim().parse()?..=last.trim().parse()?),
+            None => {
+                let port = part.trim().parse()?;
+                Ok(port..=port)
+            }
+        })
+        .collect()
+}
+
+/// The ephemeral range: two numbers apart by whitespace.
+fn parse_range(text: &str) -> anyhow::Result<RangeInclusive<u16>> {
+    let mut numbers = text.split_whitespace().map(str::parse::<u16>);
+    match (numbers.next(), numbers.next(), numbers.next()) {
+        (Some(first), Some(last), None) => Ok(first?..=last?),
+        _ => anyhow::bail!("not two port numbers"),
+    }
+}
+
+/// Whether `ranges` together hold every port of `wanted`.
+fn covers(ranges: &[RangeInclusive<u16>], wanted: &RangeInclusive<u16>) -> bool {
+    // Bounded by the number of ranges: each pass moves `next` past one.
+    let mut next = u32::from(*wanted.start());
+    for _ in 0..=ranges.len() {
+        if next > u32::from(*wanted.end()) {
+            return true;
+        }
+        let Some(range) =
+            ranges.iter().find(|r| u32::from(*r.start()) <= next && next <= u32::from(*r.end()))
+        else {
+            return false;
+        };
+        next = u32::from(*range.end()) + 1;
+    }
+    next > u32::from(*wanted.end())
+}
+
+/// The list to write: `ranges` as they were, and the NAT ports.
+fn with_nat_ports(ranges: &[RangeInclusive<u16>]) -> String {
+    let nat = nat_ports();
+    ranges
+        .iter()
+        .chain(std::iter::once(&nat))
+        .map(|r| {
+            if r.start() == r.end() {
+                r.start().to_string()
+            } else {
+                format!("{}-{}", r.start(), r.end())
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reserved_list_is_read_as_the_kernel_writes_it() {
+        assert_eq!(parse_list("\n").unwrap(), vec![]);
+        assert_eq!(parse_list("8080,61000-65535\n").unwrap(), vec![8080..=8080, 61000..=65535]);
+        assert!(parse_list("80-x").is_err());
+        assert_eq!(parse_range("32768\t60999\n").unwrap(), 32768..=60999);
+        assert!(parse_range("32768").is_err());
+        assert!(parse_range("1 2 3").is_err());
+    }
+
+    #[test]
+    fn the_nat_ports_are_added_only_where_not_all_reserved() {
+        let nat = nat_ports();
+        assert!(!covers(&[], &nat));
+        assert!(covers(&[1..=65535], &nat));
+        assert!(covers(&[61000..=62000, 62001..=65535], &nat));
+        assert!(covers(&[62001..=65535, 50000..=62000], &nat));
+        assert!(!covers(&[61000..=62000, 62002..=65535], &nat));
+        assert_eq!(with_nat_ports(&[]), "61000-65535");
+        assert_eq!(with_nat_ports(&[8080..=8080, 100..=200]), "8080,100-200,61000-65535");
+    }
+}
