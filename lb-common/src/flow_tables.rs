@@ -10,15 +10,18 @@
 //!   allocates the NAT port (a port is in use while its entry exists,
 //!   and may go to a new flow once its flow has ended: [`crate::nat`]).
 //!
-//! Both are LRU maps of [`MAX_EXTERNAL_FLOWS`]: flows are not removed one
-//! by one (a close is noted, not followed to its end), the least recently
-//! used go first when the table is full.
+//! Both are LRU maps of `[daemon] flow_table` entries each (the daemon
+//! sizes them at attach; [`MAX_EXTERNAL_FLOWS`] in the object): flows are
+//! not removed one by one (a close is noted, not followed to its end), the
+//! least recently used go first when the table is full.
 
 use crate::Endpoint;
 
-/// Flows the external path tracks (`FLOWS` and `NAT_REPLIES` each). LRU
-/// maps are preallocated: about 2.5 MB each at this size, on every node,
-/// external VIPs or not.
+/// Flows the external path tracks (`FLOWS` and `NAT_REPLIES` each) as the
+/// object declares them: the size of the maps loaded without the daemon
+/// (the packet fixtures, the benchmarks). The daemon loads them at
+/// `[daemon] flow_table`. LRU maps are preallocated: about 2.5 MB each at
+/// this size.
 pub const MAX_EXTERNAL_FLOWS: u32 = 16_384;
 
 /// The first source port the external path gives a forwarded flow, above

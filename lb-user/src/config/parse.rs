@@ -12,8 +12,9 @@ use super::{
     election::{parse_election, parse_node_name},
     external_service::parse_external,
     model::{
-        Config, DEFAULT_BPFFS, DEFAULT_CONTROL_SOCKET, DEFAULT_HOLD_DOWN, DEFAULT_STATE_DIR,
-        Daemon, HealthConfig, Policy, SOCKET_TABLE_SIZES, Scope, Service,
+        Config, DEFAULT_BPFFS, DEFAULT_CONTROL_SOCKET, DEFAULT_FLOW_TABLE, DEFAULT_HOLD_DOWN,
+        DEFAULT_STATE_DIR, Daemon, FLOW_TABLE_SIZES, HealthConfig, Policy, SOCKET_TABLE_SIZES,
+        Scope, Service,
     },
     problems::{Key, Problem},
     raw::{RawConfig, RawService},
@@ -91,6 +92,22 @@ impl Config {
                         ),
                     ));
                     MAX_TRACKED_SOCKETS
+                }
+            },
+            flow_table: match raw.daemon.flow_table {
+                None => DEFAULT_FLOW_TABLE,
+                Some(n) if FLOW_TABLE_SIZES.contains(&n) => n as u32,
+                Some(n) => {
+                    problems.push(Problem::new(
+                        None,
+                        "daemon.flow_table",
+                        format!(
+                            "{n} is outside {}..={} (flows the external path keeps)",
+                            FLOW_TABLE_SIZES.start(),
+                            FLOW_TABLE_SIZES.end()
+                        ),
+                    ));
+                    DEFAULT_FLOW_TABLE
                 }
             },
             election,
@@ -323,6 +340,17 @@ mod tests {
         for bad in ["0", "63", "1048577", "-1"] {
             let msg = problems(&with(bad));
             assert!(msg.contains("daemon.socket_table") && msg.contains("outside 64..="), "{msg}");
+        }
+    }
+
+    #[test]
+    fn the_flow_table_size_is_bounded() {
+        assert_eq!(parse(GOOD).unwrap().daemon.flow_table, DEFAULT_FLOW_TABLE);
+        let with = |n: &str| GOOD.replace("[daemon]\n", &format!("[daemon]\nflow_table = {n}\n"));
+        assert_eq!(parse(&with("4096")).unwrap().daemon.flow_table, 4096);
+        for bad in ["0", "1023", "4194305", "-1"] {
+            let msg = problems(&with(bad));
+            assert!(msg.contains("daemon.flow_table") && msg.contains("outside 1024..="), "{msg}");
         }
     }
 

@@ -27,6 +27,7 @@ pub(super) struct RawDaemon {
     pub(super) metrics: Option<String>,
     pub(super) kubeconfig: Option<PathBuf>,
     pub(super) socket_table: Option<i64>,
+    pub(super) flow_table: Option<i64>,
     pub(super) node_name: Option<String>,
     pub(super) lease_duration: Option<String>,
     pub(super) lease_renew: Option<String>,

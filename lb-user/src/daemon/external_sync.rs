@@ -353,7 +353,7 @@ impl Daemon {
         Some(ExternalStatus {
             interfaces,
             flows: maps.flows(),
-            flow_capacity: lb_common::MAX_EXTERNAL_FLOWS as usize,
+            flow_capacity: maps.flow_capacity(),
             nat_ports: maps.nat_ports(),
             nat_port_capacity: usize::from(lb_common::NAT_PORT_COUNT),
             traffic: maps

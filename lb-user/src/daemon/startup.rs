@@ -34,7 +34,7 @@ use crate::{
     balancer::{KernelValue, Readiness},
     config::{self, Config},
     control,
-    datapath::{self, Datapath, VipEntry},
+    datapath::{self, Datapath, TableSizes, VipEntry},
     discovery, election,
     health::Tls,
     metrics::{self, Metrics},
@@ -110,7 +110,7 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         &settings.bpffs,
         &cgroup,
         &initial,
-        settings.socket_table,
+        TableSizes { socket_table: settings.socket_table, flow_table: settings.flow_table },
         options.bpf_log,
     ) {
         Ok(datapath) => datapath,

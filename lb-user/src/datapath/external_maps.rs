@@ -31,6 +31,8 @@ pub struct ExternalMaps {
     maglev: HashMap<MapData, Endpoint, Maglev>,
     announce_until: HashMap<MapData, [u32; 4], u64>,
     link_macs: HashMap<MapData, u32, AnnounceValue>,
+    /// `FLOWS`' size (`[daemon] flow_table` when it was attached).
+    flow_capacity: usize,
 }
 
 /// An address announced on one interface: (interface index, address).
@@ -55,10 +57,19 @@ impl ExternalMaps {
                     .with_context(|| format!("map {} has an unexpected type or size", $name))?
             };
         }
+        let flows = map(maps::FLOWS)?;
+        let flow_capacity = match &flows {
+            Map::LruHashMap(data) | Map::HashMap(data) => {
+                data.info().context("reading FLOWS' size")?.max_entries() as usize
+            }
+            _ => anyhow::bail!("map {} is not a hash map", maps::FLOWS),
+        };
         Ok(Self {
+            flow_capacity,
+            flows: HashMap::try_from(flows)
+                .with_context(|| format!("map {} has an unexpected type or size", maps::FLOWS))?,
             vips: typed!(HashMap, maps::EXTERNAL),
             node_addresses: typed!(HashMap, maps::NODE_ADDRESSES),
-            flows: typed!(HashMap, maps::FLOWS),
             nat: typed!(HashMap, maps::NAT_REPLIES),
             traffic: typed!(PerCpuHashMap, maps::TRAFFIC),
             traffic_slots: typed!(PerCpuArray, maps::TRAFFIC_SLOTS),
@@ -68,6 +79,11 @@ impl ExternalMaps {
             announce_until: typed!(HashMap, maps::ANNOUNCE_UNTIL),
             link_macs: typed!(HashMap, maps::LINK_MACS),
         })
+    }
+
+    /// How many flows `FLOWS` (and `NAT_REPLIES`) can hold.
+    pub fn flow_capacity(&self) -> usize {
+        self.flow_capacity
     }
 
     /// Makes `EXTERNAL` hold exactly `vips`, and each of their addresses

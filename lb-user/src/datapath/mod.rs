@@ -106,10 +106,18 @@ pub struct Datapath {
     _lock: PinLock,
 }
 
+/// The sizes of the tables fixed at attach (`[daemon]`).
+#[derive(Clone, Copy, Debug)]
+pub struct TableSizes {
+    /// `SOCKETS`' size (`socket_table`).
+    pub socket_table: u32,
+    /// `FLOWS`' and `NAT_REPLIES`' size each (`flow_table`).
+    pub flow_table: u32,
+}
+
 /// What a fresh attach is made with.
 struct Attach {
-    /// `SOCKETS`' size (`[daemon] socket_table`).
-    socket_table: u32,
+    sizes: TableSizes,
     /// `--bpf-log`.
     bpf_log: bool,
     /// What `scope = "host"` writes (see `host_netns_cookie`).
@@ -130,7 +138,7 @@ impl Datapath {
         bpffs: &Path,
         cgroup: &Path,
         initial: &[VipEntry],
-        socket_table: u32,
+        sizes: TableSizes,
         bpf_log: bool,
     ) -> anyhow::Result<Self> {
         ensure_bpffs(bpffs)?;
@@ -168,10 +176,19 @@ impl Datapath {
                 let mut datapath = Self::adopt(bpffs, lock, host_netns, netns_scope)?;
                 datapath.logger = logger;
                 let pinned = datapath.maps.socket_capacity().0;
+                let socket_table = sizes.socket_table;
                 if pinned != socket_table as usize {
                     warn!(
                         "the pinned socket table holds {pinned} TCP connections, not the {socket_table} of [daemon] \
                          socket_table: its size is fixed at attach; run `lb detach` and start again to change it"
+                    );
+                }
+                let pinned = datapath.external.flow_capacity();
+                let flow_table = sizes.flow_table;
+                if pinned != flow_table as usize {
+                    warn!(
+                        "the pinned flow tables hold {pinned} flows, not the {flow_table} of [daemon] flow_table: \
+                         their size is fixed at attach; run `lb detach` and start again to change it"
                     );
                 }
                 // The daemon writes an adopted datapath's selections itself,
@@ -184,7 +201,7 @@ impl Datapath {
             // Keep the directory itself: it is what we hold locked.
             remove_pins(bpffs)?;
         }
-        let attach = Attach { socket_table, bpf_log, host_netns, netns_scope };
+        let attach = Attach { sizes, bpf_log, host_netns, netns_scope };
         Self::attach(bpffs, cgroup, initial, &attach, lock).inspect_err(|_| {
             // Leave nothing half-attached behind.
             if let Err(e) = detach(bpffs) {
@@ -258,9 +275,11 @@ impl Datapath {
         attach: &Attach,
         lock: PinLock,
     ) -> anyhow::Result<Self> {
-        let &Attach { socket_table, bpf_log, host_netns, netns_scope } = attach;
+        let &Attach { sizes, bpf_log, host_netns, netns_scope } = attach;
         let mut loader = EbpfLoader::new();
-        loader.map_max_entries(map_names::SOCKETS, socket_table);
+        loader.map_max_entries(map_names::SOCKETS, sizes.socket_table);
+        loader.map_max_entries(map_names::FLOWS, sizes.flow_table);
+        loader.map_max_entries(map_names::NAT_REPLIES, sizes.flow_table);
         let (mut ebpf, logger) = load_object(loader, bpf_log)?;
 
         // The layout version goes in before anything is pinned, so no pin

@@ -56,8 +56,14 @@ fn external_clients_reach_the_selected_server() {
         let (_s1v6, _s2v6) =
             (net.server("s1", "[2001:2:0:2::2]:8080"), net.server("s2", "[2001:2:0:2::3]:8080"));
         let cgroup = TestCgroup::new("external");
-        let daemon = Daemon::start("external", &cgroup, &services("tcp"));
+        let daemon = Daemon::start_with("external", &cgroup, "flow_table = 4096", &services("tcp"));
         let status = daemon.status();
+        // The flow tables are of the size the config asks.
+        assert_eq!(status["datapath"]["external"]["flow_capacity"], 4096, "{status}");
+        for map in [lb_common::maps::FLOWS, lb_common::maps::NAT_REPLIES] {
+            let info = aya::maps::MapInfo::from_pin(daemon.bpffs.join("maps").join(map)).unwrap();
+            assert_eq!(info.max_entries(), 4096, "{map}'s size");
+        }
         let interfaces = &status["datapath"]["external"]["interfaces"];
         for (name, role) in [("ext0", "clients"), ("srv0", "servers")] {
             let row = interfaces.as_array().unwrap().iter().find(|i| i["name"] == name);
