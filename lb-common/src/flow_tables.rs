@@ -10,6 +10,13 @@
 //!   allocates the NAT port (a port is in use while its entry exists,
 //!   and may go to a new flow once its flow has ended: [`crate::nat`]).
 //!
+//! Each comes twice: the established TCP flows (`FLOWS`, `NAT_REPLIES`:
+//! the client acknowledged the server's answer, which no sender of forged
+//! addresses sees) and every other flow (`OPENING_FLOWS`,
+//! `OPENING_REPLIES`: TCP handshakes under way, UDP). A flow opens in the
+//! second pair and moves to the first when its handshake completes, so a
+//! flood of new flows, however large, evicts only other new flows.
+//!
 //! Both are LRU maps of `[daemon] flow_table` entries each (the daemon
 //! sizes them at attach; [`MAX_EXTERNAL_FLOWS`] in the object): flows are
 //! not removed one by one (a close is noted, not followed to its end), the
@@ -108,6 +115,10 @@ pub struct NatReply {
     pub flags: u32,
     /// The client's SYN's sequence number (host byte order), with
     /// [`NAT_REPLY_SYN`]: a reset answering it acknowledges one more.
+    /// Once the server has answered a TCP flow's SYN
+    /// ([`NAT_REPLY_ESTABLISHED`]), the server's own (its SYN-ACK's): only
+    /// a client that acknowledges it has seen the answer, and its flow
+    /// moves to the established tables.
     pub syn_seq: u32,
     /// The interface the client's packets arrive on: where replies go out.
     pub client_ifindex: u32,

@@ -104,13 +104,16 @@ const _: () = assert!(Reason::COUNT as u32 <= COUNTER_SLOTS);
 /// (its lease's fence); `LINK_MACS`, the MAC of each interface `lb_xdp`
 /// runs on.
 /// 8: `TRAFFIC_SLOTS`, where the external path counts most of its
-/// traffic; `MARKED_AT`, the failure marks' stamps. A daemon of layout 8
-/// adopts pins of layout 7 and upgrades them (`UPGRADABLE_LAYOUT`).
-pub const LAYOUT_VERSION: u32 = 8;
+/// traffic; `MARKED_AT`, the failure marks' stamps.
+/// 9: `OPENING_FLOWS` and `OPENING_REPLIES`, the external path's flows
+/// until they are established; `FLOWS` and `NAT_REPLIES` keep established
+/// TCP flows only. A daemon of layout 9 adopts pins of layout 8 and
+/// upgrades them (`UPGRADABLE_LAYOUT`): their flows stay where they are.
+pub const LAYOUT_VERSION: u32 = 9;
 /// The one older layout a daemon adopts, by adding what its layout lacks
 /// (maps and programs; nothing pinned changes shape) before it replaces
 /// the programs.
-pub const UPGRADABLE_LAYOUT: u32 = 7;
+pub const UPGRADABLE_LAYOUT: u32 = 8;
 
 /// Index of the layout version in `META`.
 pub const META_LAYOUT_VERSION: u32 = 0;
@@ -171,6 +174,11 @@ pub mod maps {
     pub const FLOWS: &str = "FLOWS";
     /// [`NatKey`](crate::NatKey) → [`NatReply`](crate::NatReply), an LRU map.
     pub const NAT_REPLIES: &str = "NAT_REPLIES";
+    /// As [`FLOWS`], for flows not yet established (TCP handshakes under
+    /// way, UDP): a flood of them evicts none of `FLOWS` (layout 9).
+    pub const OPENING_FLOWS: &str = "OPENING_FLOWS";
+    /// As [`NAT_REPLIES`], for the flows of [`OPENING_FLOWS`] (layout 9).
+    pub const OPENING_REPLIES: &str = "OPENING_REPLIES";
     /// Server → per-CPU [`Traffic`](crate::Traffic) forwarded to it.
     pub const TRAFFIC: &str = "TRAFFIC";
     /// [`AnnounceKey`](crate::AnnounceKey) (interface, address) →
@@ -203,7 +211,7 @@ pub mod maps {
     /// (sock_ops, `lb_xdp`) stamp the one map `lb_xdp` reads (layout 8).
     pub const MARKED_AT: &str = "MARKED_AT";
     /// Every map the daemon pins, in one list so attach, adopt and detach agree.
-    pub const ALL: [&str; 20] = [
+    pub const ALL: [&str; 22] = [
         SERVICES,
         FAILED_AT,
         SOCKETS,
@@ -224,9 +232,11 @@ pub mod maps {
         LINK_MACS,
         TRAFFIC_SLOTS,
         MARKED_AT,
+        OPENING_FLOWS,
+        OPENING_REPLIES,
     ];
     /// The maps pins of `UPGRADABLE_LAYOUT` lack (an upgrade creates them).
-    pub const NEW_IN_LAYOUT: [&str; 2] = [TRAFFIC_SLOTS, MARKED_AT];
+    pub const NEW_IN_LAYOUT: [&str; 2] = [OPENING_FLOWS, OPENING_REPLIES];
 }
 
 /// Names of the programs in the object file; also their link pin names.

@@ -253,6 +253,14 @@ reasons! {
     /// kernel, which does not own the address; TCP is answered with the
     /// node's reset (`xdp_reset_sent`), anything else dropped.
     XdpUnserved = 73 => "xdp_unserved",
+    /// xdp: a TCP flow's client acknowledged its server's answer: the flow
+    /// moved to the established tables, where new flows never evict it.
+    XdpPromoted = 74 => "xdp_promoted",
+    /// xdp: a TCP flow's client sent its first packet after its SYN, but
+    /// not acknowledging the server's answer (none came, or it was not
+    /// seen: a forged address), or the established tables refused it: the
+    /// flow stays with the opening ones.
+    XdpNotPromoted = 75 => "xdp_not_promoted",
 }
 
 impl Reason {
@@ -386,6 +394,8 @@ mod tests {
                 "xdp_reset_sent",
                 "xdp_reply_elsewhere",
                 "xdp_unserved",
+                "xdp_promoted",
+                "xdp_not_promoted",
             ]
         );
     }

@@ -2,10 +2,13 @@
 //! forwarded to a server with NAT, and the servers' replies translated
 //! back (`lb_xdp`, on the interfaces the daemon attaches it to).
 //!
-//! A client's packet to VIP:port belongs to a flow (`FLOWS`, `known`):
-//! its first packet gets a server (`choose`), chosen as a connect to the
-//! VIP would be (`select.rs`), and a NAT port (`new_flow`), allocated by
-//! inserting the flow's reply key into `NAT_REPLIES`. Its packets leave
+//! A client's packet to VIP:port belongs to a flow (`known`): its first
+//! packet gets a server (`choose`), chosen as a connect to the VIP would
+//! be (`select.rs`), and a NAT port (`new_flow`), allocated by inserting
+//! the flow's reply key into `OPENING_REPLIES` (its flow in
+//! `OPENING_FLOWS`). A TCP flow whose client acknowledges its server's
+//! SYN-ACK moves to the established tables, `FLOWS` and `NAT_REPLIES`
+//! (`promote`), which new flows never evict. Its packets leave
 //! with the server as destination and the node's own address toward that
 //! server (`NODE_ADDRESSES`) and the NAT port as source, by the kernel's
 //! FIB (`send`); one too big for that route is answered with the node's
@@ -42,23 +45,19 @@
               holds 512 bytes for the whole call chain"
 )]
 
-use aya_ebpf::{
-    bindings::{BPF_ANY, BPF_NOEXIST, xdp_action},
-    helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_ns},
-    programs::XdpContext,
-};
+use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpContext};
 use lb_common::{
-    DAEMON_STATE_FAILED, EXTERNAL_FLOW_COOKIE, Endpoint, EventKind, Flow, FlowKey, NAT_PORT_COUNT,
-    NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN, NatKey, NatReply, Reason, Service,
-    TRAFFIC_SLOT_IDLE_TICKS, Traffic, TrafficSlot, maglev, nat, traffic_slot,
+    DAEMON_STATE_FAILED, EXTERNAL_FLOW_COOKIE, Endpoint, EventKind, Flow, NAT_REPLY_ESTABLISHED,
+    NAT_REPLY_SYN, NatKey, NatReply, Reason, Service, maglev, nat,
 };
 
 use crate::{
     consts::{IPPROTO_TCP, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    flows::{flow_key, forget, new_flow, promote, reply_key},
     icmp,
     maps::{
-        EXTERNAL, FLOWS, MAGLEV, NAT_REPLIES, NEW_FLOW, NODE_ADDRESSES, SERVICES, TRAFFIC,
-        TRAFFIC_SLOTS, count_xdp,
+        EXTERNAL, FLOWS, MAGLEV, NAT_REPLIES, NEW_FLOW, OPENING_FLOWS, OPENING_REPLIES, SERVICES,
+        count_xdp,
     },
     packet,
     report::{emit, mark_failed_reporting},
@@ -67,10 +66,8 @@ use crate::{
     scratch::Packet,
     select::{XDP, choose_server, daemon_state, preferred, unmarked_lately, usable},
     too_big,
+    traffic::add_traffic,
 };
-
-/// NAT ports tried for a new flow before it is refused.
-const NAT_TRIES: u32 = 8;
 
 /// The soonest a client's SYN sent again counts as a retransmission: no
 /// TCP retransmits a SYN sooner (Linux waits 1 s, RFC 6298 at least 1 s).
@@ -89,7 +86,7 @@ const SYN_RETRANSMIT_MIN_NS: u64 = 900_000_000;
 /// past the 512 bytes a program's call chain may use. The flow's entry
 /// goes from one to the next as a pointer into the map: looked up once.
 #[inline(always)]
-pub(crate) fn forward(ctx: &XdpContext, p: &Packet) -> Option<u32> {
+pub(crate) fn forward(ctx: &XdpContext, p: &mut Packet) -> Option<u32> {
     if p.icmp_error {
         return icmp::forward_error(ctx, p);
     }
@@ -111,7 +108,15 @@ pub(crate) fn forward(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     }
     if let Some(flow) = known(ctx, p, service) {
         count_xdp(Reason::XdpForwarded);
-        return Some(send(ctx, p, flow, false));
+        // A client's packet after its SYN, of an opening TCP flow: the
+        // handshake may be complete (`promote` checks).
+        let completes =
+            p.opening && u32::from(p.protocol) == IPPROTO_TCP && p.tcp_flags & TCP_SYN == 0;
+        let verdict = send(ctx, p, flow, false);
+        if completes && verdict == xdp_action::XDP_REDIRECT {
+            promote(p, flow);
+        }
+        return Some(verdict);
     }
     // Only a SYN opens a TCP flow; anything else of no flow is answered
     // as a host answers it.
@@ -125,21 +130,12 @@ pub(crate) fn forward(ctx: &XdpContext, p: &Packet) -> Option<u32> {
         return Some(xdp_action::XDP_DROP);
     }
     let Some(flow) = new_flow(ctx, p) else { return Some(xdp_action::XDP_DROP) };
+    p.opening = true;
     let verdict = send(ctx, p, flow, true);
     if verdict != xdp_action::XDP_REDIRECT {
         forget(p, flow);
     }
     Some(verdict)
-}
-
-/// Removes a new flow whose first packet was not sent (no route or
-/// neighbour yet, too big): the flow's next packet opens it anew. Kept,
-/// it would not know where its server's replies arrive (`send`), and
-/// they would be dropped.
-#[inline(never)]
-fn forget(p: &Packet, flow: &Flow) {
-    let _ = NAT_REPLIES.remove(&reply_key(flow, p.protocol));
-    let _ = FLOWS.remove(&flow_key(p));
 }
 
 /// A packet to an external VIP's address that lb does not serve there
@@ -170,18 +166,46 @@ pub(crate) fn unserved(ctx: &XdpContext, p: &Packet) -> Option<u32> {
 /// known and keeps its server (a flow that does not leaves both tables,
 /// and so frees its NAT port: its next packet is of no flow).
 #[inline(never)]
-fn known(ctx: &XdpContext, p: &Packet, service: &Service) -> Option<&'static mut Flow> {
+fn known(ctx: &XdpContext, p: &mut Packet, service: &Service) -> Option<&'static mut Flow> {
+    let key = flow_key(p);
+    let (entry, opening) = match FLOWS.get_ptr_mut(&key) {
+        Some(entry) => (entry, false),
+        None => (OPENING_FLOWS.get_ptr_mut(&key)?, true),
+    };
+    p.opening = opening;
     // SAFETY: a map value, valid for the whole program run; this CPU alone
     // writes a flow's entry while it handles the flow's packet (a flow
     // arrives on one queue). Used in place: the flow tables' structs are
     // not copied onto the stack.
-    let flow = unsafe { &mut *FLOWS.get_ptr_mut(&flow_key(p))? };
+    let flow = unsafe { &mut *entry };
+    if opening && !owns_port(p, flow) {
+        // Its NAT entry was evicted, and its port may be another flow's.
+        let _ = OPENING_FLOWS.remove(&key);
+        return None;
+    }
     if keeps(ctx, service, flow, p) {
         return Some(flow);
     }
-    let _ = NAT_REPLIES.remove(&reply_key(flow, p.protocol));
-    let _ = FLOWS.remove(&flow_key(p));
+    if opening {
+        let _ = OPENING_REPLIES.remove(&reply_key(flow, p.protocol));
+        let _ = OPENING_FLOWS.remove(&key);
+    } else {
+        let _ = NAT_REPLIES.remove(&reply_key(flow, p.protocol));
+        let _ = FLOWS.remove(&key);
+    }
     None
+}
+
+/// Whether the NAT port of `flow`, an opening flow of `p`'s, is still its
+/// own: the opening tables are evicted apart, and a port whose entry went
+/// may be another flow's by now.
+#[inline(always)]
+fn owns_port(p: &Packet, flow: &Flow) -> bool {
+    // SAFETY: a map value, only read.
+    match unsafe { OPENING_REPLIES.get(&reply_key(flow, p.protocol)) } {
+        Some(entry) => entry.client == p.src && entry.vip == p.dst,
+        None => false,
+    }
 }
 
 /// Sends a client's packet along its flow (`flow`, its `FLOWS` entry):
@@ -221,7 +245,7 @@ fn send(ctx: &XdpContext, p: &Packet, flow: &mut Flow, new: bool) -> u32 {
     }
     if new {
         // Where the server's replies arrive: only there can a reset fail it.
-        if let Some(entry) = NAT_REPLIES.get_ptr_mut(&reply_key(flow, p.protocol)) {
+        if let Some(entry) = OPENING_REPLIES.get_ptr_mut(&reply_key(flow, p.protocol)) {
             // SAFETY: a map value of this flow, written only for it.
             unsafe { (*entry).server_ifindex = ifindex };
         }
@@ -239,7 +263,10 @@ fn send(ctx: &XdpContext, p: &Packet, flow: &mut Flow, new: bool) -> u32 {
 /// `send`'s frame grew by a third.
 #[inline(never)]
 fn client_notes(flow: &Flow, p: &Packet) {
-    let Some(entry) = NAT_REPLIES.get_ptr_mut(&reply_key(flow, p.protocol)) else { return };
+    let key = reply_key(flow, p.protocol);
+    let entry =
+        if p.opening { OPENING_REPLIES.get_ptr_mut(&key) } else { NAT_REPLIES.get_ptr_mut(&key) };
+    let Some(entry) = entry else { return };
     // SAFETY: plain helper call without arguments.
     let now = nat::tick(unsafe { bpf_ktime_get_ns() });
     let fin = p.tcp_flags & TCP_FIN != 0;
@@ -270,9 +297,12 @@ fn keeps(ctx: &XdpContext, service: &Service, flow: &Flow, p: &Packet) -> bool {
     if !marked && !syn_again {
         return true;
     }
-    // SAFETY: a copy of the flags.
-    let flags = unsafe { NAT_REPLIES.get(&reply_key(flow, p.protocol)) }.map_or(0, |r| r.flags);
-    let established = u32::from(p.protocol) == IPPROTO_TCP && flags & NAT_REPLY_ESTABLISHED != 0;
+    // An established table's flow: the server answered, the client too.
+    let answered = !p.opening
+        // SAFETY: a copy of the flags.
+        || unsafe { OPENING_REPLIES.get(&reply_key(flow, p.protocol)) }
+            .is_some_and(|r| r.flags & NAT_REPLY_ESTABLISHED != 0);
+    let established = u32::from(p.protocol) == IPPROTO_TCP && answered;
     if marked {
         if confirmed || !established {
             count_xdp(Reason::XdpFlowMoved);
@@ -346,106 +376,16 @@ fn choose(p: &Packet, service: &Service) -> bool {
     true
 }
 
-/// Records `p`'s new flow, to the server `choose` chose, with a NAT
-/// port in `FLOWS` and `NAT_REPLIES`: its `FLOWS` entry, or `None`
-/// (counted) if the flow must be refused. A port is free if it has no
-/// entry, or if its entry's flow has ended long enough ago (`reclaim`).
-#[inline(never)]
-fn new_flow(ctx: &XdpContext, p: &Packet) -> Option<&'static mut Flow> {
-    let Some(slot) = NEW_FLOW.get_ptr_mut(0) else {
-        count_xdp(Reason::MapError);
-        return None;
-    };
-    // SAFETY: as in `choose`; its server written there for this packet.
-    let new = unsafe { &mut *slot };
-    let host = Endpoint { addr: new.nat.server.addr, port: 0, _pad: [0; 2] };
-    // SAFETY: a copy of the value.
-    let Some(node) = (unsafe { NODE_ADDRESSES.get(&host) }).copied() else {
-        count_xdp(Reason::XdpNoNodeAddress);
-        return None;
-    };
-    let macs = packet::macs(ctx)?;
-    let tcp = u32::from(p.protocol) == IPPROTO_TCP;
-    let syn = tcp && p.is_syn();
-    // SAFETY: plain helper call without arguments.
-    let tick = nat::tick(unsafe { bpf_ktime_get_ns() });
-    new.nat.node = node;
-    new.nat.protocol = p.protocol;
-    new.nat._pad = [0; 3];
-    new.reply.client = p.src;
-    new.reply.vip = p.dst;
-    new.reply.flags = nat::stamp(if syn { NAT_REPLY_SYN } else { 0 }, tick);
-    new.reply.syn_seq = p.tcp_seq;
-    // SAFETY: the context's fields are valid for the whole program run.
-    new.reply.client_ifindex = unsafe { (*ctx.ctx).ingress_ifindex };
-    new.reply.server_ifindex = 0;
-    new.reply.macs = swapped(macs);
-    let mut allocated = false;
-    // Ports at random, each on its own: ports tried in a row would cluster
-    // the ones taken, as linear probing does in a hash table. The second
-    // half of the tries is pressed (`lb_common::nat`).
-    for i in 0..2 * NAT_TRIES {
-        // SAFETY: plain helper call without arguments.
-        let random = unsafe { bpf_get_prandom_u32() };
-        let port = NAT_PORT_FIRST + (random % u32::from(NAT_PORT_COUNT)) as u16;
-        new.nat.node.port = port.to_be();
-        if NAT_REPLIES.insert(&new.nat, &new.reply, u64::from(BPF_NOEXIST)).is_ok()
-            || reclaim(&new.nat, tcp, tick, i >= NAT_TRIES)
-                && NAT_REPLIES.insert(&new.nat, &new.reply, u64::from(BPF_ANY)).is_ok()
-        {
-            allocated = true;
-            break;
-        }
-    }
-    if !allocated {
-        count_xdp(Reason::XdpNatPortsExhausted);
-        return None;
-    }
-    // Its SYN's time is set as the SYN leaves (`send`).
-    let flow = Flow { server: new.nat.server, node: new.nat.node, syn_at_ns: 0 };
-    let entry = match FLOWS.insert(&flow_key(p), &flow, u64::from(BPF_ANY)) {
-        Ok(()) => FLOWS.get_ptr_mut(&flow_key(p)),
-        Err(_) => None,
-    };
-    let Some(entry) = entry else {
-        count_xdp(Reason::MapError);
-        let _ = NAT_REPLIES.remove(&new.nat);
-        return None;
-    };
-    count_xdp(Reason::XdpNewFlow);
-    // SAFETY: as in `known`.
-    Some(unsafe { &mut *entry })
-}
-
-/// Whether the NAT port of `nat`'s entry may go to a new flow: its flow
-/// has ended or idled out (`lb_common::nat::reusable`). If so, that
-/// flow's `FLOWS` entry goes too, if it still holds the port: its next
-/// packet is a new flow, never one that shares the port.
-#[inline(always)]
-fn reclaim(nat: &NatKey, tcp: bool, tick: u32, pressed: bool) -> bool {
-    // SAFETY: a map value, read in place.
-    let Some(old) = (unsafe { NAT_REPLIES.get(nat) }) else { return false };
-    if !nat::reusable(old.flags, tcp, tick, pressed) {
-        return false;
-    }
-    let key = FlowKey { client: old.client, vip: old.vip, protocol: nat.protocol, _pad: [0; 3] };
-    // SAFETY: as above.
-    if let Some(flow) = unsafe { FLOWS.get(&key) }
-        && flow.node == nat.node
-        && flow.server == nat.server
-    {
-        let _ = FLOWS.remove(&key);
-    }
-    count_xdp(Reason::XdpNatPortReused);
-    true
-}
-
 /// A server's packet: translated back and sent to its client if it
 /// answers a forwarded flow; `None` if it does not.
 #[inline(never)]
 fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     let key = NatKey { server: p.src, node: p.dst, protocol: p.protocol, _pad: [0; 3] };
-    let Some(entry) = NAT_REPLIES.get_ptr_mut(&key) else {
+    let entry = match NAT_REPLIES.get_ptr_mut(&key) {
+        Some(entry) => Some(entry),
+        None => OPENING_REPLIES.get_ptr_mut(&key),
+    };
+    let Some(entry) = entry else {
         count_xdp(Reason::XdpNotOurs);
         return None;
     };
@@ -461,9 +401,16 @@ fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
         return Some(xdp_action::XDP_DROP);
     }
     let mut flags = nat.flags;
+    let tcp = u32::from(p.protocol) == IPPROTO_TCP;
     if flags & NAT_REPLY_ESTABLISHED == 0 {
         if !p.is_rst() {
             flags |= NAT_REPLY_ESTABLISHED;
+            if tcp && p.tcp_flags & TCP_SYN != 0 {
+                // The server's own sequence number: the client that
+                // acknowledges it completes the handshake (`promote`).
+                // SAFETY: as above.
+                unsafe { (*entry).syn_seq = p.tcp_seq };
+            }
         } else if refuses(&nat, p) {
             count_xdp(Reason::XdpServerReset);
             if mark_failed_reporting(&p.src) {
@@ -471,7 +418,6 @@ fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
             }
         }
     }
-    let tcp = u32::from(p.protocol) == IPPROTO_TCP;
     if tcp {
         let (syn, fin) = (p.tcp_flags & TCP_SYN != 0, p.tcp_flags & TCP_FIN != 0);
         flags = nat::after_tcp(flags, true, syn, fin, p.is_rst());
@@ -500,91 +446,4 @@ fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
 #[inline(always)]
 fn refuses(nat: &NatReply, p: &Packet) -> bool {
     nat.flags & NAT_REPLY_SYN != 0 && p.tcp_ack == nat.syn_seq.wrapping_add(1)
-}
-
-/// The `FLOWS` key of `p`'s flow.
-#[inline(always)]
-fn flow_key(p: &Packet) -> FlowKey {
-    FlowKey { client: p.src, vip: p.dst, protocol: p.protocol, _pad: [0; 3] }
-}
-
-/// The `NAT_REPLIES` key of `flow`'s replies.
-#[inline(always)]
-fn reply_key(flow: &Flow, protocol: u8) -> NatKey {
-    NatKey { server: flow.server, node: flow.node, protocol, _pad: [0; 3] }
-}
-
-/// The link layer of a reply to a packet that came with `macs`
-/// (destination, source): the two swapped.
-#[inline(always)]
-fn swapped(macs: [u8; 12]) -> [u8; 12] {
-    let mut out = [0u8; 12];
-    out[..6].copy_from_slice(&macs[6..]);
-    out[6..].copy_from_slice(&macs[..6]);
-    out
-}
-
-/// Counts a packet of `bytes` forwarded to `server`: in this CPU's slot
-/// of `TRAFFIC_SLOTS` for it if the server holds it, or takes it (free,
-/// or idle for `TRAFFIC_SLOT_IDLE_TICKS`, its counts moved to its holder's
-/// `TRAFFIC` entry); else in `TRAFFIC` (`lb_common::TrafficSlot`).
-#[inline(always)]
-fn add_traffic(server: &Endpoint, bytes: u32) {
-    // SAFETY: plain helper call without arguments.
-    let now = unsafe { bpf_jiffies64() };
-    if let Some(slot) = TRAFFIC_SLOTS.get_ptr_mut(traffic_slot(server)) {
-        // SAFETY: this CPU's slot, written only by `lb_xdp` on this CPU,
-        // which runs one packet at a time (see `count_xdp`).
-        let slot = unsafe { &mut *slot };
-        if slot.server == *server || take_slot(slot, server, now) {
-            slot.used_at = now;
-            slot.traffic.packets += 1;
-            slot.traffic.bytes += u64::from(bytes);
-            return;
-        }
-    }
-    let Some(traffic) = traffic_entry(server) else { return };
-    // SAFETY: a per-CPU map value of two u64s, valid for the program run;
-    // plain adds, as in `count_xdp`.
-    unsafe {
-        (*traffic).packets += 1;
-        (*traffic).bytes += u64::from(bytes);
-    }
-}
-
-/// Whether `server` may have `slot`, and has it now: the slot is free, or
-/// its holder has not used it for `TRAFFIC_SLOT_IDLE_TICKS` and its counts
-/// moved to the holder's `TRAFFIC` entry.
-#[inline(always)]
-fn take_slot(slot: &mut TrafficSlot, server: &Endpoint, now: u64) -> bool {
-    if slot.server != Endpoint::default() {
-        if now.wrapping_sub(slot.used_at) < TRAFFIC_SLOT_IDLE_TICKS {
-            return false;
-        }
-        let Some(traffic) = traffic_entry(&slot.server) else { return false };
-        // SAFETY: as in `add_traffic`.
-        unsafe {
-            (*traffic).packets += slot.traffic.packets;
-            (*traffic).bytes += slot.traffic.bytes;
-        }
-    }
-    *slot = TrafficSlot { server: *server, ..TrafficSlot::default() };
-    true
-}
-
-/// This CPU's entry of `server` in `TRAFFIC`, as sock_ops counts
-/// connections (`add_connection`): the first packet to a server on any
-/// CPU creates its entry (the other CPUs' slots start at zero); one that
-/// lost that race to another CPU adds to the entry it made. `None`
-/// (counted) if the map is full.
-#[inline(always)]
-fn traffic_entry(server: &Endpoint) -> Option<*mut Traffic> {
-    if TRAFFIC.get_ptr_mut(server).is_none() {
-        let _ = TRAFFIC.insert(server, &Traffic::default(), u64::from(BPF_NOEXIST));
-    }
-    let entry = TRAFFIC.get_ptr_mut(server);
-    if entry.is_none() {
-        count_xdp(Reason::MapError);
-    }
-    entry
 }

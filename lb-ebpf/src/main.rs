@@ -59,6 +59,7 @@ mod announce;
 mod connect;
 mod consts;
 mod ctx;
+mod flows;
 mod forward;
 mod icmp;
 mod maps;
@@ -71,6 +72,7 @@ mod scratch;
 mod select;
 mod sock_ops;
 mod too_big;
+mod traffic;
 mod udp;
 
 use crate::{

@@ -121,7 +121,10 @@ pub(crate) static EXTERNAL: HashMap<Endpoint, u32> =
 pub(crate) static NODE_ADDRESSES: HashMap<Endpoint, Endpoint> =
     HashMap::with_max_entries(MAX_FAILED_SERVERS, BPF_F_NO_PREALLOC);
 
-/// The external path's flows, client → VIP, and where they go (`forward.rs`).
+/// The external path's established TCP flows, client → VIP, and where
+/// they go (`forward.rs`): only flows whose client acknowledged its
+/// server's answer come here (`forward::promote`), so new flows, however
+/// many, never evict one.
 #[map]
 pub(crate) static FLOWS: LruHashMap<FlowKey, Flow> =
     LruHashMap::with_max_entries(MAX_EXTERNAL_FLOWS, 0);
@@ -130,6 +133,19 @@ pub(crate) static FLOWS: LruHashMap<FlowKey, Flow> =
 /// whom to send those back to. An entry holds its NAT port.
 #[map]
 pub(crate) static NAT_REPLIES: LruHashMap<NatKey, NatReply> =
+    LruHashMap::with_max_entries(MAX_EXTERNAL_FLOWS, 0);
+
+/// As `FLOWS`, for every other flow: TCP until its handshake completes,
+/// UDP. Where a flow opens; a flood of new flows evicts only these.
+#[map]
+pub(crate) static OPENING_FLOWS: LruHashMap<FlowKey, Flow> =
+    LruHashMap::with_max_entries(MAX_EXTERNAL_FLOWS, 0);
+
+/// As `NAT_REPLIES`, for the flows of `OPENING_FLOWS`. The two are evicted
+/// apart: a hit in `OPENING_FLOWS` is checked against its entry here
+/// (`forward::known`). A NAT port is in use while either table holds it.
+#[map]
+pub(crate) static OPENING_REPLIES: LruHashMap<NatKey, NatReply> =
     LruHashMap::with_max_entries(MAX_EXTERNAL_FLOWS, 0);
 
 /// Server → packets and bytes the external path forwarded to it, per CPU.

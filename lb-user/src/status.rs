@@ -234,8 +234,9 @@ fn lease_line(out: &mut String, l: &crate::control::LeaseStatus) {
 fn external_table(out: &mut String, external: &ExternalStatus) {
     let _ = writeln!(
         out,
-        "external path: {} flows (of {}), {} NAT ports in use{}",
+        "external path: {} flows ({} established; tables of {}), {} NAT ports in use{}",
         external.flows,
+        external.established_flows,
         external.flow_capacity,
         external.nat_ports,
         if external.forwarding { "" } else { "; IP FORWARDING IS OFF: nothing is forwarded" }
@@ -315,7 +316,8 @@ mod tests {
         for line in [
             "  external on eth1: withdrawn",
             "  lease lb-system/web as node-a: candidate; held by node-b, changed 120 ms ago",
-            "external path: 3 flows (of 16384), 3 NAT ports in use; IP FORWARDING IS OFF: nothing is forwarded",
+            "external path: 3 flows (2 established; tables of 16384), 3 NAT ports in use; IP FORWARDING IS OFF: \
+             nothing is forwarded",
             "  interface eth1 (clients): xdp native",
             "  interface eth9 (clients): NOT ATTACHED: no such interface",
             "  forwarded to 198.18.2.2:8080: 10 packets, 600 bytes",

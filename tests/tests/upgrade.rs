@@ -48,8 +48,8 @@ fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
 /// is stopped as systemd stops it (SIGTERM); this version starts on its
 /// pins. Its daemon adopts the previous one's maps and replaces the
 /// previous programs under the storm. The previous version's pins are of
-/// layout 7; the upgrade adds the external path's traffic slots
-/// (`TRAFFIC_SLOTS`; no cgroup program is new).
+/// layout 8; the upgrade adds the external path's opening flow tables
+/// (`OPENING_FLOWS`, `OPENING_REPLIES`; no cgroup program is new).
 #[privileged_test]
 fn an_upgrade_from_the_previous_version_keeps_every_connect_rewritten() {
     let Some(previous) = std::env::var_os("LB_PREVIOUS_BIN").map(PathBuf::from) else {

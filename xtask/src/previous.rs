@@ -20,10 +20,10 @@ use crate::{
     cmd::{run_cmd, target_dir, workspace},
 };
 
-/// The commit of the previous version: main with the elections by lease
-/// (layout 7), before the external path counted its traffic in
-/// `TRAFFIC_SLOTS` (layout 8).
-pub const PREVIOUS: &str = "45cf3d61365589b67e7f476fa9c3751736f4ac20";
+/// The commit of the previous version: main with the external path's
+/// flow tables sized by `[daemon] flow_table` (layout 8), before its new
+/// flows had tables of their own (`OPENING_FLOWS`, layout 9).
+pub const PREVIOUS: &str = "9c769a22e48acacf960e9e7ca7b108255a31974c";
 
 /// The previous version's `lb`, built once under `target/previous/` (and
 /// kept there for the next run). `None` when this clone lacks its commit

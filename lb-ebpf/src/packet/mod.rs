@@ -133,6 +133,7 @@ pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Parsed {
         tcp_seq: 0,
         ip_len,
         icmp_error: false,
+        opening: false,
     };
     if u32::from(protocol) == IPPROTO_TCP {
         let Some(tcp) = read::<[u32; TCP_HLEN / 4]>(ctx, l4) else {

@@ -15,12 +15,13 @@ pub const DEFAULT_STATE_DIR: &str = "/var/lib/lb";
 /// `lb_common::MAX_TRACKED_SOCKETS`). Small tables are for tests; the
 /// largest is some 100 MB of kernel memory.
 pub const SOCKET_TABLE_SIZES: std::ops::RangeInclusive<i64> = 64..=1 << 20;
-/// `daemon.flow_table`: the external path's flows (`FLOWS` and
-/// `NAT_REPLIES`, each this size). Preallocated LRU maps of about 160
-/// bytes an entry each: some 20 MB for both at this size, on every node.
+/// `daemon.flow_table`: the external path's flows (`FLOWS`,
+/// `NAT_REPLIES`, `OPENING_FLOWS`, `OPENING_REPLIES`, each this size).
+/// Preallocated LRU maps of about 160 bytes an entry each: some 40 MB for
+/// the four at this size, on every node.
 pub const DEFAULT_FLOW_TABLE: u32 = 65_536;
 /// The sizes `[daemon] flow_table` takes. Small tables are for tests; the
-/// largest is some 1.3 GB of kernel memory.
+/// largest is some 2.6 GB of kernel memory.
 pub const FLOW_TABLE_SIZES: std::ops::RangeInclusive<i64> = 1_024..=1 << 22;
 /// A service's `hold_down`.
 pub const DEFAULT_HOLD_DOWN: Duration = Duration::from_secs(5);

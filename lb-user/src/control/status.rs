@@ -179,9 +179,12 @@ pub struct DatapathStatus {
 pub struct ExternalStatus {
     /// The interfaces it runs on (or should and cannot).
     pub interfaces: Vec<InterfaceStatus>,
-    /// Flows in the flow table (client → VIP), and its size.
+    /// Flows in the flow tables (client → VIP).
     pub flows: usize,
-    /// The flow table's size.
+    /// Of `flows`, the established TCP flows (in their own table, which
+    /// new flows never evict).
+    pub established_flows: usize,
+    /// Each flow table's size (`[daemon] flow_table`).
     pub flow_capacity: usize,
     /// NAT ports in use (one per flow), of `nat_port_capacity` per server.
     pub nat_ports: usize,
@@ -216,6 +219,7 @@ impl ExternalStatus {
                 },
             ],
             flows: 3,
+            established_flows: 2,
             flow_capacity: 16_384,
             nat_ports: 3,
             nat_port_capacity: 4_536,

@@ -353,6 +353,7 @@ impl Daemon {
         Some(ExternalStatus {
             interfaces,
             flows: maps.flows(),
+            established_flows: maps.established_flows(),
             flow_capacity: maps.flow_capacity(),
             nat_ports: maps.nat_ports(),
             nat_port_capacity: usize::from(lb_common::NAT_PORT_COUNT),

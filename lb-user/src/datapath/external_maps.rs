@@ -23,6 +23,8 @@ pub struct ExternalMaps {
     node_addresses: HashMap<MapData, Endpoint, Endpoint>,
     flows: HashMap<MapData, FlowKey, Flow>,
     nat: HashMap<MapData, NatKey, NatReply>,
+    opening_flows: HashMap<MapData, FlowKey, Flow>,
+    opening_nat: HashMap<MapData, NatKey, NatReply>,
     traffic: PerCpuHashMap<MapData, Endpoint, Traffic>,
     traffic_slots: PerCpuArray<MapData, TrafficSlot>,
     /// What `traffic` last said, per server: its figures never go down.
@@ -71,6 +73,8 @@ impl ExternalMaps {
             vips: typed!(HashMap, maps::EXTERNAL),
             node_addresses: typed!(HashMap, maps::NODE_ADDRESSES),
             nat: typed!(HashMap, maps::NAT_REPLIES),
+            opening_flows: typed!(HashMap, maps::OPENING_FLOWS),
+            opening_nat: typed!(HashMap, maps::OPENING_REPLIES),
             traffic: typed!(PerCpuHashMap, maps::TRAFFIC),
             traffic_slots: typed!(PerCpuArray, maps::TRAFFIC_SLOTS),
             traffic_reported: Mutex::default(),
@@ -242,11 +246,19 @@ impl ExternalMaps {
     /// Flows in the flow table.
     pub fn flows(&self) -> usize {
         self.flows.keys().filter(Result::is_ok).count()
+            + self.opening_flows.keys().filter(Result::is_ok).count()
+    }
+
+    /// Of [`Self::flows`], those established (TCP flows whose client
+    /// acknowledged the server's answer: new flows never evict them).
+    pub fn established_flows(&self) -> usize {
+        self.flows.keys().filter(Result::is_ok).count()
     }
 
     /// NAT ports held (one per flow's reply key).
     pub fn nat_ports(&self) -> usize {
         self.nat.keys().filter(Result::is_ok).count()
+            + self.opening_nat.keys().filter(Result::is_ok).count()
     }
 
     /// What was forwarded to each server, summed over the CPUs: its

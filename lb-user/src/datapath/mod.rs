@@ -280,6 +280,8 @@ impl Datapath {
         loader.map_max_entries(map_names::SOCKETS, sizes.socket_table);
         loader.map_max_entries(map_names::FLOWS, sizes.flow_table);
         loader.map_max_entries(map_names::NAT_REPLIES, sizes.flow_table);
+        loader.map_max_entries(map_names::OPENING_FLOWS, sizes.flow_table);
+        loader.map_max_entries(map_names::OPENING_REPLIES, sizes.flow_table);
         let (mut ebpf, logger) = load_object(loader, bpf_log)?;
 
         // The layout version goes in before anything is pinned, so no pin

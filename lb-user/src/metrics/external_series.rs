@@ -58,8 +58,14 @@ impl Collector for ExternalSeries {
         )?;
         gauge(
             &mut encoder,
+            "lb_external_established_flows",
+            "Of those, established TCP flows (new flows never evict them)",
+            status.established_flows,
+        )?;
+        gauge(
+            &mut encoder,
             "lb_external_flows_capacity",
-            "How many flows the table holds (LRU: the oldest go)",
+            "How many flows each flow table holds (LRU: the oldest go)",
             status.flow_capacity,
         )?;
         gauge(&mut encoder, "lb_external_nat_ports", "NAT ports held by flows", status.nat_ports)?;
@@ -109,6 +115,7 @@ mod tests {
             r#"lb_external_interface_attached{interface="eth1",mode="native"} 1"#,
             r#"lb_external_interface_attached{interface="eth9",mode="none"} 0"#,
             "lb_external_flows 3",
+            "lb_external_established_flows 2",
             "lb_external_nat_ports 3",
             "lb_external_ip_forwarding 1",
             r#"lb_external_forwarded_packets_total{server="198.18.2.2:8080"} 10"#,

@@ -32,6 +32,9 @@ pub const XDP_REDIRECT: u32 = 4;
 /// Loopback's interface index, in every network namespace.
 pub const LOOPBACK: u32 = 1;
 
+/// The NAT tables: established flows', and opening ones'.
+pub const NAT_TABLES: [&str; 2] = [maps::NAT_REPLIES, maps::OPENING_REPLIES];
+
 /// The client's router, as the node sees it.
 pub const CLIENT_MAC: Mac = [2, 0, 0, 0, 0, 1];
 /// The node's interface toward clients (`ext0`).
@@ -224,15 +227,17 @@ impl Node {
     /// Makes every NAT entry that names `srv0` or loopback as where its
     /// server is name `ifindex`.
     fn servers_behind(&self, ifindex: u32) {
-        let map = self.ebpf.map(maps::NAT_REPLIES).unwrap();
-        let entries: HashMap<_, NatKey, NatReply> = HashMap::try_from(map).unwrap();
-        let all: Vec<(NatKey, NatReply)> = entries.iter().map(Result::unwrap).collect();
-        for (key, mut entry) in all {
-            if [self.srv0, LOOPBACK].contains(&entry.server_ifindex)
-                && entry.server_ifindex != ifindex
-            {
-                entry.server_ifindex = ifindex;
-                program::update(map, &key, &entry);
+        for table in NAT_TABLES {
+            let map = self.ebpf.map(table).unwrap();
+            let entries: HashMap<_, NatKey, NatReply> = HashMap::try_from(map).unwrap();
+            let all: Vec<(NatKey, NatReply)> = entries.iter().map(Result::unwrap).collect();
+            for (key, mut entry) in all {
+                if [self.srv0, LOOPBACK].contains(&entry.server_ifindex)
+                    && entry.server_ifindex != ifindex
+                {
+                    entry.server_ifindex = ifindex;
+                    program::update(map, &key, &entry);
+                }
             }
         }
     }
@@ -305,26 +310,30 @@ impl Node {
     /// Moves every flow's SYN `by` into the past, as if the client had
     /// waited that long before sending it again.
     pub fn age_syns(&mut self, by: std::time::Duration) {
-        let mut flows: HashMap<_, FlowKey, Flow> =
-            HashMap::try_from(self.ebpf.map_mut(maps::FLOWS).unwrap()).unwrap();
-        let all: Vec<(FlowKey, Flow)> = flows.iter().map(Result::unwrap).collect();
-        for (key, mut flow) in all {
-            flow.syn_at_ns = flow.syn_at_ns.saturating_sub(by.as_nanos() as u64);
-            flows.insert(key, flow, 0).unwrap();
+        for table in [maps::FLOWS, maps::OPENING_FLOWS] {
+            let mut flows: HashMap<_, FlowKey, Flow> =
+                HashMap::try_from(self.ebpf.map_mut(table).unwrap()).unwrap();
+            let all: Vec<(FlowKey, Flow)> = flows.iter().map(Result::unwrap).collect();
+            for (key, mut flow) in all {
+                flow.syn_at_ns = flow.syn_at_ns.saturating_sub(by.as_nanos() as u64);
+                flows.insert(key, flow, 0).unwrap();
+            }
         }
     }
 
     /// Moves every NAT entry's last-seen time `by` into the past, as if
     /// its flow had been quiet that long.
     pub fn age_nat(&mut self, by: std::time::Duration) {
-        let mut entries: HashMap<_, NatKey, NatReply> =
-            HashMap::try_from(self.ebpf.map_mut(maps::NAT_REPLIES).unwrap()).unwrap();
-        let all: Vec<(NatKey, NatReply)> = entries.iter().map(Result::unwrap).collect();
         let ticks = nat::tick(by.as_nanos() as u64);
-        for (key, mut entry) in all {
-            let seen = entry.flags >> 8;
-            entry.flags = nat::stamp(entry.flags, seen.wrapping_sub(ticks) & 0xff_ffff);
-            entries.insert(key, entry, 0).unwrap();
+        for table in NAT_TABLES {
+            let mut entries: HashMap<_, NatKey, NatReply> =
+                HashMap::try_from(self.ebpf.map_mut(table).unwrap()).unwrap();
+            let all: Vec<(NatKey, NatReply)> = entries.iter().map(Result::unwrap).collect();
+            for (key, mut entry) in all {
+                let seen = entry.flags >> 8;
+                entry.flags = nat::stamp(entry.flags, seen.wrapping_sub(ticks) & 0xff_ffff);
+                entries.insert(key, entry, 0).unwrap();
+            }
         }
     }
 
@@ -350,18 +359,28 @@ impl Node {
         slots.set(index, PerCpuValues::try_from(vec![slot; cpus]).unwrap(), 0).unwrap();
     }
 
-    /// The NAT entry of `key`.
+    /// The NAT entry of `key`, in either table.
     pub fn nat_entry(&self, key: &NatKey) -> Option<NatReply> {
+        NAT_TABLES.iter().find_map(|table| self.nat_entry_in(table, key))
+    }
+
+    /// The NAT entry of `key` in `table` (`NAT_REPLIES`, `OPENING_REPLIES`).
+    pub fn nat_entry_in(&self, table: &str, key: &NatKey) -> Option<NatReply> {
         let entries: HashMap<_, NatKey, NatReply> =
-            HashMap::try_from(self.ebpf.map(maps::NAT_REPLIES).unwrap()).unwrap();
+            HashMap::try_from(self.ebpf.map(table).unwrap()).unwrap();
         entries.get(key, 0).ok()
     }
 
-    /// How many NAT ports are held (entries in `NAT_REPLIES`).
+    /// How many NAT ports are held (entries in either table).
     pub fn nat_entries(&self) -> usize {
-        let entries: HashMap<_, NatKey, NatReply> =
-            HashMap::try_from(self.ebpf.map(maps::NAT_REPLIES).unwrap()).unwrap();
-        entries.keys().count()
+        NAT_TABLES
+            .iter()
+            .map(|table| {
+                let entries: HashMap<_, NatKey, NatReply> =
+                    HashMap::try_from(self.ebpf.map(table).unwrap()).unwrap();
+                entries.keys().count()
+            })
+            .sum()
     }
 
     /// Marks `server` failed now in `FAILED_AT` alone, as a program that

@@ -131,6 +131,10 @@ fn external_clients_reach_the_selected_server() {
         let status = daemon.status();
         let external = &status["datapath"]["external"];
         assert!(external["flows"].as_u64().unwrap() >= 12, "{external}");
+        // Each TCP connection's client acknowledged its server's answer:
+        // established, in the table new flows never evict.
+        assert!(external["established_flows"].as_u64().unwrap() >= 10, "{external}");
+        assert!(daemon.counter("xdp_promoted") >= 10);
         assert!(external["nat_ports"].as_u64().unwrap() >= 12, "{external}");
         let traffic = external["traffic"].as_array().unwrap();
         let to = |server: &str| {

@@ -36,6 +36,7 @@ mod hostile;
 mod icmp;
 mod kept;
 mod nat;
+mod tables;
 mod too_big;
 
 use lb_tests::xdp_node::*;

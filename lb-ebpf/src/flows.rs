@@ -1,0 +1,230 @@
+//! The external path's flow tables as flows open, settle and end: a new
+//! flow opened in the opening tables with a NAT port (`new_flow`, the port
+//! taken from a flow that has ended where none is free: `reclaim`), moved
+//! to the established tables when its handshake completes (`promote`), or
+//! forgotten when its first packet could not be sent (`forget`). Which
+//! packets do what is `forward.rs`'s.
+//!
+//! Two pairs of tables (`lb_common::flow_tables`): `FLOWS` and
+//! `NAT_REPLIES` hold established TCP flows, which only a client that saw
+//! its server's SYN-ACK reaches; `OPENING_FLOWS` and `OPENING_REPLIES`
+//! every other flow. A NAT port is in use while either holds it.
+
+#![allow(
+    clippy::needless_borrows_for_generic_args,
+    reason = "map keys go by reference: a key passed by value is one more copy of it on a stack that \
+              holds 512 bytes for the whole call chain"
+)]
+
+use aya_ebpf::{
+    bindings::{BPF_ANY, BPF_NOEXIST},
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    programs::XdpContext,
+};
+use lb_common::{
+    Endpoint, Flow, FlowKey, NAT_PORT_COUNT, NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN,
+    NatKey, NatReply, Reason, nat,
+};
+
+use crate::{
+    consts::IPPROTO_TCP,
+    maps::{
+        FLOWS, NAT_REPLIES, NEW_FLOW, NODE_ADDRESSES, OPENING_FLOWS, OPENING_REPLIES, count_xdp,
+    },
+    packet,
+    scratch::Packet,
+};
+
+/// NAT ports tried for a new flow before it is refused.
+const NAT_TRIES: u32 = 8;
+
+/// How far past the server's SYN-ACK the client's first acknowledgement
+/// may reach for its flow to be established (`promote`): the data a
+/// server sends with its SYN-ACK (TCP Fast Open). A sender of forged
+/// addresses, which never sees the SYN-ACK, guesses within it once in
+/// 65,536 tries.
+const PROMOTE_ACK_WINDOW: u32 = 1 << 16;
+
+/// Removes a new flow whose first packet was not sent (no route or
+/// neighbour yet, too big): the flow's next packet opens it anew. Kept,
+/// it would not know where its server's replies arrive (`send`), and
+/// they would be dropped.
+#[inline(never)]
+pub(crate) fn forget(p: &Packet, flow: &Flow) {
+    let _ = OPENING_REPLIES.remove(&reply_key(flow, p.protocol));
+    let _ = OPENING_FLOWS.remove(&flow_key(p));
+}
+
+/// Moves a flow whose client acknowledged its server's answer (the
+/// server's SYN-ACK, whose sequence number `reply` kept) to the
+/// established tables, where new flows never evict it. A client that has
+/// not seen the answer (a forged address) cannot: its flow stays opening,
+/// and lives there as a half-open one does. Counted either way.
+#[inline(never)]
+pub(crate) fn promote(p: &Packet, flow: &Flow) {
+    let key = reply_key(flow, p.protocol);
+    // SAFETY: a copy of the value.
+    let Some(entry) = (unsafe { OPENING_REPLIES.get(&key) }).copied() else { return };
+    let answered = entry.flags & NAT_REPLY_ESTABLISHED != 0;
+    // The server's data, if any, came with its SYN-ACK (TCP Fast Open).
+    if !answered || p.tcp_ack.wrapping_sub(entry.syn_seq.wrapping_add(1)) >= PROMOTE_ACK_WINDOW {
+        count_xdp(Reason::XdpNotPromoted);
+        return;
+    }
+    let copy = *flow;
+    if NAT_REPLIES.insert(&key, &entry, u64::from(BPF_NOEXIST)).is_err() {
+        count_xdp(Reason::XdpNotPromoted);
+        return;
+    }
+    if FLOWS.insert(&flow_key(p), &copy, u64::from(BPF_ANY)).is_err() {
+        let _ = NAT_REPLIES.remove(&key);
+        count_xdp(Reason::XdpNotPromoted);
+        return;
+    }
+    let _ = OPENING_FLOWS.remove(&flow_key(p));
+    let _ = OPENING_REPLIES.remove(&key);
+    count_xdp(Reason::XdpPromoted);
+}
+
+/// Records `p`'s new flow, to the server `choose` chose, with a NAT
+/// port, in the opening tables (`OPENING_FLOWS`, `OPENING_REPLIES`): its
+/// `OPENING_FLOWS` entry, or `None` (counted) if the flow must be
+/// refused. A port is free if neither table has an entry for it, or if
+/// the flows of those it has ended long enough ago (`reclaim`).
+#[inline(never)]
+pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet) -> Option<&'static mut Flow> {
+    let Some(slot) = NEW_FLOW.get_ptr_mut(0) else {
+        count_xdp(Reason::MapError);
+        return None;
+    };
+    // SAFETY: as in `choose`; its server written there for this packet.
+    let new = unsafe { &mut *slot };
+    let host = Endpoint { addr: new.nat.server.addr, port: 0, _pad: [0; 2] };
+    // SAFETY: a copy of the value.
+    let Some(node) = (unsafe { NODE_ADDRESSES.get(&host) }).copied() else {
+        count_xdp(Reason::XdpNoNodeAddress);
+        return None;
+    };
+    let macs = packet::macs(ctx)?;
+    let tcp = u32::from(p.protocol) == IPPROTO_TCP;
+    let syn = tcp && p.is_syn();
+    // SAFETY: plain helper call without arguments.
+    let tick = nat::tick(unsafe { bpf_ktime_get_ns() });
+    new.nat.node = node;
+    new.nat.protocol = p.protocol;
+    new.nat._pad = [0; 3];
+    new.reply.client = p.src;
+    new.reply.vip = p.dst;
+    new.reply.flags = nat::stamp(if syn { NAT_REPLY_SYN } else { 0 }, tick);
+    new.reply.syn_seq = p.tcp_seq;
+    // SAFETY: the context's fields are valid for the whole program run.
+    new.reply.client_ifindex = unsafe { (*ctx.ctx).ingress_ifindex };
+    new.reply.server_ifindex = 0;
+    new.reply.macs = swapped(macs);
+    let mut allocated = false;
+    // Ports at random, each on its own: ports tried in a row would cluster
+    // the ones taken, as linear probing does in a hash table. The second
+    // half of the tries is pressed (`lb_common::nat`).
+    for i in 0..2 * NAT_TRIES {
+        // SAFETY: plain helper call without arguments.
+        let random = unsafe { bpf_get_prandom_u32() };
+        let port = NAT_PORT_FIRST + (random % u32::from(NAT_PORT_COUNT)) as u16;
+        new.nat.node.port = port.to_be();
+        // SAFETY: only whether an entry exists.
+        let established = unsafe { NAT_REPLIES.get(&new.nat) }.is_some();
+        if !established
+            && OPENING_REPLIES.insert(&new.nat, &new.reply, u64::from(BPF_NOEXIST)).is_ok()
+            || reclaim(&new.nat, tcp, tick, i >= NAT_TRIES)
+                && OPENING_REPLIES.insert(&new.nat, &new.reply, u64::from(BPF_ANY)).is_ok()
+        {
+            allocated = true;
+            break;
+        }
+    }
+    if !allocated {
+        count_xdp(Reason::XdpNatPortsExhausted);
+        return None;
+    }
+    // Its SYN's time is set as the SYN leaves (`send`).
+    let flow = Flow { server: new.nat.server, node: new.nat.node, syn_at_ns: 0 };
+    let entry = match OPENING_FLOWS.insert(&flow_key(p), &flow, u64::from(BPF_ANY)) {
+        Ok(()) => OPENING_FLOWS.get_ptr_mut(&flow_key(p)),
+        Err(_) => None,
+    };
+    let Some(entry) = entry else {
+        count_xdp(Reason::MapError);
+        let _ = OPENING_REPLIES.remove(&new.nat);
+        return None;
+    };
+    count_xdp(Reason::XdpNewFlow);
+    // SAFETY: as in `known`.
+    Some(unsafe { &mut *entry })
+}
+
+/// Whether the NAT port of `nat` may go to a new flow: no established
+/// flow holds it (`NAT_REPLIES`), or the one that does has ended or idled
+/// out (`lb_common::nat::reusable`), and so has the opening flow that
+/// holds it, if any. A flow whose port goes loses its `FLOWS` or
+/// `OPENING_FLOWS` entry too, if it still holds the port: its next packet
+/// is a new flow, never one that shares the port. The new flow's entry
+/// then replaces the opening one (`BPF_ANY`).
+#[inline(never)]
+fn reclaim(nat: &NatKey, tcp: bool, tick: u32, pressed: bool) -> bool {
+    // SAFETY: map values, read in place.
+    let established = unsafe { NAT_REPLIES.get(nat) };
+    // SAFETY: as above.
+    let opening = unsafe { OPENING_REPLIES.get(nat) };
+    if established.is_none() && opening.is_none() {
+        return false;
+    }
+    let free = |entry: Option<&NatReply>| {
+        entry.is_none_or(|old| nat::reusable(old.flags, tcp, tick, pressed))
+    };
+    if !(free(established) && free(opening)) {
+        return false;
+    }
+    if let Some(old) = established {
+        let key =
+            FlowKey { client: old.client, vip: old.vip, protocol: nat.protocol, _pad: [0; 3] };
+        // SAFETY: as above.
+        if unsafe { FLOWS.get(&key) }.is_some_and(|f| f.node == nat.node && f.server == nat.server)
+        {
+            let _ = FLOWS.remove(&key);
+        }
+        let _ = NAT_REPLIES.remove(nat);
+    }
+    if let Some(old) = opening {
+        let key =
+            FlowKey { client: old.client, vip: old.vip, protocol: nat.protocol, _pad: [0; 3] };
+        // SAFETY: as above.
+        if unsafe { OPENING_FLOWS.get(&key) }
+            .is_some_and(|f| f.node == nat.node && f.server == nat.server)
+        {
+            let _ = OPENING_FLOWS.remove(&key);
+        }
+    }
+    count_xdp(Reason::XdpNatPortReused);
+    true
+}
+
+/// The `FLOWS` key of `p`'s flow.
+#[inline(always)]
+pub(crate) fn flow_key(p: &Packet) -> FlowKey {
+    FlowKey { client: p.src, vip: p.dst, protocol: p.protocol, _pad: [0; 3] }
+}
+
+/// The `NAT_REPLIES` key of `flow`'s replies.
+#[inline(always)]
+pub(crate) fn reply_key(flow: &Flow, protocol: u8) -> NatKey {
+    NatKey { server: flow.server, node: flow.node, protocol, _pad: [0; 3] }
+}
+
+/// The link layer of a reply to a packet that came with `macs`
+/// (destination, source): the two swapped.
+#[inline(always)]
+fn swapped(macs: [u8; 12]) -> [u8; 12] {
+    let mut out = [0u8; 12];
+    out[..6].copy_from_slice(&macs[6..]);
+    out[6..].copy_from_slice(&macs[..6]);
+    out
+}

@@ -1,0 +1,125 @@
+//! Established flows have tables of their own: a flow opens in the
+//! opening tables (`OPENING_FLOWS`, `OPENING_REPLIES`) and moves to the
+//! established ones (`FLOWS`, `NAT_REPLIES`) when its client acknowledges
+//! the server's answer, which a sender of forged addresses never sees. So
+//! a flood of new flows, however large, evicts no established flow.
+
+use std::{net::SocketAddr, time::Duration};
+
+use lb_common::{Endpoint, MAX_EXTERNAL_FLOWS, NatKey, Reason, maps};
+use lb_tests::{
+    packets::{Flags, Segment, read_frame},
+    privileged_test,
+    xdp_node::*,
+};
+
+/// The NAT key of the forwarded segment `out`'s flow.
+fn key_of(out: &Segment) -> NatKey {
+    NatKey {
+        server: Endpoint::from(out.dst),
+        node: Endpoint::from(out.src),
+        protocol: 6,
+        _pad: [0; 3],
+    }
+}
+
+/// Opens `client`'s flow with a full handshake: its SYN, the server's
+/// SYN-ACK (sequence number 7,000) on srv0, and its ACK of that. Returns
+/// the SYN as forwarded.
+fn handshake(node: &Node, f: &Family, client: SocketAddr) -> Segment {
+    let syn = forwarded(node, f, client, 1_000);
+    let syn_ack = from_server(&syn, Flags::SYN_ACK).frame();
+    assert_eq!(node.run(&syn_ack, Some(node.srv0)).0, XDP_REDIRECT, "the SYN-ACK was not sent on");
+    let mut ack = from_client(f, client, Flags::ACK, 1_001);
+    ack.tcp.as_mut().unwrap().ack = 7_001;
+    let (verdict, out) = node.run(&ack.frame(), None);
+    assert_eq!(verdict, XDP_REDIRECT);
+    assert_eq!(read_frame(&out).unwrap().src, syn.src, "the ACK left with another NAT port");
+    syn
+}
+
+#[privileged_test]
+fn a_flow_is_established_only_when_its_client_saw_the_servers_answer() {
+    both_families(|node, f| {
+        let syn = handshake(node, f, f.client);
+        assert_eq!(node.counter(Reason::XdpPromoted), 1);
+        let entry = node.nat_entry_in(maps::NAT_REPLIES, &key_of(&syn));
+        assert_eq!(entry.map(|e| e.client), Some(Endpoint::from(f.client)), "not established");
+        assert!(node.nat_entry_in(maps::OPENING_REPLIES, &key_of(&syn)).is_none());
+
+        // A forged address's flow: the server answers, the "client"
+        // acknowledges blindly, and even ACKs of other guesses move
+        // nothing.
+        let forged = SocketAddr::new(f.client.ip(), 41_000);
+        let syn = forwarded(node, f, forged, 5_000);
+        let syn_ack = from_server(&syn, Flags::SYN_ACK).frame();
+        assert_eq!(node.run(&syn_ack, Some(node.srv0)).0, XDP_REDIRECT);
+        for guess in [0, 1, 7_000, 7_000 + (1 << 16) + 1, 6_999] {
+            let mut ack = from_client(f, forged, Flags::ACK, 5_001);
+            ack.tcp.as_mut().unwrap().ack = guess;
+            assert_eq!(node.run(&ack.frame(), None).0, XDP_REDIRECT, "its ACK was not sent on");
+        }
+        assert_eq!(node.counter(Reason::XdpNotPromoted), 5);
+        assert_eq!(node.counter(Reason::XdpPromoted), 1);
+        assert!(node.nat_entry_in(maps::NAT_REPLIES, &key_of(&syn)).is_none(), "established");
+        assert!(node.nat_entry_in(maps::OPENING_REPLIES, &key_of(&syn)).is_some());
+    });
+}
+
+/// The `i`th forged source address of a flood, in 198.18.0.0/15 or
+/// 2001:2::/48 (the fixtures' client side).
+fn spoofed(f: &Family, i: u32) -> SocketAddr {
+    let ip = match f.client.ip() {
+        std::net::IpAddr::V4(_) => {
+            std::net::IpAddr::from([198, 18, 100 + (i >> 16) as u8, (i >> 8) as u8])
+        }
+        std::net::IpAddr::V6(_) => {
+            std::net::IpAddr::from([0x2001, 2, 0, 0x100, 0, 0, (i >> 16) as u16, (i >> 8) as u16])
+        }
+    };
+    SocketAddr::new(ip, 1_024 + (i & 0xff) as u16)
+}
+
+/// Many more new flows than the tables hold (spoofed SYNs, their ports
+/// freed a second later as a flood's are) after a flow was established:
+/// that flow keeps its server and its NAT port, and its server's replies
+/// still reach it.
+#[privileged_test]
+fn a_flood_of_new_flows_evicts_no_established_one() {
+    both_families(|node, f| {
+        let established = SocketAddr::new(f.client.ip(), 40_000);
+        let syn = handshake(node, f, established);
+        // New flows over both servers' ports (9,072), in rounds that take
+        // three in four of them, a second apart: a half-open flow's port
+        // may go to a new flow after a second when no other is free.
+        // (Waited, not faked: rewriting every entry's stamp costs minutes
+        // of syscalls in an emulated guest.)
+        node.serve_spread(f, &f.servers);
+        const ROUNDS: u32 = 5;
+        const PER_ROUND: u32 = 7_000;
+        for round in 0..ROUNDS {
+            if round > 0 {
+                std::thread::sleep(Duration::from_millis(1_100));
+            }
+            for i in round * PER_ROUND..(round + 1) * PER_ROUND {
+                let frame = from_client(f, spoofed(f, i), Flags::SYN, 1).frame();
+                node.run(&frame, None);
+            }
+        }
+        assert!(
+            node.counter(Reason::XdpNewFlow) > 2 * u64::from(MAX_EXTERNAL_FLOWS),
+            "the flood did not turn the tables over: this tests nothing"
+        );
+        // The established flow: same server, same port, both ways.
+        let mut ack = from_client(f, established, Flags::ACK, 1_001);
+        ack.tcp.as_mut().unwrap().ack = 7_001;
+        let (verdict, out) = node.run(&ack.frame(), None);
+        assert_eq!(verdict, XDP_REDIRECT);
+        let out = read_frame(&out).unwrap();
+        assert_eq!((out.src, out.dst), (syn.src, syn.dst), "the established flow moved");
+        let reply = from_server(&syn, Flags::ACK).frame();
+        let (verdict, back) = node.run(&reply, Some(node.srv0));
+        assert_eq!(verdict, XDP_REDIRECT, "the server's reply was not sent on");
+        assert_eq!(read_frame(&back).unwrap().dst, established, "the reply went to another client");
+    });
+}
