@@ -2,8 +2,8 @@
 //! step with the services: a task per service with `[service.external]
 //! lease`, told whether this node is eligible once the kernel has been
 //! told what to announce; its news turned into announcements and the
-//! kernel's fences (`ANNOUNCE_UNTIL`); every lease released when the
-//! daemon stops.
+//! kernel's fences (`ANNOUNCE_UNTIL`); every lease kept when the daemon
+//! stops to start again, released when it is detached.
 
 use std::{
     collections::HashMap,
@@ -102,8 +102,27 @@ impl Daemon {
         self.reannounce();
     }
 
-    /// The daemon stops: its leased VIPs are withdrawn from the kernel,
-    /// then their leases released, so that another node takes over at once.
+    /// The daemon stops to start again (a signal, an upgrade, a rollout):
+    /// it keeps its leases and leaves the kernel's fences as they are. Back
+    /// within a lease duration, it renews them and no VIP moves; not back,
+    /// its fences run out and another node takes over, as after a crash.
+    pub(super) fn keep_leases(&mut self) {
+        let held = self.elections.values().filter(|e| e.fence(Instant::now()).is_some()).count();
+        if held > 0 {
+            tracing::info!(
+                leases = held,
+                duration = ?self.config.settings.election.duration,
+                "keeping the leases held: a daemon started within their duration renews them"
+            );
+        }
+        for (_, election) in self.elections.drain() {
+            election.keep();
+        }
+    }
+
+    /// The daemon stops for good (`lb detach`): its leased VIPs are
+    /// withdrawn from the kernel, then their leases released, so that
+    /// another node takes over at once.
     pub(super) async fn resign(&mut self) {
         if self.elections.is_empty() {
             return;

@@ -178,9 +178,14 @@ pub async fn run(options: Options) -> anyhow::Result<Ended> {
     }
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
     let _ = std::fs::remove_file(&socket_path);
-    // Another node takes the leased VIPs over at once, not when the leases
-    // run out.
-    daemon.resign().await;
+    // Detached for good, another node takes the leased VIPs over at once,
+    // not when the leases run out; stopped to start again, the node keeps
+    // them (a rollout moves no VIP).
+    if matches!(exit, Exit::Detach(_)) || detach_on_exit {
+        daemon.resign().await;
+    } else {
+        daemon.keep_leases();
+    }
     drop(daemon);
     if detach_on_exit {
         let removed = datapath::detach(&bpffs)?;

@@ -8,8 +8,10 @@
 //!   server for the service for [`Timings::settle`] without a break, so
 //!   readiness that flaps does not make the lease move back and forth. A
 //!   holder that stops being eligible releases at once; one that finds the
-//!   lease its own when it starts (its daemon restarted after a crash)
-//!   renews it at once if it is eligible.
+//!   lease its own when it starts (its daemon restarted: a crash, an
+//!   upgrade, a rollout; a stopping daemon keeps its leases) renews it at
+//!   once if it is eligible, and waits up to a lease duration for its
+//!   servers' first verdict if it is not yet, before it lets the lease go.
 //! - **Expiry by the candidate's own clock**: a record is expired when it
 //!   has not changed for its `leaseDurationSeconds` since this node saw it
 //!   change (as client-go does): the nodes' wall clocks never meet.
@@ -103,6 +105,8 @@ pub(crate) struct Machine {
     /// When the record last changed, by this node's reading.
     seen_at: Option<Instant>,
     last_read: Option<Instant>,
+    /// When this node first read the Lease (its daemon's start).
+    first_read: Option<Instant>,
     /// When this node's last successful claim was sent; `fence` follows.
     claimed_at: Option<Instant>,
     fence: Option<Instant>,
@@ -125,6 +129,7 @@ impl Machine {
             absent: false,
             seen_at: None,
             last_read: None,
+            first_read: None,
             claimed_at: None,
             fence: None,
             eligible_since: None,
@@ -188,6 +193,15 @@ impl Machine {
             // Settling is for taking a lease; one held (a daemon restarted
             // after a crash finds the lease still its own) is renewed at
             // once while the node is eligible.
+            if !self.stopping && self.eligible_since.is_none() && self.claimed_at.is_none() {
+                // Found its own at start: its servers may have no verdict
+                // yet. It neither renews nor lets go for a lease duration
+                // (its kernel's fence runs out meanwhile, as it would).
+                let grace = self.first_read.map(|t| t + self.timings.duration);
+                if let Some(grace) = grace.filter(|g| *g > now) {
+                    return Step::Wait(Some(grace));
+                }
+            }
             if self.stopping || self.eligible_since.is_none() {
                 return Step::Release;
             }
@@ -218,6 +232,7 @@ impl Machine {
     /// A read's answer (`None`: there is no Lease), at `now`.
     pub(crate) fn on_read(&mut self, record: Option<Record>, now: Instant) {
         self.last_read = Some(now);
+        self.first_read.get_or_insert(now);
         self.absent = record.is_none();
         let changed =
             self.record.as_ref().map(|r| &r.version) != record.as_ref().map(|r| &r.version);

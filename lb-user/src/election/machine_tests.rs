@@ -206,9 +206,33 @@ fn a_restarted_holder_renews_its_lease_at_once() {
     m.on_claimed(held_by("a", 10), t0 + 5 * MS, t0 + 8 * MS);
     assert_eq!(m.role(t0 + 8 * MS), Role::Holder { fence: t0 + 755 * MS });
     assert!(m.last_takeover().is_none(), "it held the lease all along");
-    // Not eligible when it comes back: it lets the lease go at once.
+    // Not eligible yet when it comes back (its servers' first checks
+    // under way): it waits a lease duration for them, renewing nothing,
+    // then lets the lease go.
     let mut m = Machine::new("a".to_owned(), timings());
     m.set_eligible(Some("no usable server"), t0);
     m.on_read(Some(held_by("a", 9)), t0 + 5 * MS);
-    assert_eq!(m.next(t0 + 5 * MS), Step::Release);
+    assert_eq!(m.next(t0 + 5 * MS), Step::Wait(Some(t0 + 1005 * MS)));
+    assert_eq!(m.role(t0 + 5 * MS), Role::NotEligible("no usable server"));
+    assert_eq!(m.next(t0 + 1005 * MS), Step::Release);
+    // Its first check passes within the wait: it renews, no takeover.
+    let mut m = Machine::new("a".to_owned(), timings());
+    m.set_eligible(Some("no usable server"), t0);
+    m.on_read(Some(held_by("a", 9)), t0 + 5 * MS);
+    m.set_eligible(None, t0 + 300 * MS);
+    assert_eq!(m.next(t0 + 300 * MS), Step::Claim);
+    m.on_claimed(held_by("a", 10), t0 + 300 * MS, t0 + 305 * MS);
+    assert!(m.last_takeover().is_none(), "it held the lease all along");
+}
+
+#[test]
+fn a_holder_that_loses_its_servers_after_renewing_at_start_releases_at_once() {
+    // The wait is for a lease found at start, never for one this run has
+    // renewed: losing its servers then lets the lease go at once.
+    let t0 = Instant::now();
+    let mut m = eligible("a", t0);
+    m.on_read(Some(held_by("a", 9)), t0 + 5 * MS);
+    m.on_claimed(held_by("a", 10), t0 + 5 * MS, t0 + 8 * MS);
+    m.set_eligible(Some("no usable server"), t0 + 100 * MS);
+    assert_eq!(m.next(t0 + 100 * MS), Step::Release);
 }

@@ -122,6 +122,14 @@ impl Election {
         }
     }
 
+    /// Ends the task without a word to the API server: a lease held stays
+    /// this node's until it runs out, and the kernel's fence with it. A
+    /// daemon that comes back within it renews the lease (`machine.rs`):
+    /// a restart moves no VIP.
+    pub(crate) fn keep(self) {
+        self.task.abort();
+    }
+
     /// Releases the lease if held and ends the task, waiting up to `wait`.
     /// Called after the kernel has stopped announcing the VIP. (Dropped
     /// instead, when its service goes, the task does the same by itself.)

@@ -131,11 +131,11 @@ fn one_node_answers_and_a_killed_holder_is_replaced() {
 
 /// Items 1, 2 and 6, and MetalLB 474's shape: each node discovers the
 /// Service's endpoints (one ready, one not ready: the node stays
-/// eligible, judged per endpoint). A holder stopped gracefully (SIGTERM)
-/// withdraws the VIP, then releases the lease, and another node answers at
-/// once, not when the lease would have run out (kube-vip 1786).
+/// eligible, judged per endpoint). A holder detached for good (`lb
+/// detach`) withdraws the VIP, then releases the lease, and another node
+/// answers at once, not when the lease would have run out (kube-vip 1786).
 #[privileged_test]
-fn a_stopped_holder_hands_over_at_once() {
+fn a_detached_holder_hands_over_at_once() {
     let _serial = one_at_a_time();
     in_new_netns(|| {
         use lb_tests::fakes::apiserver::{Condition, endpoint, endpoint_slice};
@@ -164,13 +164,13 @@ fn a_stopped_holder_hands_over_at_once() {
         let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
         std::thread::sleep(Duration::from_millis(500));
         let stopped_at = watch.started.elapsed();
-        lan.nodes[first].daemon().signal(libc::SIGTERM);
+        lan.nodes[first].daemon().lb(&["detach"]);
         assert!(lan.nodes[first].daemon_mut().wait_exit(Duration::from_secs(10)), "it stops");
         let second = lan.wait_holder(&api, Some(first));
         std::thread::sleep(Duration::from_millis(500));
         let (_, first_new) = handed_over(&watch, &lan, first, second, stopped_at);
         println!(
-            "SIGTERM handover: the new holder's first answer {:?} after the signal",
+            "detach handover: the new holder's first answer {:?} after the request",
             first_new - stopped_at
         );
         let status = lan.nodes[second].daemon().status();
@@ -178,6 +178,82 @@ fn a_stopped_holder_hands_over_at_once() {
             status["services"][0]["external"]["lease"]["last_takeover"]["from"],
             serde_json::Value::Null
         );
+        drop(watch);
+        drop(lan);
+        drop(api);
+        drop(rt);
+    });
+}
+
+/// Issue 38, item 5: a holder stopped to start again (SIGTERM, as a
+/// DaemonSet's rollout or an upgrade stops it) keeps its lease: no other
+/// node answers for the VIP, the restarted daemon renews the lease as its
+/// own, and a connection held through the VIP across the restart still
+/// carries data. (A lease of 4 s: time for a restart in an emulated VM.)
+#[privileged_test]
+fn a_restarted_holder_keeps_the_vip_and_its_connections() {
+    let _serial = one_at_a_time();
+    in_new_netns(|| {
+        let (mut lan, rt, api) = lan_and_api("el-restart", 2);
+        let kubeconfig = Kubeconfig::write(&api.url());
+        let settings = "lease_duration = \"4s\"\n";
+        for node in &mut lan.nodes {
+            node.start_with(kubeconfig.path(), settings, &services(Servers::Static));
+        }
+        let first = lan.wait_holder(&api, None);
+        let name = lan.nodes[first].name.clone();
+        let to: std::net::SocketAddr = lan::VIP.parse().unwrap();
+        let held = lan.client.run(move || {
+            std::net::TcpStream::connect_timeout(&to, Duration::from_secs(3))
+                .map_err(|e| e.to_string())
+        });
+        let held = held.expect("a connection through the VIP");
+        assert_eq!(lb_tests::topology::who(&held).as_deref(), Ok(name.as_str()));
+        let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
+        std::thread::sleep(Duration::from_millis(300));
+
+        lan.nodes[first].daemon().signal(libc::SIGTERM);
+        assert!(lan.nodes[first].daemon_mut().wait_exit(Duration::from_secs(10)), "it stops");
+        assert!(
+            lan.nodes[first].daemon().log().contains("keeping the leases held"),
+            "{}",
+            lan.nodes[first].daemon().log()
+        );
+        let lease = api.lease(LEASE.0, LEASE.1).and_then(|l| l.spec?.holder_identity);
+        assert_eq!(lease.as_deref(), Some(name.as_str()), "the stopping holder let the lease go");
+        lan.nodes[first].start_with(kubeconfig.path(), settings, &services(Servers::Static));
+        assert_eq!(lan.wait_holder(&api, None), first, "the VIP moved");
+        std::thread::sleep(Duration::from_millis(500));
+        let turns = watch.turns();
+        assert_eq!(turns.len(), 1, "another node answered for the VIP: {turns:?}");
+        assert_eq!(turns[0].0, lan.nodes[first].mac);
+        // The connection held across the restart carries data: written to,
+        // it is neither reset (the node's answer to a packet of no flow)
+        // nor closed.
+        let mut held = held;
+        for _ in 0..3 {
+            std::io::Write::write_all(&mut held, b"still there\n")
+                .expect("writing after the restart");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        held.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+        let mut buf = [0u8; 16];
+        match std::io::Read::read(&mut held, &mut buf) {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            other => panic!("the held connection broke across the restart: {other:?}"),
+        }
+        let status = lan.nodes[first].daemon().status();
+        let lease = &status["services"][0]["external"]["lease"];
+        assert_eq!(
+            lease["last_takeover"],
+            serde_json::Value::Null,
+            "it took the lease over: {lease}"
+        );
+        drop(held);
         drop(watch);
         drop(lan);
         drop(api);
