@@ -160,6 +160,9 @@ pub mod maps {
     /// [`SockEntry`](crate::SockEntry) connect4 chose, until sock_ops' connect
     /// callback (the SYN about to go) moves it to `SOCKETS`.
     pub const CONNECTING: &str = "CONNECTING";
+    /// Kernel-only, not pinned: settings the daemon writes into each object
+    /// it loads, indexed by [`LIMIT_NEW_FLOWS`](crate::LIMIT_NEW_FLOWS).
+    pub const LIMITS: &str = "LIMITS";
     /// Kernel-only, not pinned: two flags, indexed by
     /// [`UNMARKED_KERNEL`](crate::UNMARKED_KERNEL) and
     /// [`UNMARKED_REPLACED`](crate::UNMARKED_REPLACED).
@@ -403,6 +406,14 @@ pub const UNMARKED_KERNEL: u32 = 0;
 pub const UNMARKED_REPLACED: u32 = 1;
 /// Number of `UNMARKED` slots.
 pub const UNMARKED_SLOTS: u32 = 2;
+
+/// `LIMITS[LIMIT_NEW_FLOWS]`: how many new flows `lb_xdp` opens per CPU
+/// per second (`[daemon] new_flows_per_cpu`); 0: no limit. Written by the
+/// daemon into each object it loads, before any program of it runs
+/// (`LIMITS` is kernel-only: the setting goes with the programs).
+pub const LIMIT_NEW_FLOWS: u32 = 0;
+/// Number of `LIMITS` slots.
+pub const LIMIT_SLOTS: u32 = 1;
 
 /// Number of `MARKED_AT` slots (a power of two).
 pub const MARK_SLOTS: u32 = 64;

@@ -261,6 +261,10 @@ reasons! {
     /// seen: a forged address), or the established tables refused it: the
     /// flow stays with the opening ones.
     XdpNotPromoted = 75 => "xdp_not_promoted",
+    /// xdp: a new flow refused because this CPU has opened `[daemon]
+    /// new_flows_per_cpu` this second already (a flood): what a flood
+    /// costs stays bounded; established flows are not touched.
+    XdpNewFlowLimited = 76 => "xdp_new_flow_limited",
 }
 
 impl Reason {
@@ -396,6 +400,7 @@ mod tests {
                 "xdp_unserved",
                 "xdp_promoted",
                 "xdp_not_promoted",
+                "xdp_new_flow_limited",
             ]
         );
     }

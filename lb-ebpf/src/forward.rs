@@ -53,7 +53,7 @@ use lb_common::{
 
 use crate::{
     consts::{IPPROTO_TCP, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
-    flows::{flow_key, forget, new_flow, promote, reply_key},
+    flows::{flow_key, forget, new_flow, promote, reply_key, within_limit},
     icmp,
     maps::{
         EXTERNAL, FLOWS, MAGLEV, NAT_REPLIES, NEW_FLOW, OPENING_FLOWS, OPENING_REPLIES, SERVICES,
@@ -126,7 +126,7 @@ pub(crate) fn forward(ctx: &XdpContext, p: &mut Packet) -> Option<u32> {
         count_xdp(Reason::XdpNoFlow);
         return Some(reset::answer(ctx, p));
     }
-    if !choose(p, service) {
+    if !within_limit() || !choose(p, service) {
         return Some(xdp_action::XDP_DROP);
     }
     let Some(flow) = new_flow(ctx, p) else { return Some(xdp_action::XDP_DROP) };

@@ -12,13 +12,13 @@ use aya_ebpf::{
 };
 use lb_common::{
     AnnounceKey, AnnounceValue, COUNTER_SLOTS, ConnKey, EVENTS_BYTES, Endpoint, Flow, FlowKey,
-    MARK_SLOTS, MAX_CONNECTING_SOCKETS, MAX_EXTERNAL_FLOWS, MAX_FAILED_SERVERS, MAX_LINKS,
-    MAX_SERVER_PAIRS, MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS,
+    LIMIT_SLOTS, MARK_SLOTS, MAX_CONNECTING_SOCKETS, MAX_EXTERNAL_FLOWS, MAX_FAILED_SERVERS,
+    MAX_LINKS, MAX_SERVER_PAIRS, MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS,
     MAX_UDP_PEER_SOCKETS, META_SLOTS, NatKey, NatReply, Reason, Service, SockEntry,
     TRAFFIC_SLOT_COUNT, Traffic, TrafficSlot, UNMARKED_SLOTS, UdpPeers, maglev::Maglev,
 };
 
-use crate::scratch::{KeptRoute, NewFlow, Packet, ROUTE_SLOTS};
+use crate::scratch::{KeptRoute, NewFlow, NewFlowCount, Packet, ROUTE_SLOTS};
 
 /// VIP → service (its selection). Written only by the daemon, one whole
 /// value per update.
@@ -86,6 +86,16 @@ pub(crate) static CONNECTIONS: PerCpuHashMap<ConnKey, i64> =
 /// `Event`s for the daemon: a connect established, failed or timed out.
 #[map]
 pub(crate) static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_BYTES, 0);
+
+/// Settings the daemon writes into the object it loads
+/// (`lb_common::LIMIT_NEW_FLOWS`): kernel-only, never pinned.
+#[map]
+pub(crate) static LIMITS: Array<u32> = Array::with_max_entries(LIMIT_SLOTS, 0);
+
+/// Per CPU, the new flows opened this second (`flows::within_limit`).
+/// Kernel-only, never pinned.
+#[map]
+pub(crate) static NEW_FLOW_COUNT: PerCpuArray<NewFlowCount> = PerCpuArray::with_max_entries(1, 0);
 
 /// One word per CPU for `unknown_to_verifier`; kernel-only, never pinned.
 #[map]

@@ -84,3 +84,12 @@ pub(crate) struct KeptRoute {
     /// When it answered (`bpf_jiffies64()`); 0 in a slot never filled.
     pub(crate) found_at: u64,
 }
+
+/// This CPU's new flows in the current second (`flows::within_limit`).
+#[repr(C)]
+pub(crate) struct NewFlowCount {
+    /// When the second began (`bpf_ktime_get_ns`).
+    pub(crate) since_ns: u64,
+    /// New flows opened since.
+    pub(crate) flows: u32,
+}

@@ -23,6 +23,13 @@ pub const DEFAULT_FLOW_TABLE: u32 = 65_536;
 /// The sizes `[daemon] flow_table` takes. Small tables are for tests; the
 /// largest is some 2.6 GB of kernel memory.
 pub const FLOW_TABLE_SIZES: std::ops::RangeInclusive<i64> = 1_024..=1 << 22;
+/// `daemon.new_flows_per_cpu`: new flows the external path opens per CPU
+/// per second, at most. A new flow costs `lb_xdp` under a microsecond, so
+/// this bounds what a flood of them costs a CPU to about a tenth; a node
+/// that opens more flows than this legitimately raises it.
+pub const DEFAULT_NEW_FLOWS_PER_CPU: u32 = 100_000;
+/// The values `[daemon] new_flows_per_cpu` takes; 0: no limit.
+pub const NEW_FLOWS_PER_CPU: std::ops::RangeInclusive<i64> = 0..=100_000_000;
 /// A service's `hold_down`.
 pub const DEFAULT_HOLD_DOWN: Duration = Duration::from_secs(5);
 /// How long discovery waits for a burst of changes to settle (an apiserver
@@ -68,6 +75,9 @@ pub struct Daemon {
     /// How many flows the external path keeps (`FLOWS` and `NAT_REPLIES`
     /// each, fixed when the datapath is attached).
     pub flow_table: u32,
+    /// How many new flows the external path opens per CPU per second, at
+    /// most (0: no limit), fixed when its programs are loaded.
+    pub new_flows_per_cpu: u32,
     /// This node's name: its identity in the leases it holds (default: the
     /// hostname).
     pub node_name: String,

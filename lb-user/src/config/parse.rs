@@ -13,8 +13,8 @@ use super::{
     external_service::parse_external,
     model::{
         Config, DEFAULT_BPFFS, DEFAULT_CONTROL_SOCKET, DEFAULT_FLOW_TABLE, DEFAULT_HOLD_DOWN,
-        DEFAULT_STATE_DIR, Daemon, FLOW_TABLE_SIZES, HealthConfig, Policy, SOCKET_TABLE_SIZES,
-        Scope, Service,
+        DEFAULT_NEW_FLOWS_PER_CPU, DEFAULT_STATE_DIR, Daemon, FLOW_TABLE_SIZES, HealthConfig,
+        NEW_FLOWS_PER_CPU, Policy, SOCKET_TABLE_SIZES, Scope, Service,
     },
     problems::{Key, Problem},
     raw::{RawConfig, RawService},
@@ -108,6 +108,22 @@ impl Config {
                         ),
                     ));
                     DEFAULT_FLOW_TABLE
+                }
+            },
+            new_flows_per_cpu: match raw.daemon.new_flows_per_cpu {
+                None => DEFAULT_NEW_FLOWS_PER_CPU,
+                Some(n) if NEW_FLOWS_PER_CPU.contains(&n) => n as u32,
+                Some(n) => {
+                    problems.push(Problem::new(
+                        None,
+                        "daemon.new_flows_per_cpu",
+                        format!(
+                            "{n} is outside {}..={} (new external flows per CPU per second; 0: no limit)",
+                            NEW_FLOWS_PER_CPU.start(),
+                            NEW_FLOWS_PER_CPU.end()
+                        ),
+                    ));
+                    DEFAULT_NEW_FLOWS_PER_CPU
                 }
             },
             election,
@@ -340,6 +356,21 @@ mod tests {
         for bad in ["0", "63", "1048577", "-1"] {
             let msg = problems(&with(bad));
             assert!(msg.contains("daemon.socket_table") && msg.contains("outside 64..="), "{msg}");
+        }
+    }
+
+    #[test]
+    fn the_new_flow_limit_is_bounded() {
+        assert_eq!(parse(GOOD).unwrap().daemon.new_flows_per_cpu, DEFAULT_NEW_FLOWS_PER_CPU);
+        let with =
+            |n: &str| GOOD.replace("[daemon]\n", &format!("[daemon]\nnew_flows_per_cpu = {n}\n"));
+        assert_eq!(parse(&with("0")).unwrap().daemon.new_flows_per_cpu, 0);
+        for bad in ["-1", "100000001"] {
+            let msg = problems(&with(bad));
+            assert!(
+                msg.contains("daemon.new_flows_per_cpu") && msg.contains("outside 0..="),
+                "{msg}"
+            );
         }
     }
 

@@ -34,7 +34,7 @@ use crate::{
     balancer::{KernelValue, Readiness},
     config::{self, Config},
     control,
-    datapath::{self, Datapath, TableSizes, VipEntry},
+    datapath::{self, AttachSettings, Datapath, VipEntry},
     discovery, election,
     health::Tls,
     metrics::{self, Metrics},
@@ -110,7 +110,11 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         &settings.bpffs,
         &cgroup,
         &initial,
-        TableSizes { socket_table: settings.socket_table, flow_table: settings.flow_table },
+        AttachSettings {
+            socket_table: settings.socket_table,
+            flow_table: settings.flow_table,
+            new_flows_per_cpu: settings.new_flows_per_cpu,
+        },
         options.bpf_log,
     ) {
         Ok(datapath) => datapath,

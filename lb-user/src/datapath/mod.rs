@@ -85,6 +85,8 @@ pub struct Datapath {
     external: ExternalMaps,
     /// `lb_xdp` on the pinned maps, loaded when an interface first needs it.
     xdp: Option<xdp::Program>,
+    /// What `lb_xdp` is loaded with (`[daemon] new_flows_per_cpu`).
+    new_flows_per_cpu: u32,
     /// The pin directory.
     bpffs: PathBuf,
     events: Option<RingBuf<MapData>>,
@@ -106,18 +108,22 @@ pub struct Datapath {
     _lock: PinLock,
 }
 
-/// The sizes of the tables fixed at attach (`[daemon]`).
+/// What is fixed when the datapath is attached or its programs loaded
+/// (`[daemon]`).
 #[derive(Clone, Copy, Debug)]
-pub struct TableSizes {
+pub struct AttachSettings {
     /// `SOCKETS`' size (`socket_table`).
     pub socket_table: u32,
-    /// `FLOWS`' and `NAT_REPLIES`' size each (`flow_table`).
+    /// The external path's flow tables' size, each (`flow_table`).
     pub flow_table: u32,
+    /// New external flows per CPU per second (`new_flows_per_cpu`),
+    /// written into each `lb_xdp` loaded.
+    pub new_flows_per_cpu: u32,
 }
 
 /// What a fresh attach is made with.
 struct Attach {
-    sizes: TableSizes,
+    sizes: AttachSettings,
     /// `--bpf-log`.
     bpf_log: bool,
     /// What `scope = "host"` writes (see `host_netns_cookie`).
@@ -138,7 +144,7 @@ impl Datapath {
         bpffs: &Path,
         cgroup: &Path,
         initial: &[VipEntry],
-        sizes: TableSizes,
+        sizes: AttachSettings,
         bpf_log: bool,
     ) -> anyhow::Result<Self> {
         ensure_bpffs(bpffs)?;
@@ -164,7 +170,7 @@ impl Datapath {
                 let logger = if upgrade
                     || read_program_fingerprint(bpffs)? != Some(programs_fingerprint())
                 {
-                    Self::replace(bpffs, cgroup, bpf_log, upgrade)?
+                    Self::replace(bpffs, cgroup, bpf_log, upgrade, sizes.new_flows_per_cpu)?
                 } else {
                     if bpf_log {
                         warn!(
@@ -174,6 +180,7 @@ impl Datapath {
                     None
                 };
                 let mut datapath = Self::adopt(bpffs, lock, host_netns, netns_scope)?;
+                datapath.new_flows_per_cpu = sizes.new_flows_per_cpu;
                 datapath.logger = logger;
                 let pinned = datapath.maps.socket_capacity().0;
                 let socket_table = sizes.socket_table;
@@ -219,8 +226,9 @@ impl Datapath {
         cgroup: &Path,
         bpf_log: bool,
         upgrade: bool,
+        new_flows_per_cpu: u32,
     ) -> anyhow::Result<Option<KernelLogger>> {
-        match replace_programs(bpffs, cgroup, bpf_log) {
+        match replace_programs(bpffs, cgroup, bpf_log, new_flows_per_cpu) {
             Ok(logger) => {
                 info!(
                     "the pinned programs differed from this lb's: replaced them (one atomic link update each){}",
@@ -257,6 +265,7 @@ impl Datapath {
             maps: PinnedMaps::from_maps(map)?,
             external: ExternalMaps::from_maps(map)?,
             xdp: None,
+            new_flows_per_cpu: 0,
             bpffs: bpffs.to_owned(),
             events: Some(events),
             adopted: true,
@@ -307,6 +316,7 @@ impl Datapath {
             maps,
             external,
             xdp: None,
+            new_flows_per_cpu: sizes.new_flows_per_cpu,
             bpffs: bpffs.to_owned(),
             events: Some(events),
             adopted: false,
@@ -405,7 +415,7 @@ impl Datapath {
             }
             let mut attach = || -> anyhow::Result<xdp::Mode> {
                 if self.xdp.is_none() {
-                    self.xdp = Some(xdp::Program::load(&self.bpffs)?);
+                    self.xdp = Some(xdp::Program::load(&self.bpffs, self.new_flows_per_cpu)?);
                 }
                 let program = self.xdp.as_mut().expect("loaded just above");
                 program.attach(&self.bpffs, name)

@@ -1,14 +1,15 @@
 //! The eBPF object this lb carries (built by `build.rs` from `lb-ebpf`)
 //! and its loading: the kernel's log level, the log reader, one program
-//! verified by the type its name says. Attach and upgrade both load
-//! through here.
+//! verified by the type its name says, the settings written into it.
+//! Attach and upgrade both load through here.
 
 use anyhow::{Context as _, bail};
 use aya::{
     Ebpf, EbpfLoader,
+    maps::Array,
     programs::{CgroupSock, CgroupSockAddr, ProgramError, SockOps},
 };
-use lb_common::programs;
+use lb_common::{LIMIT_NEW_FLOWS, maps, programs};
 
 /// Forwards the kernel programs' aya-log records to `log` (and so to tracing).
 pub type KernelLogger = aya_log::EbpfLogger<&'static dyn log::Log>;
@@ -43,6 +44,20 @@ pub(super) fn load_object(
         None
     };
     Ok((ebpf, logger))
+}
+
+/// Writes the settings `lb_xdp` reads from its kernel-only `LIMITS` map
+/// into a loaded object, before any of its programs runs: the setting goes
+/// with the programs (`lb_common::LIMIT_NEW_FLOWS`).
+pub(super) fn write_limits(ebpf: &mut Ebpf, new_flows_per_cpu: u32) -> anyhow::Result<()> {
+    let limits = ebpf
+        .map_mut(maps::LIMITS)
+        .with_context(|| format!("map {} missing from the eBPF object", maps::LIMITS))?;
+    let mut limits = Array::<_, u32>::try_from(limits)
+        .with_context(|| format!("map {} has an unexpected type or size", maps::LIMITS))?;
+    limits
+        .set(LIMIT_NEW_FLOWS, new_flows_per_cpu, 0)
+        .with_context(|| format!("writing map {}", maps::LIMITS))
 }
 
 /// Times a program's load is tried while signals interrupt the verifier.

@@ -26,7 +26,7 @@ use lb_common::{maps, programs};
 
 pub use super::pins::{Mode, attachments};
 use super::{
-    object::{load_object, load_retrying},
+    object::{load_object, load_retrying, write_limits},
     pins::maps_dir,
     sys::{bpf_link_update, bpf_obj_get},
 };
@@ -47,10 +47,12 @@ pub(super) struct Program {
 }
 
 impl Program {
-    /// Loads `lb_xdp` on the maps pinned under `bpffs`.
-    pub(super) fn load(bpffs: &Path) -> anyhow::Result<Self> {
+    /// Loads `lb_xdp` on the maps pinned under `bpffs`, opening at most
+    /// `new_flows_per_cpu` new flows per CPU per second (0: no limit).
+    pub(super) fn load(bpffs: &Path, new_flows_per_cpu: u32) -> anyhow::Result<Self> {
         let (mut ebpf, _) = load_object(on_pinned_maps(bpffs), false)
             .context("loading the eBPF object on the pinned maps")?;
+        write_limits(&mut ebpf, new_flows_per_cpu)?;
         let program = xdp_program(&mut ebpf)?;
         load_retrying(|| program.load()).with_context(|| format!("loading {}", programs::XDP))?;
         Ok(Self { ebpf })

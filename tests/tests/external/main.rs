@@ -56,7 +56,12 @@ fn external_clients_reach_the_selected_server() {
         let (_s1v6, _s2v6) =
             (net.server("s1", "[2001:2:0:2::2]:8080"), net.server("s2", "[2001:2:0:2::3]:8080"));
         let cgroup = TestCgroup::new("external");
-        let daemon = Daemon::start_with("external", &cgroup, "flow_table = 4096", &services("tcp"));
+        let daemon = Daemon::start_with(
+            "external",
+            &cgroup,
+            "flow_table = 4096\nnew_flows_per_cpu = 54321",
+            &services("tcp"),
+        );
         let status = daemon.status();
         // The flow tables are of the size the config asks.
         assert_eq!(status["datapath"]["external"]["flow_capacity"], 4096, "{status}");
@@ -97,6 +102,22 @@ fn external_clients_reach_the_selected_server() {
             let maps = info.map_ids().unwrap().unwrap_or_default();
             assert!(maps.contains(&stamps), "program {program} stamps a MARKED_AT of its own");
         }
+        // The new-flow limit went into the XDP program's own LIMITS.
+        let info = aya::programs::loaded_programs()
+            .filter_map(Result::ok)
+            .find(|info| Some(info.id()) == xdp_id("ext0"))
+            .expect("the XDP program's info");
+        let limits = info
+            .map_ids()
+            .unwrap()
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|id| aya::maps::MapData::from_id(id).ok())
+            .find(|map| map.info().is_ok_and(|i| i.name_as_str() == Some(lb_common::maps::LIMITS)))
+            .expect("the program's LIMITS map");
+        let limits: aya::maps::Array<_, u32> =
+            aya::maps::Array::try_from(aya::maps::Map::Array(limits)).unwrap();
+        assert_eq!(limits.get(&lb_common::LIMIT_NEW_FLOWS, 0).unwrap(), 54_321);
         // Failover: one server of each service takes every new flow (the
         // first whose check passed), and only it.
         let mut active: Vec<(String, String)> = Vec::new();

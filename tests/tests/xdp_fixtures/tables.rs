@@ -66,6 +66,43 @@ fn a_flow_is_established_only_when_its_client_saw_the_servers_answer() {
     });
 }
 
+/// Past `[daemon] new_flows_per_cpu` in a second, a CPU opens no more
+/// flows (no port, no table entry, no route: a flood's cost is bounded);
+/// flows already open go on, and the next second opens flows again.
+#[privileged_test]
+fn past_the_new_flow_limit_a_cpu_opens_no_flow_that_second() {
+    both_families(|node, f| {
+        stay_on_one_cpu();
+        node.limit_new_flows(10);
+        let established = SocketAddr::new(f.client.ip(), 40_000);
+        let started = std::time::Instant::now();
+        let syn = handshake(node, f, established);
+        let verdicts: Vec<u32> = (0..20)
+            .map(|i| node.run(&from_client(f, spoofed(f, i), Flags::SYN, 1).frame(), None).0)
+            .collect();
+        let opened = verdicts.iter().filter(|v| **v == XDP_REDIRECT).count();
+        // The handshake's flow was the first of the ten. Judged exactly if
+        // the runs took less than the second (a stalled guest may cross
+        // into the next one, whose ten may open too).
+        if started.elapsed() < Duration::from_millis(900) {
+            assert_eq!(opened, 9, "{verdicts:?}");
+        }
+        assert!(opened < 20, "nothing was limited: {verdicts:?}");
+        assert_eq!(node.counter(Reason::XdpNewFlowLimited), 20 - opened as u64);
+        assert_eq!(node.nat_entries(), 1 + opened, "a refused flow took a port");
+        // The established flow goes on.
+        let mut ack = from_client(f, established, Flags::ACK, 1_001);
+        ack.tcp.as_mut().unwrap().ack = 7_001;
+        let (verdict, out) = node.run(&ack.frame(), None);
+        assert_eq!(verdict, XDP_REDIRECT, "an established flow was limited");
+        assert_eq!(read_frame(&out).unwrap().src, syn.src);
+        // The next second opens flows again.
+        std::thread::sleep(Duration::from_millis(1_100));
+        let again = from_client(f, spoofed(f, 99), Flags::SYN, 1).frame();
+        assert_eq!(node.run(&again, None).0, XDP_REDIRECT, "the limit did not end with its second");
+    });
+}
+
 /// The `i`th forged source address of a flood, in 198.18.0.0/15 or
 /// 2001:2::/48 (the fixtures' client side).
 fn spoofed(f: &Family, i: u32) -> SocketAddr {
