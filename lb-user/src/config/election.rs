@@ -170,13 +170,25 @@ mod tests {
         assert_eq!(lease, Some(LeaseRef { namespace: "lb-system".into(), name: "web".into() }));
         let timed = parse(&LEASED.replace(
             "node_name = \"node-a\"",
-            "lease_duration = \"2s\"\nlease_renew = \"500ms\"\nlease_retry = \"100ms\"",
+            "node_name = \"node-a\"\nlease_duration = \"2s\"\nlease_renew = \"500ms\"\nlease_retry = \"100ms\"",
         ))
         .unwrap();
         assert_eq!(timed.daemon.election.duration, Duration::from_secs(2));
         assert_eq!(timed.daemon.election.renew, Duration::from_millis(500));
         assert_eq!(timed.daemon.election.retry, Duration::from_millis(100));
-        assert!(!timed.daemon.node_name.is_empty(), "the hostname by default");
+    }
+
+    #[test]
+    fn localhost_names_no_node_when_leases_are_used() {
+        for name in ["localhost", "localhost.localdomain"] {
+            let text = problems(&LEASED.replace("node-a", name));
+            assert!(text.contains("daemon.node_name") && text.contains("names no node"), "{text}");
+        }
+        // Without a lease, the node's name matters to nobody.
+        let unleased = LEASED
+            .replace("node-a", "localhost")
+            .replace("lease = { namespace = \"lb-system\", name = \"web\" }", "");
+        assert_eq!(parse(&unleased).unwrap().daemon.node_name, "localhost");
     }
 
     #[test]
@@ -189,13 +201,19 @@ mod tests {
         );
         let text = problems(&LEASED.replace("announce = \"arp\"", "announce = \"none\""));
         assert!(text.contains("needs announce = \"arp\""), "{text}");
-        let text =
-            problems(&LEASED.replace("node_name = \"node-a\"", "lease_duration = \"1500ms\""));
+        let text = problems(&LEASED.replace(
+            "node_name = \"node-a\"",
+            "node_name = \"node-a\"\nlease_duration = \"1500ms\"",
+        ));
         assert!(
             text.contains("daemon.lease_duration") && text.contains("whole number of seconds"),
             "{text}"
         );
-        let text = problems(&LEASED.replace("node_name = \"node-a\"", "lease_renew = \"600ms\""));
+        let text =
+            problems(&LEASED.replace(
+                "node_name = \"node-a\"",
+                "node_name = \"node-a\"\nlease_renew = \"600ms\"",
+            ));
         assert!(text.contains("daemon.lease_renew") && text.contains("more than half"), "{text}");
         let text = problems(&LEASED.replace("node_name = \"node-a\"", "node_name = \"a b\""));
         assert!(text.contains("daemon.node_name"), "{text}");
