@@ -88,6 +88,21 @@ impl Topology {
         Self { client, servers, _peers: peers }
     }
 
+    /// Attaches the client side's pass-through program to `dev` in this
+    /// thread's namespace too (generic mode), as a foreign XDP program
+    /// would be: lb cannot attach there while it is. Returns what
+    /// [`Self::release_xdp`] takes.
+    pub fn occupy_xdp(&mut self, dev: &str) -> aya::programs::xdp::XdpLinkId {
+        let program: &mut Xdp = self._peers[0].program_mut("lb_xdp").unwrap().try_into().unwrap();
+        program.attach(dev, XdpMode::Skb).unwrap_or_else(|e| panic!("attaching to {dev}: {e}"))
+    }
+
+    /// Detaches what [`Self::occupy_xdp`] attached.
+    pub fn release_xdp(&mut self, link: aya::programs::xdp::XdpLinkId) {
+        let program: &mut Xdp = self._peers[0].program_mut("lb_xdp").unwrap().try_into().unwrap();
+        program.detach(link).expect("detaching the foreign XDP program");
+    }
+
     /// A server in the servers' namespace that answers with its name.
     pub fn server(&self, name: &str, addr: &str) -> Backend {
         let (name, addr): (String, SocketAddr) = (name.to_owned(), addr.parse().unwrap());

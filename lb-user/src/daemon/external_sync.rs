@@ -180,6 +180,8 @@ impl Daemon {
     fn announce(&mut self, external: &[usize]) {
         let mut wanted: HashMap<Announced, announce::Mac> = HashMap::new();
         let mut eligible: HashMap<usize, Option<&'static str>> = HashMap::new();
+        let running: HashSet<u32> =
+            self.external.links.values().map(|(ifindex, _)| *ifindex).collect();
         for &i in external {
             let service = &self.services[i];
             let config = service.config.external.as_ref().expect("filtered by the caller");
@@ -197,6 +199,9 @@ impl Daemon {
                 Some("no usable server")
             } else if here.is_empty() {
                 Some("none of its interfaces is present with a MAC address")
+            } else if !self.replies_translated(service.balancer.servers(), &running) {
+                // Fail closed: its replies would leave untranslated.
+                Some("lb_xdp does not run where a usable server's replies arrive")
             } else {
                 None
             };
@@ -396,12 +401,35 @@ fn tell_the_link(
     });
 }
 
+impl Daemon {
+    /// Whether `lb_xdp` runs (`running`: interface indexes) on every
+    /// interface a usable server of `servers` is reached through, where its
+    /// replies arrive to be translated back. A server on this node (its
+    /// route by loopback) needs none; one with no route yet is not judged.
+    fn replies_translated(
+        &self,
+        servers: &[crate::balancer::Server],
+        running: &HashSet<u32>,
+    ) -> bool {
+        let loopback = 1;
+        servers.iter().filter(|s| is_usable(s.state)).all(|s| {
+            match self.external.routes.get(&s.addr.ip()) {
+                Some(Ok(route)) => route.ifindex == loopback || running.contains(&route.ifindex),
+                _ => true,
+            }
+        })
+    }
+}
+
+/// Whether a server in `state` can take connections now.
+fn is_usable(state: State) -> bool {
+    matches!(state, State::Active | State::Preferred | State::Healthy | State::Standby)
+}
+
 /// Whether one of `servers` can take connections now: the VIP is worth
 /// announcing.
 fn has_usable(servers: &[crate::balancer::Server]) -> bool {
-    servers.iter().any(|s| {
-        matches!(s.state, State::Active | State::Preferred | State::Healthy | State::Standby)
-    })
+    servers.iter().any(|s| is_usable(s.state))
 }
 
 /// Whether this network namespace forwards the families asked for (IPv4,

@@ -23,6 +23,7 @@ use lb_tests::{
     wait_until,
 };
 
+mod fail_closed;
 mod icmp;
 mod nat_ports;
 
