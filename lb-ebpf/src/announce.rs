@@ -12,9 +12,14 @@
 //!
 //! Only the plain shapes are answered: Ethernet without a VLAN tag, ARP
 //! for IPv4 over Ethernet, a solicitation in an IPv6 header without
-//! extension headers, from a unicast source (duplicate address detection's
-//! `::` source gets no answer), with at most its source link-layer option.
-//! Anything else goes on to the rest of the program.
+//! extension headers, with at most its source link-layer option. Anything
+//! else goes on to the rest of the program.
+//!
+//! A host probing for the address before it takes it is told it is taken,
+//! as a host that has it would: an ARP probe (RFC 5227: sender address
+//! 0.0.0.0) is answered as any request; duplicate address detection's
+//! solicitation (source `::`) with an advertisement to all nodes, not
+//! solicited (RFC 4861, 7.2.4).
 
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpContext};
 use lb_common::{AnnounceKey, Reason, checksum};
@@ -51,6 +56,13 @@ const NS_LEN: u16 = 24;
 const NS_LEN_WITH_OPTION: u16 = 32;
 /// Neighbour advertisement flags: solicited, override.
 const NA_SOLICITED_OVERRIDE: u8 = 0x60;
+/// The flags of an answer to duplicate address detection: override alone.
+const NA_OVERRIDE: u8 = 0x20;
+/// ff02::1, all nodes on the link (as its 32-bit words lie in a packet),
+/// and its multicast MAC.
+const ALL_NODES: [u32; 4] =
+    [u32::from_ne_bytes([0xff, 0x02, 0, 0]), 0, 0, u32::from_ne_bytes([0, 0, 0, 1])];
+const ALL_NODES_MAC: [u8; 6] = [0x33, 0x33, 0, 0, 0, 1];
 
 /// What [`answer`] returns for a packet that is no question it answers.
 pub(crate) const NOT_ASKED: u32 = u32::MAX;
@@ -132,10 +144,12 @@ fn arp(ctx: &XdpContext) -> Option<u32> {
 
 /// A neighbour solicitation for an announced IPv6 address becomes a
 /// solicited advertisement (RFC 4861, 4.4 and 7.2.4) from that address to
-/// the one that asked. The checksum is updated for what changed: the
-/// pseudo-header's addresses (the asker's stays, now as destination; the
-/// solicited-node group gives way to the target), the type, the flags,
-/// and the option's type and address.
+/// the one that asked; one from `::` (duplicate address detection), an
+/// advertisement to all nodes, not solicited. The checksum is updated for
+/// what changed: the pseudo-header's addresses (the solicited-node group
+/// gives way to the target; the asker stays, now as destination, or `::`
+/// gives way to all nodes), the type, the flags, and the option's type
+/// and address.
 #[inline(always)]
 fn solicitation(ctx: &XdpContext) -> Option<u32> {
     let length = u16::from_be(read::<u16>(ctx, IP6_PAYLOAD_LEN)?);
@@ -149,7 +163,9 @@ fn solicitation(ctx: &XdpContext) -> Option<u32> {
         _ => return None,
     };
     let source = read::<[u32; 4]>(ctx, IP6_SRC)?;
-    if source == [0; 4] {
+    // Duplicate address detection (RFC 4862: no source link-layer option).
+    let dad = source == [0; 4];
+    if dad && with_option {
         return None;
     }
     let group = read::<[u32; 4]>(ctx, IP6_DST)?;
@@ -157,17 +173,25 @@ fn solicitation(ctx: &XdpContext) -> Option<u32> {
     let key = AnnounceKey { ifindex: ifindex(ctx), addr: target };
     let mac = announced(&key)?;
     let asker_mac = read::<[u8; 6]>(ctx, 6)?;
+    // To the asker; a prober has no address yet: to all nodes.
+    let (to, to_mac, na_flags) = if dad {
+        (ALL_NODES, ALL_NODES_MAC, NA_OVERRIDE)
+    } else {
+        (source, asker_mac, NA_SOLICITED_OVERRIDE)
+    };
     let mut check = read::<u16>(ctx, ICMP6_CHECKSUM)?;
     let mut i = 0;
     while i < 4 {
+        // The pseudo-header: (source, group) becomes (target, to).
         check = checksum::replace32(check, group[i], target[i]);
+        check = checksum::replace32(check, source[i], to[i]);
         i += 1;
     }
     let kind = read::<u16>(ctx, ICMP6)?;
     let new_kind = u16::from_ne_bytes([NEIGHBOUR_ADVERTISEMENT, 0]);
     check = checksum::replace16(check, kind, new_kind);
     let flags = read::<u32>(ctx, ICMP6_FLAGS)?;
-    let new_flags = u32::from_ne_bytes([NA_SOLICITED_OVERRIDE, 0, 0, 0]);
+    let new_flags = u32::from_ne_bytes([na_flags, 0, 0, 0]);
     check = checksum::replace32(check, flags, new_flags);
     if with_option {
         let option = read::<[u16; 4]>(ctx, NS_OPTION)?;
@@ -191,11 +215,11 @@ fn solicitation(ctx: &XdpContext) -> Option<u32> {
         }
     }
     let mut link = [0u8; 12];
-    link[..6].copy_from_slice(&asker_mac);
+    link[..6].copy_from_slice(&to_mac);
     link[6..].copy_from_slice(&mac);
     let written = write(ctx, 0, link)
         && write(ctx, IP6_SRC, target)
-        && write(ctx, IP6_DST, source)
+        && write(ctx, IP6_DST, to)
         && write(ctx, ICMP6, new_kind)
         && write(ctx, ICMP6_FLAGS, new_flags)
         && write(ctx, ICMP6_CHECKSUM, check);

@@ -443,6 +443,20 @@ fn an_announced_vip_is_found_on_the_link_while_it_has_a_server() {
         }
         assert!(daemon.counter("xdp_arp_answered") >= 1);
         assert!(daemon.counter("xdp_ndp_answered") >= 1);
+        // A host that probes for the IPv6 VIP before taking it (duplicate
+        // address detection, from `::`) is told it is taken.
+        net.client.sh(&["sysctl", "-qw", "net.ipv6.conf.c0.accept_dad=1"]);
+        net.client.sh(&["ip", "addr", "add", "2001:2:0:1::100/128", "dev", "c0"]);
+        let c0_addresses = || {
+            let out = net.client.run(|| {
+                std::process::Command::new("ip").args(["-6", "addr", "show", "dev", "c0"]).output()
+            });
+            String::from_utf8_lossy(&out.expect("ip addr").stdout).into_owned()
+        };
+        let refused = wait_until(Duration::from_secs(5), || c0_addresses().contains("dadfailed"));
+        assert!(refused, "the probe for the VIP was not answered: {}", c0_addresses());
+        net.client.sh(&["ip", "addr", "del", "2001:2:0:1::100/128", "dev", "c0"]);
+        net.client.sh(&["sysctl", "-qw", "net.ipv6.conf.c0.accept_dad=0"]);
 
         // Every server of web4 gone: withdrawn. The client forgets the
         // VIP's address and asks again, in vain.
