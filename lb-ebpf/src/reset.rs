@@ -134,13 +134,7 @@ fn ipv4(ctx: &XdpContext, p: &Packet) -> bool {
         client[2],
         client[3],
     ];
-    let mut sum = 0u64;
-    for i in 0..IPV4_HLEN / 2 {
-        sum += u64::from(u16::from_ne_bytes([header[2 * i], header[2 * i + 1]]));
-    }
-    let check = (!checksum::fold(sum)).to_ne_bytes();
-    header[10] = check[0];
-    header[11] = check[1];
+    checksum::seal_ipv4_header(&mut header);
     let pseudo = u64::from(p.dst.addr[3])
         + u64::from(p.src.addr[3])
         + u64::from(u32::from_ne_bytes([0, IPPROTO_TCP as u8, 0, TCP_HLEN as u8]));

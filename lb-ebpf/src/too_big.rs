@@ -102,13 +102,7 @@ fn ipv4(ctx: &XdpContext, p: &Packet, mtu: u16) -> bool {
         0x45, 0, total[0], total[1], 0, 0, 0, 0, TTL, 1, 0, 0, vip[0], vip[1], vip[2], vip[3],
         client[0], client[1], client[2], client[3],
     ];
-    let mut sum = 0u64;
-    for i in 0..IPV4_HLEN / 2 {
-        sum += u64::from(u16::from_ne_bytes([header[2 * i], header[2 * i + 1]]));
-    }
-    let check = (!checksum::fold(sum)).to_ne_bytes();
-    header[10] = check[0];
-    header[11] = check[1];
+    checksum::seal_ipv4_header(&mut header);
     let mtu = mtu.to_be_bytes();
     let icmp = [3u8, 4, 0, 0, 0, 0, mtu[0], mtu[1]];
     write(ctx, L3, header)

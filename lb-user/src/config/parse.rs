@@ -78,54 +78,27 @@ impl Config {
             state_dir: raw.daemon.state_dir.unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
             metrics,
             kubeconfig: raw.daemon.kubeconfig,
-            socket_table: match raw.daemon.socket_table {
-                None => MAX_TRACKED_SOCKETS,
-                Some(n) if SOCKET_TABLE_SIZES.contains(&n) => n as u32,
-                Some(n) => {
-                    problems.push(Problem::new(
-                        None,
-                        "daemon.socket_table",
-                        format!(
-                            "{n} is outside {}..={} (TCP connections through VIPs tracked at once)",
-                            SOCKET_TABLE_SIZES.start(),
-                            SOCKET_TABLE_SIZES.end()
-                        ),
-                    ));
-                    MAX_TRACKED_SOCKETS
-                }
-            },
-            flow_table: match raw.daemon.flow_table {
-                None => DEFAULT_FLOW_TABLE,
-                Some(n) if FLOW_TABLE_SIZES.contains(&n) => n as u32,
-                Some(n) => {
-                    problems.push(Problem::new(
-                        None,
-                        "daemon.flow_table",
-                        format!(
-                            "{n} is outside {}..={} (flows the external path keeps)",
-                            FLOW_TABLE_SIZES.start(),
-                            FLOW_TABLE_SIZES.end()
-                        ),
-                    ));
-                    DEFAULT_FLOW_TABLE
-                }
-            },
-            new_flows_per_cpu: match raw.daemon.new_flows_per_cpu {
-                None => DEFAULT_NEW_FLOWS_PER_CPU,
-                Some(n) if NEW_FLOWS_PER_CPU.contains(&n) => n as u32,
-                Some(n) => {
-                    problems.push(Problem::new(
-                        None,
-                        "daemon.new_flows_per_cpu",
-                        format!(
-                            "{n} is outside {}..={} (new external flows per CPU per second; 0: no limit)",
-                            NEW_FLOWS_PER_CPU.start(),
-                            NEW_FLOWS_PER_CPU.end()
-                        ),
-                    ));
-                    DEFAULT_NEW_FLOWS_PER_CPU
-                }
-            },
+            socket_table: bounded(
+                raw.daemon.socket_table,
+                (SOCKET_TABLE_SIZES, MAX_TRACKED_SOCKETS),
+                "daemon.socket_table",
+                "TCP connections through VIPs tracked at once",
+                &mut problems,
+            ),
+            flow_table: bounded(
+                raw.daemon.flow_table,
+                (FLOW_TABLE_SIZES, DEFAULT_FLOW_TABLE),
+                "daemon.flow_table",
+                "flows the external path keeps",
+                &mut problems,
+            ),
+            new_flows_per_cpu: bounded(
+                raw.daemon.new_flows_per_cpu,
+                (NEW_FLOWS_PER_CPU, DEFAULT_NEW_FLOWS_PER_CPU),
+                "daemon.new_flows_per_cpu",
+                "new external flows per CPU per second; 0: no limit",
+                &mut problems,
+            ),
             election,
             node_name: parse_node_name(raw.daemon.node_name, &mut problems),
         };
@@ -173,6 +146,29 @@ impl Config {
             Ok((Self { daemon, services }, starts))
         } else {
             Err(ConfigError { file: path.to_owned(), problems })
+        }
+    }
+}
+
+/// A `[daemon]` number within `range` (its default if absent); outside
+/// it, a problem naming `key` and `what` it counts, and the default.
+fn bounded(
+    value: Option<i64>,
+    (range, default): (std::ops::RangeInclusive<i64>, u32),
+    key: &'static str,
+    what: &str,
+    problems: &mut Vec<Problem>,
+) -> u32 {
+    match value {
+        None => default,
+        Some(n) if range.contains(&n) => u32::try_from(n).unwrap_or(default),
+        Some(n) => {
+            problems.push(Problem::new(
+                None,
+                key,
+                format!("{n} is outside {}..={} ({what})", range.start(), range.end()),
+            ));
+            default
         }
     }
 }
