@@ -35,7 +35,19 @@ use super::{
 /// pinned and attached nowhere: the caller fills the maps and runs the
 /// program with `BPF_PROG_TEST_RUN` (`aya::programs::TestRun`).
 pub fn load_unattached() -> anyhow::Result<Ebpf> {
-    let (mut ebpf, _) = load_object(EbpfLoader::new(), false)?;
+    load_unattached_with(None)
+}
+
+/// As [`load_unattached`], with opening flow tables (`OPENING_FLOWS`,
+/// `OPENING_REPLIES`) of `opening_flows` entries each, if given: a test
+/// turns small tables over with few packets.
+pub fn load_unattached_with(opening_flows: Option<u32>) -> anyhow::Result<Ebpf> {
+    let mut loader = EbpfLoader::new();
+    if let Some(size) = opening_flows {
+        loader.map_max_entries(maps::OPENING_FLOWS, size);
+        loader.map_max_entries(maps::OPENING_REPLIES, size);
+    }
+    let (mut ebpf, _) = load_object(loader, false)?;
     let program = xdp_program(&mut ebpf)?;
     load_retrying(|| program.load()).with_context(|| format!("loading {}", programs::XDP))?;
     Ok(ebpf)

@@ -32,6 +32,11 @@ pub const XDP_REDIRECT: u32 = 4;
 /// Loopback's interface index, in every network namespace.
 pub const LOOPBACK: u32 = 1;
 
+/// The size of the fixtures' opening flow tables (the established ones
+/// are of the object's size, `lb_common::MAX_EXTERNAL_FLOWS`): small, so
+/// that a test turns them over with a few thousand packets.
+pub const OPENING_FLOWS: u32 = 1_024;
+
 /// The NAT tables: established flows', and opening ones'.
 pub const NAT_TABLES: [&str; 2] = [maps::NAT_REPLIES, maps::OPENING_REPLIES];
 

@@ -36,7 +36,8 @@ impl Lent {
         // emptied here all the same.
         let mut guard = PROGRAM.lock().unwrap_or_else(PoisonError::into_inner);
         let ebpf = guard.get_or_insert_with(|| {
-            lb_user::datapath::xdp::load_unattached().expect("loading the XDP program")
+            lb_user::datapath::xdp::load_unattached_with(Some(super::OPENING_FLOWS))
+                .expect("loading the XDP program")
         });
         for (name, map) in ebpf.maps_mut() {
             empty(name, map);
