@@ -355,10 +355,11 @@ impl Daemon {
             }
         }
         let maps = self.datapath.external_maps();
+        let (established_flows, flows) = maps.flows();
         Some(ExternalStatus {
             interfaces,
-            flows: maps.flows(),
-            established_flows: maps.established_flows(),
+            flows,
+            established_flows,
             flow_capacity: maps.flow_capacity(),
             nat_ports: maps.nat_ports(),
             nat_port_capacity: usize::from(lb_common::NAT_PORT_COUNT),

@@ -17,6 +17,8 @@ use lb_common::{
     TrafficSlot, maglev::Maglev, maps,
 };
 
+use super::sockets::max_entries;
+
 /// Handles to the external path's pinned maps.
 pub struct ExternalMaps {
     vips: HashMap<MapData, Endpoint, u32>,
@@ -60,12 +62,7 @@ impl ExternalMaps {
             };
         }
         let flows = map(maps::FLOWS)?;
-        let flow_capacity = match &flows {
-            Map::LruHashMap(data) | Map::HashMap(data) => {
-                data.info().context("reading FLOWS' size")?.max_entries() as usize
-            }
-            _ => anyhow::bail!("map {} is not a hash map", maps::FLOWS),
-        };
+        let flow_capacity = max_entries(&flows, maps::FLOWS)?;
         Ok(Self {
             flow_capacity,
             flows: HashMap::try_from(flows)
@@ -243,16 +240,12 @@ impl ExternalMaps {
         Ok(changed)
     }
 
-    /// Flows in the flow table.
-    pub fn flows(&self) -> usize {
-        self.flows.keys().filter(Result::is_ok).count()
-            + self.opening_flows.keys().filter(Result::is_ok).count()
-    }
-
-    /// Of [`Self::flows`], those established (TCP flows whose client
-    /// acknowledged the server's answer: new flows never evict them).
-    pub fn established_flows(&self) -> usize {
-        self.flows.keys().filter(Result::is_ok).count()
+    /// Flows in the flow tables: (established, every one). Established:
+    /// TCP flows whose client acknowledged the server's answer, which new
+    /// flows never evict. Each table is walked once.
+    pub fn flows(&self) -> (usize, usize) {
+        let established = self.flows.keys().filter(Result::is_ok).count();
+        (established, established + self.opening_flows.keys().filter(Result::is_ok).count())
     }
 
     /// NAT ports held (one per flow's reply key).

@@ -47,9 +47,12 @@ pub struct VipSocket {
     pub server: SocketAddr,
 }
 
-/// The size of a socket table (a hash map) as the kernel made it.
-fn max_entries(map: &Map, name: &str) -> anyhow::Result<usize> {
-    let Map::HashMap(data) = map else { anyhow::bail!("map {name} is not a hash map") };
+/// The size of a hash map (a socket table, a flow table) as the kernel
+/// made it.
+pub(super) fn max_entries(map: &Map, name: &str) -> anyhow::Result<usize> {
+    let (Map::HashMap(data) | Map::LruHashMap(data)) = map else {
+        anyhow::bail!("map {name} is not a hash map")
+    };
     let info = data.info().with_context(|| format!("reading map {name}'s size"))?;
     Ok(info.max_entries() as usize)
 }
