@@ -63,6 +63,20 @@ fn a_flow_is_established_only_when_its_client_saw_the_servers_answer() {
         assert_eq!(node.counter(Reason::XdpPromoted), 1);
         assert!(node.nat_entry_in(maps::NAT_REPLIES, &key_of(&syn)).is_none(), "established");
         assert!(node.nat_entry_in(maps::OPENING_REPLIES, &key_of(&syn)).is_some());
+
+        // Out of order: an ACK of the right number before the server has
+        // answered moves nothing; after the answer, the same ACK does.
+        let early = SocketAddr::new(f.client.ip(), 42_000);
+        let syn = forwarded(node, f, early, 9_000);
+        let mut ack = from_client(f, early, Flags::ACK, 9_001);
+        ack.tcp.as_mut().unwrap().ack = 7_001;
+        assert_eq!(node.run(&ack.frame(), None).0, XDP_REDIRECT);
+        assert_eq!(node.counter(Reason::XdpNotPromoted), 6, "an ACK before the answer promoted");
+        let syn_ack = from_server(&syn, Flags::SYN_ACK).frame();
+        assert_eq!(node.run(&syn_ack, Some(node.srv0)).0, XDP_REDIRECT);
+        assert_eq!(node.run(&ack.frame(), None).0, XDP_REDIRECT);
+        assert_eq!(node.counter(Reason::XdpPromoted), 2);
+        assert!(node.nat_entry_in(maps::NAT_REPLIES, &key_of(&syn)).is_some(), "not established");
     });
 }
 
