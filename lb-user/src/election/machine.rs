@@ -12,9 +12,14 @@
 //!   upgrade, a rollout; a stopping daemon keeps its leases) renews it at
 //!   once if it is eligible, and waits up to a lease duration for its
 //!   servers' first verdict if it is not yet, before it lets the lease go.
-//! - **Expiry by the candidate's own clock**: a record is expired when it
-//!   has not changed for its `leaseDurationSeconds` since this node saw it
-//!   change (as client-go does): the nodes' wall clocks never meet.
+//! - **Expiry by the candidate's own clock, and its own eyes**: a record
+//!   is expired when it has not changed for its `leaseDurationSeconds`
+//!   since this node saw it change (as client-go does): the nodes' wall
+//!   clocks never meet. Only time this node could see counts: after a
+//!   failed request it starts counting again from its next successful
+//!   read, so an API server stall that blinds every node (and keeps the
+//!   holder from renewing) expires nobody's lease; the holder renews once
+//!   the API answers again, within a duration of the others seeing it.
 //! - **Fencing**: the holder may answer until `sent + duration - duration/4`,
 //!   where `sent` is when its last successful claim or renewal was *sent*.
 //!   Another node sees that write only after it was sent, and waits a
@@ -118,6 +123,10 @@ pub(crate) struct Machine {
     waiting_since: Option<Instant>,
     /// After a failed request: nothing is sent again before then.
     backoff_until: Option<Instant>,
+    /// A request failed since the last successful read: what happened to
+    /// the Lease meanwhile is unknown, and that time does not count
+    /// towards its expiry.
+    blind: bool,
 }
 
 impl Machine {
@@ -138,6 +147,7 @@ impl Machine {
             last_takeover: None,
             waiting_since: None,
             backoff_until: None,
+            blind: false,
         }
     }
 
@@ -222,6 +232,10 @@ impl Machine {
         if record.holder.as_deref().is_none_or(str::is_empty) {
             return Step::Claim;
         }
+        if self.blind {
+            // Only a successful read tells whether it changed meanwhile.
+            return read_or_wait(None);
+        }
         let expires = self.seen_at.map(|t| t + record.duration);
         if expires.is_some_and(|e| e <= now) {
             return Step::Claim;
@@ -236,9 +250,11 @@ impl Machine {
         self.absent = record.is_none();
         let changed =
             self.record.as_ref().map(|r| &r.version) != record.as_ref().map(|r| &r.version);
-        if changed {
+        if changed || self.blind {
+            // Unchanged across a blind spell: it counts from now.
             self.seen_at = Some(now);
         }
+        self.blind = false;
         let was_mine = self.holds();
         self.record = record;
         if was_mine && !self.holds() {
@@ -270,6 +286,7 @@ impl Machine {
         self.seen_at = Some(now);
         self.claimed_at = Some(sent);
         self.fence = Some(sent + self.timings.duration - self.timings.margin());
+        self.blind = false;
     }
 
     /// The release was written as `record`.
@@ -280,6 +297,7 @@ impl Machine {
         self.seen_at = Some(now);
         self.last_read = Some(now);
         self.waiting_since = None;
+        self.blind = false;
     }
 
     /// A write was refused because the record changed (409), or the Lease
@@ -294,9 +312,11 @@ impl Machine {
 
     /// A request failed (the API unreachable, a timeout) at `now`: the
     /// fence stays as it was and runs out by itself; the next read waits
-    /// for the retry interval.
+    /// for the retry interval, and the Lease's expiry counts again from
+    /// the next successful read.
     pub(crate) fn on_failed(&mut self, now: Instant) {
         self.backoff_until = Some(now + self.timings.retry.min(self.timings.renew));
+        self.blind = true;
     }
 
     /// This node's role at `now`.

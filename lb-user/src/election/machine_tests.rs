@@ -236,3 +236,92 @@ fn a_holder_that_loses_its_servers_after_renewing_at_start_releases_at_once() {
     m.set_eligible(Some("no usable server"), t0 + 100 * MS);
     assert_eq!(m.next(t0 + 100 * MS), Step::Release);
 }
+
+/// The Lease at a simulated API server, and nodes that act on it: each
+/// request is answered at once, or fails while the API is stalled; a
+/// write succeeds only over the resourceVersion its node read.
+struct Api {
+    record: Record,
+}
+
+impl Api {
+    /// Carries out `m`'s next step at `t`; returns it.
+    fn serve(&mut self, m: &mut Machine, t: Instant, stalled: bool) -> Step {
+        let step = m.next(t);
+        match step {
+            Step::Wait(_) => {}
+            _ if stalled => m.on_failed(t),
+            Step::Read => m.on_read(Some(self.record.clone()), t),
+            Step::Claim if m.record.as_ref().map(|r| &r.version) == Some(&self.record.version) => {
+                let version: u32 = self.record.version.parse().unwrap();
+                self.record = held_by(&m.me, version + 1);
+                m.on_claimed(self.record.clone(), t, t);
+            }
+            Step::Claim => m.on_conflict(),
+            Step::Create | Step::Release => panic!("{step:?} was not expected here"),
+        }
+        step
+    }
+}
+
+/// An API server that answers nobody for 5 s (a stalled etcd, an
+/// overloaded apiserver) moves no lease: the holder cannot renew and falls
+/// silent at its fence, the other node cannot read and counts none of that
+/// time towards the lease's expiry, and once the API answers again the
+/// holder renews before the other has seen the lease unchanged for a whole
+/// duration.
+#[test]
+fn a_stall_that_blinds_every_node_moves_no_lease() {
+    let t0 = Instant::now();
+    let (mut a, mut b) = (eligible("a", t0), eligible("b", t0));
+    // `a` has held the lease since before `b` started.
+    a.on_read(Some(held_by("a", 1)), t0);
+    a.on_claimed(held_by("a", 2), t0, t0);
+    let mut api = Api { record: held_by("a", 2) };
+    let (stall_from, stall_to) = (t0 + 3000 * MS, t0 + 8000 * MS);
+    let mut silent_at = None;
+    for tick in 0..1200 {
+        let t = t0 + tick * 10 * MS;
+        let stalled = (stall_from..stall_to).contains(&t);
+        api.serve(&mut a, t, stalled);
+        let step = api.serve(&mut b, t, stalled);
+        assert_ne!(step, Step::Claim, "b tried to take the lease at {:?}", t - t0);
+        if silent_at.is_none() && a.role(t) == Role::Candidate {
+            silent_at = Some(t - t0);
+        }
+    }
+    assert_eq!(api.record.holder.as_deref(), Some("a"));
+    let silent_at = silent_at.expect("a fell silent");
+    assert!(
+        silent_at > 3000 * MS && silent_at <= 3750 * MS,
+        "a fell silent at its fence, within the stall: {silent_at:?}"
+    );
+    assert!(matches!(a.role(t0 + 11_990 * MS), Role::Holder { .. }), "and answers again");
+}
+
+/// A holder that dies while the API is stalled is still taken over: a
+/// lease duration after the others can read again.
+#[test]
+fn a_holder_that_dies_during_a_stall_is_taken_over_after_it() {
+    let t0 = Instant::now();
+    let (mut a, mut b) = (eligible("a", t0), eligible("b", t0));
+    a.on_read(Some(held_by("a", 1)), t0);
+    a.on_claimed(held_by("a", 2), t0, t0);
+    let mut api = Api { record: held_by("a", 2) };
+    let (died, stall_to) = (t0 + 3000 * MS, t0 + 8000 * MS);
+    let mut claimed_at = None;
+    for tick in 0..1200 {
+        let t = t0 + tick * 10 * MS;
+        let stalled = (died..stall_to).contains(&t);
+        if t < died {
+            api.serve(&mut a, t, stalled);
+        }
+        if api.serve(&mut b, t, stalled) == Step::Claim && claimed_at.is_none() {
+            claimed_at = Some(t);
+        }
+    }
+    assert_eq!(api.record.holder.as_deref(), Some("b"));
+    let after = claimed_at.unwrap() - stall_to;
+    assert!(after >= 1000 * MS, "not before a whole duration of reads: {after:?}");
+    assert!(after <= 1200 * MS, "a duration and a retry after the API came back: {after:?}");
+}

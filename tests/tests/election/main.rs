@@ -202,13 +202,7 @@ fn a_restarted_holder_keeps_the_vip_and_its_connections() {
         }
         let first = lan.wait_holder(&api, None);
         let name = lan.nodes[first].name.clone();
-        let to: std::net::SocketAddr = lan::VIP.parse().unwrap();
-        let held = lan.client.run(move || {
-            std::net::TcpStream::connect_timeout(&to, Duration::from_secs(3))
-                .map_err(|e| e.to_string())
-        });
-        let held = held.expect("a connection through the VIP");
-        assert_eq!(lb_tests::topology::who(&held).as_deref(), Ok(name.as_str()));
+        let held = hold_connection(&lan, &name);
         let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
         std::thread::sleep(Duration::from_millis(300));
 
@@ -227,25 +221,7 @@ fn a_restarted_holder_keeps_the_vip_and_its_connections() {
         let turns = watch.turns();
         assert_eq!(turns.len(), 1, "another node answered for the VIP: {turns:?}");
         assert_eq!(turns[0].0, lan.nodes[first].mac);
-        // The connection held across the restart carries data: written to,
-        // it is neither reset (the node's answer to a packet of no flow)
-        // nor closed.
-        let mut held = held;
-        for _ in 0..3 {
-            std::io::Write::write_all(&mut held, b"still there\n")
-                .expect("writing after the restart");
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        held.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
-        let mut buf = [0u8; 16];
-        match std::io::Read::read(&mut held, &mut buf) {
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) => {}
-            other => panic!("the held connection broke across the restart: {other:?}"),
-        }
+        assert_still_open(held, "the restart");
         let status = lan.nodes[first].daemon().status();
         let lease = &status["services"][0]["external"]["lease"];
         assert_eq!(
@@ -253,7 +229,97 @@ fn a_restarted_holder_keeps_the_vip_and_its_connections() {
             serde_json::Value::Null,
             "it took the lease over: {lease}"
         );
-        drop(held);
+        drop(watch);
+        drop(lan);
+        drop(api);
+        drop(rt);
+    });
+}
+
+/// A connection from the client through the VIP, served by node `name`.
+fn hold_connection(lan: &Lan, name: &str) -> std::net::TcpStream {
+    let to: std::net::SocketAddr = lan::VIP.parse().unwrap();
+    let held = lan.client.run(move || {
+        std::net::TcpStream::connect_timeout(&to, Duration::from_secs(3)).map_err(|e| e.to_string())
+    });
+    let held = held.expect("a connection through the VIP");
+    assert_eq!(lb_tests::topology::who(&held).as_deref(), Ok(name));
+    held
+}
+
+/// The connection held across `what` carries data: written to, it is
+/// neither reset (the node's answer to a packet of no flow) nor closed.
+#[track_caller]
+fn assert_still_open(mut held: std::net::TcpStream, what: &str) {
+    for _ in 0..3 {
+        std::io::Write::write_all(&mut held, b"still there\n")
+            .unwrap_or_else(|e| panic!("writing after {what}: {e}"));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    held.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+    let mut buf = [0u8; 16];
+    match std::io::Read::read(&mut held, &mut buf) {
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) => {}
+        other => panic!("the held connection broke across {what}: {other:?}"),
+    }
+}
+
+/// An API server that answers no Lease request for 5 s, for every node at
+/// once, moves no VIP with the default timings: the holder cannot renew
+/// and falls silent at its fence, but the other node, blind too, counts
+/// none of that time towards the lease's expiry, and the holder renews
+/// once the API answers. Only the holder ever answers for the VIP, and a
+/// connection held through it carries data afterwards.
+#[privileged_test]
+fn an_api_stall_of_five_seconds_moves_no_vip() {
+    let _serial = one_at_a_time();
+    in_new_netns(|| {
+        let (mut lan, rt, api) = lan_and_api("el-stall", 2);
+        let kubeconfig = Kubeconfig::write(&api.url());
+        for node in &mut lan.nodes {
+            node.start(kubeconfig.path(), &services(Servers::Static));
+        }
+        let first = lan.wait_holder(&api, None);
+        let name = lan.nodes[first].name.clone();
+        let other = 1 - first;
+        // The other node competes (it would take an unrenewed lease).
+        assert!(wait_until(Duration::from_secs(10), || lan.nodes[other].role().as_deref()
+            == Some("candidate")));
+        let held = hold_connection(&lan, &name);
+        let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
+        std::thread::sleep(Duration::from_millis(300));
+
+        api.stall_leases();
+        std::thread::sleep(Duration::from_secs(5));
+        let status = lan.nodes[first].daemon().status();
+        let lease = &status["services"][0]["external"]["lease"];
+        assert!(lease["error"].is_string(), "the holder saw the stall: {lease}");
+        api.end_lease_stall();
+        assert!(
+            wait_until(Duration::from_secs(10), || lan.nodes[first].role().as_deref()
+                == Some("holder")),
+            "the holder renews once the API answers: {}",
+            lan.nodes[first].daemon().log()
+        );
+        std::thread::sleep(Duration::from_secs(2));
+
+        let holder = api.lease(LEASE.0, LEASE.1).and_then(|l| l.spec?.holder_identity);
+        assert_eq!(holder.as_deref(), Some(name.as_str()), "the lease moved");
+        let turns = watch.turns();
+        assert!(
+            turns.iter().all(|turn| turn.0 == lan.nodes[first].mac),
+            "another node answered for the VIP: {turns:?}"
+        );
+        for node in &lan.nodes {
+            let status = node.daemon().status();
+            let lease = &status["services"][0]["external"]["lease"];
+            assert_eq!(lease["last_takeover"]["from"], serde_json::Value::Null, "{lease}");
+        }
+        assert_still_open(held, "the stall");
         drop(watch);
         drop(lan);
         drop(api);

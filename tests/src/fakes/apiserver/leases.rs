@@ -2,7 +2,8 @@
 //! election: get, create (`409 AlreadyExists`), update over a
 //! resourceVersion (`409 Conflict` when it is stale, `404` when there is
 //! no such Lease) and delete. Each write takes the next resourceVersion of
-//! the store the slices share.
+//! the store the slices share. While stalled, a request waits for the
+//! stall's end and is answered `504 Timeout`, nothing written.
 
 use std::net::SocketAddr;
 
@@ -37,6 +38,21 @@ pub(super) async fn handle(
         Ok(body) => body.to_bytes(),
         Err(e) => return status_response(400, "BadRequest", &format!("reading the body: {e}")),
     };
+    let mut stalled = shared.leases_stalled.subscribe();
+    if *stalled.borrow_and_update() {
+        let _ = stalled.wait_for(|stalled| !stalled).await;
+        shared.state.lock().unwrap().leases.log.push(LeaseRequest {
+            method: method.to_string(),
+            name: name.unwrap_or_default(),
+            status: StatusCode::GATEWAY_TIMEOUT.as_u16(),
+            via,
+        });
+        return status_response(
+            504,
+            "Timeout",
+            "the server was unable to return a response in the time allotted",
+        );
+    }
     let parsed = || serde_json::from_slice::<Lease>(&body);
     let mut state = shared.state.lock().unwrap();
     let response = match (&method, name) {

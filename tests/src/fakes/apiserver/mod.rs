@@ -20,7 +20,8 @@
 //! [`FakeApiServer::stop_listener`] / [`FakeApiServer::restart_listener`]
 //! (one apiserver of several dies and comes back: several listeners on
 //! different loopback ports serve the same store, like apiservers sharing
-//! etcd). [`FakeApiServer::requests`] says who asked what.
+//! etcd), [`FakeApiServer::stall_leases`] (no Lease request answered for a
+//! while). [`FakeApiServer::requests`] says who asked what.
 //!
 //! It runs on the tokio runtime of the test that starts it.
 
@@ -82,6 +83,7 @@ impl FakeApiServer {
                 state: Mutex::new(State { rv: 1, compacted: 1, ..State::default() }),
                 changed: watch::channel(()).0,
                 watching: AtomicUsize::new(0),
+                leases_stalled: watch::channel(false).0,
             }),
             listeners: Mutex::new(HashMap::new()),
             order: Mutex::new(Vec::new()),
@@ -213,6 +215,19 @@ impl FakeApiServer {
         for listener in self.listeners.lock().unwrap().values() {
             listener.connections.lock().unwrap().abort_all();
         }
+    }
+
+    /// Every apiserver stops answering Lease requests (an etcd that fell
+    /// behind, an apiserver overloaded): each waits until
+    /// [`Self::end_lease_stall`], then is answered `504 Timeout` with
+    /// nothing written. Connections stay up.
+    pub fn stall_leases(&self) {
+        self.shared.leases_stalled.send_replace(true);
+    }
+
+    /// Lease requests are answered again.
+    pub fn end_lease_stall(&self) {
+        self.shared.leases_stalled.send_replace(false);
     }
 
     /// The apiserver at `addr` dies: its connections drop and connects are

@@ -90,6 +90,9 @@ pub(super) struct Shared {
     pub(super) changed: watch::Sender<()>,
     /// Watch streams open now.
     pub(super) watching: AtomicUsize,
+    /// `true` while Lease requests are stalled
+    /// ([`super::FakeApiServer::stall_leases`]).
+    pub(super) leases_stalled: watch::Sender<bool>,
 }
 
 pub(super) fn in_scope(
