@@ -71,36 +71,9 @@ impl SavedState {
     }
 
     /// Writes `dir/servers.json` so that a crash or power loss leaves
-    /// either the old file or the new one: a new temporary file in the
-    /// same directory (created exclusively, never through a symlink),
-    /// written and fsynced, renamed over the old one, then the directory
-    /// fsynced so that the rename itself is durable.
+    /// either the old file or the new one (`write_atomically`).
     pub fn save(&self, dir: &Path) -> anyhow::Result<()> {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("creating state directory {}", dir.display()))?;
-        let path = dir.join(FILE);
-        let tmp = dir.join(format!(".{FILE}.{}.tmp", std::process::id()));
-        // A leftover from a crashed write of this same process id.
-        let _ = std::fs::remove_file(&tmp);
-        let write = || -> std::io::Result<()> {
-            let mut file = OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(&tmp)?;
-            file.write_all(&serde_json::to_vec_pretty(self)?)?;
-            file.sync_all()
-        };
-        if let Err(e) = write() {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e).with_context(|| format!("writing {}", tmp.display()));
-        }
-        std::fs::rename(&tmp, &path).with_context(|| format!("replacing {}", path.display()))?;
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .with_context(|| format!("syncing state directory {}", dir.display()))?;
-        Ok(())
+        write_atomically(dir, FILE, &serde_json::to_vec_pretty(self)?)
     }
 
     /// The runtime list for a service whose config says `configured` /
@@ -115,6 +88,39 @@ impl SavedState {
         (saved.configured == configured && saved.configured_default == configured_default)
             .then_some(saved)
     }
+}
+
+/// Writes `bytes` to `dir/name` so that a crash leaves the old file or the
+/// new one, never a part: a temporary file in the same directory (created
+/// exclusively, never through a symlink, readable by root only), written
+/// and fsynced, renamed over the old one, then the directory fsynced so
+/// that the rename itself is durable.
+pub(crate) fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("creating state directory {}", dir.display()))?;
+    let path = dir.join(name);
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    // A leftover from a crashed write of this same process id.
+    let _ = std::fs::remove_file(&tmp);
+    let write = || -> std::io::Result<()> {
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)?;
+        file.write_all(bytes)?;
+        file.sync_all()
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e).with_context(|| format!("writing {}", tmp.display()));
+    }
+    std::fs::rename(&tmp, &path).with_context(|| format!("replacing {}", path.display()))?;
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("syncing state directory {}", dir.display()))?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -219,7 +219,8 @@ fn lease_line(out: &mut String, l: &crate::control::LeaseStatus) {
     };
     let holder = l.holder.as_deref().unwrap_or("nobody");
     let age = l.changed_ms_ago.map_or_else(String::new, |ms| format!(", changed {ms} ms ago"));
-    let _ = write!(out, "  lease {} as {}: {role}; held by {holder}{age}", l.lease, l.node);
+    let me = l.identity.as_deref().unwrap_or(&l.node);
+    let _ = write!(out, "  lease {} as {me}: {role}; held by {holder}{age}", l.lease);
     if let Some(t) = &l.last_takeover {
         let from = t.from.as_deref().map_or_else(String::new, |f| format!(" from {f}"));
         let _ = write!(out, "; took it{from} {} ms ago, in {} ms", t.ms_ago, t.took_ms);

@@ -38,6 +38,9 @@ pub const LEASE: (&str, &str) = ("lb-system", "web");
 /// One node: its namespace, its server's, the server, its daemon.
 pub struct Node {
     pub name: String,
+    /// `[daemon] node_name` of its daemon: its `name`, unless a test gives
+    /// two nodes one name.
+    pub node_name: String,
     /// The test's tag: daemons and cgroups of tests running side by side
     /// have names of their own.
     tag: String,
@@ -113,6 +116,7 @@ impl Lan {
             let mac = ns.run(|| mac_of("ext0"));
             let server = Some(serve(&servers, &name));
             nodes.push(Node {
+                node_name: name.clone(),
                 name,
                 tag: tag.to_owned(),
                 ns,
@@ -153,7 +157,7 @@ impl Lan {
             let lease = api.lease(LEASE.0, LEASE.1);
             let named = lease.and_then(|l| l.spec?.holder_identity);
             match holders[..] {
-                [k] if Some(k) != not && named.as_deref() == Some(self.nodes[k].name.as_str()) => {
+                [k] if Some(k) != not && named == self.nodes[k].identity() => {
                     found = Some(k);
                     true
                 }
@@ -228,7 +232,7 @@ impl Node {
         }
         let (name, settings) = (
             format!("{}-{}", self.tag, self.name),
-            format!("node_name = \"{}\"\nkubeconfig = {:?}\n{daemon}", self.name, kubeconfig),
+            format!("node_name = \"{}\"\nkubeconfig = {:?}\n{daemon}", self.node_name, kubeconfig),
         );
         let cgroup = TestCgroup::new(&name);
         let services = services.to_owned();
@@ -251,10 +255,20 @@ impl Node {
     /// This node's role in the election, as its `lb status` says (`None`
     /// while its daemon does not answer).
     pub fn role(&self) -> Option<String> {
+        self.lease_status("role")
+    }
+
+    /// This node's identity in the Lease (its node name and its token), as
+    /// its `lb status` says.
+    pub fn identity(&self) -> Option<String> {
+        self.lease_status("identity")
+    }
+
+    fn lease_status(&self, field: &str) -> Option<String> {
         let status = self.daemon.as_ref()?.try_lb(&["status", "--json"]).ok()?;
         let status: serde_json::Value = serde_json::from_str(&status).ok()?;
-        let role = status["services"][0]["external"]["lease"]["role"].as_str()?;
-        Some(role.to_owned())
+        let value = status["services"][0]["external"]["lease"][field].as_str()?;
+        Some(value.to_owned())
     }
 }
 

@@ -82,8 +82,11 @@ pub struct ServiceExternal {
 pub struct LeaseStatus {
     /// The Lease, `namespace/name`.
     pub lease: String,
-    /// This node's name (its identity in the lease).
+    /// This node's name.
     pub node: String,
+    /// This node's identity in the lease: its name and its token.
+    #[serde(default)]
+    pub identity: Option<String>,
     /// `holder`, `candidate`, `not eligible` or `starting`.
     pub role: String,
     /// Why the node is not eligible.

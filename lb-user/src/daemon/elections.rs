@@ -80,7 +80,7 @@ impl Daemon {
                 Election::start(
                     name,
                     lease,
-                    settings.node_name.clone(),
+                    election::identity::load(&settings.node_name, &settings.state_dir),
                     Timings {
                         duration: settings.election.duration,
                         renew: settings.election.renew,
@@ -151,6 +151,7 @@ impl Daemon {
         Some(LeaseStatus {
             lease: lease.to_string(),
             node: self.config.settings.node_name.clone(),
+            identity: self.elections.get(&service.config.name).map(|e| e.identity.clone()),
             role: role.to_owned(),
             why,
             holder: standing.and_then(|s| s.holder.clone()),

@@ -25,6 +25,13 @@
 //!   Another node sees that write only after it was sent, and waits a
 //!   whole duration from then: the holder has fallen silent a quarter of
 //!   a duration before anyone else may claim.
+//! - **A lease given is a takeover**: a read that finds the lease newly
+//!   naming this node, written by someone else (an edit, a write of its
+//!   own that landed after it gave up on it), makes it the holder only a
+//!   whole duration later, when the holder before it has fallen silent
+//!   whatever it last renewed. Found naming this node at its first read,
+//!   the lease is its own from before a restart (the identity's token is
+//!   this node's alone), renewed at once.
 //! - **Optimistic concurrency**: every write carries the resourceVersion
 //!   read; a conflict means someone else wrote first, and the node reads
 //!   again (and, if it held, has lost the lease at once).
@@ -123,6 +130,9 @@ pub(crate) struct Machine {
     waiting_since: Option<Instant>,
     /// After a failed request: nothing is sent again before then.
     backoff_until: Option<Instant>,
+    /// The lease was given to this node by someone else's write: it
+    /// answers from then on, not before.
+    answer_from: Option<Instant>,
     /// A request failed since the last successful read: what happened to
     /// the Lease meanwhile is unknown, and that time does not count
     /// towards its expiry.
@@ -147,6 +157,7 @@ impl Machine {
             last_takeover: None,
             waiting_since: None,
             backoff_until: None,
+            answer_from: None,
             blind: false,
         }
     }
@@ -216,7 +227,9 @@ impl Machine {
                 return Step::Release;
             }
             let due = self.claimed_at.map_or(now, |t| t + self.timings.renew);
-            return if due <= now { Step::Claim } else { Step::Wait(Some(due)) };
+            // Wake when it may answer, too: its role changes then.
+            let wake = self.answer_from.filter(|a| *a > now).map_or(due, |a| a.min(due));
+            return if due <= now { Step::Claim } else { Step::Wait(Some(wake)) };
         }
         if !self.settled(now) {
             if self.stopping {
@@ -246,6 +259,7 @@ impl Machine {
     /// A read's answer (`None`: there is no Lease), at `now`.
     pub(crate) fn on_read(&mut self, record: Option<Record>, now: Instant) {
         self.last_read = Some(now);
+        let first = self.first_read.is_none();
         self.first_read.get_or_insert(now);
         self.absent = record.is_none();
         let changed =
@@ -256,10 +270,18 @@ impl Machine {
         }
         self.blind = false;
         let was_mine = self.holds();
+        let before = self.record.as_ref().and_then(|r| r.holder.clone()).filter(|h| !h.is_empty());
         self.record = record;
         if was_mine && !self.holds() {
             // Someone else wrote it (released for us, or an edit).
             self.fence = None;
+            self.answer_from = None;
+        }
+        if changed && !was_mine && self.holds() && !first {
+            // Given by someone else's write: whoever held it before may
+            // answer until its own fence, at most a duration from now.
+            self.answer_from = Some(now + self.timings.duration);
+            self.last_takeover = Some(Takeover { at: now, took: Duration::ZERO, from: before });
         }
         if !self.holds() && self.waiting_since.is_none() {
             self.waiting_since = Some(now);
@@ -292,6 +314,7 @@ impl Machine {
     /// The release was written as `record`.
     pub(crate) fn on_released(&mut self, record: Record, now: Instant) {
         self.fence = None;
+        self.answer_from = None;
         self.claimed_at = None;
         self.record = Some(record);
         self.seen_at = Some(now);
@@ -323,6 +346,7 @@ impl Machine {
     pub(crate) fn role(&self, now: Instant) -> Role {
         if let Some(fence) = self.fence.filter(|f| *f > now)
             && self.holds()
+            && self.answer_from.is_none_or(|a| a <= now)
         {
             return Role::Holder { fence };
         }

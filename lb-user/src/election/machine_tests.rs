@@ -325,3 +325,31 @@ fn a_holder_that_dies_during_a_stall_is_taken_over_after_it() {
     assert!(after >= 1000 * MS, "not before a whole duration of reads: {after:?}");
     assert!(after <= 1200 * MS, "a duration and a retry after the API came back: {after:?}");
 }
+
+/// Someone else writes the lease over to this node (an edit, a replayed
+/// write): the node renews it, but answers only a whole duration later,
+/// when the holder before it has fallen silent whatever it last renewed.
+#[test]
+fn a_lease_given_by_someone_else_is_answered_for_a_duration_later() {
+    let t0 = Instant::now();
+    let mut b = eligible("b", t0);
+    let t1 = t0 + 1000 * MS;
+    b.on_read(Some(held_by("a", 7)), t1);
+    let t2 = t1 + 200 * MS;
+    b.on_read(Some(held_by("b", 8)), t2);
+    assert_eq!(b.next(t2), Step::Claim, "it makes the lease its own");
+    b.on_claimed(held_by("b", 9), t2, t2 + 5 * MS);
+    assert_eq!(b.role(t2 + 5 * MS), Role::Candidate, "the old holder may still answer");
+    assert_eq!(b.next(t2 + 10 * MS), Step::Wait(Some(t2 + 200 * MS)));
+    b.on_claimed(held_by("b", 10), t2 + 800 * MS, t2 + 800 * MS);
+    assert_eq!(b.next(t2 + 810 * MS), Step::Wait(Some(t2 + 1000 * MS)), "wakes when it may answer");
+    assert_eq!(b.role(t2 + 999 * MS), Role::Candidate);
+    assert!(matches!(b.role(t2 + 1000 * MS), Role::Holder { .. }));
+    let takeover = b.last_takeover().unwrap();
+    assert_eq!((takeover.at, takeover.from.as_deref()), (t2, Some("a")));
+    // Found its own at its first read (a restart): its own, at once.
+    let mut a = eligible("a", t0);
+    a.on_read(Some(held_by("a", 7)), t1);
+    a.on_claimed(held_by("a", 8), t1, t1);
+    assert!(matches!(a.role(t1), Role::Holder { .. }));
+}

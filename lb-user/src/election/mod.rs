@@ -7,7 +7,8 @@
 //! daemon dies or cannot renew falls silent by itself.
 //!
 //! - `machine`: the rules, pure, tested with simulated time;
-//! - `lease`: the Lease's reads and writes through kube-rs.
+//! - `lease`: the Lease's reads and writes through kube-rs;
+//! - `identity`: this node's name in the Leases, with a token of its own.
 //!
 //! The daemon keeps the order that makes a handover safe: it withdraws a
 //! VIP from the kernel *before* it tells the task that the node is no
@@ -17,6 +18,7 @@
     allow(dead_code, reason = "without Kubernetes no election runs: the config refuses a lease")
 )]
 
+pub(crate) mod identity;
 #[cfg(feature = "kubernetes")]
 mod lease;
 pub(crate) mod machine;
@@ -70,6 +72,8 @@ pub(crate) struct Reach {
 /// The daemon's end of one election task.
 pub(crate) struct Election {
     pub lease: LeaseRef,
+    /// This node's holder identity in the Lease.
+    pub identity: String,
     task: JoinHandle<()>,
     /// `None`: eligible; else why not.
     eligible: watch::Sender<Option<&'static str>>,
@@ -93,14 +97,14 @@ impl Election {
         let task = tokio::spawn(run(Task {
             service,
             lease: lease.clone(),
-            me,
+            me: me.clone(),
             timings,
             reach,
             eligible: eligible_rx,
             stop: stop_rx,
             updates,
         }));
-        Self { lease, task, eligible, stop, standing: None }
+        Self { lease, identity: me, task, eligible, stop, standing: None }
     }
 
     /// Whether the node may compete: `None`, or why not. Called after the

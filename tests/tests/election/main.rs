@@ -120,8 +120,9 @@ fn one_node_answers_and_a_killed_holder_is_replaced() {
         assert!(lan.nodes[first].daemon().counter("xdp_announce_fenced") > 0);
         let status = lan.nodes[second].daemon().status();
         let lease = &status["services"][0]["external"]["lease"];
-        assert_eq!(lease["holder"], lan.nodes[second].name.as_str(), "{lease}");
-        assert_eq!(lease["last_takeover"]["from"], lan.nodes[first].name.as_str(), "{lease}");
+        assert_eq!(lease["holder"], lease["identity"], "{lease}");
+        let from = lease["last_takeover"]["from"].as_str().unwrap_or_default();
+        assert!(from.starts_with(&format!("{}_", lan.nodes[first].name)), "{lease}");
         drop(watch);
         drop(lan);
         drop(api);
@@ -202,6 +203,7 @@ fn a_restarted_holder_keeps_the_vip_and_its_connections() {
         }
         let first = lan.wait_holder(&api, None);
         let name = lan.nodes[first].name.clone();
+        let identity = lan.nodes[first].identity();
         let held = hold_connection(&lan, &name);
         let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
         std::thread::sleep(Duration::from_millis(300));
@@ -214,7 +216,7 @@ fn a_restarted_holder_keeps_the_vip_and_its_connections() {
             lan.nodes[first].daemon().log()
         );
         let lease = api.lease(LEASE.0, LEASE.1).and_then(|l| l.spec?.holder_identity);
-        assert_eq!(lease.as_deref(), Some(name.as_str()), "the stopping holder let the lease go");
+        assert_eq!(lease, identity, "the stopping holder let the lease go");
         lan.nodes[first].start_with(kubeconfig.path(), settings, &services(Servers::Static));
         assert_eq!(lan.wait_holder(&api, None), first, "the VIP moved");
         std::thread::sleep(Duration::from_millis(500));
@@ -285,6 +287,7 @@ fn an_api_stall_of_five_seconds_moves_no_vip() {
         }
         let first = lan.wait_holder(&api, None);
         let name = lan.nodes[first].name.clone();
+        let identity = lan.nodes[first].identity();
         let other = 1 - first;
         // The other node competes (it would take an unrenewed lease).
         assert!(wait_until(Duration::from_secs(10), || lan.nodes[other].role().as_deref()
@@ -308,7 +311,7 @@ fn an_api_stall_of_five_seconds_moves_no_vip() {
         std::thread::sleep(Duration::from_secs(2));
 
         let holder = api.lease(LEASE.0, LEASE.1).and_then(|l| l.spec?.holder_identity);
-        assert_eq!(holder.as_deref(), Some(name.as_str()), "the lease moved");
+        assert_eq!(holder, identity, "the lease moved");
         let turns = watch.turns();
         assert!(
             turns.iter().all(|turn| turn.0 == lan.nodes[first].mac),
@@ -320,6 +323,94 @@ fn an_api_stall_of_five_seconds_moves_no_vip() {
             assert_eq!(lease["last_takeover"]["from"], serde_json::Value::Null, "{lease}");
         }
         assert_still_open(held, "the stall");
+        drop(watch);
+        drop(lan);
+        drop(api);
+        drop(rt);
+    });
+}
+
+/// Two nodes given one name (a copied config, a hard-coded `node_name`)
+/// are two holders all the same: each names itself in the Lease with a
+/// token of its own, so only one answers for the VIP, and the other takes
+/// over when the first dies.
+#[privileged_test]
+fn two_nodes_given_one_name_never_both_answer() {
+    let _serial = one_at_a_time();
+    in_new_netns(|| {
+        let (mut lan, rt, api) = lan_and_api("el-dup", 2);
+        lan.nodes[1].node_name = lan.nodes[0].node_name.clone();
+        let kubeconfig = Kubeconfig::write(&api.url());
+        for node in &mut lan.nodes {
+            node.start(kubeconfig.path(), &services(Servers::Static));
+        }
+        let first = lan.wait_holder(&api, None);
+        let other = 1 - first;
+        assert!(wait_until(Duration::from_secs(10), || lan.nodes[other].role().as_deref()
+            == Some("candidate")));
+        let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
+        std::thread::sleep(Duration::from_millis(1500));
+        let turns = watch.turns();
+        assert_eq!(turns.len(), 1, "one MAC answers: {turns:?}");
+        assert_eq!(turns[0].0, lan.nodes[first].mac, "the holder answers");
+        let (mine, theirs) = (lan.nodes[first].identity(), lan.nodes[other].identity());
+        assert_ne!(mine, theirs, "one name, two identities");
+
+        let killed_at = watch.started.elapsed();
+        lan.nodes[first].daemon_mut().kill();
+        assert_eq!(lan.wait_holder(&api, Some(first)), other);
+        std::thread::sleep(Duration::from_millis(500));
+        handed_over(&watch, &lan, first, other, killed_at);
+        let holder = api.lease(LEASE.0, LEASE.1).and_then(|l| l.spec?.holder_identity);
+        assert_eq!(holder, theirs);
+        drop(watch);
+        drop(lan);
+        drop(api);
+        drop(rt);
+    });
+}
+
+/// A Lease written over to another node by someone else (an admin's
+/// edit) while its holder answers: the holder stops at its next renewal
+/// (a conflict), and the node named answers only a whole lease duration
+/// after it saw the write, when the old holder has fallen silent whatever
+/// it last renewed; never both at once.
+#[privileged_test]
+fn a_lease_written_over_to_another_node_is_answered_a_duration_later() {
+    let _serial = one_at_a_time();
+    in_new_netns(|| {
+        let (mut lan, rt, api) = lan_and_api("el-foreign", 2);
+        let kubeconfig = Kubeconfig::write(&api.url());
+        for node in &mut lan.nodes {
+            node.start(kubeconfig.path(), &services(Servers::Static));
+        }
+        let first = lan.wait_holder(&api, None);
+        let other = 1 - first;
+        assert!(wait_until(Duration::from_secs(10), || lan.nodes[other].role().as_deref()
+            == Some("candidate")));
+        let theirs = lan.nodes[other].identity().expect("the other node's identity");
+        let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
+        std::thread::sleep(Duration::from_millis(300));
+
+        let written_at = watch.started.elapsed();
+        api.write_lease_holder(LEASE.0, LEASE.1, &theirs);
+        assert_eq!(lan.wait_holder(&api, Some(first)), other);
+        std::thread::sleep(Duration::from_millis(500));
+        let (last, first_new) = handed_over(&watch, &lan, first, other, written_at);
+        println!(
+            "a foreign write: the old holder's last answer {:?} after it, the new one's first {:?}",
+            last.saturating_sub(written_at),
+            first_new - written_at
+        );
+        assert!(
+            first_new - written_at >= Duration::from_secs(1),
+            "the node given the lease answered {:?} after the write, before a lease duration",
+            first_new - written_at
+        );
+        let status = lan.nodes[other].daemon().status();
+        let lease = &status["services"][0]["external"]["lease"];
+        let from = lease["last_takeover"]["from"].as_str().unwrap_or_default();
+        assert_eq!(Some(from.to_owned()), lan.nodes[first].identity(), "{lease}");
         drop(watch);
         drop(lan);
         drop(api);

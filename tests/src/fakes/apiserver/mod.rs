@@ -217,6 +217,20 @@ impl FakeApiServer {
         }
     }
 
+    /// Someone else (an admin's edit, another controller) writes the Lease
+    /// `namespace/name` over to `holder`: an update at the next
+    /// resourceVersion, which it returns. Panics if there is no such Lease.
+    pub fn write_lease_holder(&self, namespace: &str, name: &str, holder: &str) -> u64 {
+        let mut state = self.shared.state.lock().unwrap();
+        state.rv += 1;
+        let rv = state.rv;
+        let key = (namespace.to_owned(), name.to_owned());
+        let lease = state.leases.items.get_mut(&key).expect("no such Lease to write");
+        lease.metadata.resource_version = Some(rv.to_string());
+        lease.spec.get_or_insert_with(Default::default).holder_identity = Some(holder.to_owned());
+        rv
+    }
+
     /// Every apiserver stops answering Lease requests (an etcd that fell
     /// behind, an apiserver overloaded): each waits until
     /// [`Self::end_lease_stall`], then is answered `504 Timeout` with
