@@ -102,13 +102,16 @@ fn ensure_cargo_fuzz() -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "==> installing cargo-fuzz {CARGO_FUZZ_VERSION} under {} (once, about two minutes)",
+        "==> installing cargo-fuzz {CARGO_FUZZ_VERSION} under {} (once, about half a minute)",
         tools.display()
     );
     let mut install = toolchain::nightly("cargo");
+    // A debug build: cargo-fuzz only starts cargo and libFuzzer, and it
+    // builds in 22 s instead of 34 s on the 2-CPU machine.
     install
         .env("CARGO_TARGET_DIR", tools.join("build"))
-        .args(["install", "--locked", "cargo-fuzz", "--version", CARGO_FUZZ_VERSION, "--root"])
+        .args(["install", "--debug", "--locked", "cargo-fuzz", "--version", CARGO_FUZZ_VERSION])
+        .arg("--root")
         .arg(&tools);
     run_cmd(&mut install).context("installing cargo-fuzz")
 }
