@@ -114,8 +114,10 @@ fn daemonset_runs_on_the_host_network_with_only_the_capabilities_it_needs() {
 
 /// Least privilege: a Role and RoleBinding in each namespace the shipped
 /// config's discovery names, and nothing cluster-wide. Besides, for the
-/// elections by lease, one Role for their Leases: get, create and update,
-/// no delete, nothing else.
+/// elections by lease, one Role for their Leases: get and update on the
+/// Leases it names (never an empty list of names, which means all of
+/// them), create (which Kubernetes cannot scope by name), no delete,
+/// nothing else.
 #[test]
 fn rbac_allows_only_listing_and_watching_endpointslices_where_discovery_looks() {
     let text = std::fs::read_to_string(deploy("kubernetes/rbac.yaml")).unwrap();
@@ -130,18 +132,35 @@ fn rbac_allows_only_listing_and_watching_endpointslices_where_discovery_looks() 
     let of_kind = |kind: &'static str| docs.iter().filter(move |d| d["kind"] == kind);
     let namespace = |d: &serde_yaml::Value| d["metadata"]["namespace"].as_str().unwrap().to_owned();
     let mut leases = 0;
+    let verbs = |rule: &serde_yaml::Value| -> Vec<String> {
+        rule["verbs"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .filter_map(|v| v.as_str())
+            .map(str::to_owned)
+            .collect()
+    };
     for role in of_kind("Role") {
         let rules = role["rules"].as_sequence().unwrap();
-        assert_eq!(rules.len(), 1);
-        assert_eq!(rules[0]["resources"].as_sequence().unwrap().len(), 1);
-        let verbs: Vec<&str> =
-            rules[0]["verbs"].as_sequence().unwrap().iter().filter_map(|v| v.as_str()).collect();
+        for rule in rules {
+            assert_eq!(rule["resources"].as_sequence().unwrap().len(), 1);
+        }
         if rules[0]["apiGroups"][0] == "coordination.k8s.io" {
-            assert_eq!(rules[0]["resources"][0], "leases");
-            assert_eq!(verbs, ["get", "create", "update"]);
+            assert_eq!(rules.len(), 2);
+            for rule in rules {
+                assert_eq!(rule["apiGroups"][0], "coordination.k8s.io");
+                assert_eq!(rule["resources"][0], "leases");
+            }
+            assert_eq!(verbs(&rules[0]), ["get", "update"]);
+            let names = rules[0]["resourceNames"].as_sequence().map_or(0, Vec::len);
+            assert!(names > 0, "get and update on every Lease: {:?}", rules[0]);
+            assert_eq!(verbs(&rules[1]), ["create"]);
             leases += 1;
             continue;
         }
+        assert_eq!(rules.len(), 1);
+        let verbs = verbs(&rules[0]);
         assert_eq!(rules[0]["apiGroups"][0], "discovery.k8s.io");
         assert_eq!(rules[0]["resources"][0], "endpointslices");
         assert_eq!(verbs, ["list", "watch"]);
