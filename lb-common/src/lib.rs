@@ -412,8 +412,18 @@ pub const UNMARKED_SLOTS: u32 = 2;
 /// daemon into each object it loads, before any program of it runs
 /// (`LIMITS` is kernel-only: the setting goes with the programs).
 pub const LIMIT_NEW_FLOWS: u32 = 0;
+/// `LIMITS[LIMIT_ANSWERS]`: how many packets of its own `lb_xdp` sends per
+/// CPU per second in answer to packets it did not ask for (a TCP reset to
+/// a segment of no flow, a "too big", a defence against a duplicate
+/// address probe); 0: no limit. The daemon writes [`ANSWERS_PER_CPU`].
+pub const LIMIT_ANSWERS: u32 = 1;
 /// Number of `LIMITS` slots.
-pub const LIMIT_SLOTS: u32 = 1;
+pub const LIMIT_SLOTS: u32 = 2;
+/// The daemon's `LIMITS[LIMIT_ANSWERS]`: as many answers as a flood of
+/// 10,000 forged packets a second per CPU asks for, no more (Linux answers
+/// ICMP errors at 1,000 a second in all by default; these are TCP resets
+/// too, and a client cut off by a failover should learn at once).
+pub const ANSWERS_PER_CPU: u32 = 10_000;
 
 /// Number of `MARKED_AT` slots (a power of two).
 pub const MARK_SLOTS: u32 = 64;

@@ -265,6 +265,11 @@ reasons! {
     /// new_flows_per_cpu` this second already (a flood): what a flood
     /// costs stays bounded; established flows are not touched.
     XdpNewFlowLimited = 76 => "xdp_new_flow_limited",
+    /// xdp: an answer of the node's own (a TCP reset, a "too big", a
+    /// defence against a duplicate address probe) not sent because this
+    /// CPU has sent `lb_common::ANSWERS_PER_CPU` this second already (a
+    /// flood of forged packets): the packet is dropped unanswered.
+    XdpAnswerLimited = 77 => "xdp_answer_limited",
 }
 
 impl Reason {
@@ -401,6 +406,7 @@ mod tests {
                 "xdp_promoted",
                 "xdp_not_promoted",
                 "xdp_new_flow_limited",
+                "xdp_answer_limited",
             ]
         );
     }

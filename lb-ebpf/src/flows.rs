@@ -22,47 +22,18 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use lb_common::{
-    Endpoint, Flow, FlowKey, LIMIT_NEW_FLOWS, NAT_PORT_COUNT, NAT_PORT_FIRST,
-    NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN, NatKey, NatReply, Reason, nat,
+    Endpoint, Flow, FlowKey, NAT_PORT_COUNT, NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN,
+    NatKey, NatReply, Reason, nat,
 };
 
 use crate::{
     consts::IPPROTO_TCP,
     maps::{
-        FLOWS, LIMITS, NAT_REPLIES, NEW_FLOW, NEW_FLOW_COUNT, NODE_ADDRESSES, OPENING_FLOWS,
-        OPENING_REPLIES, count_xdp,
+        FLOWS, NAT_REPLIES, NEW_FLOW, NODE_ADDRESSES, OPENING_FLOWS, OPENING_REPLIES, count_xdp,
     },
     packet,
     scratch::Packet,
 };
-
-/// Whether this CPU may open one more flow this second (`LIMITS`'
-/// `LIMIT_NEW_FLOWS`, 0: no limit), counted if so. A flood's cost stays
-/// bounded: past the limit a new flow takes no port, no table entry and
-/// no route; flows already open are not touched.
-#[inline(never)]
-pub(crate) fn within_limit() -> bool {
-    let limit = LIMITS.get(LIMIT_NEW_FLOWS).copied().unwrap_or(0);
-    if limit == 0 {
-        return true;
-    }
-    let Some(count) = NEW_FLOW_COUNT.get_ptr_mut(0) else { return true };
-    // SAFETY: this CPU's slot, used by this program run alone (see
-    // `PACKET` in maps.rs).
-    let count = unsafe { &mut *count };
-    // SAFETY: plain helper call without arguments.
-    let now = unsafe { bpf_ktime_get_ns() };
-    if now.wrapping_sub(count.since_ns) >= 1_000_000_000 {
-        count.since_ns = now;
-        count.flows = 0;
-    }
-    if count.flows >= limit {
-        count_xdp(Reason::XdpNewFlowLimited);
-        return false;
-    }
-    count.flows += 1;
-    true
-}
 
 /// NAT ports tried for a new flow before it is refused.
 const NAT_TRIES: u32 = 8;

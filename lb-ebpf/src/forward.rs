@@ -53,13 +53,14 @@ use lb_common::{
 
 use crate::{
     consts::{IPPROTO_TCP, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
-    flows::{flow_key, forget, new_flow, promote, reply_key, within_limit},
+    flows::{flow_key, forget, new_flow, promote, reply_key},
     icmp,
     maps::{
         EXTERNAL, FLOWS, MAGLEV, NAT_REPLIES, NEW_FLOW, OPENING_FLOWS, OPENING_REPLIES, SERVICES,
         count_xdp,
     },
     packet,
+    per_second::{Budget, spend},
     report::{emit, mark_failed_reporting},
     reset,
     route::{self, Route},
@@ -126,7 +127,7 @@ pub(crate) fn forward(ctx: &XdpContext, p: &mut Packet) -> Option<u32> {
         count_xdp(Reason::XdpNoFlow);
         return Some(reset::answer(ctx, p));
     }
-    if !within_limit() || !choose(p, service) {
+    if !spend(Budget::NewFlow) || !choose(p, service) {
         return Some(xdp_action::XDP_DROP);
     }
     let Some(flow) = new_flow(ctx, p) else { return Some(xdp_action::XDP_DROP) };

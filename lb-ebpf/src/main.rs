@@ -64,6 +64,7 @@ mod forward;
 mod icmp;
 mod maps;
 mod packet;
+mod per_second;
 mod release;
 mod report;
 mod reset;

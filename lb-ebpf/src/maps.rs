@@ -18,7 +18,7 @@ use lb_common::{
     TRAFFIC_SLOT_COUNT, Traffic, TrafficSlot, UNMARKED_SLOTS, UdpPeers, maglev::Maglev,
 };
 
-use crate::scratch::{KeptRoute, NewFlow, NewFlowCount, Packet, ROUTE_SLOTS};
+use crate::scratch::{KeptRoute, NewFlow, Packet, ROUTE_SLOTS, Spent};
 
 /// VIP → service (its selection). Written only by the daemon, one whole
 /// value per update.
@@ -88,14 +88,15 @@ pub(crate) static CONNECTIONS: PerCpuHashMap<ConnKey, i64> =
 pub(crate) static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_BYTES, 0);
 
 /// Settings the daemon writes into the object it loads
-/// (`lb_common::LIMIT_NEW_FLOWS`): kernel-only, never pinned.
+/// (`lb_common::LIMIT_NEW_FLOWS`, `LIMIT_ANSWERS`): kernel-only, never
+/// pinned.
 #[map]
 pub(crate) static LIMITS: Array<u32> = Array::with_max_entries(LIMIT_SLOTS, 0);
 
-/// Per CPU, the new flows opened this second (`flows::within_limit`).
-/// Kernel-only, never pinned.
+/// Per CPU and `LIMITS` slot, what was spent of it this second
+/// (`per_second.rs`). Kernel-only, never pinned.
 #[map]
-pub(crate) static NEW_FLOW_COUNT: PerCpuArray<NewFlowCount> = PerCpuArray::with_max_entries(1, 0);
+pub(crate) static PER_SECOND: PerCpuArray<Spent> = PerCpuArray::with_max_entries(LIMIT_SLOTS, 0);
 
 /// One word per CPU for `unknown_to_verifier`; kernel-only, never pinned.
 #[map]

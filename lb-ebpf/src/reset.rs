@@ -28,6 +28,7 @@ use crate::{
     consts::{IPPROTO_TCP, IPV4_HLEN, IPV6_HLEN, L3, TCP_ACK, TCP_FIN, TCP_HLEN, TCP_RST, TCP_SYN},
     maps::count_xdp,
     packet::{self, read, write},
+    per_second::{Budget, spend},
     scratch::Packet,
 };
 
@@ -36,10 +37,12 @@ const TTL: u8 = 64;
 
 /// Answers `p`, a client's TCP segment of no flow: the verdict, `XDP_TX`
 /// with the reset in the packet's place, or `XDP_DROP` (counted) for a
-/// reset, or a packet the answer cannot be built from.
+/// reset, a packet the answer cannot be built from, or one past this
+/// CPU's answers for the second (`per_second.rs`: a flood of forged
+/// segments makes the node send no more than that).
 #[inline(never)]
 pub(crate) fn answer(ctx: &XdpContext, p: &Packet) -> u32 {
-    if p.is_rst() || !build(ctx, p) {
+    if p.is_rst() || !spend(Budget::Answer) || !build(ctx, p) {
         return xdp_action::XDP_DROP;
     }
     count_xdp(Reason::XdpResetSent);

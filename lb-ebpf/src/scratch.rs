@@ -85,11 +85,12 @@ pub(crate) struct KeptRoute {
     pub(crate) found_at: u64,
 }
 
-/// This CPU's new flows in the current second (`flows::within_limit`).
+/// What this CPU spent of one budget in its current second
+/// (`per_second::spend`).
 #[repr(C)]
-pub(crate) struct NewFlowCount {
+pub(crate) struct Spent {
     /// When the second began (`bpf_ktime_get_ns`).
     pub(crate) since_ns: u64,
-    /// New flows opened since.
-    pub(crate) flows: u32,
+    /// How much was spent since.
+    pub(crate) count: u32,
 }

@@ -28,6 +28,7 @@ use crate::{
     consts::L3,
     maps::count_xdp,
     packet::{self, read, write},
+    per_second::{Budget, spend},
     scratch::Packet,
 };
 
@@ -47,14 +48,15 @@ const ICMP6_LEN: usize = ICMP_HLEN + IPV6_HLEN + QUOTED_L4;
 
 /// Answers `p`, too big for the route toward its server by the FIB's
 /// `mtu`: the verdict, `XDP_TX` with the error in the packet's place, or
-/// `XDP_DROP` (counted) where no answer is due or possible.
+/// `XDP_DROP` (counted) where no answer is due or possible, or past this
+/// CPU's answers for the second (`per_second.rs`).
 #[inline(never)]
 pub(crate) fn answer(ctx: &XdpContext, p: &Packet, mtu: u16) -> u32 {
     // Before Linux 5.12 the FIB leaves the field as the packet's length.
     let known_mtu = u32::from(mtu) < p.ip_len;
     // IPv4 flags: DF is bit 0x40 of byte 6.
     let may_fragment = !p.ipv6 && read::<u8>(ctx, L3 + 6).is_some_and(|b| b & 0x40 == 0);
-    if !known_mtu || may_fragment || !build(ctx, p, mtu) {
+    if !known_mtu || may_fragment || !spend(Budget::Answer) || !build(ctx, p, mtu) {
         count_xdp(Reason::XdpTooBigDropped);
         return xdp_action::XDP_DROP;
     }

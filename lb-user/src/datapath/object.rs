@@ -9,7 +9,7 @@ use aya::{
     maps::Array,
     programs::{CgroupSock, CgroupSockAddr, ProgramError, SockOps},
 };
-use lb_common::{LIMIT_NEW_FLOWS, maps, programs};
+use lb_common::{ANSWERS_PER_CPU, LIMIT_ANSWERS, LIMIT_NEW_FLOWS, maps, programs};
 
 /// Forwards the kernel programs' aya-log records to `log` (and so to tracing).
 pub type KernelLogger = aya_log::EbpfLogger<&'static dyn log::Log>;
@@ -47,17 +47,18 @@ pub(super) fn load_object(
 }
 
 /// Writes the settings `lb_xdp` reads from its kernel-only `LIMITS` map
-/// into a loaded object, before any of its programs runs: the setting goes
-/// with the programs (`lb_common::LIMIT_NEW_FLOWS`).
+/// into a loaded object, before any of its programs runs: the settings go
+/// with the programs (`lb_common::LIMIT_NEW_FLOWS`, `LIMIT_ANSWERS`).
 pub(super) fn write_limits(ebpf: &mut Ebpf, new_flows_per_cpu: u32) -> anyhow::Result<()> {
     let limits = ebpf
         .map_mut(maps::LIMITS)
         .with_context(|| format!("map {} missing from the eBPF object", maps::LIMITS))?;
     let mut limits = Array::<_, u32>::try_from(limits)
         .with_context(|| format!("map {} has an unexpected type or size", maps::LIMITS))?;
-    limits
-        .set(LIMIT_NEW_FLOWS, new_flows_per_cpu, 0)
-        .with_context(|| format!("writing map {}", maps::LIMITS))
+    for (slot, limit) in [(LIMIT_NEW_FLOWS, new_flows_per_cpu), (LIMIT_ANSWERS, ANSWERS_PER_CPU)] {
+        limits.set(slot, limit, 0).with_context(|| format!("writing map {}", maps::LIMITS))?;
+    }
+    Ok(())
 }
 
 /// Times a program's load is tried while signals interrupt the verifier.

@@ -376,12 +376,13 @@ impl Node {
         entries.get(key, 0).ok()
     }
 
-    /// Limits new flows to `per_second` per CPU (`LIMITS`, as the daemon
-    /// writes `[daemon] new_flows_per_cpu`; 0, as each case starts: none).
-    pub fn limit_new_flows(&mut self, per_second: u32) {
+    /// Sets `LIMITS[slot]` to `per_second` per CPU, as the daemon writes
+    /// it (`lb_common::LIMIT_NEW_FLOWS`: `[daemon] new_flows_per_cpu`;
+    /// `LIMIT_ANSWERS`: `ANSWERS_PER_CPU`); 0, as each case starts: none.
+    pub fn set_limit(&mut self, slot: u32, per_second: u32) {
         let mut limits: Array<_, u32> =
             Array::try_from(self.ebpf.map_mut(maps::LIMITS).unwrap()).unwrap();
-        limits.set(lb_common::LIMIT_NEW_FLOWS, per_second, 0).unwrap();
+        limits.set(slot, per_second, 0).unwrap();
     }
 
     /// How many NAT ports are held (entries in either table).

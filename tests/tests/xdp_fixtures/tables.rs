@@ -87,7 +87,7 @@ fn a_flow_is_established_only_when_its_client_saw_the_servers_answer() {
 fn past_the_new_flow_limit_a_cpu_opens_no_flow_that_second() {
     both_families(|node, f| {
         stay_on_one_cpu();
-        node.limit_new_flows(10);
+        node.set_limit(lb_common::LIMIT_NEW_FLOWS, 10);
         let established = SocketAddr::new(f.client.ip(), 40_000);
         let started = std::time::Instant::now();
         let syn = handshake(node, f, established);
@@ -114,6 +114,37 @@ fn past_the_new_flow_limit_a_cpu_opens_no_flow_that_second() {
         std::thread::sleep(Duration::from_millis(1_100));
         let again = from_client(f, spoofed(f, 99), Flags::SYN, 1).frame();
         assert_eq!(node.run(&again, None).0, XDP_REDIRECT, "the limit did not end with its second");
+    });
+}
+
+/// The node's own answers to packets it did not ask for are a budget per
+/// CPU and second (the daemon writes `lb_common::ANSWERS_PER_CPU`; 3
+/// here): a flood of forged ACKs of no flow, each of which a reset would
+/// answer, gets that many, the rest dropped unanswered and counted, and
+/// the next second answers again.
+#[privileged_test]
+fn past_its_answers_for_the_second_a_cpu_sends_no_more() {
+    both_families(|node, f| {
+        stay_on_one_cpu();
+        node.set_limit(lb_common::LIMIT_ANSWERS, 3);
+        let started = std::time::Instant::now();
+        let verdicts: Vec<u32> = (0..8)
+            .map(|i| node.run(&from_client(f, spoofed(f, i), Flags::ACK, 1).frame(), None).0)
+            .collect();
+        let answered = verdicts.iter().filter(|v| **v == XDP_TX).count();
+        // Judged exactly if the runs took less than the second.
+        if started.elapsed() < Duration::from_millis(900) {
+            assert_eq!(answered, 3, "{verdicts:?}");
+        }
+        assert!(answered < 8, "nothing was limited: {verdicts:?}");
+        assert!(verdicts.iter().all(|v| *v == XDP_TX || *v == XDP_DROP), "{verdicts:?}");
+        assert_eq!(node.counter(Reason::XdpAnswerLimited), 8 - answered as u64);
+        assert_eq!(node.counter(Reason::XdpResetSent), answered as u64);
+        assert_eq!(node.nat_entries(), 0, "a forged ACK took a port");
+        // The next second answers again.
+        std::thread::sleep(Duration::from_millis(1_100));
+        let again = from_client(f, spoofed(f, 99), Flags::ACK, 1).frame();
+        assert_eq!(node.run(&again, None).0, XDP_TX, "the limit did not end with its second");
     });
 }
 
