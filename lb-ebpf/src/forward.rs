@@ -47,8 +47,8 @@
 
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpContext};
 use lb_common::{
-    DAEMON_STATE_FAILED, EXTERNAL_FLOW_COOKIE, Endpoint, EventKind, Flow, NAT_REPLY_ESTABLISHED,
-    NAT_REPLY_SYN, NatKey, NatReply, Reason, Service, maglev, nat,
+    DAEMON_STATE_FAILED, EXTERNAL_FLOW_COOKIE, Endpoint, EventKind, Flow, NAT_PORT_FIRST,
+    NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN, NatKey, NatReply, Reason, Service, maglev, nat,
 };
 
 use crate::{
@@ -381,6 +381,13 @@ fn choose(p: &Packet, service: &Service) -> bool {
 /// answers a forwarded flow; `None` if it does not.
 #[inline(never)]
 fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
+    // A reply goes to a NAT port: a packet to any other port (most of what
+    // crosses the node's interfaces, its own traffic) is not one, without
+    // a lookup.
+    if u16::from_be(p.dst.port) < NAT_PORT_FIRST {
+        count_xdp(Reason::XdpNotOurs);
+        return None;
+    }
     let key = NatKey { server: p.src, node: p.dst, protocol: p.protocol, _pad: [0; 3] };
     let entry = match NAT_REPLIES.get_ptr_mut(&key) {
         Some(entry) => Some(entry),
