@@ -83,6 +83,8 @@ fn replies_go_back_to_the_client_from_the_vip_the_way_they_came() {
     });
 }
 
+/// A UDP flow both ways (an IPv4 datagram without a checksum keeps none);
+/// the server's reply forged from the clients' side reaches no client.
 #[privileged_test]
 fn udp_both_ways_with_and_without_an_ipv4_checksum() {
     both_families(|node, f| {
@@ -103,6 +105,11 @@ fn udp_both_ways_with_and_without_an_ipv4_checksum() {
         }
         let answer =
             Segment::udp((SRV_MAC, server_mac(out_seg.dst)), out_seg.dst, out_seg.src, b"answer");
+        // The same datagram forged from the clients' side: no reply.
+        let forged =
+            Segment::udp((EXT_MAC, CLIENT_MAC), out_seg.dst, out_seg.src, b"forged").frame();
+        assert_eq!(node.run(&forged, None).0, XDP_DROP, "a forged reply reached the client");
+        assert_eq!(node.counter(Reason::XdpReplyElsewhere), 1);
         let (verdict, back) = node.run(&answer.frame(), Some(node.srv0));
         assert_eq!(verdict, XDP_REDIRECT);
         let back = read_frame(&back).expect("the translated answer");

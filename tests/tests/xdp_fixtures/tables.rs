@@ -148,6 +148,40 @@ fn past_its_answers_for_the_second_a_cpu_sends_no_more() {
     });
 }
 
+/// An opening flow whose NAT entry was evicted, its port since taken by
+/// another client's flow, does not take that flow's place: its next
+/// packet finds the port another's, forgets its own entry and opens anew
+/// with a port of its own; the other flow keeps its port.
+#[privileged_test]
+fn an_opening_flow_whose_port_is_anothers_opens_anew() {
+    both_families(|node, f| {
+        let query = Segment::udp((EXT_MAC, CLIENT_MAC), f.client, f.vip, b"query").frame();
+        let (verdict, out) = node.run(&query, None);
+        assert_eq!(verdict, XDP_REDIRECT);
+        let first = read_frame(&out).expect("the forwarded datagram");
+        let key = NatKey { protocol: 17, ..key_of(&first) };
+        // The entry was evicted, and another client's new flow took its port.
+        let mut replies: aya::maps::HashMap<_, NatKey, lb_common::NatReply> =
+            aya::maps::HashMap::try_from(node.ebpf.map_mut(maps::OPENING_REPLIES).unwrap())
+                .unwrap();
+        let mut theirs = replies.get(&key, 0).expect("the flow's NAT entry");
+        let other = spoofed(f, 7);
+        theirs.client = Endpoint::from(other);
+        replies.insert(key, theirs, 0).unwrap();
+
+        let (verdict, out) = node.run(&query, None);
+        assert_eq!(verdict, XDP_REDIRECT, "the client's next datagram was not sent");
+        let again = read_frame(&out).expect("the forwarded datagram");
+        assert_ne!(again.src, first.src, "it took the port of another client's flow");
+        let kept = node.nat_entry_in(maps::OPENING_REPLIES, &key).expect("the other's entry");
+        assert_eq!(kept.client, Endpoint::from(other), "the other flow lost its port");
+        let mine = NatKey { protocol: 17, ..key_of(&again) };
+        let mine = node.nat_entry_in(maps::OPENING_REPLIES, &mine).expect("its new entry");
+        assert_eq!(mine.client, Endpoint::from(f.client));
+        assert_eq!(node.counter(Reason::XdpNewFlow), 2);
+    });
+}
+
 /// The `i`th forged source address of a flood, in 198.18.0.0/15 or
 /// 2001:2::/48 (the fixtures' client side).
 fn spoofed(f: &Family, i: u32) -> SocketAddr {
