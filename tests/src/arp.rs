@@ -5,7 +5,7 @@
 
 use std::{
     net::Ipv4Addr,
-    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    os::fd::AsRawFd as _,
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
@@ -17,6 +17,7 @@ use std::{
 use crate::{
     Namespace,
     lan::{VIP_IP, mac_of},
+    raw::{packet_socket, parse_mac},
 };
 
 const ETH_P_ARP: u16 = 0x0806;
@@ -118,57 +119,4 @@ impl Drop for Watch {
             let _ = t.join();
         }
     }
-}
-
-/// An `AF_PACKET` socket for `protocol` on `dev` (in the calling
-/// thread's namespace), with a receive timeout.
-fn packet_socket(dev: &str, protocol: u16, timeout: Option<Duration>) -> OwnedFd {
-    let protocol = protocol.to_be();
-    // SAFETY: plain socket call; the descriptor is owned at once.
-    let fd = unsafe {
-        libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, i32::from(protocol))
-    };
-    assert!(fd >= 0, "socket(AF_PACKET): {}", std::io::Error::last_os_error());
-    // SAFETY: a descriptor we just made.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let name = std::ffi::CString::new(dev).unwrap();
-    // SAFETY: a NUL-terminated name.
-    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    assert_ne!(ifindex, 0, "no interface {dev}");
-    // SAFETY: a zeroed sockaddr_ll is valid; we fill what bind reads.
-    let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-    addr.sll_family = libc::AF_PACKET as u16;
-    addr.sll_protocol = protocol;
-    addr.sll_ifindex = ifindex as i32;
-    // SAFETY: the address and its size.
-    let bound = unsafe {
-        libc::bind(
-            fd.as_raw_fd(),
-            (&raw const addr).cast(),
-            size_of::<libc::sockaddr_ll>() as libc::socklen_t,
-        )
-    };
-    assert_eq!(bound, 0, "bind to {dev}: {}", std::io::Error::last_os_error());
-    if let Some(timeout) = timeout {
-        let tv = libc::timeval { tv_sec: 0, tv_usec: timeout.as_micros() as libc::suseconds_t };
-        // SAFETY: the option's value and its size.
-        unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                (&raw const tv).cast(),
-                size_of::<libc::timeval>() as libc::socklen_t,
-            )
-        };
-    }
-    fd
-}
-
-fn parse_mac(text: &str) -> [u8; 6] {
-    let mut mac = [0u8; 6];
-    for (byte, part) in mac.iter_mut().zip(text.split(':')) {
-        *byte = u8::from_str_radix(part, 16).unwrap();
-    }
-    mac
 }

@@ -32,7 +32,8 @@
 //! - [`lan`] (with [`arp`], who answers for a VIP) and [`topology`]: the
 //!   network namespaces of the election and external-path tests and
 //!   benches;
-//! - [`packets`]: Ethernet frames for the XDP fixtures, built and checked;
+//! - [`packets`]: Ethernet frames for the XDP fixtures, built and checked,
+//!   and [`raw`], frames sent or watched on an interface as they are;
 //! - `daemon` ([`Daemon`]) over `bpffs` (its pins' mount);
 //! - `client` ([`Client`], [`Connect`]) over `cgroup` ([`TestCgroup`]);
 //! - `backend` ([`Backend`]), `service` ([`ServiceBuilder`]), `netns`
@@ -58,6 +59,7 @@ mod leak;
 pub mod load;
 mod netns;
 pub mod packets;
+pub mod raw;
 pub mod resolvers;
 mod service;
 pub mod supervisor;

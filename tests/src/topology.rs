@@ -192,6 +192,31 @@ pub fn who(mut stream: &TcpStream) -> Result<String, String> {
     Ok(line.trim().to_owned())
 }
 
+/// Whether a connection held open (its server said `who` already, and now
+/// only reads) still carries data: written to three times, it is neither
+/// reset (a node's answer to a packet of no flow) nor closed, and reading
+/// finds nothing to read rather than its end. `Err` says what broke.
+pub fn carries_data(mut held: &TcpStream) -> Result<(), String> {
+    for _ in 0..3 {
+        held.write_all(b"still there\n").map_err(|e| format!("writing: {e}"))?;
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    held.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+    let mut buf = [0u8; 16];
+    match std::io::Read::read(&mut held, &mut buf) {
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            Ok(())
+        }
+        Ok(0) => Err("closed".to_owned()),
+        other => Err(format!("reading: {other:?}")),
+    }
+}
+
 /// The id of the XDP program attached to `dev` (in this namespace).
 pub fn xdp_id(dev: &str) -> Option<u32> {
     let out =

@@ -24,6 +24,7 @@ use lb_tests::{
 };
 
 mod fail_closed;
+mod hostile;
 mod icmp;
 mod nat_ports;
 
