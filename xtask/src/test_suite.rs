@@ -74,7 +74,7 @@ fn stages_in_order(stages: &mut Stages) -> anyhow::Result<()> {
         // takes 10-12 min with every binary, about 8 without those of
         // `TRIMMED_IN_CI`; the newest, between it and the host's, runs the
         // binaries that drive the kernel most directly (`CI_NEWEST`): about
-        // 3 min. `cargo xtask vmtest` runs everything on all three.
+        // 2 min. `cargo xtask vmtest` runs everything on all three.
         println!(
             "CI: Linux 5.10 (bullseye) trimmed, 6.12 (trixie) the kernel's own tests; \
              `cargo xtask vmtest` runs everything on 5.10, 6.1 and 6.12"
