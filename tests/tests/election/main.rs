@@ -238,6 +238,16 @@ fn a_restarted_holder_keeps_the_vip_and_its_connections() {
     });
 }
 
+/// Waits until node `other` competes for the lease (it would take one
+/// left unrenewed).
+#[track_caller]
+fn wait_competing(lan: &Lan, other: usize) {
+    let competing = wait_until(Duration::from_secs(10), || {
+        lan.nodes[other].role().as_deref() == Some("candidate")
+    });
+    assert!(competing, "node {other} does not compete: {:?}", lan.nodes[other].role());
+}
+
 /// A connection from the client through the VIP, served by node `name`.
 fn hold_connection(lan: &Lan, name: &str) -> std::net::TcpStream {
     let to: std::net::SocketAddr = lan::VIP.parse().unwrap();
@@ -276,9 +286,7 @@ fn an_api_stall_of_five_seconds_moves_no_vip() {
         let name = lan.nodes[first].name.clone();
         let identity = lan.nodes[first].identity();
         let other = 1 - first;
-        // The other node competes (it would take an unrenewed lease).
-        assert!(wait_until(Duration::from_secs(10), || lan.nodes[other].role().as_deref()
-            == Some("candidate")));
+        wait_competing(&lan, other);
         let held = hold_connection(&lan, &name);
         let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
         std::thread::sleep(Duration::from_millis(300));
@@ -333,8 +341,7 @@ fn two_nodes_given_one_name_never_both_answer() {
         }
         let first = lan.wait_holder(&api, None);
         let other = 1 - first;
-        assert!(wait_until(Duration::from_secs(10), || lan.nodes[other].role().as_deref()
-            == Some("candidate")));
+        wait_competing(&lan, other);
         let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
         std::thread::sleep(Duration::from_millis(1500));
         let turns = watch.turns();
@@ -373,8 +380,7 @@ fn a_lease_written_over_to_another_node_is_answered_a_duration_later() {
         }
         let first = lan.wait_holder(&api, None);
         let other = 1 - first;
-        assert!(wait_until(Duration::from_secs(10), || lan.nodes[other].role().as_deref()
-            == Some("candidate")));
+        wait_competing(&lan, other);
         let theirs = lan.nodes[other].identity().expect("the other node's identity");
         let watch = Watch::start(&lan.client, "pc", ASK_EVERY);
         std::thread::sleep(Duration::from_millis(300));

@@ -1,17 +1,38 @@
 //! A client that sends what it likes: raw frames from the client's
 //! namespace (`lb_tests::raw`), which no socket API would send.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{
+    net::{SocketAddr, TcpStream},
+    time::Duration,
+};
 
 use lb_tests::{
     Daemon, TestCgroup, in_new_netns,
-    packets::{Flags, Segment},
+    packets::{Flags, Mac, Segment},
     privileged_test, raw,
     topology::{Topology, VIP4, carries_data, mac_of, who},
     wait_until,
 };
 
 use crate::services;
+
+/// Once the VIP serves s1: five connections held through it (each asked
+/// `who` once), and the link-layer addresses of a client's frame to the
+/// node (the node's ext0, the client's c0).
+fn hold_connections(net: &Topology, daemon: &Daemon) -> (Vec<TcpStream>, (Mac, Mac)) {
+    assert!(
+        wait_until(Duration::from_secs(10), || net.ask(VIP4).as_deref() == Ok("s1")),
+        "{}",
+        daemon.log()
+    );
+    let held: Vec<_> =
+        (0..5).map(|_| net.connect(VIP4).expect("a connection through the VIP")).collect();
+    for stream in &held {
+        assert_eq!(who(stream).as_deref(), Ok("s1"));
+    }
+    let macs = (raw::parse_mac(&mac_of("ext0")), net.client.run(|| raw::parse_mac(&mac_of("c0"))));
+    (held, macs)
+}
 
 /// SYN|FIN and SYNs with a bad checksum, each sent again 1.2 s later as a
 /// client's unanswered SYN would be: no server answers them, and none is
@@ -26,19 +47,7 @@ fn malformed_syns_sent_again_fail_no_server() {
         let (_s1, _s2) = (net.server("s1", "198.18.2.2:8080"), net.server("s2", "198.18.2.3:8080"));
         let cgroup = TestCgroup::new("ext-raw");
         let daemon = Daemon::start_with("ext-raw", &cgroup, "", &services("tcp"));
-        assert!(
-            wait_until(Duration::from_secs(10), || net.ask(VIP4).as_deref() == Ok("s1")),
-            "{}",
-            daemon.log()
-        );
-        let held: Vec<_> =
-            (0..5).map(|_| net.connect(VIP4).expect("a connection through the VIP")).collect();
-        for stream in &held {
-            assert_eq!(who(stream).as_deref(), Ok("s1"));
-        }
-
-        let macs =
-            (raw::parse_mac(&mac_of("ext0")), net.client.run(|| raw::parse_mac(&mac_of("c0"))));
+        let (held, macs) = hold_connections(&net, &daemon);
         let vip: SocketAddr = VIP4.parse().unwrap();
         let mut syn_fin =
             Segment::tcp(macs, "198.18.0.10:40100".parse().unwrap(), vip, Flags::SYN, 1_000, 0);
@@ -90,19 +99,7 @@ fn a_forged_syn_flood_refuses_no_client_and_evicts_no_held_connection() {
         let cgroup = TestCgroup::new("ext-flood");
         let daemon =
             Daemon::start_with("ext-flood", &cgroup, "flow_table = 4096", &services("tcp"));
-        assert!(
-            wait_until(Duration::from_secs(10), || net.ask(VIP4).as_deref() == Ok("s1")),
-            "{}",
-            daemon.log()
-        );
-        let held: Vec<_> =
-            (0..5).map(|_| net.connect(VIP4).expect("a connection through the VIP")).collect();
-        for stream in &held {
-            assert_eq!(who(stream).as_deref(), Ok("s1"));
-        }
-
-        let macs =
-            (raw::parse_mac(&mac_of("ext0")), net.client.run(|| raw::parse_mac(&mac_of("c0"))));
+        let (held, macs) = hold_connections(&net, &daemon);
         let vip: SocketAddr = VIP4.parse().unwrap();
         let flood: Vec<Vec<u8>> = (0..3 * 4096u32)
             .map(|i| {
