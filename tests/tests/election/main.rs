@@ -186,7 +186,7 @@ fn a_detached_holder_hands_over_at_once() {
     });
 }
 
-/// Issue 38, item 5: a holder stopped to start again (SIGTERM, as a
+/// A holder stopped to start again (SIGTERM, as a
 /// DaemonSet's rollout or an upgrade stops it) keeps its lease: no other
 /// node answers for the VIP, the restarted daemon renews the lease as its
 /// own, and a connection held through the VIP across the restart still

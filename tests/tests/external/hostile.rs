@@ -6,6 +6,7 @@ use std::{
     time::Duration,
 };
 
+use lb_common::NAT_PORT_FIRST;
 use lb_tests::{
     Daemon, TestCgroup, in_new_netns,
     packets::{Flags, Mac, Segment},
@@ -32,6 +33,39 @@ fn hold_connections(net: &Topology, daemon: &Daemon) -> (Vec<TcpStream>, (Mac, M
     }
     let macs = (raw::parse_mac(&mac_of("ext0")), net.client.run(|| raw::parse_mac(&mac_of("c0"))));
     (held, macs)
+}
+
+/// Sends `frames` from the client's c0 in bursts of 200 every 100 ms
+/// (2,000 a second), asking the VIP which server answers after every
+/// fifth burst; returns what the legitimate client was refused.
+fn flood_while_asking(net: &Topology, frames: &[Vec<u8>]) -> Vec<String> {
+    let mut refused = Vec::new();
+    let started = std::time::Instant::now();
+    for (k, burst) in frames.chunks(200).enumerate() {
+        let due = Duration::from_millis(100 * k as u64);
+        std::thread::sleep(due.saturating_sub(started.elapsed()));
+        let burst = burst.to_vec();
+        net.client.run(move || raw::send("c0", &burst));
+        if k % 5 == 0 {
+            match net.ask(VIP4) {
+                Ok(name) if name == "s1" || name == "s2" => {}
+                other => refused.push(format!("after burst {k}: {other:?}")),
+            }
+        }
+    }
+    refused
+}
+
+/// SYNs from `count` forged clients (198.19.0.0/16) to the VIP.
+fn forged_syns(macs: (Mac, Mac), count: u32) -> Vec<Vec<u8>> {
+    let vip: SocketAddr = VIP4.parse().unwrap();
+    (0..count)
+        .map(|i| {
+            let forged =
+                SocketAddr::from(([198, 19, (i >> 8) as u8, i as u8], 1_024 + (i % 50_000) as u16));
+            Segment::tcp(macs, forged, vip, Flags::SYN, i, 0).frame()
+        })
+        .collect()
 }
 
 /// SYN|FIN and SYNs with a bad checksum, each sent again 1.2 s later as a
@@ -100,31 +134,8 @@ fn a_forged_syn_flood_refuses_no_client_and_evicts_no_held_connection() {
         let daemon =
             Daemon::start_with("ext-flood", &cgroup, "flow_table = 4096", &services("tcp"));
         let (held, macs) = hold_connections(&net, &daemon);
-        let vip: SocketAddr = VIP4.parse().unwrap();
-        let flood: Vec<Vec<u8>> = (0..3 * 4096u32)
-            .map(|i| {
-                let forged = SocketAddr::from((
-                    [198, 19, (i >> 8) as u8, i as u8],
-                    1_024 + (i % 50_000) as u16,
-                ));
-                Segment::tcp(macs, forged, vip, Flags::SYN, i, 0).frame()
-            })
-            .collect();
-        let mut refused = Vec::new();
-        let started = std::time::Instant::now();
-        for (k, burst) in flood.chunks(200).enumerate() {
-            // 200 every 100 ms: 2,000 a second.
-            let due = Duration::from_millis(100 * k as u64);
-            std::thread::sleep(due.saturating_sub(started.elapsed()));
-            let burst = burst.to_vec();
-            net.client.run(move || raw::send("c0", &burst));
-            if k % 5 == 0 {
-                match net.ask(VIP4) {
-                    Ok(name) if name == "s1" || name == "s2" => {}
-                    other => refused.push(format!("after burst {k}: {other:?}")),
-                }
-            }
-        }
+        let flood = forged_syns(macs, 3 * 4096);
+        let refused = flood_while_asking(&net, &flood);
         let status = daemon.status();
         assert!(
             refused.is_empty(),
@@ -136,6 +147,63 @@ fn a_forged_syn_flood_refuses_no_client_and_evicts_no_held_connection() {
         );
         for stream in &held {
             assert_eq!(carries_data(stream), Ok(()), "a held connection broke in the flood");
+        }
+    });
+}
+
+/// Resets forged from the clients' side as if the server sent them, to
+/// every NAT port of the node's address toward it, then a burst of
+/// forged SYNs (more flows than one server's NAT ports) and 2,000
+/// legitimate connects: a server's packet counts only where the flow's
+/// packets to it leave (srv0), so no held connection's port is freed,
+/// taken by a new flow or reset, every legitimate connect reaches a
+/// server, and `xdp_reply_elsewhere` names the resets dropped.
+#[privileged_test]
+fn forged_server_resets_to_every_nat_port_free_no_port() {
+    in_new_netns(|| {
+        let net = Topology::new();
+        let (_s1, _s2) = (net.server("s1", "198.18.2.2:8080"), net.server("s2", "198.18.2.3:8080"));
+        let cgroup = TestCgroup::new("ext-resets");
+        let daemon = Daemon::start_with("ext-resets", &cgroup, "", &services("tcp"));
+        let (held, macs) = hold_connections(&net, &daemon);
+        let server: SocketAddr = "198.18.2.2:8080".parse().unwrap();
+        let resets: Vec<Vec<u8>> = (NAT_PORT_FIRST..=u16::MAX)
+            .map(|port| {
+                let node = SocketAddr::from(([198, 18, 2, 1], port));
+                Segment::tcp(macs, server, node, Flags::RST_ACK, u32::from(port), 1).frame()
+            })
+            .collect();
+        let refused = flood_while_asking(&net, &resets);
+        assert!(refused.is_empty(), "connects refused among the resets: {refused:?}");
+        let status = daemon.status();
+        assert!(
+            daemon.counter("xdp_reply_elsewhere") >= held.len() as u64,
+            "the resets to the held connections' ports were not dropped: {status}"
+        );
+        let refused = flood_while_asking(&net, &forged_syns(macs, 4_600));
+        assert!(refused.is_empty(), "connects refused in the SYN burst: {refused:?}");
+        let refused: Vec<String> = net.client.run(|| {
+            let vip: SocketAddr = VIP4.parse().unwrap();
+            (0..2_000)
+                .filter_map(|i| {
+                    let answer = TcpStream::connect_timeout(&vip, Duration::from_secs(3))
+                        .map_err(|e| e.to_string())
+                        .and_then(|stream| who(&stream));
+                    match answer {
+                        Ok(name) if name == "s1" || name == "s2" => None,
+                        other => Some(format!("connect {i}: {other:?}")),
+                    }
+                })
+                .collect()
+        });
+        assert!(
+            refused.is_empty(),
+            "{} of 2,000 connects refused: {:?}",
+            refused.len(),
+            &refused[..refused.len().min(5)]
+        );
+        for stream in &held {
+            assert_eq!(carries_data(stream), Ok(()), "a held connection lost its port");
         }
     });
 }
