@@ -270,6 +270,16 @@ reasons! {
     /// CPU has sent `lb_common::ANSWERS_PER_CPU` this second already (a
     /// flood of forged packets): the packet is dropped unanswered.
     XdpAnswerLimited = 77 => "xdp_answer_limited",
+    /// xdp: an ICMP error about a reply (quoting VIP → client) that did
+    /// not arrive where the flow's client packets arrive: not from the
+    /// client's side (forged on the servers' side, or the route changed);
+    /// dropped.
+    XdpIcmpElsewhere = 78 => "xdp_icmp_elsewhere",
+    /// xdp: a "too big" about a reply saying an MTU below the least a path
+    /// may have (IPv4 552, Linux's `min_pmtu`; IPv6 1280): forged, since
+    /// no real path says it; dropped, so that no client can lower a
+    /// server's path MTU toward the node below that floor.
+    XdpTooBigBelowFloor = 79 => "xdp_too_big_below_floor",
 }
 
 impl Reason {
@@ -407,6 +417,8 @@ mod tests {
                 "xdp_not_promoted",
                 "xdp_new_flow_limited",
                 "xdp_answer_limited",
+                "xdp_icmp_elsewhere",
+                "xdp_too_big_below_floor",
             ]
         );
     }

@@ -25,7 +25,13 @@
 //!
 //! An error from the servers' side counts only if it arrives where the
 //! flow's packets to the server leave, as a server's reset does: one
-//! forged on the clients' side is passed untouched.
+//! forged on the clients' side is passed untouched. An error about a
+//! reply counts only if it arrives where the flow's client packets
+//! arrive, and a "too big" only if its MTU is one a path may have
+//! ([`MIN_MTU4`], [`MIN_MTU6`]): the server keeps one path MTU toward the
+//! node's address for all its flows through the node, so a client's
+//! forged "too big" about its own flow could otherwise shrink every
+//! one of them to nothing.
 
 #![allow(
     clippy::needless_borrows_for_generic_args,
@@ -34,7 +40,7 @@
 )]
 
 use aya_ebpf::{bindings::xdp_action, programs::XdpContext};
-use lb_common::{Endpoint, FlowKey, NatKey, Reason, checksum};
+use lb_common::{Endpoint, Flow, FlowKey, NatKey, Reason, checksum};
 
 use crate::{
     consts::{IPPROTO_TCP, L3},
@@ -47,6 +53,13 @@ use crate::{
     route::{self, Route},
     scratch::Packet,
 };
+
+/// The least MTU a "too big" about a reply may say, IPv4: Linux's
+/// `net.ipv4.route.min_pmtu` default, below which a Linux server would
+/// not go anyway (RFC 791's 68 is for fragments, which no TCP path uses).
+const MIN_MTU4: u32 = 552;
+/// The same for IPv6: every IPv6 link carries 1280 (RFC 8200).
+const MIN_MTU6: u32 = 1280;
 
 /// What to do with an ICMP error `parse` took: `None` if it is about no
 /// flow of the external path.
@@ -104,6 +117,9 @@ fn to_server(ctx: &XdpContext, p: &Packet) -> Option<u32> {
         count_xdp(Reason::XdpNotOurs);
         return None;
     };
+    if !from_the_clients_side(ctx, p, flow) {
+        return Some(xdp_action::XDP_DROP);
+    }
     if packet::ttl(ctx, p) <= 1 {
         count_xdp(Reason::XdpTtlExceeded);
         return Some(xdp_action::XDP_PASS);
@@ -125,6 +141,48 @@ fn to_server(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     };
     count_xdp(Reason::XdpIcmpToServer);
     Some(packet::redirect(ifindex))
+}
+
+/// Whether an error about `flow`'s reply may go to its server: it arrived
+/// on the interface the flow's client packets arrive on (its
+/// `NatReply::client_ifindex`), and if it is a "too big", its MTU is at
+/// least [`MIN_MTU4`] or [`MIN_MTU6`]. Counted when not. A function of
+/// its own: its key would otherwise sit in `to_server`'s frame, on the
+/// chain that reaches the FIB lookup.
+#[inline(never)]
+fn from_the_clients_side(ctx: &XdpContext, p: &Packet, flow: &Flow) -> bool {
+    let key = NatKey { server: flow.server, node: flow.node, protocol: p.protocol, _pad: [0; 3] };
+    // SAFETY: map values, valid for the whole program run, only read; the
+    // context's fields are valid for the whole program run.
+    let (nat, ingress) = unsafe {
+        (NAT_REPLIES.get(&key).or_else(|| OPENING_REPLIES.get(&key)), (*ctx.ctx).ingress_ifindex)
+    };
+    if nat.is_none_or(|nat| nat.client_ifindex != ingress) {
+        count_xdp(Reason::XdpIcmpElsewhere);
+        return false;
+    }
+    // "Fragmentation needed" (type 3 code 4) carries its MTU in bytes
+    // 6-7; ICMPv6 "packet too big" (type 2) in bytes 4-7.
+    let mtu = if p.ipv6 {
+        match read::<[u8; 8]>(ctx, ICMP6) {
+            Some([2, _, _, _, a, b, c, d]) => Some((u32::from_be_bytes([a, b, c, d]), MIN_MTU6)),
+            _ => None,
+        }
+    } else {
+        match read::<[u8; 8]>(ctx, ICMP4) {
+            Some([3, 4, _, _, _, _, a, b]) => {
+                Some((u32::from(u16::from_be_bytes([a, b])), MIN_MTU4))
+            }
+            _ => None,
+        }
+    };
+    if let Some((mtu, floor)) = mtu
+        && mtu < floor
+    {
+        count_xdp(Reason::XdpTooBigBelowFloor);
+        return false;
+    }
+    true
 }
 
 /// The error's own source address, in an `Endpoint`'s form.

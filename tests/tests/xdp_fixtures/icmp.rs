@@ -121,6 +121,42 @@ fn icmp_errors_about_a_reply_reach_the_server() {
     });
 }
 
+/// An error about a reply counts only from the clients' side, and a "too
+/// big" only at the least MTU a path may have or above: the same error
+/// arriving on the servers' side, and a "too big" of one byte below the
+/// floor (IPv4 552, IPv6 1280) from the clients', are dropped and
+/// counted; one of the floor itself reaches the server.
+#[privileged_test]
+fn icmp_errors_about_a_reply_count_only_from_the_clients_side_above_a_floor() {
+    both_families(|node, f| {
+        let out = forwarded(node, f, f.client, 1_000);
+        let (verdict, reply) =
+            node.run(&from_server(&out, Flags::SYN_ACK).frame(), Some(node.srv0));
+        assert_eq!(verdict, XDP_REDIRECT);
+        let quote = read_frame(&reply).expect("the translated reply").frame()[14..].to_vec();
+        let hop = router(f, false, 254);
+        let too_big_of = |mtu: u16| {
+            let ((kind, code, _), mtu) = (too_big(f), mtu.to_be_bytes());
+            (kind, code, [0, 0, mtu[0], mtu[1]])
+        };
+        let error =
+            |macs, mtu| IcmpError::new(macs, (hop, f.vip.ip()), too_big_of(mtu), &quote).frame();
+        let (from_clients, from_servers) = ((EXT_MAC, CLIENT_MAC), (SRV_MAC, server_mac(out.dst)));
+        let floor: u16 = if f.vip.is_ipv4() { 552 } else { 1280 };
+
+        let (verdict, _) = node.run(&error(from_servers, 1280), Some(node.srv0));
+        assert_eq!(verdict, XDP_DROP, "an error from the servers' side was sent on");
+        assert_eq!(node.counter(Reason::XdpIcmpElsewhere), 1);
+        let (verdict, _) = node.run(&error(from_clients, floor - 1), None);
+        assert_eq!(verdict, XDP_DROP, "a \"too big\" below the floor was sent on");
+        assert_eq!(node.counter(Reason::XdpTooBigBelowFloor), 1);
+        let (verdict, to) = node.run(&error(from_clients, floor), None);
+        assert_eq!(verdict, XDP_REDIRECT, "a \"too big\" at the floor was not sent on");
+        assert_eq!(read_icmp_error(&to).expect("the translated error").rest, too_big_of(floor).2);
+        assert_eq!(node.counter(Reason::XdpIcmpToServer), 1);
+    });
+}
+
 /// ICMP that is about no flow passes untouched: an error quoting a packet
 /// the node never forwarded, and an echo request to the VIP.
 #[privileged_test]
