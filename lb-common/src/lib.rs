@@ -417,8 +417,15 @@ pub const LIMIT_NEW_FLOWS: u32 = 0;
 /// a segment of no flow, a "too big", a defence against a duplicate
 /// address probe); 0: no limit. The daemon writes [`ANSWERS_PER_CPU`].
 pub const LIMIT_ANSWERS: u32 = 1;
+/// `LIMITS[LIMIT_NAT_PORT_FIRST]` and `LIMITS[LIMIT_NAT_PORT_LAST]`: the
+/// NAT ports `lb_xdp` gives flows and takes replies on (`[daemon]
+/// nat_ports`); 0 in either, or a range that is none: the default,
+/// [`NAT_PORT_FIRST`] to 65535.
+pub const LIMIT_NAT_PORT_FIRST: u32 = 2;
+/// See [`LIMIT_NAT_PORT_FIRST`].
+pub const LIMIT_NAT_PORT_LAST: u32 = 3;
 /// Number of `LIMITS` slots.
-pub const LIMIT_SLOTS: u32 = 2;
+pub const LIMIT_SLOTS: u32 = 4;
 /// The daemon's `LIMITS[LIMIT_ANSWERS]`: as many answers as a flood of
 /// 10,000 forged packets a second per CPU asks for, no more (Linux answers
 /// ICMP errors at 1,000 a second in all by default; these are TCP resets

@@ -22,14 +22,15 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use lb_common::{
-    Endpoint, Flow, FlowKey, NAT_PORT_COUNT, NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN,
-    NatKey, NatReply, Reason, nat,
+    Endpoint, Flow, FlowKey, LIMIT_NAT_PORT_FIRST, LIMIT_NAT_PORT_LAST, NAT_PORT_COUNT,
+    NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN, NatKey, NatReply, Reason, nat,
 };
 
 use crate::{
     consts::IPPROTO_TCP,
     maps::{
-        FLOWS, NAT_REPLIES, NEW_FLOW, NODE_ADDRESSES, OPENING_FLOWS, OPENING_REPLIES, count_xdp,
+        FLOWS, LIMITS, NAT_REPLIES, NEW_FLOW, NODE_ADDRESSES, OPENING_FLOWS, OPENING_REPLIES,
+        count_xdp,
     },
     packet,
     scratch::Packet,
@@ -44,6 +45,20 @@ const NAT_TRIES: u32 = 8;
 /// addresses, which never sees the SYN-ACK, guesses within it once in
 /// 65,536 tries.
 const PROMOTE_ACK_WINDOW: u32 = 1 << 16;
+
+/// The NAT ports (`[daemon] nat_ports`, written into `LIMITS` with the
+/// programs): the first, and how many. The default (`NAT_PORT_FIRST` to
+/// 65535) where the daemon wrote none.
+#[inline(always)]
+pub(crate) fn nat_ports() -> (u32, u32) {
+    let first = LIMITS.get(LIMIT_NAT_PORT_FIRST).copied().unwrap_or(0);
+    let last = LIMITS.get(LIMIT_NAT_PORT_LAST).copied().unwrap_or(0);
+    if first == 0 || last < first || last > u32::from(u16::MAX) {
+        (u32::from(NAT_PORT_FIRST), u32::from(NAT_PORT_COUNT))
+    } else {
+        (first, last - first + 1)
+    }
+}
 
 /// Removes a new flow whose first packet was not sent (no route or
 /// neighbour yet, too big): the flow's next packet opens it anew. Kept,
@@ -122,13 +137,16 @@ pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet) -> Option<&'static mut Flow
     new.reply.server_ifindex = 0;
     new.reply.macs = swapped(macs);
     let mut allocated = false;
+    let (first, count) = nat_ports();
     // Ports at random, each on its own: ports tried in a row would cluster
     // the ones taken, as linear probing does in a hash table. The second
     // half of the tries is pressed (`lb_common::nat`).
     for i in 0..2 * NAT_TRIES {
         // SAFETY: plain helper call without arguments.
         let random = unsafe { bpf_get_prandom_u32() };
-        let port = NAT_PORT_FIRST + (random % u32::from(NAT_PORT_COUNT)) as u16;
+        // `max(1)`: no division by zero for LLVM to guard (`nat_ports`
+        // never says 0).
+        let port = (first + random % count.max(1)) as u16;
         new.nat.node.port = port.to_be();
         // SAFETY: only whether an entry exists.
         let established = unsafe { NAT_REPLIES.get(&new.nat) }.is_some();

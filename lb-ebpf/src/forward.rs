@@ -47,13 +47,13 @@
 
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpContext};
 use lb_common::{
-    DAEMON_STATE_FAILED, EXTERNAL_FLOW_COOKIE, Endpoint, EventKind, Flow, NAT_PORT_FIRST,
-    NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN, NatKey, NatReply, Reason, Service, maglev, nat,
+    DAEMON_STATE_FAILED, EXTERNAL_FLOW_COOKIE, Endpoint, EventKind, Flow, NAT_REPLY_ESTABLISHED,
+    NAT_REPLY_SYN, NatKey, NatReply, Reason, Service, maglev, nat,
 };
 
 use crate::{
     consts::{IPPROTO_TCP, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
-    flows::{flow_key, forget, new_flow, promote, reply_key},
+    flows::{flow_key, forget, nat_ports, new_flow, promote, reply_key},
     icmp,
     maps::{
         EXTERNAL, FLOWS, MAGLEV, NAT_REPLIES, NEW_FLOW, OPENING_FLOWS, OPENING_REPLIES, SERVICES,
@@ -383,8 +383,9 @@ fn choose(p: &Packet, service: &Service) -> bool {
 fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     // A reply goes to a NAT port: a packet to any other port (most of what
     // crosses the node's interfaces, its own traffic) is not one, without
-    // a lookup.
-    if u16::from_be(p.dst.port) < NAT_PORT_FIRST {
+    // a hash lookup.
+    let (first, count) = nat_ports();
+    if u32::from(u16::from_be(p.dst.port)).wrapping_sub(first) >= count {
         count_xdp(Reason::XdpNotOurs);
         return None;
     }

@@ -1,7 +1,7 @@
 //! The external path's NAT ports kept from the node's own connections.
 //!
 //! `lb_xdp` takes packets to the node's address on a NAT port
-//! (`lb_common::NAT_PORT_FIRST`.., to 65535) as replies to its flows. A
+//! (`[daemon] nat_ports`, by default [`DEFAULT`]) as replies to its flows. A
 //! connection the node itself makes from one of those ports (its
 //! ephemeral range, `net.ipv4.ip_local_port_range`, reaching that far)
 //! would have its replies taken for a flow's, or lost. So while lb serves
@@ -14,16 +14,42 @@
 
 use std::ops::RangeInclusive;
 
-use lb_common::{NAT_PORT_COUNT, NAT_PORT_FIRST};
+use lb_common::NAT_PORT_FIRST;
 
 /// Where the reserved ports are listed.
 const RESERVED: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
 /// The node's ephemeral port range.
 const EPHEMERAL: &str = "/proc/sys/net/ipv4/ip_local_port_range";
 
-/// The NAT ports.
-pub fn nat_ports() -> RangeInclusive<u16> {
-    NAT_PORT_FIRST..=NAT_PORT_FIRST + (NAT_PORT_COUNT - 1)
+/// The NAT ports by default: the ports above Linux's default ephemeral
+/// range (32768-60999), 4,536 per server and node address.
+pub const DEFAULT: RangeInclusive<u16> = NAT_PORT_FIRST..=u16::MAX;
+/// The fewest NAT ports `[daemon] nat_ports` may name: fewer would refuse
+/// flows at a few hundred a second.
+pub const MIN_COUNT: u32 = 1_024;
+/// The lowest port `[daemon] nat_ports` may start at: ports below are
+/// servers' (privileged, or well known).
+pub const MIN_FIRST: u16 = 1_024;
+
+/// `[daemon] nat_ports`, `"FIRST-LAST"` as `ip_local_port_range` reads:
+/// the range, or what is wrong with it.
+pub fn parse(text: &str) -> Result<RangeInclusive<u16>, String> {
+    let (first, last) = text
+        .split_once('-')
+        .map(|(a, b)| (a.trim().parse::<u16>(), b.trim().parse::<u16>()))
+        .ok_or_else(|| format!("{text:?} is not a range \"FIRST-LAST\" (as \"61000-65535\")"))?;
+    let (Ok(first), Ok(last)) = (first, last) else {
+        return Err(format!("{text:?}: each end must be a port number (0-65535)"));
+    };
+    if first < MIN_FIRST {
+        return Err(format!("{text:?} starts below {MIN_FIRST}: those ports are servers'"));
+    }
+    if u32::from(last) + 1 < u32::from(first) + MIN_COUNT {
+        return Err(format!(
+            "{text:?} names fewer than {MIN_COUNT} ports (per server and node address)"
+        ));
+    }
+    Ok(first..=last)
 }
 
 /// What [`reserve`] found and did.
@@ -36,16 +62,16 @@ pub struct Reservation {
     pub overlap: Option<RangeInclusive<u16>>,
 }
 
-/// Reserves the NAT ports in this network namespace if they are not yet,
-/// and says whether the ephemeral range overlaps them.
-pub fn reserve() -> anyhow::Result<Reservation> {
+/// Reserves the NAT ports `nat` in this network namespace if they are not
+/// yet, and says whether the ephemeral range overlaps them.
+pub fn reserve(nat: &RangeInclusive<u16>) -> anyhow::Result<Reservation> {
     use anyhow::Context as _;
     let listed =
         std::fs::read_to_string(RESERVED).with_context(|| format!("reading {RESERVED}"))?;
     let ranges = parse_list(&listed).with_context(|| format!("{RESERVED}: {:?}", listed.trim()))?;
-    let added = !covers(&ranges, &nat_ports());
+    let added = !covers(&ranges, nat);
     if added {
-        let written = with_nat_ports(&ranges);
+        let written = with_nat_ports(&ranges, nat);
         std::fs::write(RESERVED, &written)
             .with_context(|| format!("writing {written:?} to {RESERVED}"))?;
     }
@@ -53,7 +79,8 @@ pub fn reserve() -> anyhow::Result<Reservation> {
         std::fs::read_to_string(EPHEMERAL).with_context(|| format!("reading {EPHEMERAL}"))?;
     let ephemeral =
         parse_range(&ephemeral).with_context(|| format!("{EPHEMERAL}: {:?}", ephemeral.trim()))?;
-    let overlap = (ephemeral.end() >= nat_ports().start()).then_some(ephemeral);
+    let overlap =
+        (ephemeral.start() <= nat.end() && nat.start() <= ephemeral.end()).then_some(ephemeral);
     Ok(Reservation { added, overlap })
 }
 
@@ -100,12 +127,11 @@ fn covers(ranges: &[RangeInclusive<u16>], wanted: &RangeInclusive<u16>) -> bool 
     next > u32::from(*wanted.end())
 }
 
-/// The list to write: `ranges` as they were, and the NAT ports.
-fn with_nat_ports(ranges: &[RangeInclusive<u16>]) -> String {
-    let nat = nat_ports();
+/// The list to write: `ranges` as they were, and the NAT ports `nat`.
+fn with_nat_ports(ranges: &[RangeInclusive<u16>], nat: &RangeInclusive<u16>) -> String {
     ranges
         .iter()
-        .chain(std::iter::once(&nat))
+        .chain(std::iter::once(nat))
         .map(|r| {
             if r.start() == r.end() {
                 r.start().to_string()
@@ -133,13 +159,32 @@ mod tests {
 
     #[test]
     fn the_nat_ports_are_added_only_where_not_all_reserved() {
-        let nat = nat_ports();
+        let nat = DEFAULT;
         assert!(!covers(&[], &nat));
         assert!(covers(&[1..=65535], &nat));
         assert!(covers(&[61000..=62000, 62001..=65535], &nat));
         assert!(covers(&[62001..=65535, 50000..=62000], &nat));
         assert!(!covers(&[61000..=62000, 62002..=65535], &nat));
-        assert_eq!(with_nat_ports(&[]), "61000-65535");
-        assert_eq!(with_nat_ports(&[8080..=8080, 100..=200]), "8080,100-200,61000-65535");
+        assert_eq!(with_nat_ports(&[], &nat), "61000-65535");
+        assert_eq!(with_nat_ports(&[8080..=8080, 100..=200], &nat), "8080,100-200,61000-65535");
+        assert_eq!(with_nat_ports(&[], &(40000..=65535)), "40000-65535");
+    }
+
+    #[test]
+    fn a_nat_port_range_is_read_as_first_dash_last_and_bounded() {
+        assert_eq!(parse("61000-65535"), Ok(DEFAULT));
+        assert_eq!(parse(" 32768 - 65535 "), Ok(32768..=65535));
+        assert_eq!(parse("1024-2047"), Ok(1024..=2047));
+        for (bad, says) in [
+            ("61000", "not a range"),
+            ("a-65535", "port number"),
+            ("61000-70000", "port number"),
+            ("1023-65535", "starts below 1024"),
+            ("64000-65000", "fewer than 1024"),
+            ("65535-61000", "fewer than 1024"),
+        ] {
+            let why = parse(bad).expect_err(bad);
+            assert!(why.contains(says) && why.contains(bad), "{bad}: {why}");
+        }
     }
 }

@@ -17,11 +17,12 @@ pub const DEFAULT_STATE_DIR: &str = "/var/lib/lb";
 pub const SOCKET_TABLE_SIZES: std::ops::RangeInclusive<i64> = 64..=1 << 20;
 /// `daemon.flow_table`: the external path's flows (`FLOWS`,
 /// `NAT_REPLIES`, `OPENING_FLOWS`, `OPENING_REPLIES`, each this size).
-/// Preallocated LRU maps of about 160 bytes an entry each: some 40 MB for
+/// Preallocated LRU maps of about 344 bytes an entry each (their
+/// `memlock`, measured by `tests/benches/syn_flood.rs`): some 90 MB for
 /// the four at this size, on every node.
 pub const DEFAULT_FLOW_TABLE: u32 = 65_536;
 /// The sizes `[daemon] flow_table` takes. Small tables are for tests; the
-/// largest is some 2.6 GB of kernel memory.
+/// largest is some 5.8 GB of kernel memory.
 pub const FLOW_TABLE_SIZES: std::ops::RangeInclusive<i64> = 1_024..=1 << 22;
 /// `daemon.new_flows_per_cpu`: new flows the external path opens per CPU
 /// per second, at most. A new flow costs `lb_xdp` under a microsecond, so
@@ -78,6 +79,9 @@ pub struct Daemon {
     /// How many new flows the external path opens per CPU per second, at
     /// most (0: no limit), fixed when its programs are loaded.
     pub new_flows_per_cpu: u32,
+    /// The external path's NAT ports, fixed when its programs are loaded
+    /// (`crate::nat_ports`).
+    pub nat_ports: std::ops::RangeInclusive<u16>,
     /// This node's name: its identity in the leases it holds (default: the
     /// hostname).
     pub node_name: String,

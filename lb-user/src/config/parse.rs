@@ -5,6 +5,8 @@
 use std::{collections::HashMap, net::SocketAddr, path::Path};
 
 use lb_common::{MAX_SERVICES, MAX_TRACKED_SOCKETS};
+
+use crate::nat_ports;
 use toml::Spanned;
 
 use super::{
@@ -99,6 +101,14 @@ impl Config {
                 "new external flows per CPU per second; 0: no limit",
                 &mut problems,
             ),
+            nat_ports: match raw.daemon.nat_ports.as_deref().map(nat_ports::parse) {
+                None => nat_ports::DEFAULT,
+                Some(Ok(range)) => range,
+                Some(Err(why)) => {
+                    problems.push(Problem::new(None, "daemon.nat_ports", why));
+                    nat_ports::DEFAULT
+                }
+            },
             election,
             node_name: parse_node_name(raw.daemon.node_name, &mut problems),
         };
@@ -382,6 +392,17 @@ mod tests {
                 "{msg}"
             );
         }
+    }
+
+    #[test]
+    fn the_nat_ports_are_a_range_named_in_its_error() {
+        assert_eq!(parse(GOOD).unwrap().daemon.nat_ports, nat_ports::DEFAULT);
+        let with = |r: &str| GOOD.replace("[daemon]\n", &format!("[daemon]\nnat_ports = {r}\n"));
+        assert_eq!(parse(&with("\"40000-65535\"")).unwrap().daemon.nat_ports, 40000..=65535);
+        let msg = problems(&with("\"100-200\""));
+        assert!(msg.contains("daemon.nat_ports") && msg.contains("starts below 1024"), "{msg}");
+        let msg = problems(&with("61000"));
+        assert!(msg.contains(":3:") && msg.contains("expected a string"), "{msg}");
     }
 
     #[test]

@@ -286,9 +286,9 @@ impl Daemon {
         if self.external.nat_ports_reserved {
             return;
         }
-        let nat = nat_ports::nat_ports();
-        let nat = format!("{}-{}", nat.start(), nat.end());
-        match nat_ports::reserve() {
+        let ports = self.config.settings.nat_ports.clone();
+        let nat = format!("{}-{}", ports.start(), ports.end());
+        match nat_ports::reserve(&ports) {
             Ok(done) => {
                 if done.added {
                     info!(
@@ -298,11 +298,10 @@ impl Daemon {
                 if let Some(range) = done.overlap {
                     warn!(
                         "the node's ephemeral ports (net.ipv4.ip_local_port_range {}-{}) overlap the external path's NAT \
-                         ports {nat}: those are reserved, so the node's own connections skip them; lower the \
-                         range's end below {} to keep every port it names",
+                         ports {nat}: those are reserved, so the node's own connections skip them; move \
+                         either range to keep every port the ephemeral range names",
                         range.start(),
                         range.end(),
-                        nat_ports::nat_ports().start()
                     );
                 }
                 self.external.nat_ports_reserved = true;
@@ -362,7 +361,7 @@ impl Daemon {
             established_flows,
             flow_capacity: maps.flow_capacity(),
             nat_ports: maps.nat_ports(),
-            nat_port_capacity: usize::from(lb_common::NAT_PORT_COUNT),
+            nat_port_capacity: self.config.settings.nat_ports.len(),
             traffic: maps
                 .traffic()
                 .into_iter()

@@ -113,7 +113,10 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         AttachSettings {
             socket_table: settings.socket_table,
             flow_table: settings.flow_table,
-            new_flows_per_cpu: settings.new_flows_per_cpu,
+            xdp: datapath::XdpLimits {
+                new_flows_per_cpu: settings.new_flows_per_cpu,
+                nat_ports: (*settings.nat_ports.start(), *settings.nat_ports.end()),
+            },
         },
         options.bpf_log,
     ) {

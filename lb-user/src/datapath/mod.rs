@@ -59,7 +59,7 @@ use tracing::{info, warn};
 pub use self::{
     external_maps::{Announced, ExternalMaps, Forwarded},
     maps::{Forgotten, PinnedMaps, VipEntry, failed_within},
-    object::KernelLogger,
+    object::{KernelLogger, XdpLimits},
     pins::detach,
     sockets::{SocketTables, UdpPeerCount, VipSocket},
     sys::{cgroup2_root, monotonic_now_ns},
@@ -85,8 +85,8 @@ pub struct Datapath {
     external: ExternalMaps,
     /// `lb_xdp` on the pinned maps, loaded when an interface first needs it.
     xdp: Option<xdp::Program>,
-    /// What `lb_xdp` is loaded with (`[daemon] new_flows_per_cpu`).
-    new_flows_per_cpu: u32,
+    /// What `lb_xdp` is loaded with.
+    xdp_limits: XdpLimits,
     /// The pin directory.
     bpffs: PathBuf,
     events: Option<RingBuf<MapData>>,
@@ -116,9 +116,9 @@ pub struct AttachSettings {
     pub socket_table: u32,
     /// The external path's flow tables' size, each (`flow_table`).
     pub flow_table: u32,
-    /// New external flows per CPU per second (`new_flows_per_cpu`),
-    /// written into each `lb_xdp` loaded.
-    pub new_flows_per_cpu: u32,
+    /// Written into each `lb_xdp` loaded (`new_flows_per_cpu`,
+    /// `nat_ports`).
+    pub xdp: XdpLimits,
 }
 
 /// What a fresh attach is made with.
@@ -170,7 +170,7 @@ impl Datapath {
                 let logger = if upgrade
                     || read_program_fingerprint(bpffs)? != Some(programs_fingerprint())
                 {
-                    Self::replace(bpffs, cgroup, bpf_log, upgrade, sizes.new_flows_per_cpu)?
+                    Self::replace(bpffs, cgroup, bpf_log, upgrade, sizes.xdp)?
                 } else {
                     if bpf_log {
                         warn!(
@@ -180,7 +180,7 @@ impl Datapath {
                     None
                 };
                 let mut datapath = Self::adopt(bpffs, lock, host_netns, netns_scope)?;
-                datapath.new_flows_per_cpu = sizes.new_flows_per_cpu;
+                datapath.xdp_limits = sizes.xdp;
                 datapath.logger = logger;
                 let pinned = datapath.maps.socket_capacity().0;
                 let socket_table = sizes.socket_table;
@@ -226,9 +226,9 @@ impl Datapath {
         cgroup: &Path,
         bpf_log: bool,
         upgrade: bool,
-        new_flows_per_cpu: u32,
+        limits: XdpLimits,
     ) -> anyhow::Result<Option<KernelLogger>> {
-        match replace_programs(bpffs, cgroup, bpf_log, new_flows_per_cpu) {
+        match replace_programs(bpffs, cgroup, bpf_log, limits) {
             Ok(logger) => {
                 info!(
                     "the pinned programs differed from this lb's: replaced them (one atomic link update each){}",
@@ -265,7 +265,7 @@ impl Datapath {
             maps: PinnedMaps::from_maps(map)?,
             external: ExternalMaps::from_maps(map)?,
             xdp: None,
-            new_flows_per_cpu: 0,
+            xdp_limits: XdpLimits::default(),
             bpffs: bpffs.to_owned(),
             events: Some(events),
             adopted: true,
@@ -316,7 +316,7 @@ impl Datapath {
             maps,
             external,
             xdp: None,
-            new_flows_per_cpu: sizes.new_flows_per_cpu,
+            xdp_limits: sizes.xdp,
             bpffs: bpffs.to_owned(),
             events: Some(events),
             adopted: false,
@@ -415,7 +415,7 @@ impl Datapath {
             }
             let mut attach = || -> anyhow::Result<xdp::Mode> {
                 if self.xdp.is_none() {
-                    self.xdp = Some(xdp::Program::load(&self.bpffs, self.new_flows_per_cpu)?);
+                    self.xdp = Some(xdp::Program::load(&self.bpffs, self.xdp_limits)?);
                 }
                 let program = self.xdp.as_mut().expect("loaded just above");
                 program.attach(&self.bpffs, name)

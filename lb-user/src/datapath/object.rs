@@ -9,7 +9,10 @@ use aya::{
     maps::Array,
     programs::{CgroupSock, CgroupSockAddr, ProgramError, SockOps},
 };
-use lb_common::{ANSWERS_PER_CPU, LIMIT_ANSWERS, LIMIT_NEW_FLOWS, maps, programs};
+use lb_common::{
+    ANSWERS_PER_CPU, LIMIT_ANSWERS, LIMIT_NAT_PORT_FIRST, LIMIT_NAT_PORT_LAST, LIMIT_NEW_FLOWS,
+    maps, programs,
+};
 
 /// Forwards the kernel programs' aya-log records to `log` (and so to tracing).
 pub type KernelLogger = aya_log::EbpfLogger<&'static dyn log::Log>;
@@ -46,17 +49,33 @@ pub(super) fn load_object(
     Ok((ebpf, logger))
 }
 
-/// Writes the settings `lb_xdp` reads from its kernel-only `LIMITS` map
-/// into a loaded object, before any of its programs runs: the settings go
-/// with the programs (`lb_common::LIMIT_NEW_FLOWS`, `LIMIT_ANSWERS`).
-pub(super) fn write_limits(ebpf: &mut Ebpf, new_flows_per_cpu: u32) -> anyhow::Result<()> {
-    let limits = ebpf
+/// The `[daemon]` settings `lb_xdp` is loaded with: written into its
+/// kernel-only `LIMITS` map, they go with the programs. Zeros are the
+/// kernel's defaults (no limit; `lb_common::NAT_PORT_FIRST` to 65535).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct XdpLimits {
+    /// New external flows per CPU per second, at most (`new_flows_per_cpu`;
+    /// 0: no limit).
+    pub new_flows_per_cpu: u32,
+    /// The NAT ports, first and last (`nat_ports`).
+    pub nat_ports: (u16, u16),
+}
+
+/// Writes `limits` (and `lb_common::ANSWERS_PER_CPU`) into a loaded
+/// object's `LIMITS`, before any of its programs runs.
+pub(super) fn write_limits(ebpf: &mut Ebpf, limits: XdpLimits) -> anyhow::Result<()> {
+    let array = ebpf
         .map_mut(maps::LIMITS)
         .with_context(|| format!("map {} missing from the eBPF object", maps::LIMITS))?;
-    let mut limits = Array::<_, u32>::try_from(limits)
+    let mut array = Array::<_, u32>::try_from(array)
         .with_context(|| format!("map {} has an unexpected type or size", maps::LIMITS))?;
-    for (slot, limit) in [(LIMIT_NEW_FLOWS, new_flows_per_cpu), (LIMIT_ANSWERS, ANSWERS_PER_CPU)] {
-        limits.set(slot, limit, 0).with_context(|| format!("writing map {}", maps::LIMITS))?;
+    for (slot, value) in [
+        (LIMIT_NEW_FLOWS, limits.new_flows_per_cpu),
+        (LIMIT_ANSWERS, ANSWERS_PER_CPU),
+        (LIMIT_NAT_PORT_FIRST, u32::from(limits.nat_ports.0)),
+        (LIMIT_NAT_PORT_LAST, u32::from(limits.nat_ports.1)),
+    ] {
+        array.set(slot, value, 0).with_context(|| format!("writing map {}", maps::LIMITS))?;
     }
     Ok(())
 }

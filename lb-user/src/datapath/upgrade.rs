@@ -20,7 +20,7 @@ use lb_common::{
 
 use super::{
     attach_one,
-    object::{EBPF_OBJECT, KernelLogger, load_object, load_program, write_limits},
+    object::{EBPF_OBJECT, KernelLogger, XdpLimits, load_object, load_program, write_limits},
     pins::{links_dir, maps_dir, open_pinned_map},
     sys::{bpf_link_update, bpf_obj_get, pinned_link_ids},
     xdp::{self, on_pinned_maps},
@@ -113,7 +113,7 @@ pub(super) fn replace_programs(
     bpffs: &Path,
     cgroup: &Path,
     bpf_log: bool,
-    new_flows_per_cpu: u32,
+    limits: XdpLimits,
 ) -> anyhow::Result<Option<KernelLogger>> {
     // The pinned maps are of the same layout: checked before.
     let (mut ebpf, logger) = load_object(on_pinned_maps(bpffs), bpf_log)
@@ -134,7 +134,7 @@ pub(super) fn replace_programs(
         })
         .with_context(|| format!("writing map {}", maps::UNMARKED))?;
     forget_marks(&mut ebpf)?;
-    write_limits(&mut ebpf, new_flows_per_cpu)?;
+    write_limits(&mut ebpf, limits)?;
     let links = links_dir(bpffs);
     let pinned: Vec<(&str, PathBuf)> = programs::ALL
         .iter()

@@ -26,7 +26,7 @@ use lb_common::{maps, programs};
 
 pub use super::pins::{Mode, attachments};
 use super::{
-    object::{load_object, load_retrying, write_limits},
+    object::{XdpLimits, load_object, load_retrying, write_limits},
     pins::maps_dir,
     sys::{bpf_link_update, bpf_obj_get},
 };
@@ -60,11 +60,11 @@ pub(super) struct Program {
 
 impl Program {
     /// Loads `lb_xdp` on the maps pinned under `bpffs`, opening at most
-    /// `new_flows_per_cpu` new flows per CPU per second (0: no limit).
-    pub(super) fn load(bpffs: &Path, new_flows_per_cpu: u32) -> anyhow::Result<Self> {
+    /// `limits` written into it.
+    pub(super) fn load(bpffs: &Path, limits: XdpLimits) -> anyhow::Result<Self> {
         let (mut ebpf, _) = load_object(on_pinned_maps(bpffs), false)
             .context("loading the eBPF object on the pinned maps")?;
-        write_limits(&mut ebpf, new_flows_per_cpu)?;
+        write_limits(&mut ebpf, limits)?;
         let program = xdp_program(&mut ebpf)?;
         load_retrying(|| program.load()).with_context(|| format!("loading {}", programs::XDP))?;
         Ok(Self { ebpf })

@@ -3,7 +3,11 @@
 
 use std::{net::UdpSocket, time::Duration};
 
-use lb_tests::{Daemon, TestCgroup, in_new_netns, privileged_test, topology::Topology, wait_until};
+use lb_tests::{
+    Daemon, TestCgroup, in_new_netns, privileged_test,
+    topology::{Topology, VIP4, who},
+    wait_until,
+};
 
 use crate::services;
 
@@ -40,4 +44,58 @@ fn the_nat_ports_are_kept_from_the_nodes_own_connections() {
         drop(daemon);
         drop(cgroup);
     });
+}
+
+/// `[daemon] nat_ports` set wider than the default: the daemon reserves
+/// that range, and a connection through the VIP reaches its server from
+/// a port inside it (the server's own table says which).
+#[privileged_test]
+fn a_configured_nat_port_range_is_reserved_and_used() {
+    in_new_netns(|| {
+        let net = Topology::new();
+        let _s1 = net.server("s1", "198.18.2.2:8080");
+        std::fs::write(EPHEMERAL, "32768 40000").expect("setting the ephemeral range");
+        std::fs::write(RESERVED, "").expect("clearing the reserved ports");
+        let cgroup = TestCgroup::new("external-nat-range");
+        let daemon = Daemon::start_with(
+            "external-nat-range",
+            &cgroup,
+            "nat_ports = \"50000-65535\"",
+            &services("tcp"),
+        );
+        let reserved = || std::fs::read_to_string(RESERVED).unwrap();
+        let done = wait_until(Duration::from_secs(5), || reserved().trim() == "50000-65535");
+        assert!(done, "not reserved: {:?}\n{}", reserved(), daemon.log());
+        assert!(
+            wait_until(Duration::from_secs(10), || net.ask(VIP4).is_ok()),
+            "the VIP never answered\n{}",
+            daemon.log()
+        );
+        let held = net.connect(VIP4).expect("a connection through the VIP");
+        assert_eq!(who(&held).as_deref(), Ok("s1"));
+        let ports = net.servers.run(peer_ports_of_8080);
+        assert!(!ports.is_empty(), "the server holds no connection");
+        for port in ports {
+            assert!((50_000..=65_535).contains(&port), "the node's NAT port {port} is outside");
+        }
+        assert!(!daemon.log().contains("overlap"), "{}", daemon.log());
+    });
+}
+
+/// The peer ports of this namespace's established TCP connections to
+/// local port 8080, from `/proc/thread-self/net/tcp`.
+fn peer_ports_of_8080() -> Vec<u16> {
+    // This thread's namespace: /proc/net is the process's.
+    let table = std::fs::read_to_string("/proc/thread-self/net/tcp").expect("reading tcp");
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let port = |field: &str| u16::from_str_radix(field.split(':').nth(1)?, 16).ok();
+            (fields.get(3) == Some(&"01") && port(fields.get(1)?) == Some(8080))
+                .then(|| port(fields.get(2)?))
+                .flatten()
+        })
+        .collect()
 }

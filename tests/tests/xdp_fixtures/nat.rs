@@ -260,3 +260,38 @@ fn a_flood_of_half_open_flows_holds_its_ports_a_second() {
         assert_eq!(entry.client, Endpoint::from(client));
     });
 }
+
+/// `[daemon] nat_ports`, as the daemon writes it into `LIMITS`: new flows
+/// take their ports from the range written, their servers' replies come
+/// back through them, and with the default range written back, a
+/// packet to one of those ports is no reply (passed untouched, not looked
+/// up) though a flow holds it.
+#[privileged_test]
+fn new_flows_take_their_ports_from_the_range_written() {
+    both_families(|node, f| {
+        node.set_limit(lb_common::LIMIT_NAT_PORT_FIRST, 40_000);
+        node.set_limit(lb_common::LIMIT_NAT_PORT_LAST, 41_023);
+        let outs: Vec<_> = (0..32u16)
+            .map(|i| {
+                let client = SocketAddr::new(f.client.ip(), 30_000 + i);
+                let (verdict, out) = node.run(&from_client(f, client, Flags::SYN, 1).frame(), None);
+                assert_eq!(verdict, XDP_REDIRECT, "the SYN was not forwarded");
+                read_frame(&out).expect("the forwarded SYN")
+            })
+            .collect();
+        for out in &outs {
+            let port = out.src.port();
+            assert!((40_000..=41_023).contains(&port), "NAT port {port} outside the range");
+        }
+        let (verdict, _) =
+            node.run(&from_server(&outs[0], Flags::SYN_ACK).frame(), Some(node.srv0));
+        assert_eq!(verdict, XDP_REDIRECT, "a reply through a port of the range was not sent back");
+
+        node.set_limit(lb_common::LIMIT_NAT_PORT_FIRST, 0);
+        node.set_limit(lb_common::LIMIT_NAT_PORT_LAST, 0);
+        let not_ours = node.counter(Reason::XdpNotOurs);
+        let reply = from_server(&outs[1], Flags::SYN_ACK).frame();
+        assert_eq!(node.run(&reply, Some(node.srv0)), (XDP_PASS, reply), "taken for a reply");
+        assert_eq!(node.counter(Reason::XdpNotOurs), not_ours + 1);
+    });
+}
