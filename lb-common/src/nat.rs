@@ -24,11 +24,16 @@
 //!   answer) idle for [`ESTABLISHED_IDLE_TICKS`] (2 h);
 //! - a half-open TCP flow (a SYN never answered, or answered for a
 //!   client that never acknowledged) [`HALF_OPEN_TICKS`] (10 s) after the
-//!   client's SYN, and when no port is free otherwise after
-//!   [`HALF_OPEN_PRESSED_TICKS`] (1 s): a flood from forged addresses
-//!   holds a port a second, not a minute. The server's SYN-ACKs sent again
-//!   do not stamp it ([`stamp_reply`]): it lives from the client's SYN,
-//!   whatever the server does. A server still holding the old half-open
+//!   client's SYN (or the server's first answer), and when no port is
+//!   free otherwise: [`ANSWERED_PRESSED_TICKS`] (250 ms) after the
+//!   server's first answer, which a client acknowledges one round trip
+//!   later and a forged address never does, or
+//!   [`HALF_OPEN_PRESSED_TICKS`] (1 s) after a SYN the server has not
+//!   answered. So a flood from forged addresses holds a port a quarter of
+//!   a second, not a minute, and refuses new flows only past about four
+//!   SYNs a second per port. The server's SYN-ACKs sent again do not stamp
+//!   it ([`stamp_reply`]): it lives from its first answer, whatever the
+//!   server sends after. A server still holding the old half-open
 //!   connection on those ports answers the new flow's SYN with an ACK that
 //!   the client resets, and takes its SYN sent again a second later, as
 //!   for TIME_WAIT below;
@@ -39,6 +44,8 @@
 //! not those of a half-open flow) and on the client's FINs and resets and
 //! the packet that completes its handshake; a flow whose server sends
 //! nothing for those times is counted idle.
+
+use crate::flow_tables::NAT_REPLY_ESTABLISHED;
 
 /// `NatReply::flags`: the client sent a FIN.
 pub const NAT_REPLY_CLIENT_FIN: u32 = 1 << 2;
@@ -82,9 +89,15 @@ pub const TIME_WAIT_TICKS: u32 = ticks(64);
 pub const ESTABLISHED_IDLE_TICKS: u32 = ticks(7_200);
 /// How long after the client's SYN a half-open TCP flow keeps its port.
 pub const HALF_OPEN_TICKS: u32 = ticks(10);
-/// As [`HALF_OPEN_TICKS`], when no port is free otherwise: a client on
-/// any network acknowledges the server's answer sooner.
+/// As [`HALF_OPEN_TICKS`], when no port is free otherwise and the server
+/// has not answered: a server answers a SYN it can take sooner.
 pub const HALF_OPEN_PRESSED_TICKS: u32 = ticks(1);
+/// As [`HALF_OPEN_TICKS`], when no port is free otherwise and the server
+/// has answered: its answer's age. A client acknowledges it one round
+/// trip (client to node and back) later; one farther than 250 ms away
+/// loses its flow only while a flood keeps every port taken, when
+/// without this no new flow would open at all.
+pub const ANSWERED_PRESSED_TICKS: u32 = (250_000_000u64.div_ceil(1 << TICK_SHIFT)) as u32;
 /// How long any other flow may be idle before its port may go.
 pub const IDLE_TICKS: u32 = ticks(30);
 
@@ -102,11 +115,14 @@ pub const fn stamp(flags: u32, tick: u32) -> u32 {
 
 /// The flags of an entry that had `before` after a server's packet made
 /// them `after`, at `tick`: stamped, unless the flow is a half-open TCP
-/// one (the client never acknowledged): a server sending its SYN-ACK
-/// again, to a forged address, must not keep the port.
+/// one (the client never acknowledged) that the server had answered
+/// before: a server sending its SYN-ACK again, to a forged address, must
+/// not keep the port. Its first answer is stamped: a client acknowledges
+/// within a round trip of it ([`ANSWERED_PRESSED_TICKS`]).
 #[inline(always)]
 pub const fn stamp_reply(before: u32, after: u32, tcp: bool, tick: u32) -> u32 {
-    if tcp && after & NAT_REPLY_CLIENT_ACKED == 0 {
+    let first_answer = before & NAT_REPLY_ESTABLISHED == 0 && after & NAT_REPLY_ESTABLISHED != 0;
+    if tcp && after & NAT_REPLY_CLIENT_ACKED == 0 && !first_answer {
         return stamp(after, before >> SEEN_SHIFT);
     }
     stamp(after, tick)
@@ -156,6 +172,8 @@ pub const fn reusable(flags: u32, tcp: bool, now: u32, pressed: bool) -> bool {
         }
     } else if tcp && flags & NAT_REPLY_CLIENT_ACKED != 0 {
         ESTABLISHED_IDLE_TICKS
+    } else if tcp && pressed && flags & NAT_REPLY_ESTABLISHED != 0 {
+        ANSWERED_PRESSED_TICKS
     } else if tcp && pressed {
         HALF_OPEN_PRESSED_TICKS
     } else if tcp {
@@ -171,7 +189,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::flow_tables::{NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN};
+    use crate::flow_tables::NAT_REPLY_SYN;
 
     const SECOND: u64 = 1_000_000_000;
 
@@ -226,17 +244,35 @@ mod tests {
     }
 
     #[test]
-    fn half_open_flows_go_after_10_seconds_or_1_when_pressed() {
+    fn half_open_flows_go_after_10_seconds_or_sooner_when_pressed() {
         let unanswered = stamp(NAT_REPLY_SYN, tick(0));
-        // Answered, but the client never acknowledged (a forged address).
+        // Answered at 0, but the client never acknowledged (a forged
+        // address).
         let answered = after_tcp(NAT_REPLY_SYN | NAT_REPLY_ESTABLISHED, true, true, false, false);
         let half_open = stamp(answered, tick(0));
         for flags in [unanswered, half_open] {
-            assert!(!reusable(flags, true, tick(SECOND / 2), true));
-            assert!(reusable(flags, true, tick(SECOND + SECOND / 10), true));
             assert!(!reusable(flags, true, tick(9 * SECOND), false));
             assert!(reusable(flags, true, tick(11 * SECOND), false));
         }
+        // Pressed: a second after an unanswered SYN, a quarter of a second
+        // after the server's answer.
+        assert!(!reusable(unanswered, true, tick(SECOND / 2), true));
+        assert!(reusable(unanswered, true, tick(SECOND + SECOND / 10), true));
+        assert!(!reusable(half_open, true, tick(SECOND / 5), true));
+        assert!(reusable(half_open, true, tick(SECOND * 3 / 10), true));
+    }
+
+    #[test]
+    fn a_half_open_flow_is_stamped_at_its_servers_first_answer_only() {
+        let syn = stamp(NAT_REPLY_SYN, tick(0));
+        let answered = after_tcp(syn | NAT_REPLY_ESTABLISHED, true, true, false, false);
+        let first = stamp_reply(syn, answered, true, tick(SECOND / 2));
+        // A quarter of a second after the answer, not after the SYN.
+        assert!(!reusable(first, true, tick(SECOND * 6 / 10), true));
+        assert!(reusable(first, true, tick(SECOND * 8 / 10), true));
+        // Sent again later, the answer stamps nothing.
+        let again = stamp_reply(first, first, true, tick(SECOND * 7 / 10));
+        assert_eq!(again, first);
     }
 
     #[test]
@@ -270,7 +306,8 @@ mod tests {
         );
         let again = after_tcp(closed, true, true, false, false);
         assert_eq!(again & NAT_REPLY_ENDED, 0);
-        assert!(!reusable(stamp(again, tick(SECOND)), true, tick(SECOND + SECOND / 2), true));
+        // Not reusable as a closed flow's port (67 ms): a half-open one's.
+        assert!(!reusable(stamp(again, tick(SECOND)), true, tick(SECOND + SECOND / 5), true));
     }
 
     proptest! {

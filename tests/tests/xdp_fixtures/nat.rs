@@ -201,18 +201,19 @@ fn a_new_flow_takes_the_port_of_an_ended_one_when_none_is_free() {
 }
 
 /// A flood of SYNs from forged addresses, answered by the server and
-/// never acknowledged, holds the ports it took a second, not a minute:
-/// the server's SYN-ACKs sent again do not keep them, and a client's SYN
-/// that finds no other port free takes one of them.
+/// never acknowledged, holds the ports it took a quarter of a second
+/// from the server's answer, not a minute: the server's SYN-ACKs sent
+/// again do not keep them, and a client's SYN that finds no other port
+/// free takes one of them.
 #[privileged_test]
-fn a_flood_of_half_open_flows_holds_its_ports_a_second() {
+fn a_flood_of_half_open_flows_holds_its_ports_a_quarter_second() {
     both_families(|node, f| {
         let stamped = take_every_port(node, f, 0, NAT_REPLY_SYN | NAT_REPLY_ESTABLISHED);
         let client = SocketAddr::new(f.client.ip(), 30_000);
         let syn = from_client(f, client, Flags::SYN, 1).frame();
         let verdict = node.run(&syn, None).0;
-        // Judged only if it ran within the second (a slow guest may not).
-        if ticks_since(stamped) < nat::HALF_OPEN_PRESSED_TICKS {
+        // Judged only if it ran within that time (a slow guest may not).
+        if ticks_since(stamped) < nat::ANSWERED_PRESSED_TICKS {
             assert_eq!(verdict, XDP_DROP, "a half-open flow's port was taken at once");
         }
 
