@@ -24,6 +24,49 @@ pub fn send(dev: &str, frames: &[Vec<u8>]) {
     }
 }
 
+/// A flood generator's socket on one interface (in the namespace of the
+/// thread that made it), kept open: opening and closing a packet socket
+/// waits for the kernel's RCU grace period, milliseconds each.
+pub struct Sender(OwnedFd);
+
+impl Sender {
+    pub fn new(dev: &str) -> Self {
+        // Protocol 0: the socket receives nothing.
+        Self(packet_socket(dev, 0, None))
+    }
+
+    /// Sends `frames` as they are, up to 64 per `sendmmsg` call; returns
+    /// how many the kernel took (with its queue full it takes fewer: the
+    /// rest are not sent, not retried).
+    pub fn send(&self, frames: &[Vec<u8>]) -> usize {
+        let mut sent = 0;
+        for batch in frames.chunks(64) {
+            let mut iovecs: Vec<libc::iovec> = batch
+                .iter()
+                .map(|f| libc::iovec { iov_base: f.as_ptr() as *mut _, iov_len: f.len() })
+                .collect();
+            let mut messages: Vec<libc::mmsghdr> = iovecs
+                .iter_mut()
+                .map(|iov| {
+                    // SAFETY: a zeroed msghdr is valid; it points at one
+                    // iovec that lives until the call returns.
+                    let mut header: libc::msghdr = unsafe { std::mem::zeroed() };
+                    header.msg_iov = iov;
+                    header.msg_iovlen = 1;
+                    libc::mmsghdr { msg_hdr: header, msg_len: 0 }
+                })
+                .collect();
+            // SAFETY: `messages` and the buffers they point at live across
+            // the call; the length is theirs. The kernel only reads them.
+            let n = unsafe {
+                libc::sendmmsg(self.0.as_raw_fd(), messages.as_mut_ptr(), messages.len() as u32, 0)
+            };
+            sent += usize::try_from(n).unwrap_or(0);
+        }
+        sent
+    }
+}
+
 /// An `AF_PACKET` socket for `protocol` on `dev` (in the calling
 /// thread's namespace), with a receive timeout.
 pub(crate) fn packet_socket(dev: &str, protocol: u16, timeout: Option<Duration>) -> OwnedFd {

@@ -4,12 +4,13 @@
 //! in the same run); and connects and requests per second from a client
 //! namespace through the node, by plain routing, lb's external VIP, IPVS in
 //! NAT mode and haproxy, measured by `tests/benches/external_throughput.rs`
-//! (see there for how).
+//! (see there for how); and legitimate connects and held connections
+//! under forged SYNs at rising rates, by `tests/benches/syn_flood.rs`.
 
 use anyhow::Context as _;
 use serde_json::Value;
 
-use super::results::{External, ExternalRoute, Results};
+use super::results::{External, ExternalRoute, Flood, FloodRate, Results};
 use crate::cmd::output_of;
 
 /// What the throughput bench compares lb with: IPVS (kube-proxy's IPVS
@@ -31,6 +32,7 @@ pub fn run(results: &mut Results) -> anyhow::Result<()> {
         live_requests_ns: 0.0,
         routes: Vec::new(),
         skipped: Vec::new(),
+        flood: None,
     };
     println!(
         "==> external path: connects and requests per second, plain routing, lb, IPVS, haproxy"
@@ -55,8 +57,34 @@ pub fn run(results: &mut Results) -> anyhow::Result<()> {
         let text = |key: &str| skipped[key].as_str().unwrap_or("?").to_owned();
         external.skipped.push((text("route"), text("why")));
     }
+    println!("==> external path: forged SYNs at rising rates, legitimate connects meanwhile");
+    external.flood = Some(flood(&bench_json("syn_flood")?)?);
     results.external = Some(external);
     Ok(())
+}
+
+/// The SYN flood bench's figures, from its JSON line.
+fn flood(figures: &Value) -> anyhow::Result<Flood> {
+    let count = |v: &Value, key: &str| v[key].as_u64().with_context(|| format!("no {key} in {v}"));
+    let mut rates = Vec::new();
+    for rate in figures["rates"].as_array().context("no rates")? {
+        rates.push(FloodRate {
+            asked_per_s: count(rate, "asked_per_s")?,
+            sent_per_s: rate["sent_per_s"].as_f64().context("no sent_per_s")?,
+            connected: count(rate, "connected")?,
+            connects: count(rate, "connects")?,
+            held_alive: count(rate, "held_alive")?,
+            new_flows: count(rate, "new_flows")?,
+            guard_refused: count(rate, "guard_refused")?,
+            ports_exhausted: count(rate, "ports_exhausted")?,
+        });
+    }
+    Ok(Flood {
+        flow_table: count(figures, "flow_table")?,
+        flow_tables_bytes: count(figures, "flow_tables_bytes")?,
+        held: count(figures, "held")?,
+        rates,
+    })
 }
 
 /// Runs `cargo bench --bench NAME` in lb-tests and reads the JSON line it

@@ -178,6 +178,34 @@ pub struct External {
     pub live_requests_ns: f64,
     pub routes: Vec<ExternalRoute>,
     pub skipped: Vec<(String, String)>,
+    /// The SYN flood bench, rate by rate.
+    pub flood: Option<Flood>,
+}
+
+/// The external path under forged SYNs (`tests/benches/syn_flood.rs`):
+/// the flow tables' size and memory, and one row per rate.
+pub struct Flood {
+    pub flow_table: u64,
+    pub flow_tables_bytes: u64,
+    pub held: u64,
+    pub rates: Vec<FloodRate>,
+}
+
+/// One rate of the SYN flood bench.
+pub struct FloodRate {
+    /// Asked of the generator (0: as fast as it goes), and what it sent.
+    pub asked_per_s: u64,
+    pub sent_per_s: f64,
+    /// Legitimate connects that reached a server, of those tried.
+    pub connected: u64,
+    pub connects: u64,
+    /// Held connections that still carry data after this rate.
+    pub held_alive: u64,
+    /// What the node did with new flows meanwhile: opened, refused by the
+    /// new-flow guard, refused for want of a NAT port.
+    pub new_flows: u64,
+    pub guard_refused: u64,
+    pub ports_exhausted: u64,
 }
 
 /// One route of the external throughput bench.

@@ -6,7 +6,7 @@ use super::{
     format::{count, millis, ms, services},
     owner,
     paths::Route,
-    results::{DnsRoute, KeepAliveCost, Results, Workload},
+    results::{DnsRoute, Flood, KeepAliveCost, Results, Workload},
     stats::{median, percentile},
     workloads::CONNECTS,
 };
@@ -350,7 +350,51 @@ fn external(r: &Results, tables: &mut Vec<Table>) {
             ]);
         }
         tables.push(t);
+        if let Some(flood) = &e.flood {
+            flood_table(flood, tables);
+        }
     }
+}
+
+fn flood_table(f: &Flood, tables: &mut Vec<Table>) {
+    let mut t = Table::new(
+        &format!(
+            "Forged SYNs from the client's namespace at rising rates (each for 3 s, one after \
+             another), a legitimate client connecting meanwhile, {} connections held through the \
+             VIP; flow tables of {} entries each, {:.1} MB of kernel memory for the four",
+            f.held,
+            f.flow_table,
+            f.flow_tables_bytes as f64 / 1e6
+        ),
+        &[
+            "forged SYNs/s asked",
+            "sent",
+            "legitimate connects",
+            "held alive",
+            "flows opened",
+            "refused by the guard",
+            "no NAT port",
+        ],
+    );
+    for r in &f.rates {
+        let asked = if r.asked_per_s == 0 {
+            "as fast as it goes".to_owned()
+        } else {
+            r.asked_per_s.to_string()
+        };
+        let share =
+            if r.connects == 0 { 0.0 } else { 100.0 * r.connected as f64 / r.connects as f64 };
+        t.row(vec![
+            asked,
+            format!("{:.0}", r.sent_per_s),
+            format!("{}/{} ({share:.1} %)", r.connected, r.connects),
+            format!("{}/{}", r.held_alive, f.held),
+            r.new_flows.to_string(),
+            r.guard_refused.to_string(),
+            r.ports_exhausted.to_string(),
+        ]);
+    }
+    tables.push(t);
 }
 
 fn election(r: &Results, tables: &mut Vec<Table>) {
