@@ -218,7 +218,9 @@ impl Node {
     /// `srv0`, where `lb_xdp` takes replies from. There the flows' NAT
     /// entries are made to say their servers are behind loopback for a
     /// packet meant to arrive on `srv0`, and `srv0` again for any other,
-    /// so that a reply from elsewhere is still one from elsewhere.
+    /// so that a reply from elsewhere is still one from elsewhere; and
+    /// their clients the other way round, so that an error about a reply
+    /// from the servers' side is still not from the clients'.
     pub fn run(&self, frame: &[u8], ingress: Option<u32>) -> (u32, Vec<u8>) {
         let from_servers = ingress == Some(self.srv0);
         if (from_servers || self.servers_on_loopback.get()) && !self.knows_ingress() {
@@ -230,18 +232,25 @@ impl Node {
     }
 
     /// Makes every NAT entry that names `srv0` or loopback as where its
-    /// server is name `ifindex`.
+    /// server is name `ifindex`, and the other of the two as where its
+    /// client is.
     fn servers_behind(&self, ifindex: u32) {
+        let other = if ifindex == LOOPBACK { self.srv0 } else { LOOPBACK };
+        let ours = [self.srv0, LOOPBACK];
         for table in NAT_TABLES {
             let map = self.ebpf.map(table).unwrap();
             let entries: HashMap<_, NatKey, NatReply> = HashMap::try_from(map).unwrap();
             let all: Vec<(NatKey, NatReply)> = entries.iter().map(Result::unwrap).collect();
-            for (key, mut entry) in all {
-                if [self.srv0, LOOPBACK].contains(&entry.server_ifindex)
-                    && entry.server_ifindex != ifindex
-                {
-                    entry.server_ifindex = ifindex;
-                    program::update(map, &key, &entry);
+            for (key, entry) in all {
+                let mut moved = entry;
+                if ours.contains(&entry.server_ifindex) {
+                    moved.server_ifindex = ifindex;
+                }
+                if ours.contains(&entry.client_ifindex) {
+                    moved.client_ifindex = other;
+                }
+                if moved != entry {
+                    program::update(map, &key, &moved);
                 }
             }
         }
