@@ -173,8 +173,9 @@ impl Daemon {
 
     /// Makes `ANNOUNCE` hold the VIPs of the services that announce
     /// (`announce = "arp"`), have a usable server and, with a lease, hold
-    /// it (`may_announce`), on each of their interfaces, with their fences
-    /// in `ANNOUNCE_UNTIL` written first; tells the link about each one
+    /// it (`may_announce`), on each of their interfaces, and
+    /// `ANNOUNCE_UNTIL` their fences, in an order safe against a crash
+    /// between writes (`set_announced_fenced`); tells the link about each one
     /// announced anew, then tells the elections whether this node is
     /// eligible (after the kernel has fallen silent, never before).
     fn announce(&mut self, external: &[usize]) {
@@ -214,10 +215,7 @@ impl Daemon {
             }
         }
         let fences = self.fences(external);
-        if let Err(e) = self.datapath.external().set_fences(&fences) {
-            return warn!("writing the announced VIPs' fences: {e:#}");
-        }
-        match self.datapath.external().set_announced(&wanted) {
+        match self.datapath.external().set_announced_fenced(&wanted, &fences) {
             Ok(added) => {
                 let now: HashSet<Announced> = wanted.keys().copied().collect();
                 self.external.announced_now.send_replace(now.clone());
@@ -286,7 +284,7 @@ impl Daemon {
         if self.external.nat_ports_reserved {
             return;
         }
-        let ports = self.config.settings.nat_ports.clone();
+        let ports = self.datapath.nat_port_range();
         let nat = format!("{}-{}", ports.start(), ports.end());
         match nat_ports::reserve(&ports) {
             Ok(done) => {
@@ -361,7 +359,7 @@ impl Daemon {
             established_flows,
             flow_capacity: maps.flow_capacity(),
             nat_ports: maps.nat_ports(),
-            nat_port_capacity: self.config.settings.nat_ports.len(),
+            nat_port_capacity: self.datapath.nat_port_range().len(),
             traffic: maps
                 .traffic()
                 .into_iter()

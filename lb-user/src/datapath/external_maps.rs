@@ -146,9 +146,31 @@ impl ExternalMaps {
     }
 
     /// Makes `ANNOUNCE` hold exactly `wanted` (each address on its
-    /// interface, with that interface's MAC). Returns the entries added or
-    /// changed: their neighbours are told at once.
-    pub fn set_announced(
+    /// interface, with that interface's MAC) and `ANNOUNCE_UNTIL` exactly
+    /// `fences` (each elected address, with the `CLOCK_MONOTONIC`
+    /// nanosecond its answers stop at: the holder's lease fence). Returns
+    /// the entries added or changed: their neighbours are told at once.
+    ///
+    /// In the one order that never has an elected address answered
+    /// unfenced, even by a daemon killed between two writes: the fences
+    /// written first, then `ANNOUNCE`, and only then the fences of the
+    /// addresses no longer elected removed (an address withdrawn keeps its
+    /// fence until it is out of `ANNOUNCE`; a fence left by a crash fences
+    /// an address nobody announces).
+    pub fn set_announced_fenced(
+        &mut self,
+        wanted: &StdHashMap<Announced, [u8; 6]>,
+        fences: &StdHashMap<IpAddr, u64>,
+    ) -> anyhow::Result<Vec<Announced>> {
+        self.write_fences(fences)?;
+        let added = self.set_announced(wanted)?;
+        self.remove_fences_but(fences)?;
+        Ok(added)
+    }
+
+    /// Makes `ANNOUNCE` hold exactly `wanted`; see
+    /// [`Self::set_announced_fenced`].
+    fn set_announced(
         &mut self,
         wanted: &StdHashMap<Announced, [u8; 6]>,
     ) -> anyhow::Result<Vec<Announced>> {
@@ -175,23 +197,25 @@ impl ExternalMaps {
         Ok(added)
     }
 
-    /// Makes `ANNOUNCE_UNTIL` hold exactly `fences`: each elected
-    /// address, with the `CLOCK_MONOTONIC` nanosecond its answers stop at
-    /// (the holder's lease fence). Written before the address goes into
-    /// `ANNOUNCE`, so an elected address is never answered unfenced.
-    pub fn set_fences(&mut self, fences: &StdHashMap<IpAddr, u64>) -> anyhow::Result<()> {
-        let key = |ip: IpAddr| Endpoint::from(SocketAddr::new(ip, 0)).addr;
+    /// Writes each of `fences` into `ANNOUNCE_UNTIL` where it differs.
+    fn write_fences(&mut self, fences: &StdHashMap<IpAddr, u64>) -> anyhow::Result<()> {
         let present: StdHashMap<[u32; 4], u64> =
             self.announce_until.iter().filter_map(Result::ok).collect();
         for (&ip, &until) in fences {
-            if present.get(&key(ip)) != Some(&until) {
+            if present.get(&fence_key(ip)) != Some(&until) {
                 self.announce_until
-                    .insert(key(ip), until, 0)
+                    .insert(fence_key(ip), until, 0)
                     .with_context(|| format!("writing the fence of {ip} to ANNOUNCE_UNTIL"))?;
             }
         }
-        let wanted: HashSet<[u32; 4]> = fences.keys().map(|ip| key(*ip)).collect();
-        for gone in present.keys().filter(|k| !wanted.contains(*k)) {
+        Ok(())
+    }
+
+    /// Removes from `ANNOUNCE_UNTIL` every fence but those of `fences`.
+    fn remove_fences_but(&mut self, fences: &StdHashMap<IpAddr, u64>) -> anyhow::Result<()> {
+        let present: Vec<[u32; 4]> = self.announce_until.keys().filter_map(Result::ok).collect();
+        let wanted: HashSet<[u32; 4]> = fences.keys().map(|ip| fence_key(*ip)).collect();
+        for gone in present.iter().filter(|k| !wanted.contains(*k)) {
             remove(&mut self.announce_until, gone).context("removing a fence")?;
         }
         Ok(())
@@ -311,6 +335,11 @@ fn remove<K: aya::Pod, V: aya::Pod>(
         Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
         Err(e) => Err(e),
     }
+}
+
+/// The `ANNOUNCE_UNTIL` key of `ip`.
+fn fence_key(ip: IpAddr) -> [u32; 4] {
+    Endpoint::from(SocketAddr::new(ip, 0)).addr
 }
 
 #[cfg(test)]

@@ -373,6 +373,15 @@ impl Datapath {
         &self.external
     }
 
+    /// The NAT ports `lb_xdp` is loaded with (`[daemon] nat_ports` as the
+    /// daemon started: a reload changes it only at the next start).
+    pub fn nat_port_range(&self) -> std::ops::RangeInclusive<u16> {
+        match self.xdp_limits.nat_ports {
+            (0, _) | (_, 0) => crate::nat_ports::DEFAULT,
+            (first, last) => first..=last,
+        }
+    }
+
     /// The interfaces `lb_xdp` is attached to, and how.
     pub fn xdp_attachments(&self) -> Vec<(String, xdp::Mode)> {
         xdp::attachments(&self.bpffs)

@@ -47,8 +47,9 @@ fn the_nat_ports_are_kept_from_the_nodes_own_connections() {
 }
 
 /// `[daemon] nat_ports` set wider than the default: the daemon reserves
-/// that range, and a connection through the VIP reaches its server from
-/// a port inside it (the server's own table says which).
+/// that range, says so in its status, and a connection through the VIP
+/// reaches its server from a port inside it (the server's own table
+/// says which).
 #[privileged_test]
 fn a_configured_nat_port_range_is_reserved_and_used() {
     in_new_netns(|| {
@@ -78,6 +79,8 @@ fn a_configured_nat_port_range_is_reserved_and_used() {
         for port in ports {
             assert!((50_000..=65_535).contains(&port), "the node's NAT port {port} is outside");
         }
+        let status = daemon.status();
+        assert_eq!(status["datapath"]["external"]["nat_port_capacity"], 15_536, "{status}");
         assert!(!daemon.log().contains("overlap"), "{}", daemon.log());
     });
 }
