@@ -66,24 +66,29 @@ pub fn run(results: &mut Results) -> anyhow::Result<()> {
 /// The SYN flood bench's figures, from its JSON line.
 fn flood(figures: &Value) -> anyhow::Result<Flood> {
     let count = |v: &Value, key: &str| v[key].as_u64().with_context(|| format!("no {key} in {v}"));
-    let mut rates = Vec::new();
-    for rate in figures["rates"].as_array().context("no rates")? {
-        rates.push(FloodRate {
-            asked_per_s: count(rate, "asked_per_s")?,
-            sent_per_s: rate["sent_per_s"].as_f64().context("no sent_per_s")?,
-            connected: count(rate, "connected")?,
-            connects: count(rate, "connects")?,
-            held_alive: count(rate, "held_alive")?,
-            new_flows: count(rate, "new_flows")?,
-            guard_refused: count(rate, "guard_refused")?,
-            ports_exhausted: count(rate, "ports_exhausted")?,
-        });
+    let mut configs = Vec::new();
+    for config in figures["configs"].as_array().context("no configs")? {
+        let mut rates = Vec::new();
+        for rate in config["rates"].as_array().context("no rates")? {
+            rates.push(FloodRate {
+                asked_per_s: count(rate, "asked_per_s")?,
+                sent_per_s: rate["sent_per_s"].as_f64().context("no sent_per_s")?,
+                connected: count(rate, "connected")?,
+                connects: count(rate, "connects")?,
+                held_alive: count(rate, "held_alive")?,
+                new_flows: count(rate, "new_flows")?,
+                guard_refused: count(rate, "guard_refused")?,
+                ports_exhausted: count(rate, "ports_exhausted")?,
+            });
+        }
+        let nat_ports = config["nat_ports"].as_str().context("no nat_ports")?.to_owned();
+        configs.push((nat_ports, rates));
     }
     Ok(Flood {
         flow_table: count(figures, "flow_table")?,
         flow_tables_bytes: count(figures, "flow_tables_bytes")?,
         held: count(figures, "held")?,
-        rates,
+        configs,
     })
 }
 

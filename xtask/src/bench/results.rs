@@ -183,12 +183,13 @@ pub struct External {
 }
 
 /// The external path under forged SYNs (`tests/benches/syn_flood.rs`):
-/// the flow tables' size and memory, and one row per rate.
+/// the flow tables' size and memory, and for each `[daemon] nat_ports`
+/// tried, one row per rate.
 pub struct Flood {
     pub flow_table: u64,
     pub flow_tables_bytes: u64,
     pub held: u64,
-    pub rates: Vec<FloodRate>,
+    pub configs: Vec<(String, Vec<FloodRate>)>,
 }
 
 /// One rate of the SYN flood bench.

@@ -6,7 +6,7 @@ use super::{
     format::{count, millis, ms, services},
     owner,
     paths::Route,
-    results::{DnsRoute, Flood, KeepAliveCost, Results, Workload},
+    results::{DnsRoute, Flood, FloodRate, KeepAliveCost, Results, Workload},
     stats::{median, percentile},
     workloads::CONNECTS,
 };
@@ -367,6 +367,7 @@ fn flood_table(f: &Flood, tables: &mut Vec<Table>) {
             f.flow_tables_bytes as f64 / 1e6
         ),
         &[
+            "nat_ports",
             "forged SYNs/s asked",
             "sent",
             "legitimate connects",
@@ -376,25 +377,32 @@ fn flood_table(f: &Flood, tables: &mut Vec<Table>) {
             "no NAT port",
         ],
     );
-    for r in &f.rates {
-        let asked = if r.asked_per_s == 0 {
-            "as fast as it goes".to_owned()
-        } else {
-            r.asked_per_s.to_string()
-        };
-        let share =
-            if r.connects == 0 { 0.0 } else { 100.0 * r.connected as f64 / r.connects as f64 };
-        t.row(vec![
-            asked,
-            format!("{:.0}", r.sent_per_s),
-            format!("{}/{} ({share:.1} %)", r.connected, r.connects),
-            format!("{}/{}", r.held_alive, f.held),
-            r.new_flows.to_string(),
-            r.guard_refused.to_string(),
-            r.ports_exhausted.to_string(),
-        ]);
+    for (nat_ports, rates) in &f.configs {
+        for r in rates {
+            t.row(flood_row(nat_ports, r, f.held));
+        }
     }
     tables.push(t);
+}
+
+/// One rate of the SYN flood bench, as its table shows it.
+fn flood_row(nat_ports: &str, r: &FloodRate, held: u64) -> Vec<String> {
+    let asked = if r.asked_per_s == 0 {
+        "as fast as it goes".to_owned()
+    } else {
+        r.asked_per_s.to_string()
+    };
+    let share = if r.connects == 0 { 0.0 } else { 100.0 * r.connected as f64 / r.connects as f64 };
+    vec![
+        nat_ports.to_owned(),
+        asked,
+        format!("{:.0}", r.sent_per_s),
+        format!("{}/{} ({share:.1} %)", r.connected, r.connects),
+        format!("{}/{held}", r.held_alive),
+        r.new_flows.to_string(),
+        r.guard_refused.to_string(),
+        r.ports_exhausted.to_string(),
+    ]
 }
 
 fn election(r: &Results, tables: &mut Vec<Table>) {
