@@ -118,7 +118,8 @@ pub struct NatReply {
     /// Once the server has answered a TCP flow's SYN
     /// ([`NAT_REPLY_ESTABLISHED`]), the server's own (its SYN-ACK's): only
     /// a client that acknowledges it has seen the answer, and its flow
-    /// moves to the established tables.
+    /// moves to the established tables. There, the server's sequence
+    /// number as [`crate::nat::server_window`] last noted it.
     pub syn_seq: u32,
     /// The interface the client's packets arrive on: where replies go out.
     pub client_ifindex: u32,

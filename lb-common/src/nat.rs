@@ -101,6 +101,30 @@ pub const ANSWERED_PRESSED_TICKS: u32 = (250_000_000u64.div_ceil(1 << TICK_SHIFT
 /// How long any other flow may be idle before its port may go.
 pub const IDLE_TICKS: u32 = ticks(30);
 
+/// How far, either way, a server's sequence number may be from the one
+/// an established flow's entry last noted (`NatReply::syn_seq`: the
+/// server's SYN-ACK's, then moved along) for its reset, FIN or SYN to
+/// count: a megabyte. The node sees every segment the server sends on
+/// the flow, each a few kilobytes ahead of the last at most, and sent
+/// again ones behind; a sender of forged segments who never saw the flow
+/// guesses within it once in 2,048 tries, per port.
+pub const SERVER_WINDOW: u32 = 1 << 20;
+
+/// Whether a server's segment with sequence number `seq` is within
+/// [`SERVER_WINDOW`] of `noted`, and what to note now: `seq` once it is
+/// half a window ahead (so the entry is written once per half a
+/// megabyte of the server's data, not per packet), else `noted`.
+#[inline(always)]
+pub const fn server_window(noted: u32, seq: u32) -> (bool, u32) {
+    let ahead = seq.wrapping_sub(noted);
+    let behind = noted.wrapping_sub(seq);
+    if ahead < SERVER_WINDOW {
+        (true, if ahead >= SERVER_WINDOW / 2 { seq } else { noted })
+    } else {
+        (behind < SERVER_WINDOW, noted)
+    }
+}
+
 /// The tick of `now_ns` (`bpf_ktime_get_ns()`).
 #[inline(always)]
 pub const fn tick(now_ns: u64) -> u32 {
@@ -260,6 +284,27 @@ mod tests {
         assert!(reusable(unanswered, true, tick(SECOND + SECOND / 10), true));
         assert!(!reusable(half_open, true, tick(SECOND / 5), true));
         assert!(reusable(half_open, true, tick(SECOND * 3 / 10), true));
+    }
+
+    #[test]
+    fn a_servers_sequence_counts_within_a_window_that_follows_its_data() {
+        let isn = u32::MAX - 1_000;
+        assert_eq!(server_window(isn, isn.wrapping_add(1)), (true, isn));
+        assert_eq!(server_window(isn, isn.wrapping_sub(SERVER_WINDOW - 1)), (true, isn));
+        assert!(!server_window(isn, isn.wrapping_add(SERVER_WINDOW)).0);
+        assert!(!server_window(isn, isn.wrapping_sub(SERVER_WINDOW)).0);
+        assert!(!server_window(isn, isn.wrapping_add(1 << 31)).0);
+        // Half a window ahead, the noted number moves (wrapping past 0).
+        let moved = isn.wrapping_add(SERVER_WINDOW / 2);
+        assert_eq!(server_window(isn, moved), (true, moved));
+        // A flow's data, segment after segment, stays within it for ever.
+        let mut noted = isn;
+        for segment in 1..10_000u32 {
+            let (inside, next) = server_window(noted, isn.wrapping_add(segment * 1_448));
+            assert!(inside, "segment {segment}");
+            noted = next;
+        }
+        assert!(server_window(noted, isn.wrapping_add(9_999 * 1_448 + 1)).0);
     }
 
     #[test]

@@ -280,6 +280,12 @@ reasons! {
     /// no real path says it; dropped, so that no client can lower a
     /// server's path MTU toward the node below that floor.
     XdpTooBigBelowFloor = 79 => "xdp_too_big_below_floor",
+    /// xdp: a reset, FIN or SYN from an established flow's server whose
+    /// sequence number is outside the server's window
+    /// (`lb_common::nat::server_window`): sent on to the client, whose
+    /// stack judges it, but it ends nothing and frees no NAT port (forged
+    /// blind on the servers' side).
+    XdpServerOutOfWindow = 80 => "xdp_server_out_of_window",
 }
 
 impl Reason {
@@ -419,6 +425,7 @@ mod tests {
                 "xdp_answer_limited",
                 "xdp_icmp_elsewhere",
                 "xdp_too_big_below_floor",
+                "xdp_server_out_of_window",
             ]
         );
     }

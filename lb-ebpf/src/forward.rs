@@ -23,7 +23,10 @@
 //! A server's packet to a NAT port (`reply`) is translated back to the
 //! VIP and the client, and leaves the way the client's packets came, if
 //! it arrived on the interface the flow's packets to the server leave by
-//! (anything else claiming to be the server is dropped). The server's
+//! (anything else claiming to be the server is dropped). An established
+//! flow's reset, FIN or SYN from the server changes its state only if
+//! its sequence number is within the server's window
+//! (`lb_common::nat::server_window`). The server's
 //! packets keep the flow's NAT port (`lb_common::nat`), except while the
 //! flow is half-open: a server re-sending its SYN-ACK to a forged address
 //! does not hold the port.
@@ -390,9 +393,9 @@ fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
         return None;
     }
     let key = NatKey { server: p.src, node: p.dst, protocol: p.protocol, _pad: [0; 3] };
-    let entry = match NAT_REPLIES.get_ptr_mut(&key) {
-        Some(entry) => Some(entry),
-        None => OPENING_REPLIES.get_ptr_mut(&key),
+    let (entry, established) = match NAT_REPLIES.get_ptr_mut(&key) {
+        Some(entry) => (Some(entry), true),
+        None => (OPENING_REPLIES.get_ptr_mut(&key), false),
     };
     let Some(entry) = entry else {
         count_xdp(Reason::XdpNotOurs);
@@ -402,7 +405,7 @@ fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
         return Some(xdp_action::XDP_PASS);
     }
     // SAFETY: a map value, valid for the whole program run; copied, and
-    // written back only in its flags word.
+    // written back only in its flags and sequence words.
     let nat = unsafe { *entry };
     // SAFETY: the context's fields are valid for the whole program run.
     if unsafe { (*ctx.ctx).ingress_ifindex } != nat.server_ifindex {
@@ -429,7 +432,24 @@ fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     }
     if tcp {
         let (syn, fin) = (p.tcp_flags & TCP_SYN != 0, p.tcp_flags & TCP_FIN != 0);
-        flags = nat::after_tcp(flags, true, syn, fin, p.is_rst());
+        // An established flow's SYN, FIN or reset from the server counts
+        // only within the server's window: one forged blind on the
+        // servers' side goes on to the client, whose stack judges it, but
+        // ends nothing here and frees no port.
+        let mut counts = true;
+        if established {
+            let (in_window, noted) = nat::server_window(nat.syn_seq, p.tcp_seq);
+            if noted != nat.syn_seq {
+                // SAFETY: as above; once per half a window of data.
+                unsafe { (*entry).syn_seq = noted };
+            }
+            counts = in_window || !(syn || fin || p.is_rst());
+        }
+        if counts {
+            flags = nat::after_tcp(flags, true, syn, fin, p.is_rst());
+        } else {
+            count_xdp(Reason::XdpServerOutOfWindow);
+        }
     }
     // SAFETY: plain helper call without arguments.
     let tick = nat::tick(unsafe { bpf_ktime_get_ns() });

@@ -6,7 +6,7 @@
 
 use std::{net::SocketAddr, time::Duration};
 
-use lb_common::{Endpoint, NatKey, Reason, maps};
+use lb_common::{Endpoint, NatKey, Reason, maps, nat};
 use lb_tests::{
     packets::{Flags, Segment, read_frame},
     privileged_test,
@@ -179,6 +179,47 @@ fn an_opening_flow_whose_port_is_anothers_opens_anew() {
         let mine = node.nat_entry_in(maps::OPENING_REPLIES, &mine).expect("its new entry");
         assert_eq!(mine.client, Endpoint::from(f.client));
         assert_eq!(node.counter(Reason::XdpNewFlow), 2);
+    });
+}
+
+/// An established flow's reset, FIN or SYN from the servers' side counts
+/// only within the server's window (a megabyte either way of the
+/// sequence number the node last noted): forged ones outside it are sent
+/// on to the client, whose stack judges them, but end nothing, so the
+/// flow keeps its port; the window follows the server's data, and a
+/// reset within it ends the flow.
+#[privileged_test]
+fn a_servers_reset_ends_an_established_flow_only_within_its_window() {
+    both_families(|node, f| {
+        let syn = handshake(node, f, f.client);
+        let key = key_of(&syn);
+        let flags = || node.nat_entry_in(maps::NAT_REPLIES, &key).expect("the entry").flags;
+        let ended = nat::NAT_REPLY_RESET | nat::NAT_REPLY_SERVER_FIN;
+        let server_isn: u32 = 7_000;
+        let from_server_at = |flags: Flags, seq: u32| {
+            let mut segment = from_server(&syn, flags);
+            segment.tcp.as_mut().unwrap().seq = seq;
+            segment.frame()
+        };
+        for (sent, seq) in [
+            (Flags::RST_ACK, server_isn.wrapping_add(1 << 30)),
+            (Flags::FIN_ACK, server_isn.wrapping_sub(1 << 21)),
+            (Flags::SYN_ACK, server_isn.wrapping_add(3 << 20)),
+        ] {
+            let (verdict, _) = node.run(&from_server_at(sent, seq), Some(node.srv0));
+            assert_eq!(verdict, XDP_REDIRECT, "{sent:?} was not sent on to the client");
+            assert_eq!(flags() & ended, 0, "an out-of-window {sent:?} ended the flow");
+        }
+        assert_eq!(node.counter(Reason::XdpServerOutOfWindow), 3);
+        // Three megabytes of the server's data, then a reset there.
+        for kb in (64..=3_072).step_by(64) {
+            let seq = server_isn.wrapping_add(1 + kb * 1_024);
+            assert_eq!(node.run(&from_server_at(Flags::ACK, seq), Some(node.srv0)).0, XDP_REDIRECT);
+        }
+        let seq = server_isn.wrapping_add(1 + 3_072 * 1_024);
+        node.run(&from_server_at(Flags::RST_ACK, seq), Some(node.srv0));
+        assert_ne!(flags() & nat::NAT_REPLY_RESET, 0, "a reset within the window ended nothing");
+        assert_eq!(node.counter(Reason::XdpServerOutOfWindow), 3);
     });
 }
 
