@@ -424,6 +424,12 @@ pub const LIMIT_ANSWERS: u32 = 1;
 pub const LIMIT_NAT_PORT_FIRST: u32 = 2;
 /// See [`LIMIT_NAT_PORT_FIRST`].
 pub const LIMIT_NAT_PORT_LAST: u32 = 3;
+/// How many NAT source addresses a server may have beside the node's own
+/// address toward it (`[daemon] nat_addresses`). `NODE_ADDRESSES` holds
+/// them under the server's address with ports 1 to their number, and
+/// their number in the port of the node's own address (its entry under
+/// the server's address with port 0).
+pub const MAX_NAT_ADDRESSES: usize = 7;
 /// Number of `LIMITS` slots.
 pub const LIMIT_SLOTS: u32 = 4;
 /// The daemon's `LIMITS[LIMIT_ANSWERS]`: as many answers as a flood of

@@ -22,8 +22,9 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use lb_common::{
-    Endpoint, Flow, FlowKey, LIMIT_NAT_PORT_FIRST, LIMIT_NAT_PORT_LAST, NAT_PORT_COUNT,
-    NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN, NatKey, NatReply, Reason, nat,
+    Endpoint, Flow, FlowKey, LIMIT_NAT_PORT_FIRST, LIMIT_NAT_PORT_LAST, MAX_NAT_ADDRESSES,
+    NAT_PORT_COUNT, NAT_PORT_FIRST, NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN, NatKey, NatReply, Reason,
+    nat,
 };
 
 use crate::{
@@ -38,6 +39,9 @@ use crate::{
 
 /// NAT ports tried for a new flow before it is refused.
 const NAT_TRIES: u32 = 8;
+/// The most NAT source addresses a server has beside the node's own
+/// address toward it (`lb_common::MAX_NAT_ADDRESSES`).
+const MORE_SOURCES: u32 = MAX_NAT_ADDRESSES as u32;
 
 /// How far past the server's SYN-ACK the client's first acknowledgement
 /// may reach for its flow to be established (`promote`): the data a
@@ -58,6 +62,23 @@ pub(crate) fn nat_ports() -> (u32, u32) {
     } else {
         (first, last - first + 1)
     }
+}
+
+/// Puts into `node` one of the server's NAT source addresses at random:
+/// `primary` (the node's address toward it) or one of its `sources` more
+/// (`[daemon] nat_addresses`: in `NODE_ADDRESSES` under the server's
+/// address with ports 1 to `sources`). Each address has all the NAT
+/// ports. A function of its own: its key would otherwise sit in
+/// `new_flow`'s frame, on a chain (to `reclaim`) that holds 512 bytes on
+/// Linux 5.10.
+#[inline(never)]
+fn pick_source(host: &Endpoint, sources: u32, primary: &Endpoint, node: &mut Endpoint) {
+    // SAFETY: plain helper call without arguments.
+    let k = unsafe { bpf_get_prandom_u32() } % (sources.min(MORE_SOURCES) + 1);
+    let key = Endpoint { addr: host.addr, port: (k as u16).to_be(), _pad: [0; 2] };
+    // SAFETY: a copy of the value.
+    let more = if k == 0 { None } else { unsafe { NODE_ADDRESSES.get(&key) }.copied() };
+    *node = more.unwrap_or(*primary);
 }
 
 /// Removes a new flow whose first packet was not sent (no route or
@@ -136,6 +157,9 @@ pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet) -> Option<&'static mut Flow
     new.reply.client_ifindex = unsafe { (*ctx.ctx).ingress_ifindex };
     new.reply.server_ifindex = 0;
     new.reply.macs = swapped(macs);
+    // The node's address toward the server says in its port how many
+    // more it has (`[daemon] nat_addresses`).
+    let sources = u32::from(u16::from_be(node.port)).min(MORE_SOURCES);
     let mut allocated = false;
     let (first, count) = nat_ports();
     // Ports at random, each on its own: ports tried in a row would cluster
@@ -147,6 +171,9 @@ pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet) -> Option<&'static mut Flow
         // `max(1)`: no division by zero for LLVM to guard (`nat_ports`
         // never says 0).
         let port = (first + random % count.max(1)) as u16;
+        if sources > 0 {
+            pick_source(&host, sources, &node, &mut new.nat.node);
+        }
         new.nat.node.port = port.to_be();
         // SAFETY: only whether an entry exists.
         let established = unsafe { NAT_REPLIES.get(&new.nat) }.is_some();

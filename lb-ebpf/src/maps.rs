@@ -125,9 +125,12 @@ pub(crate) static MARKED_AT: Array<u64> = Array::with_max_entries(MARK_SLOTS, 0)
 pub(crate) static EXTERNAL: HashMap<Endpoint, u32> =
     HashMap::with_max_entries(MAX_SERVICES, BPF_F_NO_PREALLOC);
 
-/// A server's address (port 0) → the node's own address toward it (port
-/// 0): the source of packets forwarded to it. Written by the daemon, from
-/// the kernel's routes.
+/// A server's address (port 0) → the node's own address toward it: the
+/// source of packets forwarded to it, with in its port how many more
+/// source addresses the server has (`[daemon] nat_addresses`), each
+/// under the server's address with ports 1 to that number
+/// (`lb_common::MAX_NAT_ADDRESSES`). Written by the daemon, from the
+/// kernel's routes.
 #[map]
 pub(crate) static NODE_ADDRESSES: HashMap<Endpoint, Endpoint> =
     HashMap::with_max_entries(MAX_FAILED_SERVERS, BPF_F_NO_PREALLOC);

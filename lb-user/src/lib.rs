@@ -36,6 +36,7 @@ pub mod health;
 pub mod interfaces;
 pub mod maglev;
 pub mod metrics;
+pub mod nat_addresses;
 pub mod nat_ports;
 pub mod netns;
 pub mod reload_plan;

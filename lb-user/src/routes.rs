@@ -37,11 +37,26 @@ pub struct Route {
 
 /// The kernel's route to `to`, from this network namespace's tables.
 pub fn route_to(to: IpAddr) -> io::Result<Route> {
+    ask_route(to, None)
+}
+
+/// The kernel's route to `to` for packets from `from` (`ip route get TO
+/// from FROM`): an error if `from` is no address of this node, or the
+/// kernel would not send from it there.
+pub fn route_from(to: IpAddr, from: IpAddr) -> io::Result<Route> {
+    ask_route(to, Some(from))
+}
+
+fn ask_route(to: IpAddr, from: Option<IpAddr>) -> io::Result<Route> {
     let mut message = RouteMessage::default();
     message.header.address_family =
         if to.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
     message.header.destination_prefix_length = if to.is_ipv4() { 32 } else { 128 };
     message.attributes.push(RouteAttribute::Destination(RouteAddress::from(to)));
+    if let Some(from) = from {
+        message.header.source_prefix_length = if from.is_ipv4() { 32 } else { 128 };
+        message.attributes.push(RouteAttribute::Source(RouteAddress::from(from)));
+    }
     let get = RouteNetlinkMessage::GetRoute(message);
     let route = match request(NLM_F_REQUEST, get, "RTM_GETROUTE")? {
         NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(route)) => route,
@@ -165,5 +180,7 @@ mod tests {
         assert_eq!(route.next_hop, IpAddr::from([127, 0, 0, 1]));
         assert_eq!(ifindex("lo"), Some(route.ifindex));
         assert_eq!(ifindex("no-such-if"), None);
+        let from = route_from([127, 0, 0, 1].into(), [127, 0, 0, 2].into()).unwrap();
+        assert_eq!(from.ifindex, route.ifindex);
     }
 }

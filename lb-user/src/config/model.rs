@@ -82,6 +82,9 @@ pub struct Daemon {
     /// The external path's NAT ports, fixed when its programs are loaded
     /// (`crate::nat_ports`).
     pub nat_ports: std::ops::RangeInclusive<u16>,
+    /// The external path's NAT source addresses beside the node's own
+    /// address toward each server (`crate::nat_addresses`).
+    pub nat_addresses: Vec<std::net::IpAddr>,
     /// This node's name: its identity in the leases it holds (default: the
     /// hostname).
     pub node_name: String,

@@ -6,7 +6,7 @@ use std::{collections::HashMap, net::SocketAddr, path::Path};
 
 use lb_common::{MAX_SERVICES, MAX_TRACKED_SOCKETS};
 
-use crate::nat_ports;
+use crate::{nat_addresses, nat_ports};
 use toml::Spanned;
 
 use super::{
@@ -109,6 +109,11 @@ impl Config {
                     nat_ports::DEFAULT
                 }
             },
+            nat_addresses: nat_addresses::parse(&raw.daemon.nat_addresses.unwrap_or_default())
+                .unwrap_or_else(|why| {
+                    problems.push(Problem::new(None, "daemon.nat_addresses", why));
+                    Vec::new()
+                }),
             election,
             node_name: parse_node_name(raw.daemon.node_name, &mut problems),
         };
@@ -395,12 +400,19 @@ mod tests {
     }
 
     #[test]
-    fn the_nat_ports_are_a_range_named_in_its_error() {
+    fn the_nat_ports_and_addresses_are_checked_naming_their_key() {
         assert_eq!(parse(GOOD).unwrap().daemon.nat_ports, nat_ports::DEFAULT);
         let with = |r: &str| GOOD.replace("[daemon]\n", &format!("[daemon]\nnat_ports = {r}\n"));
         assert_eq!(parse(&with("\"40000-65535\"")).unwrap().daemon.nat_ports, 40000..=65535);
         let msg = problems(&with("\"100-200\""));
         assert!(msg.contains("daemon.nat_ports") && msg.contains("starts below 1024"), "{msg}");
+        let with =
+            |list: &str| GOOD.replace("[daemon]\n", &format!("[daemon]\nnat_addresses = {list}\n"));
+        let two = parse(&with(r#"["198.18.2.10", "2001:2::10"]"#)).unwrap();
+        assert_eq!(two.daemon.nat_addresses.len(), 2);
+        let msg = problems(&with(r#"["198.18.2.10", "x"]"#));
+        assert!(msg.contains("daemon.nat_addresses") && msg.contains("\"x\""), "{msg}");
+        let with = |r: &str| GOOD.replace("[daemon]\n", &format!("[daemon]\nnat_ports = {r}\n"));
         let msg = problems(&with("61000"));
         assert!(msg.contains(":3:") && msg.contains("expected a string"), "{msg}");
     }

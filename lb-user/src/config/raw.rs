@@ -30,6 +30,7 @@ pub(super) struct RawDaemon {
     pub(super) flow_table: Option<i64>,
     pub(super) new_flows_per_cpu: Option<i64>,
     pub(super) nat_ports: Option<String>,
+    pub(super) nat_addresses: Option<Vec<String>>,
     pub(super) node_name: Option<String>,
     pub(super) lease_duration: Option<String>,
     pub(super) lease_renew: Option<String>,

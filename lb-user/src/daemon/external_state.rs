@@ -22,6 +22,9 @@ pub(super) struct External {
     /// The kernel's route to each server of a service with
     /// `[service.external]`, or why there is none.
     pub(super) routes: HashMap<IpAddr, Result<Route, String>>,
+    /// Each server's NAT source addresses beside the route's own source
+    /// (`[daemon] nat_addresses` that serve it), asked with its route.
+    pub(super) sources: HashMap<IpAddr, Vec<IpAddr>>,
     /// When `routes` were last all asked again.
     pub(super) refreshed: Option<Instant>,
     /// The program's count of packets it could not route, as last read.

@@ -24,12 +24,33 @@ use crate::{
     config::{Announce, Policy},
     control::{ExternalStatus, InterfaceStatus, ServiceExternal, TrafficStatus},
     datapath::Announced,
-    maglev, nat_ports, routes,
+    maglev, nat_addresses, nat_ports, routes,
 };
 
 /// How often the routes to the servers are asked again (a route that
 /// changes moves the NAT source and the interface replies arrive on).
 pub(super) const ROUTES_REFRESH: Duration = Duration::from_secs(30);
+
+/// `server`'s NAT sources beside `route`'s own source: those of
+/// `configured` that serve it (`nat_addresses::toward`). Says which do
+/// not, and why, when what serves differs from `before`.
+fn nat_sources(
+    server: IpAddr,
+    route: &routes::Route,
+    configured: &[IpAddr],
+    before: Option<&Vec<IpAddr>>,
+) -> Vec<IpAddr> {
+    let (usable, not) = nat_addresses::toward(server, route, configured);
+    if before != Some(&usable) {
+        if !usable.is_empty() {
+            info!(%server, sources = ?usable, "more NAT source addresses toward a server");
+        }
+        for (address, why) in not {
+            warn!(%server, %address, "[daemon] nat_addresses: not a NAT source toward this server: {why}");
+        }
+    }
+    usable
+}
 
 impl Daemon {
     /// Makes the external path's maps and XDP attachments match the
@@ -49,6 +70,7 @@ impl Daemon {
             .iter()
             .flat_map(|&i| self.services[i].balancer.servers().iter().map(|s| s.addr.ip()))
             .collect();
+        let configured = self.config.settings.nat_addresses.clone();
         let state = &mut self.external;
         let now = Instant::now();
         // A packet dropped for want of a neighbour: its resolution may have
@@ -63,6 +85,7 @@ impl Daemon {
             state.refreshed = Some(now);
         }
         state.routes.retain(|server, _| servers.contains(server));
+        state.sources.retain(|server, _| servers.contains(server));
         for &server in &servers {
             if !refresh && state.routes.contains_key(&server) {
                 continue;
@@ -74,6 +97,11 @@ impl Daemon {
             {
                 warn!(%server, next_hop = %route.next_hop, "asking the kernel to resolve the next hop: {e}");
             }
+            let sources = match &route {
+                Ok(route) => nat_sources(server, route, &configured, state.sources.get(&server)),
+                Err(_) => Vec::new(),
+            };
+            state.sources.insert(server, sources);
             let before = state.routes.insert(server, route.clone());
             match (&route, before) {
                 (Err(e), before) if !matches!(before, Some(Err(_))) => warn!("external path: {e}"),
@@ -83,10 +111,16 @@ impl Daemon {
                 _ => {}
             }
         }
-        let addresses: HashMap<IpAddr, IpAddr> = state
+        let addresses: HashMap<IpAddr, Vec<IpAddr>> = state
             .routes
             .iter()
-            .filter_map(|(server, route)| Some((*server, route.as_ref().ok()?.source)))
+            .filter_map(|(server, route)| {
+                let more = state.sources.get(server).into_iter().flatten();
+                Some((
+                    *server,
+                    std::iter::once(route.as_ref().ok()?.source).chain(more.copied()).collect(),
+                ))
+            })
             .collect();
         if let Err(e) = self.datapath.external().set_node_addresses(&addresses) {
             warn!("writing the node's addresses toward the servers: {e:#}");

@@ -117,15 +117,24 @@ impl ExternalMaps {
         Ok(changed)
     }
 
-    /// Makes `NODE_ADDRESSES` hold exactly `addresses` (server → the node's
-    /// address toward it). Returns how many entries changed.
+    /// Makes `NODE_ADDRESSES` hold exactly `addresses`: each server's NAT
+    /// sources, the node's address toward it first, then at most
+    /// `lb_common::MAX_NAT_ADDRESSES` more (under the server's address
+    /// with ports 1 to their number, which the first entry's port says).
+    /// Returns how many entries changed.
     pub fn set_node_addresses(
         &mut self,
-        addresses: &StdHashMap<IpAddr, IpAddr>,
+        addresses: &StdHashMap<IpAddr, Vec<IpAddr>>,
     ) -> anyhow::Result<usize> {
-        let host = |ip: IpAddr| Endpoint::from(SocketAddr::new(ip, 0));
-        let wanted: StdHashMap<Endpoint, Endpoint> =
-            addresses.iter().map(|(server, node)| (host(*server), host(*node))).collect();
+        let at = |ip: IpAddr, port: usize| Endpoint::from(SocketAddr::new(ip, port as u16));
+        let mut wanted: StdHashMap<Endpoint, Endpoint> = StdHashMap::new();
+        for (&server, sources) in addresses {
+            let sources = &sources[..sources.len().min(lb_common::MAX_NAT_ADDRESSES + 1)];
+            for (k, &source) in sources.iter().enumerate() {
+                let more = if k == 0 { sources.len() - 1 } else { 0 };
+                wanted.insert(at(server, k), at(source, more));
+            }
+        }
         let present: StdHashMap<Endpoint, Endpoint> =
             self.node_addresses.iter().filter_map(Result::ok).collect();
         let mut changed = 0;

@@ -1,5 +1,7 @@
-//! The node's own connections kept off the NAT ports: a connection the
-//! node made from one would have its replies taken for a flow's.
+//! The NAT ports and addresses: the ports kept off the node's own
+//! connections (a connection the node made from one would have its
+//! replies taken for a flow's), a range set wider, and a second NAT
+//! source address.
 
 use std::{net::UdpSocket, time::Duration};
 
@@ -74,7 +76,8 @@ fn a_configured_nat_port_range_is_reserved_and_used() {
         );
         let held = net.connect(VIP4).expect("a connection through the VIP");
         assert_eq!(who(&held).as_deref(), Ok("s1"));
-        let ports = net.servers.run(peer_ports_of_8080);
+        let ports: Vec<u16> =
+            net.servers.run(peers_of_8080).iter().map(std::net::SocketAddrV4::port).collect();
         assert!(!ports.is_empty(), "the server holds no connection");
         for port in ports {
             assert!((50_000..=65_535).contains(&port), "the node's NAT port {port} is outside");
@@ -85,20 +88,69 @@ fn a_configured_nat_port_range_is_reserved_and_used() {
     });
 }
 
-/// The peer ports of this namespace's established TCP connections to
-/// local port 8080, from `/proc/thread-self/net/tcp`.
-fn peer_ports_of_8080() -> Vec<u16> {
+/// `[daemon] nat_addresses`: a second address of the node on the
+/// servers' side serves as a NAT source too. Connections through the VIP
+/// reach the server from both of the node's addresses, and the daemon
+/// says so.
+#[privileged_test]
+fn a_second_nat_address_is_a_source_too() {
+    in_new_netns(|| {
+        let net = Topology::new();
+        let _s1 = net.server("s1", "198.18.2.2:8080");
+        lb_tests::sh(&["ip", "addr", "add", "198.18.2.10/24", "dev", "srv0"]);
+        let cgroup = TestCgroup::new("external-nat-addresses");
+        let daemon = Daemon::start_with(
+            "external-nat-addresses",
+            &cgroup,
+            "nat_addresses = [\"198.18.2.10\"]",
+            &services("tcp"),
+        );
+        assert!(
+            wait_until(Duration::from_secs(10), || net.ask(VIP4).is_ok()),
+            "the VIP never answered\n{}",
+            daemon.log()
+        );
+        let held: Vec<_> = (0..24)
+            .map(|_| {
+                let stream = net.connect(VIP4).expect("a connection through the VIP");
+                assert_eq!(who(&stream).as_deref(), Ok("s1"));
+                stream
+            })
+            .collect();
+        let sources: std::collections::BTreeSet<std::net::Ipv4Addr> = net
+            .servers
+            .run(peers_of_8080)
+            .into_iter()
+            .filter(|peer| peer.port() >= 61_000)
+            .map(|peer| *peer.ip())
+            .collect();
+        let both = ["198.18.2.1".parse().unwrap(), "198.18.2.10".parse().unwrap()].into();
+        // Each of 24 connections from either at even odds: both, but for 2^-23.
+        assert_eq!(sources, both, "{} held\n{}", held.len(), daemon.log());
+        assert!(daemon.log().contains("more NAT source addresses"), "{}", daemon.log());
+    });
+}
+
+/// The peers of this namespace's established TCP connections to local
+/// port 8080, from `/proc/thread-self/net/tcp` (IPv4).
+fn peers_of_8080() -> Vec<std::net::SocketAddrV4> {
     // This thread's namespace: /proc/net is the process's.
     let table = std::fs::read_to_string("/proc/thread-self/net/tcp").expect("reading tcp");
+    // An address as the kernel prints it: its bytes in memory order,
+    // read as a native 32-bit number in hexadecimal.
+    let endpoint = |field: &str| {
+        let (ip, port) = field.split_once(':')?;
+        let ip = u32::from_str_radix(ip, 16).ok()?.to_ne_bytes();
+        Some(std::net::SocketAddrV4::new(ip.into(), u16::from_str_radix(port, 16).ok()?))
+    };
     table
         .lines()
         .skip(1)
         .filter_map(|line| {
             let fields: Vec<&str> = line.split_whitespace().collect();
-            let port = |field: &str| u16::from_str_radix(field.split(':').nth(1)?, 16).ok();
-            (fields.get(3) == Some(&"01") && port(fields.get(1)?) == Some(8080))
-                .then(|| port(fields.get(2)?))
-                .flatten()
+            let local = endpoint(fields.get(1)?)?;
+            (fields.get(3) == Some(&"01") && local.port() == 8080)
+                .then(|| endpoint(fields.get(2)?))?
         })
         .collect()
 }

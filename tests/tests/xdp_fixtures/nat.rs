@@ -70,6 +70,19 @@ fn take_every_port(node: &mut Node, f: &Family, except: u16, flags: u32) -> u32 
     now
 }
 
+/// SYNs of `count` new flows from the client's ports 30000 on, each
+/// forwarded: what left.
+fn syns_forwarded(node: &Node, f: &Family, count: u16) -> Vec<lb_tests::packets::Segment> {
+    (0..count)
+        .map(|i| {
+            let client = SocketAddr::new(f.client.ip(), 30_000 + i);
+            let (verdict, out) = node.run(&from_client(f, client, Flags::SYN, 1).frame(), None);
+            assert_eq!(verdict, XDP_REDIRECT, "the SYN was not forwarded");
+            read_frame(&out).expect("the forwarded SYN")
+        })
+        .collect()
+}
+
 /// Ticks (`nat::tick`) from `since` to now, on the ticks' wrapping clock
 /// (`nat::tick(u64::MAX)` is its mask).
 fn ticks_since(since: u32) -> u32 {
@@ -272,14 +285,7 @@ fn new_flows_take_their_ports_from_the_range_written() {
     both_families(|node, f| {
         node.set_limit(lb_common::LIMIT_NAT_PORT_FIRST, 40_000);
         node.set_limit(lb_common::LIMIT_NAT_PORT_LAST, 41_023);
-        let outs: Vec<_> = (0..32u16)
-            .map(|i| {
-                let client = SocketAddr::new(f.client.ip(), 30_000 + i);
-                let (verdict, out) = node.run(&from_client(f, client, Flags::SYN, 1).frame(), None);
-                assert_eq!(verdict, XDP_REDIRECT, "the SYN was not forwarded");
-                read_frame(&out).expect("the forwarded SYN")
-            })
-            .collect();
+        let outs = syns_forwarded(node, f, 32);
         for out in &outs {
             let port = out.src.port();
             assert!((40_000..=41_023).contains(&port), "NAT port {port} outside the range");
@@ -294,5 +300,43 @@ fn new_flows_take_their_ports_from_the_range_written() {
         let reply = from_server(&outs[1], Flags::SYN_ACK).frame();
         assert_eq!(node.run(&reply, Some(node.srv0)), (XDP_PASS, reply), "taken for a reply");
         assert_eq!(node.counter(Reason::XdpNotOurs), not_ours + 1);
+    });
+}
+
+/// A server with a NAT source address beside the node's own toward it
+/// (`[daemon] nat_addresses`; its number in the first entry's port, the
+/// address under the server's with port 1): new flows leave from both,
+/// each address with its own ports, and a reply to either goes back to
+/// its client.
+#[privileged_test]
+fn new_flows_leave_from_every_nat_source_address() {
+    both_families(|node, f| {
+        let more: std::net::IpAddr =
+            if f.vip.is_ipv4() { "198.18.2.10" } else { "2001:2:0:2::10" }.parse().unwrap();
+        // The node's own, as the daemon requires (`nat_addresses::toward`).
+        let with_prefix = format!("{more}/{}", if more.is_ipv4() { 24 } else { 64 });
+        let mut add = vec!["ip", "addr", "add", &with_prefix, "dev", "srv0"];
+        if more.is_ipv6() {
+            add.push("nodad");
+        }
+        lb_tests::sh(&add);
+        let at = |ip, port| Endpoint::from(SocketAddr::new(ip, port));
+        let mut addresses: HashMap<_, Endpoint, Endpoint> =
+            HashMap::try_from(node.ebpf.map_mut(maps::NODE_ADDRESSES).unwrap()).unwrap();
+        for server in &f.servers {
+            addresses.insert(at(server.ip(), 0), at(f.node, 1), 0).unwrap();
+            addresses.insert(at(server.ip(), 1), at(more, 0), 0).unwrap();
+        }
+        let outs = syns_forwarded(node, f, 48);
+        let from = |ip| outs.iter().filter(|out| out.src.ip() == ip).count();
+        assert_eq!(from(f.node) + from(more), outs.len(), "a flow left from another address");
+        // Each of the 48 from either at even odds: both, but for 2^-47.
+        assert!(from(f.node) > 0 && from(more) > 0, "{} and {}", from(f.node), from(more));
+        for out in [outs.iter().find(|o| o.src.ip() == more).unwrap(), &outs[0]] {
+            let (verdict, back) =
+                node.run(&from_server(out, Flags::SYN_ACK).frame(), Some(node.srv0));
+            assert_eq!(verdict, XDP_REDIRECT, "a reply to {} was not sent back", out.src);
+            assert_eq!(read_frame(&back).unwrap().dst.ip(), f.client.ip());
+        }
     });
 }
