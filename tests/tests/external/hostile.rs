@@ -120,8 +120,9 @@ fn malformed_syns_sent_again_fail_no_server() {
 
 /// A flood of SYNs from forged addresses, three times as many new flows
 /// as the flow tables hold (4,096 here) at 2,000 a second, below what the
-/// NAT ports absorb (4,536 per server, a half-open flow's port free
-/// after 1 s when they run short): every legitimate connect made during
+/// NAT ports absorb (4,536 per server; when they run short, a half-open
+/// flow's port is free 250 ms after its server's answer): every
+/// legitimate connect made during
 /// it reaches a server, and connections held through the VIP, idle
 /// meanwhile, carry data afterwards: the flood evicted no established
 /// flow.
