@@ -10,17 +10,22 @@
 //!   allocates the NAT port (a port is in use while its entry exists,
 //!   and may go to a new flow once its flow has ended: [`crate::nat`]).
 //!
-//! Each comes twice: the established TCP flows (`FLOWS`, `NAT_REPLIES`:
-//! the client acknowledged the server's answer, which no sender of forged
-//! addresses sees) and every other flow (`OPENING_FLOWS`,
-//! `OPENING_REPLIES`: TCP handshakes under way, UDP). A flow opens in the
-//! second pair and moves to the first when its handshake completes, so a
-//! flood of new flows, however large, evicts only other new flows.
+//! Each comes three times: the established TCP flows (`FLOWS`,
+//! `NAT_REPLIES`: the client acknowledged the server's answer, which no
+//! sender of forged addresses sees), TCP handshakes under way
+//! (`OPENING_FLOWS`, `OPENING_REPLIES`) and UDP flows (`UDP_FLOWS`,
+//! `UDP_REPLIES`). A TCP flow opens in the second pair and moves to the
+//! first when its handshake completes, so a flood of new TCP flows,
+//! however large, evicts only other new TCP flows. UDP has no handshake
+//! that proves a client sees its answers: a UDP flow stays in the third
+//! pair, which a flood of SYNs does not touch; a flood of forged UDP
+//! evicts the least recently used UDP flows.
 //!
-//! Both are LRU maps of `[daemon] flow_table` entries each (the daemon
-//! sizes them at attach; [`MAX_EXTERNAL_FLOWS`] in the object): flows are
-//! not removed one by one (a close is noted, not followed to its end), the
-//! least recently used go first when the table is full.
+//! All are LRU maps, of `[daemon] flow_table` entries each, a quarter of
+//! that for UDP ([`udp_flow_table`]; the daemon sizes them at attach,
+//! [`MAX_EXTERNAL_FLOWS`] in the object): flows are not removed one by one
+//! (a close is noted, not followed to its end), the least recently used go
+//! first when the table is full.
 
 use crate::Endpoint;
 
@@ -30,6 +35,15 @@ use crate::Endpoint;
 /// `[daemon] flow_table`. LRU maps are preallocated: about 2.5 MB each at
 /// this size.
 pub const MAX_EXTERNAL_FLOWS: u32 = 16_384;
+
+/// The size of the UDP flow tables (`UDP_FLOWS`, `UDP_REPLIES`) beside
+/// TCP's of `flow_table` entries each: a quarter. Most of a node's
+/// external flows are TCP; a UDP flow of a service that answers at once
+/// (DNS) needs its entry for a round trip.
+pub const fn udp_flow_table(flow_table: u32) -> u32 {
+    let quarter = flow_table / 4;
+    if quarter < 256 { 256 } else { quarter }
+}
 
 /// The first source port the external path gives a forwarded flow, above
 /// the kernel's default ephemeral range (32768–60999, `ip_local_port_range`),

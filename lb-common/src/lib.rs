@@ -30,7 +30,7 @@ pub mod user;
 pub use flow_tables::{
     AnnounceKey, AnnounceValue, Flow, FlowKey, MAX_EXTERNAL_FLOWS, NAT_PORT_COUNT, NAT_PORT_FIRST,
     NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN, NatKey, NatReply, TRAFFIC_SLOT_COUNT,
-    TRAFFIC_SLOT_IDLE_TICKS, Traffic, TrafficSlot, traffic_slot,
+    TRAFFIC_SLOT_IDLE_TICKS, Traffic, TrafficSlot, traffic_slot, udp_flow_table,
 };
 pub use reason::{Reason, UnknownReason};
 pub use udp::{UdpPeer, UdpPeers};
@@ -109,11 +109,14 @@ const _: () = assert!(Reason::COUNT as u32 <= COUNTER_SLOTS);
 /// until they are established; `FLOWS` and `NAT_REPLIES` keep established
 /// TCP flows only. A daemon of layout 9 adopts pins of layout 8 and
 /// upgrades them (`UPGRADABLE_LAYOUT`): their flows stay where they are.
-pub const LAYOUT_VERSION: u32 = 9;
+/// 10: `UDP_FLOWS` and `UDP_REPLIES`, the external path's UDP flows, apart
+/// from TCP's opening ones: a flood of SYNs evicts no UDP flow. A daemon
+/// of layout 10 adopts pins of layout 9 and moves their UDP flows there.
+pub const LAYOUT_VERSION: u32 = 10;
 /// The one older layout a daemon adopts, by adding what its layout lacks
 /// (maps and programs; nothing pinned changes shape) before it replaces
 /// the programs.
-pub const UPGRADABLE_LAYOUT: u32 = 8;
+pub const UPGRADABLE_LAYOUT: u32 = 9;
 
 /// Index of the layout version in `META`.
 pub const META_LAYOUT_VERSION: u32 = 0;
@@ -177,11 +180,16 @@ pub mod maps {
     pub const FLOWS: &str = "FLOWS";
     /// [`NatKey`](crate::NatKey) → [`NatReply`](crate::NatReply), an LRU map.
     pub const NAT_REPLIES: &str = "NAT_REPLIES";
-    /// As [`FLOWS`], for flows not yet established (TCP handshakes under
-    /// way, UDP): a flood of them evicts none of `FLOWS` (layout 9).
+    /// As [`FLOWS`], for TCP flows not yet established (handshakes under
+    /// way): a flood of them evicts none of `FLOWS` (layout 9).
     pub const OPENING_FLOWS: &str = "OPENING_FLOWS";
     /// As [`NAT_REPLIES`], for the flows of [`OPENING_FLOWS`] (layout 9).
     pub const OPENING_REPLIES: &str = "OPENING_REPLIES";
+    /// As [`FLOWS`], for UDP flows: a flood of TCP flows evicts none of
+    /// them (layout 10).
+    pub const UDP_FLOWS: &str = "UDP_FLOWS";
+    /// As [`NAT_REPLIES`], for the flows of [`UDP_FLOWS`] (layout 10).
+    pub const UDP_REPLIES: &str = "UDP_REPLIES";
     /// Server → per-CPU [`Traffic`](crate::Traffic) forwarded to it.
     pub const TRAFFIC: &str = "TRAFFIC";
     /// [`AnnounceKey`](crate::AnnounceKey) (interface, address) →
@@ -214,7 +222,7 @@ pub mod maps {
     /// (sock_ops, `lb_xdp`) stamp the one map `lb_xdp` reads (layout 8).
     pub const MARKED_AT: &str = "MARKED_AT";
     /// Every map the daemon pins, in one list so attach, adopt and detach agree.
-    pub const ALL: [&str; 22] = [
+    pub const ALL: [&str; 24] = [
         SERVICES,
         FAILED_AT,
         SOCKETS,
@@ -237,9 +245,11 @@ pub mod maps {
         MARKED_AT,
         OPENING_FLOWS,
         OPENING_REPLIES,
+        UDP_FLOWS,
+        UDP_REPLIES,
     ];
     /// The maps pins of `UPGRADABLE_LAYOUT` lack (an upgrade creates them).
-    pub const NEW_IN_LAYOUT: [&str; 2] = [OPENING_FLOWS, OPENING_REPLIES];
+    pub const NEW_IN_LAYOUT: [&str; 2] = [UDP_FLOWS, UDP_REPLIES];
 }
 
 /// Names of the programs in the object file; also their link pin names.

@@ -5,10 +5,12 @@
 //! forgotten when its first packet could not be sent (`forget`). Which
 //! packets do what is `forward.rs`'s.
 //!
-//! Two pairs of tables (`lb_common::flow_tables`): `FLOWS` and
+//! Three pairs of tables (`lb_common::flow_tables`): `FLOWS` and
 //! `NAT_REPLIES` hold established TCP flows, which only a client that saw
 //! its server's SYN-ACK reaches; `OPENING_FLOWS` and `OPENING_REPLIES`
-//! every other flow. A NAT port is in use while either holds it.
+//! TCP flows until then, `UDP_FLOWS` and `UDP_REPLIES` UDP flows (the
+//! opening tables of a protocol: `maps::opening_flows`). A NAT port is in
+//! use while a table of its protocol holds it.
 
 #![allow(
     clippy::needless_borrows_for_generic_args,
@@ -31,7 +33,7 @@ use crate::{
     consts::IPPROTO_TCP,
     maps::{
         FLOWS, LIMITS, NAT_REPLIES, NEW_FLOW, NODE_ADDRESSES, OPENING_FLOWS, OPENING_REPLIES,
-        count_xdp,
+        count_xdp, opening_flows, opening_replies,
     },
     packet,
     scratch::Packet,
@@ -87,8 +89,8 @@ fn pick_source(host: &Endpoint, sources: u32, primary: &Endpoint, node: &mut End
 /// they would be dropped.
 #[inline(never)]
 pub(crate) fn forget(p: &Packet, flow: &Flow) {
-    let _ = OPENING_REPLIES.remove(&reply_key(flow, p.protocol));
-    let _ = OPENING_FLOWS.remove(&flow_key(p));
+    let _ = opening_replies(p.protocol).remove(&reply_key(flow, p.protocol));
+    let _ = opening_flows(p.protocol).remove(&flow_key(p));
 }
 
 /// Moves a flow whose client acknowledged its server's answer (the
@@ -123,8 +125,8 @@ pub(crate) fn promote(p: &Packet, flow: &Flow) {
 }
 
 /// Records `p`'s new flow, to the server `choose` chose, with a NAT
-/// port, in the opening tables (`OPENING_FLOWS`, `OPENING_REPLIES`): its
-/// `OPENING_FLOWS` entry, or `None` (counted) if the flow must be
+/// port, in the opening tables of its protocol (`OPENING_FLOWS`,
+/// `OPENING_REPLIES`; UDP's): its entry there, or `None` (counted) if the flow must be
 /// refused. A port is free if neither table has an entry for it, or if
 /// the flows of those it has ended long enough ago (`reclaim`).
 #[inline(never)]
@@ -175,12 +177,12 @@ pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet) -> Option<&'static mut Flow
             pick_source(&host, sources, &node, &mut new.nat.node);
         }
         new.nat.node.port = port.to_be();
-        // SAFETY: only whether an entry exists.
-        let established = unsafe { NAT_REPLIES.get(&new.nat) }.is_some();
-        if !established
-            && OPENING_REPLIES.insert(&new.nat, &new.reply, u64::from(BPF_NOEXIST)).is_ok()
+        // SAFETY: only whether an entry exists (UDP flows are never there).
+        let established = tcp && unsafe { NAT_REPLIES.get(&new.nat) }.is_some();
+        let replies = opening_replies(p.protocol);
+        if !established && replies.insert(&new.nat, &new.reply, u64::from(BPF_NOEXIST)).is_ok()
             || reclaim(&new.nat, tcp, tick, i >= NAT_TRIES)
-                && OPENING_REPLIES.insert(&new.nat, &new.reply, u64::from(BPF_ANY)).is_ok()
+                && replies.insert(&new.nat, &new.reply, u64::from(BPF_ANY)).is_ok()
         {
             allocated = true;
             break;
@@ -192,13 +194,14 @@ pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet) -> Option<&'static mut Flow
     }
     // Its SYN's time is set as the SYN leaves (`send`).
     let flow = Flow { server: new.nat.server, node: new.nat.node, syn_at_ns: 0 };
-    let entry = match OPENING_FLOWS.insert(&flow_key(p), &flow, u64::from(BPF_ANY)) {
-        Ok(()) => OPENING_FLOWS.get_ptr_mut(&flow_key(p)),
+    let flows = opening_flows(p.protocol);
+    let entry = match flows.insert(&flow_key(p), &flow, u64::from(BPF_ANY)) {
+        Ok(()) => flows.get_ptr_mut(&flow_key(p)),
         Err(_) => None,
     };
     let Some(entry) = entry else {
         count_xdp(Reason::MapError);
-        let _ = OPENING_REPLIES.remove(&new.nat);
+        let _ = opening_replies(p.protocol).remove(&new.nat);
         return None;
     };
     count_xdp(Reason::XdpNewFlow);
@@ -210,15 +213,16 @@ pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet) -> Option<&'static mut Flow
 /// flow holds it (`NAT_REPLIES`), or the one that does has ended or idled
 /// out (`lb_common::nat::reusable`), and so has the opening flow that
 /// holds it, if any. A flow whose port goes loses its `FLOWS` or
-/// `OPENING_FLOWS` entry too, if it still holds the port: its next packet
+/// opening entry too, if it still holds the port: its next packet
 /// is a new flow, never one that shares the port. The new flow's entry
 /// then replaces the opening one (`BPF_ANY`).
 #[inline(never)]
 fn reclaim(nat: &NatKey, tcp: bool, tick: u32, pressed: bool) -> bool {
+    // UDP flows are never established.
     // SAFETY: map values, read in place.
-    let established = unsafe { NAT_REPLIES.get(nat) };
+    let established = if tcp { unsafe { NAT_REPLIES.get(nat) } } else { None };
     // SAFETY: as above.
-    let opening = unsafe { OPENING_REPLIES.get(nat) };
+    let opening = unsafe { opening_replies(nat.protocol).get(nat) };
     if established.is_none() && opening.is_none() {
         return false;
     }
@@ -241,11 +245,11 @@ fn reclaim(nat: &NatKey, tcp: bool, tick: u32, pressed: bool) -> bool {
     if let Some(old) = opening {
         let key =
             FlowKey { client: old.client, vip: old.vip, protocol: nat.protocol, _pad: [0; 3] };
+        let flows = opening_flows(nat.protocol);
         // SAFETY: as above.
-        if unsafe { OPENING_FLOWS.get(&key) }
-            .is_some_and(|f| f.node == nat.node && f.server == nat.server)
+        if unsafe { flows.get(&key) }.is_some_and(|f| f.node == nat.node && f.server == nat.server)
         {
-            let _ = OPENING_FLOWS.remove(&key);
+            let _ = flows.remove(&key);
         }
     }
     count_xdp(Reason::XdpNatPortReused);

@@ -6,7 +6,8 @@
 //! packet gets a server (`choose`), chosen as a connect to the VIP would
 //! be (`select.rs`), and a NAT port (`new_flow`), allocated by inserting
 //! the flow's reply key into `OPENING_REPLIES` (its flow in
-//! `OPENING_FLOWS`). A TCP flow whose client acknowledges its server's
+//! `OPENING_FLOWS`; a UDP flow's in `UDP_REPLIES` and `UDP_FLOWS`, where
+//! it stays). A TCP flow whose client acknowledges its server's
 //! SYN-ACK moves to the established tables, `FLOWS` and `NAT_REPLIES`
 //! (`promote`), which new flows never evict. Its packets leave
 //! with the server as destination and the node's own address toward that
@@ -59,8 +60,8 @@ use crate::{
     flows::{flow_key, forget, nat_ports, new_flow, promote, reply_key},
     icmp,
     maps::{
-        EXTERNAL, FLOWS, MAGLEV, NAT_REPLIES, NEW_FLOW, OPENING_FLOWS, OPENING_REPLIES, SERVICES,
-        count_xdp,
+        EXTERNAL, FLOWS, MAGLEV, NAT_REPLIES, NEW_FLOW, OPENING_REPLIES, SERVICES, count_xdp,
+        opening_flows, opening_replies,
     },
     packet,
     per_second::{Budget, spend},
@@ -172,9 +173,11 @@ pub(crate) fn unserved(ctx: &XdpContext, p: &Packet) -> Option<u32> {
 #[inline(never)]
 fn known(ctx: &XdpContext, p: &mut Packet, service: &Service) -> Option<&'static mut Flow> {
     let key = flow_key(p);
-    let (entry, opening) = match FLOWS.get_ptr_mut(&key) {
+    // UDP flows are never established.
+    let tcp = u32::from(p.protocol) == IPPROTO_TCP;
+    let (entry, opening) = match if tcp { FLOWS.get_ptr_mut(&key) } else { None } {
         Some(entry) => (entry, false),
-        None => (OPENING_FLOWS.get_ptr_mut(&key)?, true),
+        None => (opening_flows(p.protocol).get_ptr_mut(&key)?, true),
     };
     p.opening = opening;
     // SAFETY: a map value, valid for the whole program run; this CPU alone
@@ -184,15 +187,15 @@ fn known(ctx: &XdpContext, p: &mut Packet, service: &Service) -> Option<&'static
     let flow = unsafe { &mut *entry };
     if opening && !owns_port(p, flow) {
         // Its NAT entry was evicted, and its port may be another flow's.
-        let _ = OPENING_FLOWS.remove(&key);
+        let _ = opening_flows(p.protocol).remove(&key);
         return None;
     }
     if keeps(ctx, service, flow, p) {
         return Some(flow);
     }
     if opening {
-        let _ = OPENING_REPLIES.remove(&reply_key(flow, p.protocol));
-        let _ = OPENING_FLOWS.remove(&key);
+        let _ = opening_replies(p.protocol).remove(&reply_key(flow, p.protocol));
+        let _ = opening_flows(p.protocol).remove(&key);
     } else {
         let _ = NAT_REPLIES.remove(&reply_key(flow, p.protocol));
         let _ = FLOWS.remove(&key);
@@ -206,7 +209,7 @@ fn known(ctx: &XdpContext, p: &mut Packet, service: &Service) -> Option<&'static
 #[inline(always)]
 fn owns_port(p: &Packet, flow: &Flow) -> bool {
     // SAFETY: a map value, only read.
-    match unsafe { OPENING_REPLIES.get(&reply_key(flow, p.protocol)) } {
+    match unsafe { opening_replies(p.protocol).get(&reply_key(flow, p.protocol)) } {
         Some(entry) => entry.client == p.src && entry.vip == p.dst,
         None => false,
     }
@@ -249,7 +252,7 @@ fn send(ctx: &XdpContext, p: &Packet, flow: &mut Flow, new: bool) -> u32 {
     }
     if new {
         // Where the server's replies arrive: only there can a reset fail it.
-        if let Some(entry) = OPENING_REPLIES.get_ptr_mut(&reply_key(flow, p.protocol)) {
+        if let Some(entry) = opening_replies(p.protocol).get_ptr_mut(&reply_key(flow, p.protocol)) {
             // SAFETY: a map value of this flow, written only for it.
             unsafe { (*entry).server_ifindex = ifindex };
         }
@@ -268,8 +271,11 @@ fn send(ctx: &XdpContext, p: &Packet, flow: &mut Flow, new: bool) -> u32 {
 #[inline(never)]
 fn client_notes(flow: &Flow, p: &Packet) {
     let key = reply_key(flow, p.protocol);
-    let entry =
-        if p.opening { OPENING_REPLIES.get_ptr_mut(&key) } else { NAT_REPLIES.get_ptr_mut(&key) };
+    let entry = if p.opening {
+        opening_replies(p.protocol).get_ptr_mut(&key)
+    } else {
+        NAT_REPLIES.get_ptr_mut(&key)
+    };
     let Some(entry) = entry else { return };
     // SAFETY: plain helper call without arguments.
     let now = nat::tick(unsafe { bpf_ktime_get_ns() });
@@ -301,12 +307,12 @@ fn keeps(ctx: &XdpContext, service: &Service, flow: &Flow, p: &Packet) -> bool {
     if !marked && !syn_again {
         return true;
     }
-    // An established table's flow: the server answered, the client too.
-    let answered = !p.opening
-        // SAFETY: a copy of the flags.
-        || unsafe { OPENING_REPLIES.get(&reply_key(flow, p.protocol)) }
-            .is_some_and(|r| r.flags & NAT_REPLY_ESTABLISHED != 0);
-    let established = u32::from(p.protocol) == IPPROTO_TCP && answered;
+    // An established table's flow, or a TCP one the server answered.
+    let established = u32::from(p.protocol) == IPPROTO_TCP
+        && (!p.opening
+            // SAFETY: a copy of the flags.
+            || unsafe { OPENING_REPLIES.get(&reply_key(flow, p.protocol)) }
+                .is_some_and(|r| r.flags & NAT_REPLY_ESTABLISHED != 0));
     if marked {
         if confirmed || !established {
             count_xdp(Reason::XdpFlowMoved);
@@ -393,9 +399,11 @@ fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
         return None;
     }
     let key = NatKey { server: p.src, node: p.dst, protocol: p.protocol, _pad: [0; 3] };
-    let (entry, established) = match NAT_REPLIES.get_ptr_mut(&key) {
+    let tcp = u32::from(p.protocol) == IPPROTO_TCP;
+    // UDP flows are never established.
+    let (entry, established) = match if tcp { NAT_REPLIES.get_ptr_mut(&key) } else { None } {
         Some(entry) => (Some(entry), true),
-        None => (OPENING_REPLIES.get_ptr_mut(&key), false),
+        None => (opening_replies(p.protocol).get_ptr_mut(&key), false),
     };
     let Some(entry) = entry else {
         count_xdp(Reason::XdpNotOurs);
@@ -413,7 +421,6 @@ fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
         return Some(xdp_action::XDP_DROP);
     }
     let mut flags = nat.flags;
-    let tcp = u32::from(p.protocol) == IPPROTO_TCP;
     if flags & NAT_REPLY_ESTABLISHED == 0 {
         if !p.is_rst() {
             flags |= NAT_REPLY_ESTABLISHED;

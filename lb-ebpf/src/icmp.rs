@@ -9,11 +9,11 @@
 //! addresses, so the flow tables are asked about the quoted packet:
 //!
 //! - a quote of a forwarded packet (node:NAT port → server) is answered
-//!   from `NAT_REPLIES` or `OPENING_REPLIES` (`to_client`): the error goes back to the client
+//!   from `NAT_REPLIES` or the opening ones (`to_client`): the error goes back to the client
 //!   the way its flow's replies go, quoting the packet as the client sent
 //!   it (client → VIP). Its source, if it is the server, becomes the VIP;
 //!   a router on the way keeps its own address.
-//! - a quote of a reply (VIP → client) is answered from `FLOWS` or `OPENING_FLOWS`
+//! - a quote of a reply (VIP → client) is answered from `FLOWS` or the opening ones
 //!   (`to_server`): the error goes to the flow's server from the node's
 //!   address, quoting the reply as the server sent it.
 //!
@@ -44,7 +44,7 @@ use lb_common::{Endpoint, Flow, FlowKey, NatKey, Reason, checksum};
 
 use crate::{
     consts::{IPPROTO_TCP, L3},
-    maps::{EXTERNAL, FLOWS, NAT_REPLIES, OPENING_FLOWS, OPENING_REPLIES, count_xdp},
+    maps::{EXTERNAL, FLOWS, NAT_REPLIES, count_xdp, opening_flows, opening_replies},
     packet::{
         self,
         quote::{ICMP4, ICMP6, QUOTE4, QUOTE4_L4, QUOTE6, QUOTE6_L4},
@@ -78,7 +78,7 @@ pub(crate) fn forward_error(ctx: &XdpContext, p: &Packet) -> Option<u32> {
 fn to_client(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     let key = NatKey { server: p.dst, node: p.src, protocol: p.protocol, _pad: [0; 3] };
     // SAFETY: map values, valid for the whole program run, only read.
-    let nat = unsafe { NAT_REPLIES.get(&key).or_else(|| OPENING_REPLIES.get(&key)) };
+    let nat = unsafe { NAT_REPLIES.get(&key).or_else(|| opening_replies(p.protocol).get(&key)) };
     let Some(nat) = nat else {
         count_xdp(Reason::XdpNotOurs);
         return None;
@@ -112,7 +112,7 @@ fn to_client(ctx: &XdpContext, p: &Packet) -> Option<u32> {
 fn to_server(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     let key = FlowKey { client: p.dst, vip: p.src, protocol: p.protocol, _pad: [0; 3] };
     // SAFETY: as in `to_client`.
-    let flow = unsafe { FLOWS.get(&key).or_else(|| OPENING_FLOWS.get(&key)) };
+    let flow = unsafe { FLOWS.get(&key).or_else(|| opening_flows(p.protocol).get(&key)) };
     let Some(flow) = flow else {
         count_xdp(Reason::XdpNotOurs);
         return None;
@@ -155,7 +155,10 @@ fn from_the_clients_side(ctx: &XdpContext, p: &Packet, flow: &Flow) -> bool {
     // SAFETY: map values, valid for the whole program run, only read; the
     // context's fields are valid for the whole program run.
     let (nat, ingress) = unsafe {
-        (NAT_REPLIES.get(&key).or_else(|| OPENING_REPLIES.get(&key)), (*ctx.ctx).ingress_ifindex)
+        (
+            NAT_REPLIES.get(&key).or_else(|| opening_replies(p.protocol).get(&key)),
+            (*ctx.ctx).ingress_ifindex,
+        )
     };
     if nat.is_none_or(|nat| nat.client_ifindex != ingress) {
         count_xdp(Reason::XdpIcmpElsewhere);

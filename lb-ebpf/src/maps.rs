@@ -16,8 +16,10 @@ use lb_common::{
     MAX_LINKS, MAX_SERVER_PAIRS, MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS,
     MAX_UDP_PEER_SOCKETS, META_SLOTS, NatKey, NatReply, Reason, Service, SockEntry,
     TRAFFIC_SLOT_COUNT, Traffic, TrafficSlot, UNMARKED_SLOTS, UdpPeers, maglev::Maglev,
+    udp_flow_table,
 };
 
+use crate::consts::IPPROTO_UDP;
 use crate::scratch::{KeptRoute, NewFlow, Packet, ROUTE_SLOTS, Spent};
 
 /// VIP → service (its selection). Written only by the daemon, one whole
@@ -149,8 +151,8 @@ pub(crate) static FLOWS: LruHashMap<FlowKey, Flow> =
 pub(crate) static NAT_REPLIES: LruHashMap<NatKey, NatReply> =
     LruHashMap::with_max_entries(MAX_EXTERNAL_FLOWS, 0);
 
-/// As `FLOWS`, for every other flow: TCP until its handshake completes,
-/// UDP. Where a flow opens; a flood of new flows evicts only these.
+/// As `FLOWS`, for TCP flows until their handshake completes. Where a
+/// TCP flow opens; a flood of new flows evicts only these.
 #[map]
 pub(crate) static OPENING_FLOWS: LruHashMap<FlowKey, Flow> =
     LruHashMap::with_max_entries(MAX_EXTERNAL_FLOWS, 0);
@@ -161,6 +163,31 @@ pub(crate) static OPENING_FLOWS: LruHashMap<FlowKey, Flow> =
 #[map]
 pub(crate) static OPENING_REPLIES: LruHashMap<NatKey, NatReply> =
     LruHashMap::with_max_entries(MAX_EXTERNAL_FLOWS, 0);
+
+/// As `OPENING_FLOWS`, for UDP flows, which never move: a flood of TCP
+/// flows evicts none of them.
+#[map]
+pub(crate) static UDP_FLOWS: LruHashMap<FlowKey, Flow> =
+    LruHashMap::with_max_entries(udp_flow_table(MAX_EXTERNAL_FLOWS), 0);
+
+/// As `OPENING_REPLIES`, for the flows of `UDP_FLOWS`.
+#[map]
+pub(crate) static UDP_REPLIES: LruHashMap<NatKey, NatReply> =
+    LruHashMap::with_max_entries(udp_flow_table(MAX_EXTERNAL_FLOWS), 0);
+
+/// The table a new flow of `protocol` opens in, and stays in until it is
+/// established (TCP, `flows::promote`): `OPENING_FLOWS` for TCP,
+/// `UDP_FLOWS` for UDP.
+#[inline(always)]
+pub(crate) fn opening_flows(protocol: u8) -> &'static LruHashMap<FlowKey, Flow> {
+    if u32::from(protocol) == IPPROTO_UDP { &UDP_FLOWS } else { &OPENING_FLOWS }
+}
+
+/// `opening_flows`' companion: `OPENING_REPLIES` or `UDP_REPLIES`.
+#[inline(always)]
+pub(crate) fn opening_replies(protocol: u8) -> &'static LruHashMap<NatKey, NatReply> {
+    if u32::from(protocol) == IPPROTO_UDP { &UDP_REPLIES } else { &OPENING_REPLIES }
+}
 
 /// Server → packets and bytes the external path forwarded to it, per CPU.
 #[map]

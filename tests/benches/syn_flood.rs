@@ -227,7 +227,7 @@ fn counters(daemon: &Daemon) -> [u64; 3] {
 
 /// The kernel memory of the daemon's flow tables: the `memlock` of its
 /// LRU hash maps with flow-table keys (`FlowKey`, `NatKey`: 44 bytes),
-/// from `/proc/PID/fdinfo`.
+/// TCP's and UDP's, from `/proc/PID/fdinfo`.
 fn flow_tables_memlock(pid: i32) -> u64 {
     let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else { return 0 };
     fds.filter_map(|fd| std::fs::read_to_string(fd.ok()?.path()).ok())
@@ -235,9 +235,11 @@ fn flow_tables_memlock(pid: i32) -> u64 {
             let field = |name: &str| {
                 info.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_owned())
             };
+            let udp = u64::from(lb_common::udp_flow_table(FLOW_TABLE as u32));
+            let sizes = [FLOW_TABLE, udp].map(|n| n.to_string());
             field("map_type:").as_deref() == Some("9")
                 && field("key_size:").as_deref() == Some("44")
-                && field("max_entries:").as_deref() == Some(&FLOW_TABLE.to_string())
+                && field("max_entries:").is_some_and(|n| sizes.contains(&n))
         })
         .filter_map(|info| {
             info.lines()

@@ -16,7 +16,9 @@
 use std::{path::Path, path::PathBuf, time::Duration};
 
 use lb_tests::{
-    Backend, Client, Daemon, ServiceBuilder, TestCgroup, addr, privileged_test, wait_until,
+    Backend, Client, Daemon, ServiceBuilder, TestCgroup, addr, in_new_netns, privileged_test,
+    topology::{Topology, VIP4, carries_data, who},
+    wait_until,
 };
 use lb_user::datapath::{
     PinnedMaps, pinned_program_ids, programs_fingerprint, read_program_fingerprint,
@@ -48,16 +50,11 @@ fn an_upgrade_replaces_the_programs_while_every_connect_is_rewritten() {
 /// is stopped as systemd stops it (SIGTERM); this version starts on its
 /// pins. Its daemon adopts the previous one's maps and replaces the
 /// previous programs under the storm. The previous version's pins are of
-/// layout 8; the upgrade adds the external path's opening flow tables
-/// (`OPENING_FLOWS`, `OPENING_REPLIES`; no cgroup program is new).
+/// layout 9; the upgrade adds the external path's UDP flow tables
+/// (`UDP_FLOWS`, `UDP_REPLIES`; no cgroup program is new).
 #[privileged_test]
 fn an_upgrade_from_the_previous_version_keeps_every_connect_rewritten() {
-    let Some(previous) = std::env::var_os("LB_PREVIOUS_BIN").map(PathBuf::from) else {
-        eprintln!(
-            "SKIPPED: no previous version of lb ($LB_PREVIOUS_BIN; `cargo xtask test` builds it)"
-        );
-        return;
-    };
+    let Some(previous) = previous_bin() else { return };
     let (daemon, first, added) =
         upgrade_under_a_storm("upgrade-real", 74, Some(previous), |daemon| {
             daemon.signal(libc::SIGTERM);
@@ -86,6 +83,72 @@ fn an_upgrade_from_the_previous_version_keeps_every_connect_rewritten() {
         "{}",
         daemon.log()
     );
+}
+
+/// A real upgrade of the external path: a flow the previous version's
+/// `lb_xdp` forwarded keeps its server and its NAT port under this
+/// version's. A held TCP connection carries data after it; a UDP flow,
+/// which the previous layout kept with TCP's opening flows, is moved to
+/// the UDP tables: its next datagram opens no new flow.
+#[privileged_test]
+fn an_upgrade_from_the_previous_version_keeps_external_flows() {
+    let Some(previous) = previous_bin() else { return };
+    in_new_netns(|| {
+        let net = Topology::new();
+        let _s1 = net.server("s1", "198.18.2.2:8080");
+        let cgroup = TestCgroup::new("upgrade-external");
+        let services = format!(
+            "[[service]]\nname = \"web4\"\nvip = \"{VIP4}\"\nservers = [\"198.18.2.2:8080\"]\n\
+             [service.health]\ncheck = \"none\"\n\
+             [service.external]\ninterfaces = [\"ext0\"]\nannounce = \"none\"\n"
+        );
+        let mut daemon = Daemon::prepare("upgrade-external", &cgroup, "", &[], &services);
+        daemon.use_bin(Some(previous));
+        daemon.restart();
+        assert!(
+            wait_until(Duration::from_secs(10), || net.ask(VIP4).is_ok()),
+            "the previous version's VIP never answered\n{}",
+            daemon.log()
+        );
+        let held = net.connect(VIP4).expect("a connection through the VIP");
+        assert_eq!(who(&held).as_deref(), Ok("s1"));
+        let udp = net.client.run(|| {
+            let socket = std::net::UdpSocket::bind("0.0.0.0:0").expect("a UDP socket");
+            socket.connect(VIP4).expect("connecting the UDP socket");
+            socket.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            socket
+        });
+        let ask = || {
+            udp.send(b"who").map_err(|e| e.to_string())?;
+            let mut buf = [0u8; 64];
+            let n = udp.recv(&mut buf).map_err(|e| e.to_string())?;
+            Ok::<_, String>(String::from_utf8_lossy(&buf[..n]).into_owned())
+        };
+        assert_eq!(ask().as_deref(), Ok("s1"), "UDP through the previous version");
+
+        daemon.signal(libc::SIGTERM);
+        assert!(daemon.wait_exit(Duration::from_secs(10)), "the previous daemon did not stop");
+        daemon.use_bin(None);
+        daemon.restart();
+        assert!(daemon.log().contains("moved the external path's UDP flows"), "{}", daemon.log());
+        let opened = daemon.counter("xdp_new_flow");
+        assert_eq!(ask().as_deref(), Ok("s1"), "UDP after the upgrade\n{}", daemon.log());
+        assert_eq!(daemon.counter("xdp_new_flow"), opened, "the UDP flow opened anew");
+        carries_data(&held).expect("the held connection after the upgrade");
+        drop(daemon);
+        drop(cgroup);
+    });
+}
+
+/// The previous version of lb, or `None` (said) when there is none.
+fn previous_bin() -> Option<PathBuf> {
+    let previous = std::env::var_os("LB_PREVIOUS_BIN").map(PathBuf::from);
+    if previous.is_none() {
+        eprintln!(
+            "SKIPPED: no previous version of lb ($LB_PREVIOUS_BIN; `cargo xtask test` builds it)"
+        );
+    }
+    previous
 }
 
 /// Starts a daemon (`first`: the `lb` to start it with, else this

@@ -21,9 +21,9 @@ use crate::{
 };
 
 /// The commit of the previous version: main with the external path's
-/// flow tables sized by `[daemon] flow_table` (layout 8), before its new
-/// flows had tables of their own (`OPENING_FLOWS`, layout 9).
-pub const PREVIOUS: &str = "9c769a22e48acacf960e9e7ca7b108255a31974c";
+/// new TCP flows in tables of their own (layout 9), before UDP flows had
+/// theirs (`UDP_FLOWS`, layout 10).
+pub const PREVIOUS: &str = "756998a2e275e22b745e843058d56e42bcf58444";
 
 /// The previous version's `lb`, built once under `target/previous/` (and
 /// kept there for the next run). `None` when this clone lacks its commit

@@ -16,10 +16,12 @@ pub const DEFAULT_STATE_DIR: &str = "/var/lib/lb";
 /// largest is some 100 MB of kernel memory.
 pub const SOCKET_TABLE_SIZES: std::ops::RangeInclusive<i64> = 64..=1 << 20;
 /// `daemon.flow_table`: the external path's flows (`FLOWS`,
-/// `NAT_REPLIES`, `OPENING_FLOWS`, `OPENING_REPLIES`, each this size).
-/// Preallocated LRU maps of about 344 bytes an entry each (their
-/// `memlock`, measured by `tests/benches/syn_flood.rs`): some 90 MB for
-/// the four at this size, on every node.
+/// `NAT_REPLIES`, `OPENING_FLOWS`, `OPENING_REPLIES`, each this size; UDP's
+/// `UDP_FLOWS` and `UDP_REPLIES` a quarter of it:
+/// `lb_common::udp_flow_table`). Preallocated LRU maps of about 344 bytes
+/// an entry each (their `memlock`, measured by
+/// `tests/benches/syn_flood.rs`): some 101 MB for the six at this size, on
+/// every node.
 pub const DEFAULT_FLOW_TABLE: u32 = 65_536;
 /// The sizes `[daemon] flow_table` takes. Small tables are for tests; the
 /// largest is some 5.8 GB of kernel memory.

@@ -27,6 +27,8 @@ pub struct ExternalMaps {
     nat: HashMap<MapData, NatKey, NatReply>,
     opening_flows: HashMap<MapData, FlowKey, Flow>,
     opening_nat: HashMap<MapData, NatKey, NatReply>,
+    udp_flows: HashMap<MapData, FlowKey, Flow>,
+    udp_nat: HashMap<MapData, NatKey, NatReply>,
     traffic: PerCpuHashMap<MapData, Endpoint, Traffic>,
     traffic_slots: PerCpuArray<MapData, TrafficSlot>,
     /// What `traffic` last said, per server: its figures never go down.
@@ -72,6 +74,8 @@ impl ExternalMaps {
             nat: typed!(HashMap, maps::NAT_REPLIES),
             opening_flows: typed!(HashMap, maps::OPENING_FLOWS),
             opening_nat: typed!(HashMap, maps::OPENING_REPLIES),
+            udp_flows: typed!(HashMap, maps::UDP_FLOWS),
+            udp_nat: typed!(HashMap, maps::UDP_REPLIES),
             traffic: typed!(PerCpuHashMap, maps::TRAFFIC),
             traffic_slots: typed!(PerCpuArray, maps::TRAFFIC_SLOTS),
             traffic_reported: Mutex::default(),
@@ -278,13 +282,16 @@ impl ExternalMaps {
     /// flows never evict. Each table is walked once.
     pub fn flows(&self) -> (usize, usize) {
         let established = self.flows.keys().filter(Result::is_ok).count();
-        (established, established + self.opening_flows.keys().filter(Result::is_ok).count())
+        let others = self.opening_flows.keys().filter(Result::is_ok).count()
+            + self.udp_flows.keys().filter(Result::is_ok).count();
+        (established, established + others)
     }
 
     /// NAT ports held (one per flow's reply key).
     pub fn nat_ports(&self) -> usize {
         self.nat.keys().filter(Result::is_ok).count()
             + self.opening_nat.keys().filter(Result::is_ok).count()
+            + self.udp_nat.keys().filter(Result::is_ok).count()
     }
 
     /// What was forwarded to each server, summed over the CPUs: its

@@ -35,6 +35,7 @@ mod pins;
 mod sockets;
 mod sys;
 mod upgrade;
+mod upgrade_flows;
 pub mod xdp;
 
 use std::{
@@ -228,7 +229,7 @@ impl Datapath {
         upgrade: bool,
         limits: XdpLimits,
     ) -> anyhow::Result<Option<KernelLogger>> {
-        match replace_programs(bpffs, cgroup, bpf_log, limits) {
+        match replace_programs(bpffs, cgroup, bpf_log, upgrade, limits) {
             Ok(logger) => {
                 info!(
                     "the pinned programs differed from this lb's: replaced them (one atomic link update each){}",
@@ -291,6 +292,9 @@ impl Datapath {
         loader.map_max_entries(map_names::NAT_REPLIES, sizes.flow_table);
         loader.map_max_entries(map_names::OPENING_FLOWS, sizes.flow_table);
         loader.map_max_entries(map_names::OPENING_REPLIES, sizes.flow_table);
+        let udp = lb_common::udp_flow_table(sizes.flow_table);
+        loader.map_max_entries(map_names::UDP_FLOWS, udp);
+        loader.map_max_entries(map_names::UDP_REPLIES, udp);
         let (mut ebpf, logger) = load_object(loader, bpf_log)?;
 
         // The layout version goes in before anything is pinned, so no pin

@@ -39,13 +39,16 @@ pub fn load_unattached() -> anyhow::Result<Ebpf> {
 }
 
 /// As [`load_unattached`], with opening flow tables (`OPENING_FLOWS`,
-/// `OPENING_REPLIES`) of `opening_flows` entries each, if given: a test
-/// turns small tables over with few packets.
+/// `OPENING_REPLIES`, and UDP's: `UDP_FLOWS`, `UDP_REPLIES`) of
+/// `opening_flows` entries each, if given: a test turns small tables over
+/// with few packets.
 pub fn load_unattached_with(opening_flows: Option<u32>) -> anyhow::Result<Ebpf> {
     let mut loader = EbpfLoader::new();
     if let Some(size) = opening_flows {
-        loader.map_max_entries(maps::OPENING_FLOWS, size);
-        loader.map_max_entries(maps::OPENING_REPLIES, size);
+        for map in [maps::OPENING_FLOWS, maps::OPENING_REPLIES, maps::UDP_FLOWS, maps::UDP_REPLIES]
+        {
+            loader.map_max_entries(map, size);
+        }
     }
     let (mut ebpf, _) = load_object(loader, false)?;
     let program = xdp_program(&mut ebpf)?;

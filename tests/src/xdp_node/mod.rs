@@ -32,13 +32,14 @@ pub const XDP_REDIRECT: u32 = 4;
 /// Loopback's interface index, in every network namespace.
 pub const LOOPBACK: u32 = 1;
 
-/// The size of the fixtures' opening flow tables (the established ones
-/// are of the object's size, `lb_common::MAX_EXTERNAL_FLOWS`): small, so
-/// that a test turns them over with a few thousand packets.
+/// The size of the fixtures' opening flow tables, TCP's and UDP's (the
+/// established ones are of the object's size,
+/// `lb_common::MAX_EXTERNAL_FLOWS`): small, so that a test turns them
+/// over with a few thousand packets.
 pub const OPENING_FLOWS: u32 = 1_024;
 
-/// The NAT tables: established flows', and opening ones'.
-pub const NAT_TABLES: [&str; 2] = [maps::NAT_REPLIES, maps::OPENING_REPLIES];
+/// The NAT tables: established flows', opening ones', UDP's.
+pub const NAT_TABLES: [&str; 3] = [maps::NAT_REPLIES, maps::OPENING_REPLIES, maps::UDP_REPLIES];
 
 /// The client's router, as the node sees it.
 pub const CLIENT_MAC: Mac = [2, 0, 0, 0, 0, 1];
@@ -324,7 +325,7 @@ impl Node {
     /// Moves every flow's SYN `by` into the past, as if the client had
     /// waited that long before sending it again.
     pub fn age_syns(&mut self, by: std::time::Duration) {
-        for table in [maps::FLOWS, maps::OPENING_FLOWS] {
+        for table in [maps::FLOWS, maps::OPENING_FLOWS, maps::UDP_FLOWS] {
             let mut flows: HashMap<_, FlowKey, Flow> =
                 HashMap::try_from(self.ebpf.map_mut(table).unwrap()).unwrap();
             let all: Vec<(FlowKey, Flow)> = flows.iter().map(Result::unwrap).collect();
@@ -378,7 +379,7 @@ impl Node {
         NAT_TABLES.iter().find_map(|table| self.nat_entry_in(table, key))
     }
 
-    /// The NAT entry of `key` in `table` (`NAT_REPLIES`, `OPENING_REPLIES`).
+    /// The NAT entry of `key` in `table` (one of [`NAT_TABLES`]).
     pub fn nat_entry_in(&self, table: &str, key: &NatKey) -> Option<NatReply> {
         let entries: HashMap<_, NatKey, NatReply> =
             HashMap::try_from(self.ebpf.map(table).unwrap()).unwrap();

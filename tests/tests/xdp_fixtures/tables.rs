@@ -2,7 +2,9 @@
 //! opening tables (`OPENING_FLOWS`, `OPENING_REPLIES`) and moves to the
 //! established ones (`FLOWS`, `NAT_REPLIES`) when its client acknowledges
 //! the server's answer, which a sender of forged addresses never sees. So
-//! a flood of new flows, however large, evicts no established flow.
+//! a flood of new flows, however large, evicts no established flow. UDP
+//! flows have tables of their own (`UDP_FLOWS`, `UDP_REPLIES`), which no
+//! TCP flow evicts.
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -162,8 +164,7 @@ fn an_opening_flow_whose_port_is_anothers_opens_anew() {
         let key = NatKey { protocol: 17, ..key_of(&first) };
         // The entry was evicted, and another client's new flow took its port.
         let mut replies: aya::maps::HashMap<_, NatKey, lb_common::NatReply> =
-            aya::maps::HashMap::try_from(node.ebpf.map_mut(maps::OPENING_REPLIES).unwrap())
-                .unwrap();
+            aya::maps::HashMap::try_from(node.ebpf.map_mut(maps::UDP_REPLIES).unwrap()).unwrap();
         let mut theirs = replies.get(&key, 0).expect("the flow's NAT entry");
         let other = spoofed(f, 7);
         theirs.client = Endpoint::from(other);
@@ -173,10 +174,10 @@ fn an_opening_flow_whose_port_is_anothers_opens_anew() {
         assert_eq!(verdict, XDP_REDIRECT, "the client's next datagram was not sent");
         let again = read_frame(&out).expect("the forwarded datagram");
         assert_ne!(again.src, first.src, "it took the port of another client's flow");
-        let kept = node.nat_entry_in(maps::OPENING_REPLIES, &key).expect("the other's entry");
+        let kept = node.nat_entry_in(maps::UDP_REPLIES, &key).expect("the other's entry");
         assert_eq!(kept.client, Endpoint::from(other), "the other flow lost its port");
         let mine = NatKey { protocol: 17, ..key_of(&again) };
-        let mine = node.nat_entry_in(maps::OPENING_REPLIES, &mine).expect("its new entry");
+        let mine = node.nat_entry_in(maps::UDP_REPLIES, &mine).expect("its new entry");
         assert_eq!(mine.client, Endpoint::from(f.client));
         assert_eq!(node.counter(Reason::XdpNewFlow), 2);
     });
@@ -265,5 +266,36 @@ fn a_flood_of_new_flows_evicts_no_established_one() {
         let (verdict, back) = node.run(&reply, Some(node.srv0));
         assert_eq!(verdict, XDP_REDIRECT, "the server's reply was not sent on");
         assert_eq!(read_frame(&back).unwrap().dst, established, "the reply went to another client");
+    });
+}
+
+/// A UDP flow has tables of its own: many more forged SYNs than the
+/// opening tables hold leave it its server and its NAT port, and its
+/// server's answers still reach its client.
+#[privileged_test]
+fn a_syn_flood_evicts_no_udp_flow() {
+    both_families(|node, f| {
+        let client = SocketAddr::new(f.client.ip(), 40_001);
+        let query = Segment::udp((EXT_MAC, CLIENT_MAC), client, f.vip, b"query").frame();
+        let (verdict, out) = node.run(&query, None);
+        assert_eq!(verdict, XDP_REDIRECT, "the query was not sent on");
+        let first = read_frame(&out).expect("the forwarded query");
+        node.serve_spread(f, &f.servers);
+        let flood = 3 * OPENING_FLOWS + 500;
+        for i in 0..flood {
+            let frame = from_client(f, spoofed(f, i), Flags::SYN, 1).frame();
+            assert_eq!(node.run(&frame, None).0, XDP_REDIRECT, "a new flow was refused");
+        }
+        let (verdict, out) = node.run(&query, None);
+        assert_eq!(verdict, XDP_REDIRECT);
+        let again = read_frame(&out).expect("the forwarded query");
+        assert_eq!((again.src, again.dst), (first.src, first.dst), "the UDP flow lost its port");
+        assert_eq!(node.counter(Reason::XdpNewFlow), 1 + u64::from(flood), "it opened anew");
+        let answer =
+            Segment::udp((SRV_MAC, server_mac(first.dst)), first.dst, first.src, b"answer");
+        let (verdict, back) = node.run(&answer.frame(), Some(node.srv0));
+        assert_eq!(verdict, XDP_REDIRECT, "the server's answer was not sent on");
+        let back = read_frame(&back).expect("the translated answer");
+        assert_eq!((back.src, back.dst), (f.vip, client), "the answer went elsewhere");
     });
 }
