@@ -3,77 +3,15 @@
 
 use super::{
     discovery, dns,
+    external_tables::external,
     format::{count, millis, ms, services},
     owner,
     paths::Route,
-    results::{DnsRoute, Flood, FloodRate, KeepAliveCost, Results, Workload},
+    results::{DnsRoute, KeepAliveCost, Results, Workload},
     stats::{median, percentile},
+    table::Table,
     workloads::CONNECTS,
 };
-
-/// A table, rendered as aligned text or as Markdown.
-pub(super) struct Table {
-    title: String,
-    headers: Vec<String>,
-    rows: Vec<Vec<String>>,
-}
-
-impl Table {
-    pub(super) fn new(title: &str, headers: &[&str]) -> Self {
-        Self {
-            title: title.to_owned(),
-            headers: headers.iter().map(|h| (*h).to_owned()).collect(),
-            rows: Vec::new(),
-        }
-    }
-
-    fn row(&mut self, cells: Vec<String>) {
-        self.rows.push(cells);
-    }
-
-    pub(super) fn text(&self) -> String {
-        let widths: Vec<usize> = (0..self.headers.len())
-            .map(|i| {
-                self.rows
-                    .iter()
-                    .map(|r| r[i].chars().count())
-                    .chain([self.headers[i].chars().count()])
-                    .max()
-                    .unwrap_or(0)
-            })
-            .collect();
-        let line = |cells: &[String]| {
-            let mut out = String::from("  ");
-            for (i, cell) in cells.iter().enumerate() {
-                let pad = widths[i] - cell.chars().count();
-                out += cell;
-                out += &" ".repeat(pad + 3);
-            }
-            out.trim_end().to_owned() + "\n"
-        };
-        let mut out = format!("{}\n", self.title);
-        out += &line(&self.headers);
-        out +=
-            &format!("  {}\n", "-".repeat(widths.iter().sum::<usize>() + 3 * (widths.len() - 1)));
-        for row in &self.rows {
-            out += &line(row);
-        }
-        out
-    }
-
-    pub(super) fn markdown(&self) -> String {
-        let mut out = format!(
-            "### {}\n\n| {} |\n|{}\n",
-            self.title,
-            self.headers.join(" | "),
-            "---|".repeat(self.headers.len())
-        );
-        for row in &self.rows {
-            out += &format!("| {} |\n", row.join(" | "));
-        }
-        out + "\n"
-    }
-}
 
 fn rate(workload: Workload, value: f64) -> String {
     match workload {
@@ -106,13 +44,14 @@ pub(super) fn tables(r: &Results) -> Vec<Table> {
 fn paths(r: &Results, tables: &mut Vec<Table>) {
     if !r.paths.is_empty() {
         let workloads: Vec<Workload> = r.paths.iter().map(|(w, _)| *w).collect();
-        let mut headers = vec!["path".to_owned()];
-        headers.extend(workloads.iter().map(|w| format!("{} ({})", w.label(), w.unit())));
-        let mut t = Table {
-            title: "Throughput by path: × direct [interquartile range of the paired ratios] (absolute figure; wrk: p99 latency)".to_owned(),
-            headers,
-            rows: Vec::new(),
-        };
+        let headers: Vec<String> =
+            workloads.iter().map(|w| format!("{} ({})", w.label(), w.unit())).collect();
+        let mut columns = vec!["path"];
+        columns.extend(headers.iter().map(String::as_str));
+        let mut t = Table::new(
+            "Throughput by path: × direct [interquartile range of the paired ratios] (absolute figure; wrk: p99 latency)",
+            &columns,
+        );
         for route in Route::ALL {
             let mut row = vec![route.label().to_owned()];
             for w in &workloads {
@@ -297,112 +236,6 @@ fn owner_loop(r: &Results, tables: &mut Vec<Table>) {
         }
         tables.push(t);
     }
-}
-
-fn external(r: &Results, tables: &mut Vec<Table>) {
-    if let Some(e) = &r.external {
-        let mut t = Table::new(
-            &format!(
-                "lb_xdp's program time per packet (BPF_PROG_TEST_RUN, IPv4; median of single runs less the kernel's timing overhead of {:.0} ns)",
-                e.overhead_ns
-            ),
-            &["packet", "ns"],
-        );
-        for (what, ns) in [
-            ("first of a flow (choice, NAT port, two inserts)", e.first_ns),
-            ("of an established flow (kept route, redirect)", e.established_ns),
-            ("a server's reply (back the way the client came)", e.reply_ns),
-            ("not the VIP's (passes untouched)", e.not_ours_ns),
-        ] {
-            t.row(vec![what.to_owned(), format!("{ns:.0}")]);
-        }
-        for (what, ns) in [
-            (
-                "live traffic, connects (kernel run-time stats, with their clock reads)",
-                e.live_connects_ns,
-            ),
-            ("live traffic, requests (established packets and replies)", e.live_requests_ns),
-        ] {
-            t.row(vec![what.to_owned(), format!("{ns:.0}")]);
-        }
-        tables.push(t);
-        let mut t = Table::new(
-            "External clients through the node (client namespace → node → server namespace; \
-             medians of alternated rounds, ratios to plain routing in the same round)",
-            &["route", "connects/s", "vs plain", "requests/s", "vs plain"],
-        );
-        for r in &e.routes {
-            t.row(vec![
-                r.name.clone(),
-                format!("{:.0}", r.connects_per_s),
-                format!("{:.2}", r.connects_ratio),
-                format!("{:.0}", r.requests_per_s),
-                format!("{:.2}", r.requests_ratio),
-            ]);
-        }
-        for (name, why) in &e.skipped {
-            t.row(vec![
-                name.clone(),
-                format!("not run: {why}"),
-                String::new(),
-                String::new(),
-                String::new(),
-            ]);
-        }
-        tables.push(t);
-        if let Some(flood) = &e.flood {
-            flood_table(flood, tables);
-        }
-    }
-}
-
-fn flood_table(f: &Flood, tables: &mut Vec<Table>) {
-    let mut t = Table::new(
-        &format!(
-            "Forged SYNs from the client's namespace at rising rates (each for 3 s, one after \
-             another), a legitimate client connecting meanwhile, {} connections held through the \
-             VIP; flow tables of {} entries each, {:.1} MB of kernel memory for the four",
-            f.held,
-            f.flow_table,
-            f.flow_tables_bytes as f64 / 1e6
-        ),
-        &[
-            "nat_ports",
-            "forged SYNs/s asked",
-            "sent",
-            "legitimate connects",
-            "held alive",
-            "flows opened",
-            "refused by the guard",
-            "no NAT port",
-        ],
-    );
-    for (nat_ports, rates) in &f.configs {
-        for r in rates {
-            t.row(flood_row(nat_ports, r, f.held));
-        }
-    }
-    tables.push(t);
-}
-
-/// One rate of the SYN flood bench, as its table shows it.
-fn flood_row(nat_ports: &str, r: &FloodRate, held: u64) -> Vec<String> {
-    let asked = if r.asked_per_s == 0 {
-        "as fast as it goes".to_owned()
-    } else {
-        r.asked_per_s.to_string()
-    };
-    let share = if r.connects == 0 { 0.0 } else { 100.0 * r.connected as f64 / r.connects as f64 };
-    vec![
-        nat_ports.to_owned(),
-        asked,
-        format!("{:.0}", r.sent_per_s),
-        format!("{}/{} ({share:.1} %)", r.connected, r.connects),
-        format!("{}/{held}", r.held_alive),
-        r.new_flows.to_string(),
-        r.guard_refused.to_string(),
-        r.ports_exhausted.to_string(),
-    ]
 }
 
 fn election(r: &Results, tables: &mut Vec<Table>) {
