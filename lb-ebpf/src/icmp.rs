@@ -62,14 +62,32 @@ const MIN_MTU4: u32 = 552;
 const MIN_MTU6: u32 = 1280;
 
 /// What to do with an ICMP error `parse` took: `None` if it is about no
-/// flow of the external path.
+/// flow of the external path and not sent to a VIP's address.
 #[inline(always)]
 pub(crate) fn forward_error(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     if !packet::for_this_node(ctx) {
         return None;
     }
     // SAFETY: the value is only read; the daemon replaces values whole.
-    if unsafe { EXTERNAL.get(&p.src) }.is_some() { to_server(ctx, p) } else { to_client(ctx, p) }
+    let translated = if unsafe { EXTERNAL.get(&p.src) }.is_some() {
+        to_server(ctx, p)
+    } else {
+        to_client(ctx, p)
+    };
+    translated.or_else(|| to_a_vip(p))
+}
+
+/// An error about no flow sent to a VIP's address: dropped, counted
+/// (`xdp_unserved`), as anything else for that address lb does not
+/// serve (`forward::unserved`): the kernel does not own the address and
+/// would route it back out. `None` if it is sent elsewhere.
+#[inline(never)]
+fn to_a_vip(p: &Packet) -> Option<u32> {
+    let address = Endpoint { addr: p.error_to, port: 0, _pad: [0; 2] };
+    // SAFETY: the value is only read.
+    unsafe { EXTERNAL.get(&address) }?;
+    count_xdp(Reason::XdpUnserved);
+    Some(xdp_action::XDP_DROP)
 }
 
 /// An error about a forwarded packet (quoted as node:NAT port → server):

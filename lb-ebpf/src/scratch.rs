@@ -26,6 +26,8 @@ pub(crate) struct Packet {
     /// An ICMP error: `protocol`, `src` and `dst` are those of the packet
     /// it quotes (`packet::quote::parse`), not its own.
     pub(crate) icmp_error: bool,
+    /// An ICMP error's own destination address (`dst` is the quote's).
+    pub(crate) error_to: [u32; 4],
     /// Its flow's entries are in the opening tables of its protocol
     /// (`maps::opening_flows`), not the established ones: set by
     /// `forward::known`, false for a new flow until then.

@@ -133,6 +133,7 @@ pub(crate) fn parse(ctx: &XdpContext, packet: &mut Packet) -> Parsed {
         tcp_seq: 0,
         ip_len,
         icmp_error: false,
+        error_to: [0; 4],
         opening: false,
     };
     if u32::from(protocol) == IPPROTO_TCP {

@@ -51,6 +51,7 @@ pub(crate) fn parse(ctx: &XdpContext, p: &mut Packet) -> Parsed {
         count_xdp(Reason::XdpOtherProtocol);
         return Parsed::Unbalanced;
     }
+    p.error_to = p.dst.addr;
     let quoted = if p.ipv6 { quote6(ctx, p) } else { quote4(ctx, p) };
     let Some(protocol) = quoted else {
         count_xdp(Reason::XdpUnparsed);

@@ -176,7 +176,8 @@ fn only_a_syn_opens_a_flow() {
 /// own it (it would route it back out, or ask its neighbours who has
 /// it): TCP to a port lb does not serve there is answered with the
 /// node's reset, anything else (UDP, a ping, another protocol, a
-/// fragment) dropped. Another address's packets pass untouched.
+/// fragment, an ICMP error about no flow) dropped. Another address's
+/// packets pass untouched.
 #[privileged_test]
 fn a_vips_address_is_never_handed_to_the_kernel() {
     both_families(|node, f| {
@@ -193,7 +194,18 @@ fn a_vips_address_is_never_handed_to_the_kernel() {
         let to_vip = SocketAddr::new(f.vip.ip(), 80);
         let mut gre = Segment::udp((EXT_MAC, CLIENT_MAC), f.client, to_vip, b"tunnel").frame();
         gre[14 + if f.vip.is_ipv4() { 9 } else { 6 }] = 47;
-        let mut dropped = vec![udp.frame(), ping.frame(), gre];
+        // An error about a "reply" of no flow (quoted VIP → client), sent
+        // to the VIP: none of lb's to translate, and the kernel's to route
+        // back out if handed on.
+        let unreachable = if f.vip.is_ipv4() { (3, 3, [0; 4]) } else { (1, 4, [0; 4]) };
+        let never_sent = Segment::tcp((CLIENT_MAC, EXT_MAC), to_vip, f.client, Flags::ACK, 1, 1);
+        let error = IcmpError::new(
+            (EXT_MAC, CLIENT_MAC),
+            (f.client.ip(), f.vip.ip()),
+            unreachable,
+            &never_sent.frame()[14..],
+        );
+        let mut dropped = vec![udp.frame(), ping.frame(), gre, error.frame()];
         if f.vip.is_ipv4() {
             // A first fragment (MF set) of a datagram to the VIP's port.
             let mut fragment = Segment::udp((EXT_MAC, CLIENT_MAC), f.client, to_vip, b"x").frame();
