@@ -57,7 +57,7 @@ pub struct Node {
 pub struct Lan {
     pub client: Namespace,
     pub nodes: Vec<Node>,
-    _peers: Vec<aya::Ebpf>,
+    _peers: Vec<crate::pass_xdp::PassThrough>,
 }
 
 impl Lan {

@@ -59,6 +59,8 @@ mod leak;
 pub mod load;
 mod netns;
 pub mod packets;
+#[cfg(feature = "rigs")]
+pub mod pass_xdp;
 pub mod raw;
 pub mod resolvers;
 mod service;

@@ -8,8 +8,11 @@ use std::{
     time::Duration,
 };
 
-use crate::{Backend, Namespace, sh};
-use aya::programs::{Xdp, xdp::XdpMode};
+use crate::{
+    Backend, Namespace,
+    pass_xdp::{PassThrough, attach_pass_through},
+    sh,
+};
 
 pub const VIP4: &str = "198.18.1.100:80";
 pub const VIP6: &str = "[2001:2:0:1::100]:80";
@@ -20,7 +23,7 @@ pub struct Topology {
     pub client: Namespace,
     pub servers: Namespace,
     /// The pass-through programs on c0 and s0, attached while this lives.
-    _peers: Vec<aya::Ebpf>,
+    _peers: Vec<PassThrough>,
 }
 
 impl Topology {
@@ -88,19 +91,17 @@ impl Topology {
         Self { client, servers, _peers: peers }
     }
 
-    /// Attaches the client side's pass-through program to `dev` in this
-    /// thread's namespace too (generic mode), as a foreign XDP program
-    /// would be: lb cannot attach there while it is. Returns what
+    /// Attaches a pass-through program to `dev` in this thread's
+    /// namespace (generic mode), as a foreign XDP program would be: lb
+    /// cannot attach there while it is. Returns what
     /// [`Self::release_xdp`] takes.
-    pub fn occupy_xdp(&mut self, dev: &str) -> aya::programs::xdp::XdpLinkId {
-        let program: &mut Xdp = self._peers[0].program_mut("lb_xdp").unwrap().try_into().unwrap();
-        program.attach(dev, XdpMode::Skb).unwrap_or_else(|e| panic!("attaching to {dev}: {e}"))
+    pub fn occupy_xdp(&mut self, dev: &str) -> PassThrough {
+        attach_pass_through(dev, true)
     }
 
     /// Detaches what [`Self::occupy_xdp`] attached.
-    pub fn release_xdp(&mut self, link: aya::programs::xdp::XdpLinkId) {
-        let program: &mut Xdp = self._peers[0].program_mut("lb_xdp").unwrap().try_into().unwrap();
-        program.detach(link).expect("detaching the foreign XDP program");
+    pub fn release_xdp(&mut self, link: PassThrough) {
+        drop(link);
     }
 
     /// A server in the servers' namespace that answers with its name.
@@ -140,13 +141,11 @@ impl Topology {
     }
 }
 
-/// `lb_xdp` on its own empty maps, natively on `dev`: passes every packet,
-/// and gives the veth the NAPI that redirected packets need.
-pub fn pass_through(dev: &str) -> aya::Ebpf {
-    let mut ebpf = lb_user::datapath::xdp::load_unattached().expect("loading lb_xdp");
-    let program: &mut Xdp = ebpf.program_mut("lb_xdp").unwrap().try_into().unwrap();
-    program.attach(dev, XdpMode::Driver).unwrap_or_else(|e| panic!("attaching to {dev}: {e}"));
-    ebpf
+/// A program that passes every packet, natively on `dev` (in the calling
+/// thread's namespace): gives the veth the NAPI that redirected packets
+/// need. Attached while the value lives.
+pub fn pass_through(dev: &str) -> PassThrough {
+    attach_pass_through(dev, false)
 }
 
 /// Turns `dev`'s transmit checksum offload off (`ethtool -K dev tx off`,

@@ -67,7 +67,17 @@ fn a_smaller_mtu_toward_the_servers_is_learned_by_the_client() {
             let listener = net.servers.run(move || TcpListener::bind(server).unwrap());
             // Counts what one connection sends and answers with the count.
             let counter = std::thread::spawn(move || {
-                let (mut stream, _) = listener.accept().unwrap();
+                // A connect that never arrives ends the wait, not the test.
+                listener.set_nonblocking(true)?;
+                let deadline = std::time::Instant::now() + Duration::from_secs(20);
+                let mut stream = loop {
+                    match listener.accept() {
+                        Ok((stream, _)) => break stream,
+                        Err(e) if std::time::Instant::now() > deadline => return Err(e),
+                        Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                    }
+                };
+                stream.set_nonblocking(false)?;
                 stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
                 let mut received = Vec::new();
                 let read = stream.read_to_end(&mut received);
