@@ -17,6 +17,11 @@ use crate::{
 pub const VIP4: &str = "198.18.1.100:80";
 pub const VIP6: &str = "[2001:2:0:1::100]:80";
 
+/// How long a test waits for a VIP to answer once its daemon runs (or
+/// reloads): `lb_xdp`'s attach, which the verifier takes seconds over
+/// (some 14 s on 6.1 under a guest's software emulation).
+pub const SERVING_WITHIN: Duration = Duration::from_secs(60);
+
 /// The three namespaces and what runs in them; the test body runs in the
 /// node's (`in_new_netns`).
 pub struct Topology {
@@ -114,6 +119,14 @@ impl Topology {
     pub fn connect(&self, to: &str) -> std::io::Result<TcpStream> {
         let to: SocketAddr = to.parse().unwrap();
         self.client.run(move || TcpStream::connect_timeout(&to, Duration::from_secs(3)))
+    }
+
+    /// Waits until a new connection to `vip` reaches `server` (any
+    /// server: `None`), for at most [`SERVING_WITHIN`]: whether it did.
+    pub fn wait_serving(&self, vip: &str, server: Option<&str>) -> bool {
+        crate::wait_until(SERVING_WITHIN, || {
+            self.ask(vip).is_ok_and(|name| server.is_none_or(|s| s == name))
+        })
     }
 
     /// Which server a new connection to `to` reaches, or why none.

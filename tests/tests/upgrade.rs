@@ -106,7 +106,7 @@ fn an_upgrade_from_the_previous_version_keeps_external_flows() {
         daemon.use_bin(Some(previous));
         daemon.restart();
         assert!(
-            wait_until(Duration::from_secs(10), || net.ask(VIP4).is_ok()),
+            net.wait_serving(VIP4, None),
             "the previous version's VIP never answered\n{}",
             daemon.log()
         );

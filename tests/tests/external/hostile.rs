@@ -12,7 +12,6 @@ use lb_tests::{
     packets::{Flags, Mac, Segment},
     privileged_test, raw,
     topology::{Topology, VIP4, carries_data, mac_of, who},
-    wait_until,
 };
 
 use crate::services;
@@ -21,11 +20,7 @@ use crate::services;
 /// `who` once), and the link-layer addresses of a client's frame to the
 /// node (the node's ext0, the client's c0).
 fn hold_connections(net: &Topology, daemon: &Daemon) -> (Vec<TcpStream>, (Mac, Mac)) {
-    assert!(
-        wait_until(Duration::from_secs(10), || net.ask(VIP4).as_deref() == Ok("s1")),
-        "{}",
-        daemon.log()
-    );
+    assert!(net.wait_serving(VIP4, Some("s1")), "{}", daemon.log());
     let held: Vec<_> =
         (0..5).map(|_| net.connect(VIP4).expect("a connection through the VIP")).collect();
     for stream in &held {

@@ -368,11 +368,7 @@ fn a_reload_attaches_and_detaches_the_external_path() {
         );
         daemon.lb(&["reload"]);
         assert!(has_xdp("ext0") && has_xdp("srv0"), "{}", daemon.log());
-        assert!(
-            wait_until(Duration::from_secs(10), || net.ask(VIP4).as_deref() == Ok("s1")),
-            "{}",
-            daemon.log()
-        );
+        assert!(net.wait_serving(VIP4, Some("s1")), "{}", daemon.log());
         daemon.write_config(&cgroup, local_only);
         daemon.lb(&["reload"]);
         assert!(!has_xdp("ext0") && !has_xdp("srv0"), "{}", daemon.log());
@@ -408,7 +404,7 @@ fn an_interface_created_anew_gets_the_program_again() {
         net.client.run(|| lb_tests::topology::tx_checksums_off("c0"));
         let _peer = net.client.run(|| lb_tests::topology::pass_through("c0"));
         assert!(
-            wait_until(Duration::from_secs(10), || net.ask(VIP4).as_deref() == Ok("s1")),
+            net.wait_serving(VIP4, Some("s1")),
             "the new ext0 was not served\n{}",
             daemon.log()
         );
@@ -476,11 +472,7 @@ fn an_announced_vip_is_found_on_the_link_while_it_has_a_server() {
         // Back: announced again, found again.
         let _s1 = net.server("s1", &s1_addr.to_string());
         assert!(wait_until(Duration::from_secs(10), || announcing(0)), "{}", daemon.log());
-        assert!(
-            wait_until(Duration::from_secs(10), || net.ask(VIP4).as_deref() == Ok("s1")),
-            "{}",
-            daemon.log()
-        );
+        assert!(net.wait_serving(VIP4, Some("s1")), "{}", daemon.log());
 
         daemon.lb(&["detach"]);
         net.client.sh(&["ip", "neigh", "flush", "dev", "c0"]);

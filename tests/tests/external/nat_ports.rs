@@ -69,11 +69,7 @@ fn a_configured_nat_port_range_is_reserved_and_used() {
         let reserved = || std::fs::read_to_string(RESERVED).unwrap();
         let done = wait_until(Duration::from_secs(5), || reserved().trim() == "50000-65535");
         assert!(done, "not reserved: {:?}\n{}", reserved(), daemon.log());
-        assert!(
-            wait_until(Duration::from_secs(10), || net.ask(VIP4).is_ok()),
-            "the VIP never answered\n{}",
-            daemon.log()
-        );
+        assert!(net.wait_serving(VIP4, None), "the VIP never answered\n{}", daemon.log());
         let held = net.connect(VIP4).expect("a connection through the VIP");
         assert_eq!(who(&held).as_deref(), Ok("s1"));
         // The daemon's health checks come from its ephemeral ports
@@ -112,11 +108,7 @@ fn a_second_nat_address_is_a_source_too() {
             "nat_addresses = [\"198.18.2.10\"]",
             &services("tcp"),
         );
-        assert!(
-            wait_until(Duration::from_secs(10), || net.ask(VIP4).is_ok()),
-            "the VIP never answered\n{}",
-            daemon.log()
-        );
+        assert!(net.wait_serving(VIP4, None), "the VIP never answered\n{}", daemon.log());
         let held: Vec<_> = (0..24)
             .map(|_| {
                 let stream = net.connect(VIP4).expect("a connection through the VIP");
