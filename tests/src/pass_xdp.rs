@@ -61,6 +61,11 @@ pub struct PassThrough {
 /// thread's network namespace: natively, or in generic mode (`generic`),
 /// where a second program cannot attach natively either.
 pub fn attach_pass_through(dev: &str, generic: bool) -> PassThrough {
+    // Linux before 5.11 charges a program's memory to RLIMIT_MEMLOCK and
+    // refuses the load (EPERM) past it; aya lifts it for lb's own loads.
+    let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: a valid rlimit; the tests run as root, which may raise it.
+    unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) };
     let license = CString::new("GPL").unwrap();
     let mut name = [0u8; 16];
     name[..8].copy_from_slice(b"lb_tpass");
