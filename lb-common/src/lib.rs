@@ -12,7 +12,8 @@
 //! with the functions the sendmsg and recvmsg programs use on it;
 //! [`Reason`] (module `reason`) the counters' names; module `external` the
 //! flow and NAT tables of the XDP path, and [`checksum`] its incremental
-//! checksum updates. The `user` feature adds the userspace-only
+//! checksum updates; [`reference`](mod@reference) the map of the bench's reference
+//! forwarder (not lb's). The `user` feature adds the userspace-only
 //! conversions (`user` module).
 #![no_std]
 #![warn(missing_docs)]
@@ -25,6 +26,7 @@ pub mod maps;
 pub mod nat;
 pub mod programs;
 mod reason;
+pub mod reference;
 mod udp;
 #[cfg(feature = "user")]
 pub mod user;

@@ -32,6 +32,8 @@ unsafe impl aya::Pod for NatKey {}
 // SAFETY: as above.
 unsafe impl aya::Pod for NatReply {}
 // SAFETY: as above.
+unsafe impl aya::Pod for crate::reference::ReferenceRewrite {}
+// SAFETY: as above.
 unsafe impl aya::Pod for Traffic {}
 // SAFETY: as above.
 unsafe impl aya::Pod for TrafficSlot {}

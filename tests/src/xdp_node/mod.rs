@@ -10,8 +10,9 @@ use std::{
 
 use crate::{
     in_new_netns,
-    packets::{Flags, Mac, Segment, read_frame},
+    packets::{Mac, Segment},
 };
+mod frames;
 mod program;
 
 use aya::{
@@ -19,9 +20,8 @@ use aya::{
     programs::{TestRun, TestRunOptions, Xdp},
 };
 use lb_common::{
-    Endpoint, Flow, FlowKey, MARK_SLOTS, MARKED_UNKNOWN, MAX_SERVERS, NAT_PORT_COUNT,
-    NAT_PORT_FIRST, NatKey, NatReply, Reason, Service, Traffic, TrafficSlot, maglev::Maglev, maps,
-    nat, programs, traffic_slot,
+    Endpoint, Flow, FlowKey, MARK_SLOTS, MARKED_UNKNOWN, MAX_SERVERS, NatKey, NatReply, Reason,
+    Service, Traffic, TrafficSlot, maglev::Maglev, maps, nat, programs, traffic_slot,
 };
 
 pub const XDP_DROP: u32 = 1;
@@ -112,7 +112,10 @@ pub fn ifindex(name: &str) -> u32 {
     index
 }
 
-pub use self::program::Lent;
+pub use self::{
+    frames::{assert_reset, forwarded, from_client, from_server, server_mac},
+    program::{Lent, time_run},
+};
 
 /// The node: the topology above in this thread's network namespace, and
 /// the XDP program (loaded once per process, its maps emptied: see
@@ -282,12 +285,7 @@ impl Node {
     ) -> Result<(u32, Vec<u8>), aya::programs::ProgramError> {
         let program: &Xdp = self.ebpf.program(programs::XDP).unwrap().try_into().unwrap();
         let mut out = vec![0u8; frame.len() + 512];
-        // `struct xdp_md`: data, data_end, data_meta, ingress_ifindex,
-        // rx_queue_index, egress_ifindex.
-        let ctx: Vec<u8> = [0, frame.len() as u32, 0, ingress.unwrap_or(0), 0, 0]
-            .iter()
-            .flat_map(|w| w.to_ne_bytes())
-            .collect();
+        let ctx = program::xdp_md(frame, ingress);
         let result = program.test_run(TestRunOptions {
             data_in: Some(frame),
             data_out: Some(&mut out),
@@ -298,22 +296,13 @@ impl Node {
         Ok((result.return_value, out))
     }
 
-    /// The program's time per run on `frame` arriving on loopback, run
-    /// `repeat` times on the same buffer (the kernel's measure under
-    /// `BPF_PROG_TEST_RUN`: its average). Repeats see what the runs
-    /// before them left of the frame.
-    pub fn time(&self, frame: &[u8], repeat: u32) -> std::time::Duration {
+    /// The program's time per run on `frame` arriving on `ingress`
+    /// (loopback when `None`; Linux 5.14+), run `repeat` times on the same
+    /// buffer (the kernel's measure under `BPF_PROG_TEST_RUN`: its
+    /// average). Repeats see what the runs before them left of the frame.
+    pub fn time(&self, frame: &[u8], repeat: u32, ingress: Option<u32>) -> std::time::Duration {
         let program: &Xdp = self.ebpf.program(programs::XDP).unwrap().try_into().unwrap();
-        let mut out = vec![0u8; frame.len() + 512];
-        let result = program
-            .test_run(TestRunOptions {
-                data_in: Some(frame),
-                data_out: Some(&mut out),
-                repeat,
-                ..TestRunOptions::default()
-            })
-            .expect("BPF_PROG_TEST_RUN");
-        result.duration
+        time_run(program, frame, repeat, ingress)
     }
 
     pub fn counter(&self, reason: Reason) -> u64 {
@@ -476,14 +465,6 @@ pub fn host(ip: IpAddr) -> Endpoint {
     Endpoint::from(SocketAddr::new(ip, 0))
 }
 
-pub fn server_mac(server: SocketAddr) -> Mac {
-    let last = match server.ip() {
-        IpAddr::V4(ip) => ip.octets()[3],
-        IpAddr::V6(ip) => ip.octets()[15],
-    };
-    SERVER_MACS.iter().find(|(l, _)| *l == last).expect("a server's MAC").1
-}
-
 /// Runs `case` for IPv4 and for IPv6, each on a node of its own. The
 /// caller is a `#[privileged_test]`.
 pub fn both_families(case: fn(&mut Node, &Family)) {
@@ -493,57 +474,4 @@ pub fn both_families(case: fn(&mut Node, &Family)) {
             case(&mut node, &family);
         });
     }
-}
-
-/// A client's segment to the VIP, as it arrives from its router.
-pub fn from_client(f: &Family, client: SocketAddr, flags: Flags, seq: u32) -> Segment {
-    Segment::tcp((EXT_MAC, CLIENT_MAC), client, f.vip, flags, seq, 0)
-}
-
-/// Sends the client's SYN and checks what the program made of it: a
-/// redirect out of `srv0` to a server, with the node's address and a NAT
-/// port as source. Returns the frame as it left.
-pub fn forwarded(node: &Node, f: &Family, client: SocketAddr, seq: u32) -> Segment {
-    let (verdict, out) = node.run(&from_client(f, client, Flags::SYN, seq).frame(), None);
-    assert_eq!(verdict, XDP_REDIRECT, "the SYN was not redirected");
-    let out = read_frame(&out).expect("the forwarded frame");
-    assert!(f.servers.contains(&out.dst), "forwarded to {}, not a server", out.dst);
-    assert_eq!(out.src.ip(), f.node, "the source is not the node's address toward the server");
-    let nat = out.src.port();
-    assert!(
-        (NAT_PORT_FIRST..=NAT_PORT_FIRST.saturating_add(NAT_PORT_COUNT - 1)).contains(&nat),
-        "NAT port {nat}"
-    );
-    assert_eq!(out.macs, (server_mac(out.dst), SRV_MAC), "link layer of the forwarded frame");
-    assert_eq!(out.ttl, 63, "a router takes one off the TTL");
-    assert_eq!(out.tcp.unwrap().seq, seq);
-    out
-}
-
-/// The server's answer to the forwarded `to`, as it arrives on `srv0`.
-pub fn from_server(to: &Segment, flags: Flags) -> Segment {
-    let ack = to.tcp.unwrap().seq.wrapping_add(1);
-    Segment::tcp((SRV_MAC, server_mac(to.dst)), to.dst, to.src, flags, 7_000, ack)
-}
-
-/// Checks that the node answers `packet`, a client's TCP packet other
-/// than a SYN of no flow (or of one whose server left), with its own
-/// reset from the VIP, back the way the packet came.
-pub fn assert_reset(node: &Node, f: &Family, packet: &Segment) {
-    assert_eq!(packet.dst.ip(), f.vip.ip(), "not a packet to the VIP");
-    let (verdict, out) = node.run(&packet.frame(), None);
-    assert_eq!(verdict, XDP_TX, "a packet of no flow was not answered with a reset");
-    let reset = read_frame(&out).expect("the reset");
-    assert_eq!((reset.src, reset.dst), (packet.dst, packet.src), "the reset's addresses");
-    assert_eq!(reset.macs, (packet.macs.1, packet.macs.0), "the reset's link layer");
-    let (sent, tcp) = (packet.tcp.unwrap(), reset.tcp.unwrap());
-    assert!(tcp.flags.rst && !tcp.flags.syn && !tcp.flags.fin, "not a reset: {:?}", tcp.flags);
-    if sent.flags.ack {
-        assert_eq!((tcp.seq, tcp.flags.ack), (sent.ack, false), "the reset's sequence");
-    } else {
-        let controls = u32::from(sent.flags.syn) + u32::from(sent.flags.fin);
-        let length = packet.payload.len() as u32 + controls;
-        assert_eq!((tcp.ack, tcp.flags.ack), (sent.seq + length, true), "what the reset acks");
-    }
-    assert!(reset.payload.is_empty(), "the reset carries data");
 }

@@ -6,7 +6,8 @@
 //!
 //! A program is not tied to a network namespace: under
 //! `BPF_PROG_TEST_RUN` it asks the FIB of the namespace of the thread that
-//! runs it, so each case still builds its own topology.
+//! runs it, so each case still builds its own topology. `time_run` times
+//! any XDP program so (the benchmark's too).
 
 use std::{
     ops::{Deref, DerefMut},
@@ -17,6 +18,7 @@ use std::{
 use aya::{
     Ebpf,
     maps::{Map, MapData},
+    programs::{TestRun as _, TestRunOptions, Xdp},
 };
 
 /// The program of this process, once loaded.
@@ -164,4 +166,36 @@ fn zero_all(name: &str, data: &MapData, cpus: usize) {
         };
         bpf(BPF_MAP_UPDATE_ELEM, &update).unwrap_or_else(|e| panic!("map {name}[{index}]: {e}"));
     }
+}
+
+/// An XDP program's time per run on `frame` arriving on `ingress`
+/// (loopback when `None`), run `repeat` times on one buffer: the kernel's
+/// average under `BPF_PROG_TEST_RUN`.
+pub fn time_run(
+    program: &Xdp,
+    frame: &[u8],
+    repeat: u32,
+    ingress: Option<u32>,
+) -> std::time::Duration {
+    let mut out = vec![0u8; frame.len() + 512];
+    let ctx = xdp_md(frame, ingress);
+    let result = program
+        .test_run(TestRunOptions {
+            data_in: Some(frame),
+            data_out: Some(&mut out),
+            ctx_in: ingress.map(|_| ctx.as_slice()),
+            repeat,
+            ..TestRunOptions::default()
+        })
+        .expect("BPF_PROG_TEST_RUN");
+    result.duration
+}
+
+/// The `struct xdp_md` a test run of `frame` starts from: data,
+/// data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex.
+pub(super) fn xdp_md(frame: &[u8], ingress: Option<u32>) -> Vec<u8> {
+    [0, frame.len() as u32, 0, ingress.unwrap_or(0), 0, 0]
+        .iter()
+        .flat_map(|w| w.to_ne_bytes())
+        .collect()
 }

@@ -1,4 +1,5 @@
-//! The external path's part: `lb_xdp`'s program time per packet, measured
+//! The external path's part: `lb_xdp`'s program time per packet beside a
+//! reference NAT forwarder's and a pass-through program's, measured
 //! by `tests/benches/xdp_program_time.rs` under `BPF_PROG_TEST_RUN` (see
 //! there for how: single runs less the kernel's timing overhead, measured
 //! in the same run); and connects and requests per second from a client
@@ -10,7 +11,7 @@
 use anyhow::Context as _;
 use serde_json::Value;
 
-use super::results::{External, ExternalRoute, Flood, FloodRate, Results};
+use super::results::{External, ExternalRoute, Flood, FloodRate, ProgramTime, Results};
 use crate::cmd::output_of;
 
 /// What the throughput bench compares lb with: IPVS (kube-proxy's IPVS
@@ -22,12 +23,25 @@ pub fn run(results: &mut Results) -> anyhow::Result<()> {
     println!("==> external path: lb_xdp's program time per packet (BPF_PROG_TEST_RUN)");
     let times = bench_json("xdp_program_time")?;
     let ns = |key: &str| times[key].as_f64().with_context(|| format!("no {key} in {times}"));
+    let mut program = Vec::new();
+    for family in ["ipv4", "ipv6"] {
+        let t = &times[family];
+        let ns =
+            |key: &str| t[key].as_f64().with_context(|| format!("no {family}.{key} in {times}"));
+        program.push(ProgramTime {
+            family: if family == "ipv4" { "IPv4" } else { "IPv6" },
+            first_ns: ns("first_ns")?,
+            established_ns: ns("established_ns")?,
+            reply_ns: ns("reply_ns")?,
+            not_ours_ns: ns("not_ours_ns")?,
+            reference_established_ns: ns("reference_established_ns")?,
+            reference_reply_ns: ns("reference_reply_ns")?,
+        });
+    }
     let mut external = External {
-        first_ns: ns("first_ns")?,
-        established_ns: ns("established_ns")?,
-        reply_ns: ns("reply_ns")?,
-        not_ours_ns: ns("not_ours_ns")?,
+        program,
         overhead_ns: ns("overhead_ns")?,
+        pass_ns: ns("pass_ns")?,
         live_connects_ns: 0.0,
         live_requests_ns: 0.0,
         routes: Vec::new(),

@@ -12,19 +12,31 @@ pub(super) fn external(r: &Results, tables: &mut Vec<Table>) {
     if let Some(e) = &r.external {
         let mut t = Table::new(
             &format!(
-                "lb_xdp's program time per packet (BPF_PROG_TEST_RUN, IPv4; median of single runs less the kernel's timing overhead of {:.0} ns)",
-                e.overhead_ns
+                "lb_xdp's program time per packet beside a reference NAT forwarder's on the same frames \
+                 (BPF_PROG_TEST_RUN; medians of samples of single runs, each less a pass-through \
+                 program's run beside it, which takes {:.0} ns with the kernel's timing overhead; a packet \
+                 not lb's: an average of repeats, against the pass-through program's {:.0} ns)",
+                e.overhead_ns, e.pass_ns
             ),
-            &["packet", "ns"],
+            &["packet", "family", "lb_xdp ns", "yardstick ns", "ratio", "goal"],
         );
-        for (what, ns) in [
-            ("first of a flow (choice, NAT port, two inserts)", e.first_ns),
-            ("of an established flow (kept route, redirect)", e.established_ns),
-            ("a server's reply (back the way the client came)", e.reply_ns),
-            ("not the VIP's (passes untouched)", e.not_ours_ns),
-        ] {
-            t.row(vec![what.to_owned(), format!("{ns:.0}")]);
+        for p in &e.program {
+            for case in p.cases(e.pass_ns) {
+                t.row(vec![
+                    case.what.to_owned(),
+                    p.family.to_owned(),
+                    format!("{:.0}", case.lb_ns),
+                    format!("{:.0}", case.yardstick_ns),
+                    format!("{:.2}", case.ratio()),
+                    format!("≤ {:.1}", case.at_most),
+                ]);
+            }
         }
+        tables.push(t);
+        let mut t = Table::new(
+            "lb_xdp's average run time per packet on real traffic (the kernel's run-time statistics)",
+            &["traffic", "ns"],
+        );
         for (what, ns) in [
             (
                 "live traffic, connects (kernel run-time stats, with their clock reads)",

@@ -115,10 +115,17 @@ pub fn write(r: &Results, dir: &Path) -> anyhow::Result<()> {
     if !r.paths.is_empty() {
         md += "![ratios per path and workload](ratios.svg)\n";
     }
+    if r.external.is_some() {
+        md += "![lb_xdp against its yardsticks](xdp_ratios.svg)\n";
+    }
     std::fs::write(dir.join("report.md"), md).context("writing report.md")?;
     if !r.paths.is_empty() {
         plot::ratios(r, &dir.join("ratios.svg"))
             .map_err(|e| anyhow::anyhow!("drawing ratios.svg: {e}"))?;
+    }
+    if let Some(e) = &r.external {
+        plot::program_ratios(e, &dir.join("xdp_ratios.svg"))
+            .map_err(|e| anyhow::anyhow!("drawing xdp_ratios.svg: {e}"))?;
     }
     Ok(())
 }

@@ -161,17 +161,17 @@ impl DnsRoute {
 /// (median of the paired ratios), queries lost, how the VIP's sends were
 /// rewritten (counter deltas), and per lb program its runs and run time
 /// per query (name, runs, ns) over `queries_for_programs` queries.
-/// `lb_xdp`'s program time per packet, in nanoseconds (the kernel's
-/// timing overhead of a single run taken off).
+/// The external path: `lb_xdp`'s program time per packet, IPv4 then
+/// IPv6, beside the reference forwarder's and a pass-through program's
+/// (the kernel's timing overhead of a single run, taken off, and the
+/// pass-through's time per packet, in nanoseconds).
 /// And per route (plain routing first, then lb, IPVS, haproxy) connects
 /// and requests per second, with their ratios to plain routing; routes
 /// that could not run, with why.
 pub struct External {
-    pub first_ns: f64,
-    pub established_ns: f64,
-    pub reply_ns: f64,
-    pub not_ours_ns: f64,
+    pub program: Vec<ProgramTime>,
     pub overhead_ns: f64,
+    pub pass_ns: f64,
     /// lb_xdp's average run time per packet on real traffic (the kernel's
     /// statistics) in the throughput bench's lb runs: connects, requests.
     pub live_connects_ns: f64,
@@ -180,6 +180,63 @@ pub struct External {
     pub skipped: Vec<(String, String)>,
     /// The SYN flood bench, rate by rate.
     pub flood: Option<Flood>,
+}
+
+/// One family's program time per packet, in nanoseconds: `lb_xdp`'s, and
+/// the reference forwarder's on the same frames (single runs, the
+/// overhead taken off; the packet not the VIP's: an average of repeats).
+pub struct ProgramTime {
+    pub family: &'static str,
+    pub first_ns: f64,
+    pub established_ns: f64,
+    pub reply_ns: f64,
+    pub not_ours_ns: f64,
+    pub reference_established_ns: f64,
+    pub reference_reply_ns: f64,
+}
+
+impl ProgramTime {
+    /// `lb_xdp`'s cases beside their yardsticks, each with its goal.
+    pub fn cases(&self, pass_ns: f64) -> [Yardstick; 4] {
+        let case =
+            |what, lb_ns, yardstick_ns, at_most| Yardstick { what, lb_ns, yardstick_ns, at_most };
+        [
+            case(
+                "an established flow's packet",
+                self.established_ns,
+                self.reference_established_ns,
+                1.3,
+            ),
+            case("a server's reply", self.reply_ns, self.reference_reply_ns, 1.3),
+            case(
+                "a flow's first packet (choice, NAT port, inserts)",
+                self.first_ns,
+                self.reference_established_ns,
+                4.0,
+            ),
+            case(
+                "a packet not lb's (yardstick: a pass-through program)",
+                self.not_ours_ns,
+                pass_ns,
+                1.1,
+            ),
+        ]
+    }
+}
+
+/// One of `lb_xdp`'s cases beside what it is measured against: it must
+/// take at most `at_most` times the yardstick's time.
+pub struct Yardstick {
+    pub what: &'static str,
+    pub lb_ns: f64,
+    pub yardstick_ns: f64,
+    pub at_most: f64,
+}
+
+impl Yardstick {
+    pub fn ratio(&self) -> f64 {
+        if self.yardstick_ns > 0.0 { self.lb_ns / self.yardstick_ns } else { f64::INFINITY }
+    }
 }
 
 /// The external path under forged SYNs (`tests/benches/syn_flood.rs`):

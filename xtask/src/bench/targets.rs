@@ -90,13 +90,18 @@ pub fn targets(r: &Results) -> Vec<(bool, String)> {
         ));
     }
     if let Some(e) = &r.external {
-        lines.push((
-            e.established_ns < 100.0,
-            format!(
-                "an established external flow's packet under 100 ns of program time: {:.0} ns (first packet {:.0} ns, reply {:.0} ns)",
-                e.established_ns, e.first_ns, e.reply_ns
-            ),
-        ));
+        for p in &e.program {
+            for case in p.cases(e.pass_ns) {
+                let ratio = case.ratio();
+                lines.push((
+                    ratio <= case.at_most,
+                    format!(
+                        "lb_xdp, {} ({}) ≤ {:.1} × the yardstick: {ratio:.2} ({:.0} vs {:.0} ns)",
+                        case.what, p.family, case.at_most, case.lb_ns, case.yardstick_ns
+                    ),
+                ));
+            }
+        }
         if let Some(lb) = e.route("lb") {
             for (what, ratio) in [("connects", lb.connects_ratio), ("requests", lb.requests_ratio)]
             {
