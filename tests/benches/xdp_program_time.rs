@@ -31,14 +31,17 @@ use aya::{
     programs::{TestRun as _, TestRunOptions, Xdp},
 };
 use lb_common::{
-    Endpoint, FlowKey,
+    Endpoint, FlowKey, Reason,
     reference::{REFERENCE_FLOWS, ReferenceRewrite},
 };
 use lb_tests::{
     in_new_netns,
     packets::{Flags, Segment, read_frame},
     privileged,
-    xdp_node::{Family, Node, XDP_REDIRECT, forwarded, from_client, from_server, time_run, v4, v6},
+    xdp_node::{
+        CLIENT_MAC, EXT_MAC, Family, Node, XDP_REDIRECT, forwarded, from_client, from_server,
+        time_run, v4, v6,
+    },
 };
 
 /// Single runs per case.
@@ -167,13 +170,20 @@ fn paired(
 
 fn family(node: &mut Node, reference: &mut Ebpf, f: &Family) -> Times {
     node.serve(f, &f.servers);
+    // A whole handshake: the flow moves to the established tables.
     let out = forwarded(node, f, f.client, 1);
-    // The client's ACK completes the handshake: its flow is established.
-    let ack = from_client(f, f.client, Flags::ACK, 2);
-    let ack_out = lb_output(node, &ack.frame(), None);
-    // Replies count only where the flow's packets to the server leave.
     let from_servers = Some(node.srv0);
-    let answer = from_server(&out, Flags::ACK);
+    let syn_ack = from_server(&out, Flags::SYN_ACK);
+    lb_output(node, &syn_ack.frame(), from_servers);
+    let server_seq = syn_ack.tcp.unwrap().seq;
+    let ack = Segment::tcp((EXT_MAC, CLIENT_MAC), f.client, f.vip, Flags::ACK, 2, server_seq + 1);
+    let promoted = node.counter(Reason::XdpPromoted);
+    let ack_out = lb_output(node, &ack.frame(), None);
+    assert_eq!(node.counter(Reason::XdpPromoted), promoted + 1, "the flow is not established");
+    // The server's next segment; replies count only where the flow's
+    // packets to the server leave.
+    let answer =
+        Segment::tcp(syn_ack.macs, syn_ack.src, syn_ack.dst, Flags::ACK, server_seq + 1, 2);
     let answer_out = lb_output(node, &answer.frame(), from_servers);
     reference_flow(reference, &ack, &ack_out);
     reference_flow(reference, &answer, &answer_out);
