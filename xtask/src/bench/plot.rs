@@ -33,19 +33,13 @@ pub fn ratios(r: &Results, path: &Path) -> Result<(), Box<dyn std::error::Error>
         .flat_map(|w| Route::ALL.map(|route| r.ratio(*w, route).unwrap_or(0.0)))
         .fold(1.0f64, f64::max)
         * 1.15;
-    let full = SVGBackend::new(path, (1150, 560)).into_drawing_area();
-    full.fill(&WHITE)?;
-    let titled = full.titled(
+    let (full, legend, mut chart) = canvas(
+        path,
         "lb bench: throughput × direct, per path and workload (higher is better)",
-        ("sans-serif", 22),
+        workloads.len(),
+        top,
+        "× direct",
     )?;
-    let (area, legend) = titled.split_horizontally(930);
-    let mut chart = ChartBuilder::on(&area)
-        .margin(16)
-        .x_label_area_size(50)
-        .y_label_area_size(56)
-        .build_cartesian_2d(0f64..workloads.len() as f64, 0f64..top)?;
-    draw_mesh(&mut chart, "× direct")?;
     let width = 0.8 / Route::ALL.len() as f64;
     for (i, route) in Route::ALL.iter().enumerate() {
         let color = COLORS[i];
@@ -87,19 +81,13 @@ pub fn program_ratios(e: &External, path: &Path) -> Result<(), Box<dyn std::erro
         .flat_map(|p| p.cases(e.pass_ns).map(|c| c.ratio().max(c.at_most)))
         .fold(1.0f64, f64::max)
         * 1.15;
-    let full = SVGBackend::new(path, (1150, 560)).into_drawing_area();
-    full.fill(&WHITE)?;
-    let titled = full.titled(
+    let (full, legend, mut chart) = canvas(
+        path,
         "lb_xdp: program time per packet × its yardstick (lower is better; line: goal)",
-        ("sans-serif", 22),
+        cases,
+        top,
+        "× yardstick",
     )?;
-    let (area, legend) = titled.split_horizontally(930);
-    let mut chart = ChartBuilder::on(&area)
-        .margin(16)
-        .x_label_area_size(50)
-        .y_label_area_size(56)
-        .build_cartesian_2d(0f64..cases as f64, 0f64..top)?;
-    draw_mesh(&mut chart, "× yardstick")?;
     let width = 0.8 / e.program.len() as f64;
     for (i, p) in e.program.iter().enumerate() {
         let color = COLORS[2 + i % 3];
@@ -129,11 +117,31 @@ pub fn program_ratios(e: &External, path: &Path) -> Result<(), Box<dyn std::erro
     Ok(())
 }
 
+/// A part of the picture.
+type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
+
 /// The chart the plots draw on.
 type Chart<'a> = ChartContext<'a, SVGBackend<'a>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
 
-/// A light horizontal grid and the y axis, named `y_desc`.
-fn draw_mesh(chart: &mut Chart<'_>, y_desc: &str) -> Result<(), Box<dyn std::error::Error>> {
+/// The whole picture (titled, white), its legend's column, and a chart
+/// of `groups` groups of bars up to `top`, with a light horizontal grid
+/// and the y axis named `y_desc`.
+fn canvas<'a>(
+    path: &'a Path,
+    title: &str,
+    groups: usize,
+    top: f64,
+    y_desc: &str,
+) -> Result<(Area<'a>, Area<'a>, Chart<'a>), Box<dyn std::error::Error>> {
+    let full = SVGBackend::new(path, (1150, 560)).into_drawing_area();
+    full.fill(&WHITE)?;
+    let titled = full.titled(title, ("sans-serif", 22))?;
+    let (area, legend) = titled.split_horizontally(930);
+    let mut chart = ChartBuilder::on(&area)
+        .margin(16)
+        .x_label_area_size(50)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0f64..groups as f64, 0f64..top)?;
     chart
         .configure_mesh()
         .disable_x_mesh()
@@ -144,7 +152,7 @@ fn draw_mesh(chart: &mut Chart<'_>, y_desc: &str) -> Result<(), Box<dyn std::err
         .y_label_formatter(&|v| format!("{v:.1}"))
         .label_style(("sans-serif", 15))
         .draw()?;
-    Ok(())
+    Ok((full, legend, chart))
 }
 
 /// Bars at (left edge, height), `width` wide, each labelled with its
@@ -172,7 +180,7 @@ fn draw_bars(
 
 /// The legend's `i`th line: a swatch of `color` and `label`.
 fn legend_entry(
-    legend: &DrawingArea<SVGBackend<'_>, Shift>,
+    legend: &Area<'_>,
     i: usize,
     color: RGBColor,
     label: &str,
