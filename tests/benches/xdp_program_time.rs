@@ -25,11 +25,7 @@ use std::{
     time::Duration,
 };
 
-use aya::{
-    Ebpf,
-    maps::HashMap,
-    programs::{TestRun as _, TestRunOptions, Xdp},
-};
+use aya::{Ebpf, maps::HashMap, programs::Xdp};
 use lb_common::{
     Endpoint, FlowKey, Reason,
     reference::{REFERENCE_FLOWS, ReferenceRewrite},
@@ -40,7 +36,7 @@ use lb_tests::{
     privileged,
     xdp_node::{
         CLIENT_MAC, EXT_MAC, Family, Node, XDP_REDIRECT, forwarded, from_client, from_server,
-        time_run, v4, v6,
+        test_run, time_run, v4, v6,
     },
 };
 
@@ -96,25 +92,25 @@ fn time(ebpf: &Ebpf, name: &str, frame: &[u8], repeat: u32, ingress: Option<u32>
     time_run(ebpf.program(name).unwrap().try_into().unwrap(), frame, repeat, ingress)
 }
 
-fn endpoint(address: SocketAddr) -> Endpoint {
-    Endpoint::from(address)
-}
-
 /// Tells the reference forwarder that `packet` leaves as `leaves` does.
 fn reference_flow(ebpf: &mut Ebpf, packet: &Segment, leaves: &Segment) {
     let mut flows: HashMap<_, FlowKey, ReferenceRewrite> =
         HashMap::try_from(ebpf.map_mut(REFERENCE_FLOWS).unwrap()).unwrap();
     let key = FlowKey {
-        client: endpoint(packet.src),
-        vip: endpoint(packet.dst),
+        client: Endpoint::from(packet.src),
+        vip: Endpoint::from(packet.dst),
         protocol: TCP,
         _pad: [0; 3],
     };
     let mut macs = [0u8; 12];
     macs[..6].copy_from_slice(&leaves.macs.0);
     macs[6..].copy_from_slice(&leaves.macs.1);
-    let rewrite =
-        ReferenceRewrite { src: endpoint(leaves.src), dst: endpoint(leaves.dst), ifindex: 1, macs };
+    let rewrite = ReferenceRewrite {
+        src: Endpoint::from(leaves.src),
+        dst: Endpoint::from(leaves.dst),
+        ifindex: 1,
+        macs,
+    };
     flows.insert(key, rewrite, 0).unwrap();
 }
 
@@ -122,18 +118,9 @@ fn reference_flow(ebpf: &mut Ebpf, packet: &Segment, leaves: &Segment) {
 /// lb did: the yardstick does the same work.
 fn assert_same_output(ebpf: &Ebpf, packet: &Segment, leaves: &Segment) {
     let program: &Xdp = ebpf.program("reference_nat").unwrap().try_into().unwrap();
-    let frame = packet.frame();
-    let mut out = vec![0u8; frame.len() + 512];
-    let result = program
-        .test_run(TestRunOptions {
-            data_in: Some(&frame),
-            data_out: Some(&mut out),
-            ..TestRunOptions::default()
-        })
-        .expect("BPF_PROG_TEST_RUN");
-    out.truncate(result.data_size_out as usize);
-    assert_eq!(result.return_value, XDP_REDIRECT, "the reference forwarder did not redirect");
-    assert_eq!(out, leaves.frame(), "the reference forwarder's frame differs from lb_xdp's");
+    let ran = test_run(program, &packet.frame(), 1, None).expect("BPF_PROG_TEST_RUN");
+    assert_eq!(ran.verdict, XDP_REDIRECT, "the reference forwarder did not redirect");
+    assert_eq!(ran.frame, leaves.frame(), "the reference forwarder's frame differs from lb_xdp's");
 }
 
 /// The case's frame, as `lb_xdp` leaves it (it must redirect it).

@@ -98,15 +98,9 @@ impl Topology {
 
     /// Attaches a pass-through program to `dev` in this thread's
     /// namespace (generic mode), as a foreign XDP program would be: lb
-    /// cannot attach there while it is. Returns what
-    /// [`Self::release_xdp`] takes.
-    pub fn occupy_xdp(&mut self, dev: &str) -> PassThrough {
+    /// cannot attach there while it is. Detached when dropped.
+    pub fn occupy_xdp(&self, dev: &str) -> PassThrough {
         attach_pass_through(dev, true)
-    }
-
-    /// Detaches what [`Self::occupy_xdp`] attached.
-    pub fn release_xdp(&mut self, link: PassThrough) {
-        drop(link);
     }
 
     /// A server in the servers' namespace that answers with its name.

@@ -17,7 +17,7 @@ mod program;
 
 use aya::{
     maps::{Array, HashMap, PerCpuArray, PerCpuHashMap, PerCpuValues},
-    programs::{TestRun, TestRunOptions, Xdp},
+    programs::Xdp,
 };
 use lb_common::{
     Endpoint, Flow, FlowKey, MARK_SLOTS, MARKED_UNKNOWN, MAX_SERVERS, NatKey, NatReply, Reason,
@@ -114,7 +114,7 @@ pub fn ifindex(name: &str) -> u32 {
 
 pub use self::{
     frames::{assert_reset, forwarded, from_client, from_server, server_mac},
-    program::{Lent, time_run},
+    program::{Lent, Ran, test_run, time_run},
 };
 
 /// The node: the topology above in this thread's network namespace, and
@@ -284,16 +284,7 @@ impl Node {
         ingress: Option<u32>,
     ) -> Result<(u32, Vec<u8>), aya::programs::ProgramError> {
         let program: &Xdp = self.ebpf.program(programs::XDP).unwrap().try_into().unwrap();
-        let mut out = vec![0u8; frame.len() + 512];
-        let ctx = program::xdp_md(frame, ingress);
-        let result = program.test_run(TestRunOptions {
-            data_in: Some(frame),
-            data_out: Some(&mut out),
-            ctx_in: ingress.map(|_| ctx.as_slice()),
-            ..TestRunOptions::default()
-        })?;
-        out.truncate(result.data_size_out as usize);
-        Ok((result.return_value, out))
+        test_run(program, frame, 1, ingress).map(|ran| (ran.verdict, ran.frame))
     }
 
     /// The program's time per run on `frame` arriving on `ingress`

@@ -6,8 +6,8 @@
 //!
 //! A program is not tied to a network namespace: under
 //! `BPF_PROG_TEST_RUN` it asks the FIB of the namespace of the thread that
-//! runs it, so each case still builds its own topology. `time_run` times
-//! any XDP program so (the benchmark's too).
+//! runs it, so each case still builds its own topology. `test_run` runs,
+//! and `time_run` times, any XDP program so (the benchmark's too).
 
 use std::{
     ops::{Deref, DerefMut},
@@ -168,34 +168,50 @@ fn zero_all(name: &str, data: &MapData, cpus: usize) {
     }
 }
 
-/// An XDP program's time per run on `frame` arriving on `ingress`
-/// (loopback when `None`), run `repeat` times on one buffer: the kernel's
-/// average under `BPF_PROG_TEST_RUN`.
+/// What one `BPF_PROG_TEST_RUN` of an XDP program gave.
+pub struct Ran {
+    /// The program's verdict (`XDP_*`).
+    pub verdict: u32,
+    /// The frame as the program left it.
+    pub frame: Vec<u8>,
+    /// The kernel's measure of one run: the average over the repeats.
+    pub duration: std::time::Duration,
+}
+
+/// Runs `program` on `frame` arriving on `ingress` (loopback when `None`;
+/// an input `xdp_md` needs Linux 5.14), `repeat` times on one buffer:
+/// each repeat sees what the runs before it left of the frame.
+pub fn test_run(
+    program: &Xdp,
+    frame: &[u8],
+    repeat: u32,
+    ingress: Option<u32>,
+) -> Result<Ran, aya::programs::ProgramError> {
+    let mut out = vec![0u8; frame.len() + 512];
+    // `struct xdp_md`: data, data_end, data_meta, ingress_ifindex,
+    // rx_queue_index, egress_ifindex.
+    let ctx: Vec<u8> = [0, frame.len() as u32, 0, ingress.unwrap_or(0), 0, 0]
+        .iter()
+        .flat_map(|w| w.to_ne_bytes())
+        .collect();
+    let result = program.test_run(TestRunOptions {
+        data_in: Some(frame),
+        data_out: Some(&mut out),
+        ctx_in: ingress.map(|_| ctx.as_slice()),
+        repeat,
+        ..TestRunOptions::default()
+    })?;
+    out.truncate(result.data_size_out as usize);
+    Ok(Ran { verdict: result.return_value, frame: out, duration: result.duration })
+}
+
+/// An XDP program's time per run on `frame` arriving on `ingress`, run
+/// `repeat` times on one buffer ([`test_run`]).
 pub fn time_run(
     program: &Xdp,
     frame: &[u8],
     repeat: u32,
     ingress: Option<u32>,
 ) -> std::time::Duration {
-    let mut out = vec![0u8; frame.len() + 512];
-    let ctx = xdp_md(frame, ingress);
-    let result = program
-        .test_run(TestRunOptions {
-            data_in: Some(frame),
-            data_out: Some(&mut out),
-            ctx_in: ingress.map(|_| ctx.as_slice()),
-            repeat,
-            ..TestRunOptions::default()
-        })
-        .expect("BPF_PROG_TEST_RUN");
-    result.duration
-}
-
-/// The `struct xdp_md` a test run of `frame` starts from: data,
-/// data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex.
-pub(super) fn xdp_md(frame: &[u8], ingress: Option<u32>) -> Vec<u8> {
-    [0, frame.len() as u32, 0, ingress.unwrap_or(0), 0, 0]
-        .iter()
-        .flat_map(|w| w.to_ne_bytes())
-        .collect()
+    test_run(program, frame, repeat, ingress).expect("BPF_PROG_TEST_RUN").duration
 }

@@ -14,7 +14,7 @@ use crate::services_announced;
 #[privileged_test]
 fn a_vip_is_not_announced_while_its_servers_replies_would_go_untranslated() {
     in_new_netns(|| {
-        let mut net = Topology::on_link();
+        let net = Topology::on_link();
         let _s1 = net.server("s1", "198.18.2.2:8080");
         let _s1v6 = net.server("s1", "[2001:2:0:2::2]:8080");
         let foreign = net.occupy_xdp("srv0");
@@ -40,7 +40,8 @@ fn a_vip_is_not_announced_while_its_servers_replies_would_go_untranslated() {
         assert!(!announcing(0) && !announcing(1), "announced with untranslated replies");
         assert_eq!(daemon.counter("xdp_arp_answered"), 0);
 
-        net.release_xdp(foreign);
+        // Detached: lb may attach there now.
+        drop(foreign);
         assert!(
             wait_until(Duration::from_secs(10), || announcing(0) && announcing(1)),
             "{}",

@@ -1,8 +1,8 @@
 //! The external path's part: `lb_xdp`'s program time per packet beside a
 //! reference NAT forwarder's and a pass-through program's, measured
 //! by `tests/benches/xdp_program_time.rs` under `BPF_PROG_TEST_RUN` (see
-//! there for how: single runs less the kernel's timing overhead, measured
-//! in the same run); and connects and requests per second from a client
+//! there for how: single runs, each less the pass-through program's run
+//! beside it); and connects and requests per second from a client
 //! namespace through the node, by plain routing, lb's external VIP, IPVS in
 //! NAT mode and haproxy, measured by `tests/benches/external_throughput.rs`
 //! (see there for how); and legitimate connects and held connections

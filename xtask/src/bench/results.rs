@@ -162,9 +162,9 @@ impl DnsRoute {
 /// rewritten (counter deltas), and per lb program its runs and run time
 /// per query (name, runs, ns) over `queries_for_programs` queries.
 /// The external path: `lb_xdp`'s program time per packet, IPv4 then
-/// IPv6, beside the reference forwarder's and a pass-through program's
-/// (the kernel's timing overhead of a single run, taken off, and the
-/// pass-through's time per packet, in nanoseconds).
+/// IPv6, beside the reference forwarder's; the pass-through program's
+/// single run (the kernel's timing overhead, taken off every case) and
+/// its time per packet over repeats, in nanoseconds.
 /// And per route (plain routing first, then lb, IPVS, haproxy) connects
 /// and requests per second, with their ratios to plain routing; routes
 /// that could not run, with why.
@@ -183,8 +183,9 @@ pub struct External {
 }
 
 /// One family's program time per packet, in nanoseconds: `lb_xdp`'s, and
-/// the reference forwarder's on the same frames (single runs, the
-/// overhead taken off; the packet not the VIP's: an average of repeats).
+/// the reference forwarder's on the same frames (medians of single runs,
+/// each less the pass-through's beside it; the packet not the VIP's: an
+/// average of repeats).
 pub struct ProgramTime {
     pub family: &'static str,
     pub first_ns: f64,
