@@ -68,8 +68,8 @@ pub fn table(servers: &[SocketAddr]) -> Maglev {
 }
 
 /// FNV-1a, 64 bits, from `seed`: a stable hash (the same on every node and
-/// every run, so that nodes agree on a table).
-fn fnv1a(seed: u64, text: &str) -> u64 {
+/// every run, so that nodes agree on a table, or on a VIP's place).
+pub(crate) fn fnv1a(seed: u64, text: &str) -> u64 {
     text.bytes().fold(seed, |hash, byte| (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3))
 }
 

@@ -22,6 +22,8 @@ pub(crate) mod identity;
 #[cfg(feature = "kubernetes")]
 mod lease;
 pub(crate) mod machine;
+pub(crate) mod membership;
+pub(crate) mod placement;
 
 use std::{
     net::SocketAddr,
