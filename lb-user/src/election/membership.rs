@@ -133,12 +133,30 @@ pub(crate) enum Step {
 #[derive(Clone, Debug)]
 struct Peer {
     version: String,
+    /// What its Lease says last, whoever wrote it.
     content: Content,
     /// When this node last saw the Lease change.
     seen_at: Instant,
     /// Since when it has been a member without a break, by this node's
     /// eyes.
     member_since: Instant,
+    /// The claims of each identity that wrote the Lease lately, with when
+    /// its last write was seen: only a write of the same identity takes
+    /// them back. A write of another's (a second daemon with the node's
+    /// name, a hand edit) neither withdraws nor renews the claims before
+    /// it: they stand until they run out, and the node that made them,
+    /// seeing the write, falls silent meanwhile.
+    writers: BTreeMap<String, (BTreeSet<String>, Instant)>,
+}
+
+/// The most writers of one Lease remembered (the oldest go first).
+const WRITERS: usize = 8;
+
+impl Peer {
+    /// When each identity that claims `vip` in this Lease was last seen.
+    fn claims<'a>(&'a self, vip: &'a str) -> impl Iterator<Item = Instant> + 'a {
+        self.writers.values().filter(move |(c, _)| c.contains(vip)).map(|(_, seen)| *seen)
+    }
 }
 
 /// A write of this node's, sent.
@@ -246,9 +264,9 @@ impl Machine {
     pub(crate) fn claimants(&self, vip: &str, now: Instant) -> Vec<&str> {
         let mine = self.last_sent.as_ref().is_some_and(|s| s.content.claims.contains(vip));
         let mine = mine.then_some(self.node.as_str());
-        let theirs = self.peers.iter().filter(|(_, p)| self.is_member(p, now));
-        let theirs = theirs.filter(|(_, p)| p.content.claims.contains(vip)).map(|(n, _)| n.as_str());
-        mine.into_iter().chain(theirs).collect()
+        let duration = self.timings.duration;
+        let theirs = self.peers.iter().filter(|(_, p)| p.claims(vip).any(|s| s + duration > now));
+        mine.into_iter().chain(theirs.map(|(n, _)| n.as_str())).collect()
     }
 
     /// Whether another node's Lease says it may still be answering.
@@ -283,8 +301,10 @@ impl Machine {
 
     /// What this node writes now.
     fn content(&self, now: Instant) -> Content {
+        // Stopping, or silenced by another's write: it can serve nothing,
+        // and says so, so that the others take its VIPs at once.
         let eligible = match &self.eligible {
-            Some(eligible) if !self.stopping => eligible.clone(),
+            Some(eligible) if !self.stopping && self.quiet(now) => eligible.clone(),
             _ => BTreeSet::new(),
         };
         let claims = eligible.iter().filter(|v| self.places_here(v, now)).cloned().collect();
@@ -321,9 +341,7 @@ impl Machine {
                 continue;
             }
             let duration = self.timings.duration;
-            let in_the_way = self.peers.values().any(|p| {
-                p.content.claims.contains(vip) && p.seen_at + duration > echoed.at
-            });
+            let in_the_way = self.peers.values().flat_map(|p| p.claims(vip)).any(|seen| seen + duration > echoed.at);
             if !in_the_way {
                 verified.push(vip.clone());
             }
@@ -337,10 +355,9 @@ impl Machine {
         let Some(sent) = &self.last_sent else { return false };
         let duration = self.timings.duration;
         self.claimed_since.keys().filter(|v| !self.answering.contains(*v)).any(|vip| {
-            let claimants = self.peers.values().filter(|p| p.content.claims.contains(vip));
-            let mut claimants = claimants.peekable();
-            claimants.peek().is_some()
-                && claimants.all(|p| p.seen_at + duration <= now && p.seen_at + duration > sent.at)
+            let mut claims = self.peers.values().flat_map(|p| p.claims(vip)).peekable();
+            claims.peek().is_some()
+                && claims.all(|seen| seen + duration <= now && seen + duration > sent.at)
         })
     }
 
@@ -459,14 +476,25 @@ impl Machine {
                     }
                     peer.seen_at = now;
                     peer.version = lease.version;
+                    peer.writers.retain(|_, (_, seen)| *seen + duration > now);
+                    peer.writers.insert(lease.identity, (lease.content.claims.clone(), now));
+                    while peer.writers.len() > WRITERS {
+                        let oldest = peer.writers.iter().min_by_key(|(_, (_, seen))| *seen);
+                        let Some(oldest) = oldest.map(|(identity, _)| identity.clone()) else {
+                            break;
+                        };
+                        peer.writers.remove(&oldest);
+                    }
                     peer.content = lease.content;
                 }
                 None => {
+                    let writers = [(lease.identity, (lease.content.claims.clone(), now))];
                     let peer = Peer {
                         version: lease.version,
                         content: lease.content,
                         seen_at: now,
                         member_since: now,
+                        writers: writers.into_iter().collect(),
                     };
                     self.peers.insert(lease.node, peer);
                 }

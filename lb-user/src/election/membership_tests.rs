@@ -272,6 +272,29 @@ fn a_write_to_its_lease_by_another_daemon_silences_a_node_for_a_duration() {
 }
 
 #[test]
+fn a_write_by_another_daemon_withdraws_no_claim_of_the_node() {
+    let mut cluster = settled(30, 8);
+    let mine = cluster.held()[0].clone();
+    // Another daemon with node-a's name writes its Lease claiming nothing,
+    // while node-a's watch lags: node-a goes on answering until it sees
+    // the write, so nobody may take its VIPs on the strength of it.
+    let watch = cluster.now + Duration::from_millis(500);
+    let now = cluster.now;
+    cluster.cut(0, now, watch);
+    cluster.foreign_write(0);
+    let seen = watch - Duration::from_millis(10);
+    cluster.run_until(seen);
+    assert_eq!(cluster.held()[0], mine);
+    // Seen: node-a falls silent and says so; the others take over.
+    let later = watch + Duration::from_millis(200);
+    cluster.run_until(later);
+    assert!(cluster.held()[0].is_empty());
+    for vip in &mine {
+        assert_eq!(cluster.answering(vip).len(), 1, "{vip}");
+    }
+}
+
+#[test]
 fn a_restarted_daemon_keeps_answering_what_its_lease_claims() {
     let start = Instant::now();
     let fence = start + Duration::from_millis(600);
