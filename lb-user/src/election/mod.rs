@@ -23,6 +23,8 @@ pub(crate) mod identity;
 mod lease;
 pub(crate) mod machine;
 pub(crate) mod membership;
+#[cfg(feature = "kubernetes")]
+mod membership_lease;
 pub(crate) mod placement;
 
 use std::{
