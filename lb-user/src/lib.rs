@@ -31,7 +31,7 @@ pub mod daemon;
 pub mod datapath;
 pub mod detach;
 pub mod discovery;
-pub(crate) mod election;
+pub mod election;
 pub mod health;
 pub mod interfaces;
 pub mod maglev;

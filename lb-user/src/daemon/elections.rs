@@ -7,11 +7,9 @@
 
 use std::{
     collections::HashMap,
-    net::{IpAddr, SocketAddr},
+    net::IpAddr,
     time::{Duration, Instant},
 };
-
-use tokio::sync::watch;
 
 use super::owner::Daemon;
 use crate::{
@@ -185,11 +183,6 @@ fn reach(services: &[super::service::Service], kubeconfig: Option<std::path::Pat
             seeds: service.config.servers.clone(),
             usable: discovery.usable.subscribe(),
         },
-        None => Reach {
-            kubeconfig,
-            apiservers: None,
-            seeds: Vec::new(),
-            usable: watch::channel(Vec::<SocketAddr>::new()).1,
-        },
+        None => Reach::kubeconfig(kubeconfig),
     }
 }

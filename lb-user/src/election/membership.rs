@@ -14,11 +14,12 @@
 //!   a member while it has seen its Lease change within `duration`, by
 //!   that node's clock: the nodes' wall clocks never meet.
 //! - **Placement**: a VIP's holder is the first, by `placement::first`,
-//!   of the members eligible for it; of those that have been members for
-//!   `hold_down`, if any is. So a node that comes back (or starts beside
-//!   running ones) takes back its share only after the hold-down, and a
-//!   node that flaps moves nothing; nodes that start together place at
-//!   once.
+//!   of the members eligible for it; but while that first has been a
+//!   member for less than `hold_down` and a member that has been one for
+//!   longer claims the VIP, the first of those longer members. So a node
+//!   that comes back (or starts beside running ones) takes back its share
+//!   only after the hold-down, and a node that flaps moves nothing; nodes
+//!   that start together place at once, and stay placed as they settle.
 //! - **Claim before answering, stop before unclaiming**: a node answers a
 //!   VIP only after a write claiming it has come back to it through the
 //!   watch (the watch is one stream in the API server's order: everything
@@ -26,8 +27,8 @@
 //!   and if, at that point, no other node's Lease claims the VIP, except a
 //!   node whose membership had run out before that write was *sent*. A
 //!   node that no longer places a VIP on itself stops answering it before
-//!   it writes the claim away (the daemon applies [`Machine::answering`]
-//!   to the kernel before it carries out the next [`Step`]). A claim seen
+//!   it writes the claim away (the daemon applies `Machine::answering`
+//!   to the kernel before it carries out the next `Step`). A claim seen
 //!   after a node began answering the VIP is later than its own: the
 //!   other node waits.
 //! - **A lapse starts over**: a node whose fence ran out (its writes
@@ -43,21 +44,15 @@
 //! membership before its fence landed before that claim, and was seen
 //! before its echo: the taker then finds the membership alive and waits.
 
-#![cfg_attr(
-    not(test),
-    allow(
-        dead_code,
-        reason = "the daemon runs the per-VIP elections until these rules are wired to the API \
-                  (issue 40): they are tested first, over simulated time"
-    )
-)]
-
 use std::{
     collections::{BTreeMap, BTreeSet},
     time::{Duration, Instant},
 };
 
-use super::placement;
+use super::{
+    membership_peers::{Candidate, Peers},
+    placement,
+};
 
 /// The serial of the claims a restarted daemon adopts from its previous
 /// one: seen already, never sent by this one.
@@ -65,9 +60,9 @@ const ADOPTED: u64 = 0;
 
 /// The timings of the membership elections.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Timings {
+pub struct Timings {
     /// How long a membership lasts: from a write's sending, less
-    /// [`Timings::margin`], for its node; from its sight, for the others.
+    /// `Timings::margin`, for its node; from its sight, for the others.
     pub duration: Duration,
     /// How often a node writes its Lease when nothing changes.
     pub renew: Duration,
@@ -123,40 +118,10 @@ pub(crate) enum Watched {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Step {
     /// Write this node's Lease (create it if there is none), then report
-    /// [`Machine::on_written`] or [`Machine::on_write_failed`].
+    /// `Machine::on_written` or `Machine::on_write_failed`.
     Write(Content),
     /// Nothing until then (`None`: until an input).
     Wait(Option<Instant>),
-}
-
-/// Another node, as its Lease was last seen.
-#[derive(Clone, Debug)]
-struct Peer {
-    version: String,
-    /// What its Lease says last, whoever wrote it.
-    content: Content,
-    /// When this node last saw the Lease change.
-    seen_at: Instant,
-    /// Since when it has been a member without a break, by this node's
-    /// eyes.
-    member_since: Instant,
-    /// The claims of each identity that wrote the Lease lately, with when
-    /// its last write was seen: only a write of the same identity takes
-    /// them back. A write of another's (a second daemon with the node's
-    /// name, a hand edit) neither withdraws nor renews the claims before
-    /// it: they stand until they run out, and the node that made them,
-    /// seeing the write, falls silent meanwhile.
-    writers: BTreeMap<String, (BTreeSet<String>, Instant)>,
-}
-
-/// The most writers of one Lease remembered (the oldest go first).
-const WRITERS: usize = 8;
-
-impl Peer {
-    /// When each identity that claims `vip` in this Lease was last seen.
-    fn claims<'a>(&'a self, vip: &'a str) -> impl Iterator<Item = Instant> + 'a {
-        self.writers.values().filter(move |(c, _)| c.contains(vip)).map(|(_, seen)| *seen)
-    }
 }
 
 /// A write of this node's, sent.
@@ -177,7 +142,7 @@ pub(crate) struct Machine {
     /// first word (nothing is written before it).
     eligible: Option<BTreeSet<String>>,
     stopping: bool,
-    peers: BTreeMap<String, Peer>,
+    peers: Peers,
     next_serial: u64,
     in_flight: Option<Sent>,
     last_sent: Option<Sent>,
@@ -221,7 +186,7 @@ impl Machine {
             timings,
             eligible: None,
             stopping: false,
-            peers: BTreeMap::new(),
+            peers: Peers::new(timings.duration, timings.hold_down),
             next_serial: 1,
             in_flight: None,
             last_sent: None,
@@ -258,22 +223,6 @@ impl Machine {
         (!self.answering.is_empty()).then_some((fence, &self.answering))
     }
 
-    /// The node that claims `vip`, as far as this node knows: itself if
-    /// it claims it, else the other members that do (a VIP claimed by two
-    /// is being handed over).
-    pub(crate) fn claimants(&self, vip: &str, now: Instant) -> Vec<&str> {
-        let mine = self.last_sent.as_ref().is_some_and(|s| s.content.claims.contains(vip));
-        let mine = mine.then_some(self.node.as_str());
-        let duration = self.timings.duration;
-        let theirs = self.peers.iter().filter(|(_, p)| p.claims(vip).any(|s| s + duration > now));
-        mine.into_iter().chain(theirs.map(|(n, _)| n.as_str())).collect()
-    }
-
-    /// Whether another node's Lease says it may still be answering.
-    fn is_member(&self, peer: &Peer, now: Instant) -> bool {
-        now < peer.seen_at + self.timings.duration
-    }
-
     fn holds_fence(&self, now: Instant) -> bool {
         self.fence.is_some_and(|f| f > now)
     }
@@ -288,14 +237,21 @@ impl Machine {
         if self.stopping || !eligible || !self.holds_fence(now) || !self.quiet(now) {
             return false;
         }
-        let hold_down = self.timings.hold_down;
-        let mine = (self.node.as_str(), self.member_since.is_some_and(|t| t + hold_down <= now));
-        let theirs = self.peers.iter().filter(|(_, p)| self.is_member(p, now));
-        let theirs = theirs.filter(|(_, p)| p.content.eligible.contains(vip));
-        let theirs = theirs.map(|(n, p)| (n.as_str(), p.member_since + hold_down <= now));
-        let candidates: Vec<(&str, bool)> = std::iter::once(mine).chain(theirs).collect();
-        let settled = candidates.iter().any(|(_, settled)| *settled);
-        let pool = candidates.iter().filter(|(_, s)| *s || !settled).map(|(n, _)| *n);
+        // Each candidate: its name, whether it has been a member for the
+        // hold-down, whether it claims the VIP now.
+        let mine = Candidate {
+            node: &self.node,
+            settled: self.member_since.is_some_and(|t| t + self.timings.hold_down <= now),
+            claims: self.last_sent.as_ref().is_some_and(|s| s.content.claims.contains(vip)),
+        };
+        let candidates: Vec<Candidate> =
+            std::iter::once(mine).chain(self.peers.candidates(vip, now)).collect();
+        let first = placement::first(vip, candidates.iter().map(|c| c.node));
+        // The first of all, unless it is new and a settled member holds the
+        // VIP: then the first of the settled (the holder keeps it).
+        let new = candidates.iter().any(|c| Some(c.node) == first && !c.settled);
+        let held = candidates.iter().any(|c| c.settled && c.claims);
+        let pool = candidates.iter().filter(|c| c.settled || !(new && held)).map(|c| c.node);
         placement::first(vip, pool) == Some(self.node.as_str())
     }
 
@@ -340,9 +296,7 @@ impl Machine {
             if !echoed.content.claims.contains(vip) || !self.places_here(vip, now) {
                 continue;
             }
-            let duration = self.timings.duration;
-            let in_the_way = self.peers.values().flat_map(|p| p.claims(vip)).any(|seen| seen + duration > echoed.at);
-            if !in_the_way {
+            if !self.peers.in_the_way(vip, echoed.at) {
                 verified.push(vip.clone());
             }
         }
@@ -353,12 +307,8 @@ impl Machine {
     /// node's last write was sent: a fresh write's echo settles it.
     fn needs_fresh_echo(&self, now: Instant) -> bool {
         let Some(sent) = &self.last_sent else { return false };
-        let duration = self.timings.duration;
-        self.claimed_since.keys().filter(|v| !self.answering.contains(*v)).any(|vip| {
-            let mut claims = self.peers.values().flat_map(|p| p.claims(vip)).peekable();
-            claims.peek().is_some()
-                && claims.all(|seen| seen + duration <= now && seen + duration > sent.at)
-        })
+        let waiting = self.claimed_since.keys().filter(|v| !self.answering.contains(*v));
+        waiting.into_iter().any(|vip| self.peers.ran_out_since(vip, sent.at, now))
     }
 
     /// What to do at `now`. A write it asks for counts as sent at `now`.
@@ -406,8 +356,12 @@ impl Machine {
     fn wake(&self, now: Instant) -> Option<Instant> {
         let t = &self.timings;
         let renew = self.last_sent.as_ref().map(|s| s.at + t.renew);
-        let peers = self.peers.values().flat_map(|p| [p.seen_at + t.duration, p.member_since + t.hold_down]);
-        let own = [self.fence, self.member_since.map(|m| m + t.hold_down), self.foreign_at.map(|f| f + t.duration)];
+        let peers = self.peers.changes();
+        let own = [
+            self.fence,
+            self.member_since.map(|m| m + t.hold_down),
+            self.foreign_at.map(|f| f + t.duration),
+        ];
         renew.into_iter().chain(peers).chain(own.into_iter().flatten()).filter(|w| *w > now).min()
     }
 
@@ -467,38 +421,7 @@ impl Machine {
 
     fn apply(&mut self, lease: Lease, now: Instant) {
         if lease.node != self.node {
-            let duration = self.timings.duration;
-            match self.peers.get_mut(&lease.node) {
-                Some(peer) if peer.version == lease.version => {}
-                Some(peer) => {
-                    if peer.seen_at + duration <= now {
-                        peer.member_since = now;
-                    }
-                    peer.seen_at = now;
-                    peer.version = lease.version;
-                    peer.writers.retain(|_, (_, seen)| *seen + duration > now);
-                    peer.writers.insert(lease.identity, (lease.content.claims.clone(), now));
-                    while peer.writers.len() > WRITERS {
-                        let oldest = peer.writers.iter().min_by_key(|(_, (_, seen))| *seen);
-                        let Some(oldest) = oldest.map(|(identity, _)| identity.clone()) else {
-                            break;
-                        };
-                        peer.writers.remove(&oldest);
-                    }
-                    peer.content = lease.content;
-                }
-                None => {
-                    let writers = [(lease.identity, (lease.content.claims.clone(), now))];
-                    let peer = Peer {
-                        version: lease.version,
-                        content: lease.content,
-                        seen_at: now,
-                        member_since: now,
-                        writers: writers.into_iter().collect(),
-                    };
-                    self.peers.insert(lease.node, peer);
-                }
-            }
+            self.peers.apply(lease, now);
             return;
         }
         if lease.identity != self.identity {
@@ -522,7 +445,7 @@ impl Machine {
         }
         self.own_version = Some(lease.version.clone());
         if let Some(at) = self.unseen.iter().position(|(v, _)| *v == lease.version) {
-            let sent = self.unseen.drain(..=at).last().map(|(_, s)| s);
+            let sent = self.unseen.drain(..=at).next_back().map(|(_, s)| s);
             self.echoed = sent;
         }
     }

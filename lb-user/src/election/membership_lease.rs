@@ -20,10 +20,6 @@
 //! Any client with write access to the namespace can write these, so a
 //! Lease is read as untrusted input: an entry that is not an address is
 //! left out, and a list longer than [`MAX_VIPS`] is cut there.
-#![cfg_attr(
-    not(test),
-    allow(dead_code, reason = "wired to the daemon with the membership task (issue 40)")
-)]
 
 use std::{collections::BTreeSet, net::IpAddr, time::Duration};
 
@@ -150,7 +146,8 @@ mod tests {
 
     #[test]
     fn a_list_past_the_limit_is_cut() {
-        let long: Vec<String> = (0..MAX_VIPS + 10).map(|i| format!("10.{}.{}.1", i / 256, i % 256)).collect();
+        let long: Vec<String> =
+            (0..MAX_VIPS + 10).map(|i| format!("10.{}.{}.1", i / 256, i % 256)).collect();
         assert_eq!(vips(&long.join(",")).len(), MAX_VIPS);
     }
 }

@@ -57,7 +57,6 @@ pub(super) struct Node {
 pub(super) struct Cluster {
     pub start: Instant,
     pub now: Instant,
-    pub timings: Timings,
     pub nodes: Vec<Node>,
     pub latencies: Latencies,
     /// Every write that landed, in order.
@@ -92,7 +91,6 @@ impl Cluster {
         Self {
             start,
             now: start,
-            timings,
             nodes,
             latencies,
             log: Vec::new(),
@@ -154,7 +152,10 @@ impl Cluster {
     pub(super) fn foreign_write(&mut self, i: usize) {
         let identity = format!("{}_other", self.nodes[i].name);
         let at = self.now;
-        self.schedule(at, Event::Land { node: i, identity, content: Content::default(), acked: false });
+        self.schedule(
+            at,
+            Event::Land { node: i, identity, content: Content::default(), acked: false },
+        );
     }
 
     /// Runs node `i`'s machine until it waits, carrying out its writes.
@@ -267,7 +268,8 @@ impl Cluster {
 
     /// Who answers `vip` now.
     pub(super) fn answering(&self, vip: &str) -> Vec<usize> {
-        let answers = |n: &Node| n.machine.answering(self.now).is_some_and(|(_, v)| v.contains(vip));
+        let answers =
+            |n: &Node| n.machine.answering(self.now).is_some_and(|(_, v)| v.contains(vip));
         (0..self.nodes.len()).filter(|i| answers(&self.nodes[*i])).collect()
     }
 

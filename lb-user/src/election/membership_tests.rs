@@ -50,6 +50,29 @@ fn fifty_vips_are_answered_once_each_spread_as_placed() {
 }
 
 #[test]
+fn nodes_started_together_stay_placed_as_they_settle() {
+    // Placed at once; the hold-downs run out at slightly different times
+    // in each node's eyes, which must move nothing and write nothing more
+    // than the renewals.
+    let mut cluster = Cluster::new(&NODES, TIMINGS, Latencies::LAN, 9);
+    for i in 0..NODES.len() {
+        cluster.set_eligible(i, &vips(50));
+    }
+    let placed_at = cluster.at(1_000);
+    cluster.run_until(placed_at);
+    let before = cluster.answered_by.clone();
+    assert_eq!(before.len(), 50);
+    let writes = cluster.writes.clone();
+    let later = placed_at + TIMINGS.hold_down * 2;
+    cluster.run_until(later);
+    assert_eq!(cluster.answered_by, before);
+    let renewals = (TIMINGS.hold_down * 2).as_millis() / TIMINGS.renew.as_millis();
+    for (i, (after, before)) in cluster.writes.iter().zip(writes).enumerate() {
+        assert!(after - before <= renewals as u64 + 1, "node {i}: {} writes", after - before);
+    }
+}
+
+#[test]
 fn a_killed_nodes_vips_move_within_a_duration_and_no_other_moves() {
     let mut cluster = settled(50, 2);
     let before = cluster.answered_by.clone();
@@ -209,7 +232,8 @@ fn a_renewal_acknowledged_after_the_fence_ran_out_is_no_warrant_for_the_claims_b
 fn a_claim_seen_late_still_waits_for_a_member_alive_when_it_was_sent() {
     // node-b outranks node-a for `v`, and node-a holds it: node-b claims
     // it and must wait until node-a lets go.
-    let v = vips(20).into_iter().find(|v| placement::first(v, ["node-a", "node-b"]) == Some("node-b"));
+    let v =
+        vips(20).into_iter().find(|v| placement::first(v, ["node-a", "node-b"]) == Some("node-b"));
     let v = vec![v.unwrap()];
     let start = Instant::now();
     let mut b = Machine::new("node-b".into(), "node-b_t".into(), TIMINGS, None);
@@ -362,7 +386,8 @@ fn action() -> impl Strategy<Value = (u64, Action)> {
     let what = prop_oneof![
         node.clone().prop_map(Action::Kill),
         (node.clone(), 0..4_000u64, 0..4_000u64).prop_map(|(n, w, r)| Action::Cut(n, w, r)),
-        (node.clone(), prop::collection::vec(any::<bool>(), 8)).prop_map(|(n, e)| Action::Eligible(n, e)),
+        (node.clone(), prop::collection::vec(any::<bool>(), 8))
+            .prop_map(|(n, e)| Action::Eligible(n, e)),
         node.clone().prop_map(Action::Stop),
         node.prop_map(Action::Foreign),
     ];

@@ -1,7 +1,7 @@
 //! Elections by Lease: of the nodes that can serve an external VIP, one
 //! announces it. Each leased service has a task here that competes for
 //! its Lease while the daemon says the node is eligible, and tells the
-//! daemon where it stands ([`Update`]); the daemon announces the VIP only
+//! daemon where it stands (`Update`); the daemon announces the VIP only
 //! while the task says this node holds the lease, with the kernel fenced
 //! at the holder's deadline (`ANNOUNCE_UNTIL`), so that a node whose
 //! daemon dies or cannot renew falls silent by itself.
@@ -9,6 +9,13 @@
 //! - `machine`: the rules, pure, tested with simulated time;
 //! - `lease`: the Lease's reads and writes through kube-rs;
 //! - `identity`: this node's name in the Leases, with a token of its own.
+//!
+//! The elections by membership (issue 40), one Lease per node whatever
+//! the number of VIPs, are being built beside them: `membership` (the
+//! rules, pure, with `membership_sim` for their tests), `placement`
+//! (rendezvous hashing), `membership_lease` (the Lease's format) and
+//! `membership_task` (the task, through kube-rs); not yet used by the
+//! daemon.
 //!
 //! The daemon keeps the order that makes a handover safe: it withdraws a
 //! VIP from the kernel *before* it tells the task that the node is no
@@ -22,10 +29,13 @@ pub(crate) mod identity;
 #[cfg(feature = "kubernetes")]
 mod lease;
 pub(crate) mod machine;
-pub(crate) mod membership;
+pub mod membership;
 #[cfg(feature = "kubernetes")]
 mod membership_lease;
-pub(crate) mod placement;
+mod membership_peers;
+#[cfg(feature = "kubernetes")]
+pub mod membership_task;
+pub mod placement;
 
 use std::{
     net::SocketAddr,
@@ -71,6 +81,36 @@ pub(crate) struct Reach {
     pub seeds: Vec<SocketAddr>,
     /// That service's usable servers, best first.
     pub usable: watch::Receiver<Vec<SocketAddr>>,
+}
+
+impl Reach {
+    /// Reaches the API server with no apiservers' service: through the
+    /// kubeconfig's address (`None`: the in-cluster settings).
+    pub(crate) fn kubeconfig(kubeconfig: Option<PathBuf>) -> Self {
+        Self {
+            kubeconfig,
+            apiservers: None,
+            seeds: Vec::new(),
+            usable: watch::channel(Vec::new()).1,
+        }
+    }
+
+    /// A client of the API server, for `who` (named in the log).
+    #[cfg(feature = "kubernetes")]
+    pub(crate) async fn client(&self, who: &str) -> Result<kube::Client, String> {
+        let rule = crate::discovery::dial::DialRule {
+            vip: self.apiservers.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0))),
+            apiserver_service: self.apiservers.is_some(),
+        };
+        crate::discovery::kubernetes::client_with(
+            rule,
+            self.seeds.clone(),
+            self.kubeconfig.as_deref(),
+            self.usable.clone(),
+            who,
+        )
+        .await
+    }
 }
 
 /// The daemon's end of one election task.
@@ -186,20 +226,7 @@ async fn run(mut task: Task) {
     let mut error: Option<String> = None;
     let mut last: Option<Standing> = None;
     let client = loop {
-        let reach = &task.reach;
-        let rule = crate::discovery::dial::DialRule {
-            vip: reach.apiservers.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0))),
-            apiserver_service: reach.apiservers.is_some(),
-        };
-        let built = crate::discovery::kubernetes::client_with(
-            rule,
-            reach.seeds.clone(),
-            reach.kubeconfig.as_deref(),
-            reach.usable.clone(),
-            &task.service,
-        )
-        .await;
-        match built {
+        match task.reach.client(&task.service).await {
             Ok(client) => break client,
             Err(e) => {
                 tracing::warn!(service = %task.service, lease = %task.lease, "election: {e}");

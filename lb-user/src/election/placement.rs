@@ -10,18 +10,9 @@
 //! names differing in one character land far apart): the same on every
 //! node, in every build and on every architecture.
 
-#![cfg_attr(
-    not(test),
-    allow(
-        dead_code,
-        reason = "the daemon runs the per-VIP elections until these rules are wired to the API \
-                  (issue 40): they are tested first, over simulated time"
-    )
-)]
-
 /// A node's weight for a VIP: the node with the highest weight among the
 /// candidates holds the VIP.
-pub(crate) fn weight(vip: &str, node: &str) -> u64 {
+pub fn weight(vip: &str, node: &str) -> u64 {
     let hash = crate::maglev::fnv1a(0xcbf2_9ce4_8422_2325, vip);
     // A separator no name holds: ("a", "bc") and ("ab", "c") differ.
     let hash = (hash ^ 0xff).wrapping_mul(0x0100_0000_01b3);
@@ -42,7 +33,7 @@ fn finalize(mut h: u64) -> u64 {
 /// The first of `nodes` for `vip`: the highest weight, ties (64-bit
 /// collisions) broken by the name, so the choice never depends on the
 /// order the nodes are given in.
-pub(crate) fn first<'a>(vip: &str, nodes: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+pub fn first<'a>(vip: &str, nodes: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
     nodes.into_iter().max_by_key(|node| (weight(vip, node), *node))
 }
 

@@ -234,8 +234,8 @@ pub fn run(
 /// Test binaries that run on the host kernel only: load tests (200
 /// threads, 10,000 connections) that say nothing more about a kernel than
 /// the others do and would take many minutes under software emulation,
-/// and the discovery tests that never touch the kernel.
-const HOST_ONLY: [&str; 3] = ["chaos", "stress", "discovery"];
+/// and the discovery and membership tests that never touch the kernel.
+const HOST_ONLY: [&str; 4] = ["chaos", "stress", "discovery", "membership"];
 
 /// Test binaries CI runs on the host kernel only ([`Guests::Trimmed`]):
 /// discovery through a VIP, the Lease elections and the balancer's

@@ -2,8 +2,10 @@
 //! election: get, create (`409 AlreadyExists`), update over a
 //! resourceVersion (`409 Conflict` when it is stale, `404` when there is
 //! no such Lease) and delete. Each write takes the next resourceVersion of
-//! the store the slices share. While stalled, a request waits for the
-//! stall's end and is answered `504 Timeout`, nothing written.
+//! the store the slices share, and is in the history watches stream from
+//! (lists and watches of Leases are served with the slices', `serve.rs`).
+//! While stalled, a request waits for the stall's end and is answered
+//! `504 Timeout`, nothing written.
 
 use std::net::SocketAddr;
 
@@ -13,11 +15,17 @@ use k8s_openapi::api::coordination::v1::Lease;
 
 use super::{
     responses::{ChannelBody, json_response, status_response},
-    store::{LeaseRequest, Shared},
+    store::{Kind, LeaseRequest, Object, Shared},
 };
 
 /// The path prefix of Leases: `{PREFIX}{namespace}/leases[/{name}]`.
 pub(super) const PREFIX: &str = "/apis/coordination.k8s.io/v1/namespaces/";
+
+/// Whether a request is a list or watch of Leases (a GET of the
+/// collection), which `serve.rs` answers as it does slices'.
+pub(super) fn is_collection_get(method: &Method, path: &str) -> bool {
+    method == Method::GET && path.strip_prefix(PREFIX).is_some_and(|rest| rest.ends_with("/leases"))
+}
 
 /// Answers a request under [`PREFIX`], at the listener `via`.
 pub(super) async fn handle(
@@ -74,6 +82,7 @@ pub(super) async fn handle(
                     lease.metadata.namespace = Some(namespace.clone());
                     lease.metadata.resource_version = Some(state.rv.to_string());
                     state.leases.items.insert(key, lease.clone());
+                    state.record(Kind::Added, Object::Lease(lease.clone()));
                     (StatusCode::CREATED, serde_json::to_vec(&lease).unwrap(), name)
                 }
             }
@@ -100,7 +109,9 @@ pub(super) async fn handle(
                     Some(_) => {
                         state.rv += 1;
                         lease.metadata.resource_version = Some(state.rv.to_string());
+                        lease.metadata.namespace = Some(namespace.clone());
                         state.leases.items.insert(key, lease.clone());
+                        state.record(Kind::Modified, Object::Lease(lease.clone()));
                         (StatusCode::OK, serde_json::to_vec(&lease).unwrap(), name)
                     }
                 }
@@ -108,7 +119,12 @@ pub(super) async fn handle(
         },
         (&Method::DELETE, Some(name)) => {
             match state.leases.items.remove(&(namespace.clone(), name.clone())) {
-                Some(lease) => (StatusCode::OK, serde_json::to_vec(&lease).unwrap(), name),
+                Some(mut lease) => {
+                    state.rv += 1;
+                    lease.metadata.resource_version = Some(state.rv.to_string());
+                    state.record(Kind::Deleted, Object::Lease(lease.clone()));
+                    (StatusCode::OK, serde_json::to_vec(&lease).unwrap(), name)
+                }
                 None => not_found(&name),
             }
         }

@@ -9,7 +9,8 @@
 //!   first every change after `N`, then changes as the test makes them;
 //! - `/apis/coordination.k8s.io/v1/namespaces/{ns}/leases[/{name}]`: get,
 //!   create, update (`409 Conflict` on a stale resourceVersion) and delete
-//!   Leases (`leases.rs`); [`FakeApiServer::lease`] shows one.
+//!   Leases (`leases.rs`), and list and watch them as slices are;
+//!   [`FakeApiServer::lease`] shows one.
 //!
 //! The test drives it step by step: [`FakeApiServer::apply`],
 //! [`FakeApiServer::delete`], [`FakeApiServer::bookmark`],
@@ -50,7 +51,7 @@ pub use objects::{Condition, Kubeconfig, SERVICE_NAME_LABEL, endpoint, endpoint_
 use serve::accept_loop;
 pub use store::LeaseRequest;
 pub use store::RequestLog;
-use store::{Change, Kind, Shared, State};
+use store::{Kind, Object, Shared, State};
 use tokio::{
     net::TcpListener,
     sync::watch,
@@ -143,8 +144,7 @@ impl FakeApiServer {
         let key = (namespace, name);
         let kind = if state.slices.contains_key(&key) { Kind::Modified } else { Kind::Added };
         state.slices.insert(key, slice.clone());
-        state.wake_watchers_of(&slice);
-        state.history.push(Change { rv, kind, slice });
+        state.record(kind, Object::Slice(slice));
         rv
     }
 
@@ -155,8 +155,7 @@ impl FakeApiServer {
         state.rv += 1;
         let rv = state.rv;
         slice.metadata.resource_version = Some(rv.to_string());
-        state.wake_watchers_of(&slice);
-        state.history.push(Change { rv, kind: Kind::Deleted, slice });
+        state.record(Kind::Deleted, Object::Slice(slice));
         Some(rv)
     }
 
@@ -228,6 +227,8 @@ impl FakeApiServer {
         let lease = state.leases.items.get_mut(&key).expect("no such Lease to write");
         lease.metadata.resource_version = Some(rv.to_string());
         lease.spec.get_or_insert_with(Default::default).holder_identity = Some(holder.to_owned());
+        let lease = lease.clone();
+        state.record(Kind::Modified, Object::Lease(lease));
         rv
     }
 

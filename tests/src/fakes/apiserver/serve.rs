@@ -20,7 +20,7 @@ use hyper::{
 use hyper_util::rt::TokioIo;
 use k8s_openapi::{
     List,
-    api::discovery::v1::EndpointSlice,
+    api::{coordination::v1::Lease, discovery::v1::EndpointSlice},
     apimachinery::pkg::apis::meta::v1::{ListMeta, ObjectMeta, WatchEvent},
 };
 use tokio::{
@@ -32,7 +32,7 @@ use tokio::{
 use super::{
     leases,
     responses::{ChannelBody, json_response, status, status_response},
-    store::{Kind, RequestLog, Shared, WatchScope, in_scope},
+    store::{Kind, Object, RequestLog, Resource, Shared, WatchScope, in_scope},
 };
 
 /// Accepts connections on `listener` (the apiserver at `via`) and serves
@@ -54,7 +54,10 @@ pub(super) async fn accept_loop(
             let service = service_fn(move |request| {
                 let shared = shared.clone();
                 async move {
-                    let response = if request.uri().path().starts_with(leases::PREFIX) {
+                    let path = request.uri().path();
+                    let response = if path.starts_with(leases::PREFIX)
+                        && !leases::is_collection_get(request.method(), path)
+                    {
                         leases::handle(&shared, via, request).await
                     } else {
                         handle(&shared, via, request)
@@ -78,16 +81,21 @@ fn handle(
 ) -> Response<ChannelBody> {
     let path = request.uri().path();
     let query = parse_query(request.uri().query().unwrap_or(""));
-    let Some(namespace) = path
-        .strip_prefix("/apis/discovery.k8s.io/v1/namespaces/")
-        .and_then(|rest| rest.strip_suffix("/endpointslices"))
-        .map(str::to_owned)
-    else {
-        return status_response(
-            404,
-            "NotFound",
-            &format!("the fake apiserver serves EndpointSlices only, not {path}"),
-        );
+    let collection = |prefix: &str, suffix: &str| {
+        path.strip_prefix(prefix).and_then(|rest| rest.strip_suffix(suffix)).map(str::to_owned)
+    };
+    let slices = collection("/apis/discovery.k8s.io/v1/namespaces/", "/endpointslices");
+    let leases = collection(leases::PREFIX, "/leases");
+    let (resource, namespace) = match (slices, leases) {
+        (Some(namespace), _) => (Resource::Slices, namespace),
+        (_, Some(namespace)) => (Resource::Leases, namespace),
+        _ => {
+            return status_response(
+                404,
+                "NotFound",
+                &format!("the fake apiserver serves EndpointSlices and Leases only, not {path}"),
+            );
+        }
     };
     let watch = query.get("watch").is_some_and(|w| w == "true" || w == "1");
     let selector = query.get("labelSelector").cloned();
@@ -102,17 +110,22 @@ fn handle(
         gone: false,
     };
     if !watch {
-        let items: Vec<EndpointSlice> =
-            state.slices.values().filter(|s| in_scope(s, &namespace, &wanted)).cloned().collect();
-        let list = List {
-            items,
-            metadata: ListMeta {
-                resource_version: Some(state.rv.to_string()),
-                ..ListMeta::default()
-            },
+        let metadata =
+            ListMeta { resource_version: Some(state.rv.to_string()), ..ListMeta::default() };
+        let body = match resource {
+            Resource::Slices => {
+                let items = state.slices.values();
+                let items = items.filter(|s| in_scope(&s.metadata, &namespace, &wanted)).cloned();
+                serde_json::to_vec(&List::<EndpointSlice> { items: items.collect(), metadata })
+            }
+            Resource::Leases => {
+                let items = state.leases.items.values();
+                let items = items.filter(|l| in_scope(&l.metadata, &namespace, &wanted)).cloned();
+                serde_json::to_vec(&List::<Lease> { items: items.collect(), metadata })
+            }
         };
         state.requests.push(log);
-        return json_response(StatusCode::OK, serde_json::to_vec(&list).unwrap());
+        return json_response(StatusCode::OK, body.unwrap());
     }
     // A watch. "0" or none: from now.
     let from = match resource_version.as_deref() {
@@ -141,6 +154,7 @@ fn handle(
     drop(state);
     tokio::spawn(stream_watch(
         shared.clone(),
+        resource,
         namespace,
         wanted,
         from,
@@ -166,6 +180,7 @@ fn line<T: serde::Serialize>(event: &T) -> Bytes {
 #[expect(clippy::too_many_arguments, reason = "one watch's whole context")]
 async fn stream_watch(
     shared: Arc<Shared>,
+    resource: Resource,
     namespace: String,
     wanted: Vec<(String, String)>,
     mut cursor: u64,
@@ -189,6 +204,7 @@ async fn stream_watch(
     let mut bookmarks = {
         let mut state = shared.state.lock().unwrap();
         state.watches.push(WatchScope {
+            resource,
             namespace: namespace.clone(),
             wanted: wanted.clone(),
             wake,
@@ -221,19 +237,17 @@ async fn stream_watch(
                 // The history is in resourceVersion order.
                 let first = state.history.partition_point(|c| c.rv <= cursor);
                 for change in &state.history[first..] {
-                    if in_scope(&change.slice, &namespace, &wanted) {
-                        let slice = change.slice.clone();
-                        out.push(line(&match change.kind {
-                            Kind::Added => WatchEvent::Added(slice),
-                            Kind::Modified => WatchEvent::Modified(slice),
-                            Kind::Deleted => WatchEvent::Deleted(slice),
-                        }));
+                    let object = &change.object;
+                    if object.resource() == resource
+                        && in_scope(object.metadata(), &namespace, &wanted)
+                    {
+                        out.push(event_line(change.kind, object));
                     }
                 }
                 cursor = cursor.max(state.rv);
                 if state.bookmarks != bookmarks {
                     bookmarks = state.bookmarks;
-                    out.push(bookmark(cursor));
+                    out.push(bookmark(resource, cursor));
                 }
             }
         }
@@ -272,16 +286,32 @@ impl Drop for Open<'_> {
     }
 }
 
+/// One change as a watch event line.
+fn event_line(kind: Kind, object: &Object) -> Bytes {
+    fn event<T>(kind: Kind, object: T) -> WatchEvent<T> {
+        match kind {
+            Kind::Added => WatchEvent::Added(object),
+            Kind::Modified => WatchEvent::Modified(object),
+            Kind::Deleted => WatchEvent::Deleted(object),
+        }
+    }
+    match object {
+        Object::Slice(slice) => line(&event(kind, slice.clone())),
+        Object::Lease(lease) => line(&event(kind, lease.clone())),
+    }
+}
+
 /// A BOOKMARK as apiservers send it: the object is of the watched kind
 /// (with `apiVersion` and `kind`, which clients require) with only its
 /// resourceVersion set. (`WatchEvent::Bookmark` of k8s-openapi leaves
 /// `apiVersion` and `kind` out.)
-fn bookmark(rv: u64) -> Bytes {
-    let object = EndpointSlice {
-        metadata: ObjectMeta { resource_version: Some(rv.to_string()), ..ObjectMeta::default() },
-        ..EndpointSlice::default()
+fn bookmark(resource: Resource, rv: u64) -> Bytes {
+    let metadata = ObjectMeta { resource_version: Some(rv.to_string()), ..ObjectMeta::default() };
+    let object = match resource {
+        Resource::Slices => serde_json::to_value(EndpointSlice { metadata, ..Default::default() }),
+        Resource::Leases => serde_json::to_value(Lease { metadata, ..Default::default() }),
     };
-    line(&serde_json::json!({ "type": "BOOKMARK", "object": object }))
+    line(&serde_json::json!({ "type": "BOOKMARK", "object": object.unwrap() }))
 }
 
 /// `k=v,k2==v2`: equality requirements only.

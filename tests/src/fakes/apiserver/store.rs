@@ -1,5 +1,6 @@
-//! The store the fake's listeners share: the slices, their history of
-//! changes with resourceVersions, the open watches and the request log.
+//! The store the fake's listeners share: the slices and Leases, their
+//! history of changes with resourceVersions, the open watches and the
+//! request log.
 
 use std::{
     collections::BTreeMap,
@@ -7,7 +8,10 @@ use std::{
     sync::{Mutex, atomic::AtomicUsize},
 };
 
-use k8s_openapi::api::{coordination::v1::Lease, discovery::v1::EndpointSlice};
+use k8s_openapi::{
+    api::{coordination::v1::Lease, discovery::v1::EndpointSlice},
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
 use tokio::sync::watch;
 
 /// One request the server answered.
@@ -32,10 +36,40 @@ pub(super) enum Kind {
     Deleted,
 }
 
+/// The kinds of object the fake lists and watches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Resource {
+    Slices,
+    Leases,
+}
+
+/// An object of either kind, as a change carries it.
+#[derive(Clone)]
+pub(super) enum Object {
+    Slice(EndpointSlice),
+    Lease(Lease),
+}
+
+impl Object {
+    pub(super) fn metadata(&self) -> &ObjectMeta {
+        match self {
+            Self::Slice(slice) => &slice.metadata,
+            Self::Lease(lease) => &lease.metadata,
+        }
+    }
+
+    pub(super) fn resource(&self) -> Resource {
+        match self {
+            Self::Slice(_) => Resource::Slices,
+            Self::Lease(_) => Resource::Leases,
+        }
+    }
+}
+
 pub(super) struct Change {
     pub(super) rv: u64,
     pub(super) kind: Kind,
-    pub(super) slice: EndpointSlice,
+    pub(super) object: Object,
 }
 
 #[derive(Default)]
@@ -61,25 +95,31 @@ pub(super) struct State {
     pub(super) leases: Leases,
 }
 
-/// What one open watch stream watches. A change to a slice wakes only
+/// What one open watch stream watches. A change to an object wakes only
 /// the streams whose scope it is in (with a thousand watches, waking every
 /// one on every change would make the fake, not the client, the
 /// bottleneck).
 pub(super) struct WatchScope {
+    pub(super) resource: Resource,
     pub(super) namespace: String,
     pub(super) wanted: Vec<(String, String)>,
     pub(super) wake: watch::Sender<()>,
 }
 
 impl State {
-    /// Wakes the watch streams whose scope `slice` is in; forgets closed ones.
-    pub(super) fn wake_watchers_of(&mut self, slice: &EndpointSlice) {
+    /// Records a change to `object`, whose resourceVersion is the current
+    /// one, and wakes the watch streams whose scope it is in (forgetting
+    /// closed ones).
+    pub(super) fn record(&mut self, kind: Kind, object: Object) {
         self.watches.retain(|w| !w.wake.is_closed());
         for w in &self.watches {
-            if in_scope(slice, &w.namespace, &w.wanted) {
+            if w.resource == object.resource()
+                && in_scope(object.metadata(), &w.namespace, &w.wanted)
+            {
                 w.wake.send_replace(());
             }
         }
+        self.history.push(Change { rv: self.rv, kind, object });
     }
 }
 
@@ -96,14 +136,12 @@ pub(super) struct Shared {
 }
 
 pub(super) fn in_scope(
-    slice: &EndpointSlice,
+    metadata: &ObjectMeta,
     namespace: &str,
     wanted: &[(String, String)],
 ) -> bool {
-    slice.metadata.namespace.as_deref() == Some(namespace)
-        && wanted
-            .iter()
-            .all(|(k, v)| slice.metadata.labels.as_ref().and_then(|l| l.get(k)) == Some(v))
+    metadata.namespace.as_deref() == Some(namespace)
+        && wanted.iter().all(|(k, v)| metadata.labels.as_ref().and_then(|l| l.get(k)) == Some(v))
 }
 
 /// The Leases, by (namespace, name), and what was asked of them.

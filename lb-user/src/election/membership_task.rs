@@ -1,0 +1,325 @@
+//! The membership elections' task: the rules (`membership.rs`) carried
+//! out against the API server through kube-rs. One watch over every
+//! membership Lease of lb's namespace feeds the machine; its writes of
+//! this node's Lease go one at a time, each over the version last seen
+//! (a write of someone else's in between gets `409 Conflict`, and the
+//! watch shows it to the machine). What the node may answer goes to the
+//! daemon as [`Answering`]; a write waits until the daemon has applied
+//! the last one to the kernel, so a VIP given up is silent before the
+//! write that gives it up can reach another node.
+
+use std::{collections::BTreeSet, path::PathBuf, pin::pin, time::Duration};
+
+use futures::StreamExt as _;
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::{
+    Api,
+    api::PostParams,
+    runtime::{WatchStreamExt as _, watcher},
+};
+use tokio::{
+    sync::{mpsc, watch},
+    task::JoinHandle,
+    time::Instant,
+};
+
+use super::{
+    Reach,
+    membership::{Machine, Step, Timings, Watched},
+    membership_lease,
+};
+use crate::discovery::chain;
+
+/// What the node may answer, as the task last said.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Answering {
+    /// The VIPs (addresses) it answers.
+    pub vips: BTreeSet<String>,
+    /// Until when (`None`: nothing).
+    pub fence: Option<std::time::Instant>,
+    /// Counts the changes: the daemon acknowledges each once applied.
+    pub generation: u64,
+    /// The last request's failure, until one succeeds.
+    pub error: Option<String>,
+}
+
+/// The daemon's end of the task.
+pub struct Membership {
+    /// This node's holder identity in its Lease.
+    pub identity: String,
+    eligible: watch::Sender<Option<BTreeSet<String>>>,
+    stop: watch::Sender<bool>,
+    applied: watch::Sender<u64>,
+    task: JoinHandle<()>,
+}
+
+/// Where the task works, and as whom.
+pub struct Settings {
+    /// lb's namespace, where the membership Leases are.
+    pub namespace: String,
+    /// This node's name: its Lease's.
+    pub node: String,
+    /// This node's holder identity (`identity.rs`).
+    pub identity: String,
+    /// The membership's timings.
+    pub timings: Timings,
+}
+
+impl Membership {
+    /// Starts the task, reaching the API server through `kubeconfig`
+    /// (`None`: the in-cluster settings); it sends what the node may
+    /// answer to `answering`.
+    pub fn start(
+        settings: Settings,
+        kubeconfig: Option<PathBuf>,
+        answering: mpsc::Sender<Answering>,
+    ) -> Self {
+        Self::start_with(settings, Reach::kubeconfig(kubeconfig), answering)
+    }
+
+    /// As [`Self::start`], reaching the API server as `reach` says.
+    pub(crate) fn start_with(
+        settings: Settings,
+        reach: Reach,
+        answering: mpsc::Sender<Answering>,
+    ) -> Self {
+        let (eligible, eligible_rx) = watch::channel(None);
+        let (stop, stop_rx) = watch::channel(false);
+        let (applied, applied_rx) = watch::channel(0);
+        let identity = settings.identity.clone();
+        let inputs = Inputs { eligible: eligible_rx, stop: stop_rx, applied: applied_rx };
+        let task = tokio::spawn(run(reach, settings, inputs, answering));
+        Self { identity, eligible, stop, applied, task }
+    }
+
+    /// The VIPs the node can serve now.
+    pub fn set_eligible(&self, vips: BTreeSet<String>) {
+        self.eligible.send_if_modified(|old| {
+            let changed = old.as_ref() != Some(&vips);
+            *old = Some(vips);
+            changed
+        });
+    }
+
+    /// The kernel follows [`Answering`] of this generation.
+    pub fn applied(&self, generation: u64) {
+        self.applied.send_replace(generation);
+    }
+
+    /// The node stops serving: the task withdraws every VIP (once the
+    /// daemon has applied that), writes that the node serves nothing, so
+    /// that the others take its VIPs at once, and ends.
+    pub fn stop(&self) {
+        self.stop.send_replace(true);
+    }
+
+    /// As [`Self::stop`], waiting up to `wait` for the task to end.
+    pub async fn resign(self, wait: Duration) {
+        self.stop.send_replace(true);
+        let mut task = self.task;
+        if tokio::time::timeout(wait, &mut task).await.is_err() {
+            task.abort();
+        }
+    }
+
+    /// Ends the task without a word: the claims stand until the node's
+    /// membership runs out, and the kernel's fence with them; a daemon
+    /// back within it renews them.
+    pub fn keep(self) {
+        self.task.abort();
+    }
+}
+
+/// What the daemon tells the task.
+struct Inputs {
+    eligible: watch::Receiver<Option<BTreeSet<String>>>,
+    stop: watch::Receiver<bool>,
+    applied: watch::Receiver<u64>,
+}
+
+async fn run(reach: Reach, settings: Settings, inputs: Inputs, answering: mpsc::Sender<Answering>) {
+    let Inputs { mut eligible, mut stop, mut applied } = inputs;
+    let client = loop {
+        match reach.client(&settings.node).await {
+            Ok(client) => break client,
+            Err(e) => {
+                tracing::warn!(node = %settings.node, "membership: {e}");
+                let failed = Answering { error: Some(e), ..Answering::default() };
+                if answering.send(failed).await.is_err() || *stop.borrow() {
+                    return;
+                }
+                tokio::time::sleep(settings.timings.duration).await;
+            }
+        }
+    };
+    let api: Api<Lease> = Api::namespaced(client, &settings.namespace);
+    let (watched_tx, mut watched) = mpsc::channel(64);
+    let watching = tokio::spawn(watch_leases(api.clone(), watched_tx));
+    let _stop_watching = AbortOnDrop(watching);
+    let timeout = settings.timings.duration / 2;
+    let mut machine =
+        Machine::new(settings.node.clone(), settings.identity.clone(), settings.timings, None);
+    // The version of this node's Lease last seen: the next write's base.
+    let mut own_version: Option<String> = None;
+    let mut told = Answering::default();
+    let mut write: Option<JoinHandle<Result<String, String>>> = None;
+    // A write asked for, waiting for the daemon to apply what it answers.
+    let mut waiting: Option<Lease> = None;
+    let mut error: Option<String> = None;
+    loop {
+        let now = Instant::now().into_std();
+        if *stop.borrow() {
+            machine.stop(now);
+        }
+        let step = machine.poll(now);
+        let (fence, vips) = match machine.answering(now) {
+            Some((fence, vips)) => (Some(fence), vips.clone()),
+            None => (None, BTreeSet::new()),
+        };
+        if (fence, &vips, &error) != (told.fence, &told.vips, &told.error) {
+            told = Answering { vips, fence, generation: told.generation + 1, error: error.clone() };
+            if answering.send(told.clone()).await.is_err() {
+                return;
+            }
+        }
+        let mut wake = None;
+        match step {
+            Step::Write(content) => {
+                let lease = membership_lease::lease(
+                    &settings.namespace,
+                    &settings.node,
+                    &settings.identity,
+                    &content,
+                    settings.timings.duration,
+                );
+                waiting = Some(lease);
+            }
+            Step::Wait(until) => wake = until,
+        }
+        if write.is_none()
+            && *applied.borrow() >= told.generation
+            && let Some(lease) = waiting.take()
+        {
+            let (api, version) = (api.clone(), own_version.clone());
+            write = Some(tokio::spawn(write_lease(api, lease, version, timeout)));
+        }
+        if *stop.borrow() && write.is_none() && waiting.is_none() && fence.is_none() {
+            return;
+        }
+        let sleep = async {
+            match wake {
+                Some(at) => tokio::time::sleep_until(at.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            Some(event) = watched.recv() => {
+                if let Watched::Applied(lease) = &event && lease.node == settings.node {
+                    own_version = Some(lease.version.clone());
+                }
+                if let Watched::Listed(leases) = &event {
+                    own_version = leases.iter().find(|l| l.node == settings.node).map(|l| l.version.clone());
+                }
+                machine.on_watched(event, Instant::now().into_std());
+            }
+            Some(done) = async { match write.as_mut() { Some(w) => Some(w.await), None => None } }, if write.is_some() => {
+                write = None;
+                let now = Instant::now().into_std();
+                match done {
+                    Ok(Ok(version)) => {
+                        own_version = Some(version.clone());
+                        machine.on_written(version, now);
+                        error = None;
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(node = %settings.node, "membership: {e}");
+                        machine.on_write_failed(now);
+                        error = Some(e);
+                    }
+                    Err(_) => machine.on_write_failed(now),
+                }
+            }
+            Ok(()) = eligible.changed() => {
+                if let Some(vips) = eligible.borrow_and_update().clone() {
+                    machine.set_eligible(vips, Instant::now().into_std());
+                }
+            }
+            Ok(()) = stop.changed() => {}
+            Ok(()) = applied.changed() => {}
+            () = sleep => {}
+        }
+    }
+}
+
+/// Writes `lease` over `version` (none: creates it); its new version.
+async fn write_lease(
+    api: Api<Lease>,
+    mut lease: Lease,
+    version: Option<String>,
+    timeout: Duration,
+) -> Result<String, String> {
+    let name = lease.metadata.name.clone().unwrap_or_default();
+    let post = PostParams::default();
+    let request = async {
+        match version {
+            Some(version) => {
+                lease.metadata.resource_version = Some(version);
+                api.replace(&name, &post, &lease).await
+            }
+            None => api.create(&post, &lease).await,
+        }
+    };
+    match tokio::time::timeout(timeout, request).await {
+        Err(_) => Err(format!("writing Lease {name}: no answer within {timeout:?}")),
+        Ok(Err(e)) => Err(format!("writing Lease {name}: {}", chain(&e))),
+        Ok(Ok(written)) => written
+            .metadata
+            .resource_version
+            .ok_or_else(|| format!("writing Lease {name}: the answer has no resourceVersion")),
+    }
+}
+
+/// Watches the membership Leases, for ever: a list, then changes; a list
+/// again whenever the watch must start over.
+async fn watch_leases(api: Api<Lease>, tx: mpsc::Sender<Watched>) {
+    let (key, value) = membership_lease::LABEL;
+    let config = watcher::Config::default().labels(&format!("{key}={value}"));
+    let mut stream = pin!(watcher(api, config).default_backoff());
+    let mut listing: Option<Vec<super::membership::Lease>> = None;
+    while let Some(event) = stream.next().await {
+        let watched = match event {
+            Ok(watcher::Event::Init) => {
+                listing = Some(Vec::new());
+                continue;
+            }
+            Ok(watcher::Event::InitApply(lease)) => {
+                listing.get_or_insert_default().extend(membership_lease::read(&lease));
+                continue;
+            }
+            Ok(watcher::Event::InitDone) => Watched::Listed(listing.take().unwrap_or_default()),
+            Ok(watcher::Event::Apply(lease)) => match membership_lease::read(&lease) {
+                Some(lease) => Watched::Applied(lease),
+                None => continue,
+            },
+            Ok(watcher::Event::Delete(lease)) => {
+                Watched::Deleted(lease.metadata.name.clone().unwrap_or_default())
+            }
+            Err(e) => {
+                tracing::warn!("membership: watching the Leases: {}", chain(&e));
+                continue;
+            }
+        };
+        if tx.send(watched).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
