@@ -235,6 +235,7 @@ mod tests {
                 interfaces: vec!["eth1".into()],
                 announce: crate::config::Announce::None,
                 lease: None,
+                elect: false,
             });
         };
         assert_eq!(update(external), Update { external: true, ..Update::default() });

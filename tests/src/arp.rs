@@ -1,7 +1,7 @@
-//! Who answers for the VIP on the LAN: a prober in the client's namespace
+//! Who answers for a VIP on the LAN: a prober in the client's namespace
 //! asks (an ARP request every few milliseconds) and a capture on the
 //! client's bridge port records every ARP reply and gratuitous ARP for the
-//! VIP, with the MAC address it came from and when.
+//! VIPs, with the MAC address it came from and when.
 
 use std::{
     net::Ipv4Addr,
@@ -23,11 +23,13 @@ use crate::{
 const ETH_P_ARP: u16 = 0x0806;
 const ETH_P_ALL: u16 = 0x0003;
 
-/// One answer seen: when (since the capture began) and from which MAC.
+/// One answer seen: when (since the capture began), from which MAC, for
+/// which VIP.
 #[derive(Clone, Debug)]
 pub struct Seen {
     pub at: Duration,
     pub mac: String,
+    pub vip: Ipv4Addr,
 }
 
 /// The prober and the capture, until dropped.
@@ -40,15 +42,21 @@ pub struct Watch {
 
 impl Watch {
     /// Captures on `port` (in the calling thread's namespace) and asks
-    /// from `c0` in `client` every `every`.
+    /// from `c0` in `client` every `every`, for the LAN's VIP.
     pub fn start(client: &Namespace, port: &str, every: Duration) -> Self {
+        Self::start_for(client, port, every, vec![VIP_IP.parse().unwrap()])
+    }
+
+    /// As [`Self::start`], for each of `vips` (one request for each every
+    /// `every`).
+    pub fn start_for(client: &Namespace, port: &str, every: Duration, vips: Vec<Ipv4Addr>) -> Self {
         let started = Instant::now();
         let (seen, stop) = (Arc::new(Mutex::new(Vec::new())), Arc::new(AtomicBool::new(false)));
         // Every protocol: a socket for one protocol sees only the frames
         // that arrive, not those the port sends on to the client.
         let capture = packet_socket(port, ETH_P_ALL, Some(Duration::from_millis(20)));
-        let vip: Ipv4Addr = VIP_IP.parse().unwrap();
         let (s, st) = (seen.clone(), stop.clone());
+        let wanted = vips.clone();
         let capturing = thread::spawn(move || {
             let mut frame = [0u8; 2048];
             while !st.load(Ordering::Relaxed) {
@@ -58,14 +66,15 @@ impl Watch {
                 };
                 let Ok(n) = usize::try_from(n) else { continue };
                 let f = &frame[..n];
-                // An ARP reply, or a gratuitous ARP, from the VIP.
-                if n >= 42
-                    && f[12..14] == ETH_P_ARP.to_be_bytes()
-                    && f[28..32] == vip.octets()
-                    && (f[21] == 2 || f[38..42] == vip.octets())
-                {
+                // An ARP reply, or a gratuitous ARP, from a VIP.
+                if n < 42 || f[12..14] != ETH_P_ARP.to_be_bytes() {
+                    continue;
+                }
+                let sender = Ipv4Addr::new(f[28], f[29], f[30], f[31]);
+                if wanted.contains(&sender) && (f[21] == 2 || f[38..42] == sender.octets()) {
                     let mac = f[22..28].iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>();
-                    s.lock().unwrap().push(Seen { at: started.elapsed(), mac: mac.join(":") });
+                    let seen = Seen { at: started.elapsed(), mac: mac.join(":"), vip: sender };
+                    s.lock().unwrap().push(seen);
                 }
             }
         });
@@ -73,20 +82,28 @@ impl Watch {
         let asking = client.spawn(move || {
             let socket = packet_socket("c0", ETH_P_ARP, None);
             let mac = parse_mac(&mac_of("c0"));
-            let mut request = Vec::with_capacity(42);
-            request.extend_from_slice(&[0xff; 6]);
-            request.extend_from_slice(&mac);
-            request.extend_from_slice(&ETH_P_ARP.to_be_bytes());
-            request.extend_from_slice(&[0, 1, 8, 0, 6, 4, 0, 1]);
-            request.extend_from_slice(&mac);
-            request.extend_from_slice(&[198, 18, 0, 10]);
-            request.extend_from_slice(&[0; 6]);
-            request.extend_from_slice(&vip.octets());
+            let requests: Vec<Vec<u8>> = vips
+                .iter()
+                .map(|vip| {
+                    let mut request = Vec::with_capacity(42);
+                    request.extend_from_slice(&[0xff; 6]);
+                    request.extend_from_slice(&mac);
+                    request.extend_from_slice(&ETH_P_ARP.to_be_bytes());
+                    request.extend_from_slice(&[0, 1, 8, 0, 6, 4, 0, 1]);
+                    request.extend_from_slice(&mac);
+                    request.extend_from_slice(&[198, 18, 0, 10]);
+                    request.extend_from_slice(&[0; 6]);
+                    request.extend_from_slice(&vip.octets());
+                    request
+                })
+                .collect();
             while !st.load(Ordering::Relaxed) {
-                // SAFETY: sending a buffer we own, of its length.
-                unsafe {
-                    libc::send(socket.as_raw_fd(), request.as_ptr().cast(), request.len(), 0)
-                };
+                for request in &requests {
+                    // SAFETY: sending a buffer we own, of its length.
+                    unsafe {
+                        libc::send(socket.as_raw_fd(), request.as_ptr().cast(), request.len(), 0)
+                    };
+                }
                 thread::sleep(every);
             }
         });
@@ -101,8 +118,13 @@ impl Watch {
     /// The MACs that answered, in turn: each run of answers from one MAC
     /// as (MAC, first, last).
     pub fn turns(&self) -> Vec<(String, Duration, Duration)> {
+        self.turns_of(VIP_IP.parse().unwrap())
+    }
+
+    /// As [`Self::turns`], for `vip`.
+    pub fn turns_of(&self, vip: Ipv4Addr) -> Vec<(String, Duration, Duration)> {
         let mut turns: Vec<(String, Duration, Duration)> = Vec::new();
-        for s in self.seen() {
+        for s in self.seen().into_iter().filter(|s| s.vip == vip) {
             match turns.last_mut() {
                 Some((mac, _, last)) if *mac == s.mac => *last = s.at,
                 _ => turns.push((s.mac, s.at, s.at)),

@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::{
     model::{Announce, Election, LeaseRef},
     problems::{Key, Problem},
-    raw::{RawDaemon, RawLease},
+    raw::{RawDaemon, RawKubernetesSettings, RawLease},
     values::parse_duration,
 };
 
@@ -83,6 +83,23 @@ pub(super) fn parse_election(raw: &RawDaemon, problems: &mut Vec<Problem>) -> El
         ));
     }
     election
+}
+
+/// `[kubernetes] namespace`: where the nodes' membership Leases are
+/// (default `lb-system`).
+pub(super) fn parse_membership_namespace(
+    raw: Option<RawKubernetesSettings>,
+    problems: &mut Vec<Problem>,
+) -> String {
+    let namespace = raw.and_then(|k| k.namespace).unwrap_or_else(|| "lb-system".to_owned());
+    if let Some(why) = bad_object_name(&namespace) {
+        problems.push(Problem::new(
+            None,
+            "kubernetes.namespace",
+            format!("{namespace:?} is not a Kubernetes namespace: {why}"),
+        ));
+    }
+    namespace
 }
 
 /// `lease = { namespace, name }` of a `[service.external]` table (`at`).

@@ -67,8 +67,25 @@ pub(super) fn parse_external(
             Announce::None
         }
     };
+    let elect = raw.elect.unwrap_or(false);
+    if elect {
+        let why = if raw.lease.is_some() {
+            Some(
+                "a VIP is elected either by its own Lease (lease) or by membership (elect), not both",
+            )
+        } else if announce != Announce::Arp {
+            Some("elects the node that announces the VIP, so it needs announce = \"arp\"")
+        } else if !cfg!(feature = "kubernetes") {
+            Some("lb was built without the `kubernetes` feature, which elections need")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            problems.push(Problem::new(line, at.at("elect"), why));
+        }
+    }
     let lease = raw.lease.and_then(|lease| parse_lease(lease, announce, line, &at, problems));
-    External { interfaces, announce, lease }
+    External { interfaces, announce, lease, elect }
 }
 
 /// Why `name` cannot name a Linux network interface, if it cannot.
@@ -107,6 +124,7 @@ mod tests {
             interfaces: vec!["eth1".into(), "eth2".into()],
             announce: Announce::None,
             lease: None,
+            elect: false,
         };
         assert_eq!(config.services[0].external, Some(expected));
         let arp = parse(&format!("{EXTERNAL}announce = \"arp\"\n")).unwrap();
@@ -127,5 +145,31 @@ mod tests {
         assert!(how.contains("\"bgp\" is not a way to announce"), "{how}");
         let lo = problems(&EXTERNAL.replace("198.18.1.100:80", "127.0.0.1:80"));
         assert!(lo.contains("loopback address, which no other machine can reach"), "{lo}");
+    }
+
+    #[test]
+    fn a_vip_elected_by_membership_announces_and_has_no_lease_of_its_own() {
+        let elected = parse(&format!("{EXTERNAL}announce = \"arp\"\nelect = true\n")).unwrap();
+        assert!(elected.services[0].external.as_ref().unwrap().elect);
+        assert_eq!(elected.daemon.membership_namespace, "lb-system");
+        let silent = problems(&format!("{EXTERNAL}elect = true\n"));
+        assert!(
+            silent.contains("external.elect") && silent.contains("announce = \"arp\""),
+            "{silent}"
+        );
+        let both = problems(&format!(
+            "{EXTERNAL}announce = \"arp\"\nelect = true\nlease = {{ namespace = \"lb\", name = \"web\" }}\n"
+        ));
+        assert!(
+            both.contains("either by its own Lease (lease) or by membership (elect)"),
+            "{both}"
+        );
+        let namespace = parse(&format!("[kubernetes]\nnamespace = \"infra\"\n{EXTERNAL}")).unwrap();
+        assert_eq!(namespace.daemon.membership_namespace, "infra");
+        let bad = problems(&format!("[kubernetes]\nnamespace = \"No_Such\"\n{EXTERNAL}"));
+        assert!(
+            bad.contains("kubernetes.namespace") && bad.contains("not a Kubernetes namespace"),
+            "{bad}"
+        );
     }
 }

@@ -92,6 +92,8 @@ pub struct Daemon {
     pub node_name: String,
     /// The timings of the elections by lease.
     pub election: Election,
+    /// Where the nodes' membership Leases are (`[kubernetes] namespace`).
+    pub membership_namespace: String,
 }
 
 /// The timings of the elections by lease (`[daemon] lease_*`), chosen so
@@ -172,8 +174,11 @@ pub struct External {
     /// How other machines learn that the VIP is here.
     pub announce: Announce,
     /// The lease that elects the one node announcing the VIP; `None`:
-    /// this node announces alone.
+    /// this node announces alone, or by membership (`elect`).
     pub lease: Option<LeaseRef>,
+    /// One node among those that can serve the VIP announces it, placed
+    /// by the elections by membership (`crate::election::membership`).
+    pub elect: bool,
 }
 
 /// A `coordination.k8s.io/v1` Lease.

@@ -12,6 +12,8 @@ use toml::Spanned;
 pub(super) struct RawConfig {
     #[serde(default)]
     pub(super) daemon: RawDaemon,
+    /// `[kubernetes]`.
+    pub(super) kubernetes: Option<RawKubernetesSettings>,
     #[serde(default)]
     pub(super) service: Vec<Spanned<RawService>>,
 }
@@ -60,6 +62,14 @@ pub(super) struct RawExternal {
     pub(super) interfaces: Vec<String>,
     pub(super) announce: Option<String>,
     pub(super) lease: Option<RawLease>,
+    pub(super) elect: Option<bool>,
+}
+
+/// `[kubernetes]`: where lb keeps what it shares with the other nodes.
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawKubernetesSettings {
+    pub(super) namespace: Option<String>,
 }
 
 /// `[service.external] lease`.

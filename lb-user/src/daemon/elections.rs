@@ -26,6 +26,9 @@ impl Daemon {
     /// Whether this node may announce service `i`'s VIP now: always
     /// without a lease; with one, while it holds the lease.
     pub(super) fn may_announce(&self, i: usize) -> bool {
+        if self.elects(i) {
+            return self.membership_fence(i, Instant::now()).is_some();
+        }
         let service = &self.services[i];
         if service.config.external.as_ref().is_none_or(|e| e.lease.is_none()) {
             return true;
@@ -42,14 +45,14 @@ impl Daemon {
         let mut fences = HashMap::new();
         for &i in external {
             let service = &self.services[i];
-            if service.config.external.as_ref().is_none_or(|e| e.lease.is_none()) {
+            let fence = if self.elects(i) {
+                self.membership_fence(i, now)
+            } else if service.config.external.as_ref().is_none_or(|e| e.lease.is_none()) {
                 continue;
-            }
-            let until = self
-                .elections
-                .get(&service.config.name)
-                .and_then(|e| e.fence(now))
-                .map_or(0, |fence| now_ns + (fence - now).as_nanos() as u64);
+            } else {
+                self.elections.get(&service.config.name).and_then(|e| e.fence(now))
+            };
+            let until = fence.map_or(0, |fence| now_ns + (fence - now).as_nanos() as u64);
             // Two services on one address: the stricter fence.
             let entry = fences.entry(service.config.vip.ip()).or_insert(until);
             *entry = (*entry).min(until);
@@ -91,6 +94,7 @@ impl Daemon {
             });
             election.set_eligible(eligible.get(&i).copied().unwrap_or(Some("no usable server")));
         }
+        self.sync_membership(eligible);
     }
 
     /// An election task's news: announce or withdraw as it says.
@@ -105,6 +109,7 @@ impl Daemon {
     /// within a lease duration, it renews them and no VIP moves; not back,
     /// its fences run out and another node takes over, as after a crash.
     pub(super) fn keep_leases(&mut self) {
+        self.keep_membership();
         let held = self.elections.values().filter(|e| e.fence(Instant::now()).is_some()).count();
         if held > 0 {
             tracing::info!(
@@ -122,6 +127,7 @@ impl Daemon {
     /// withdrawn from the kernel, then their leases released, so that
     /// another node takes over at once.
     pub(super) async fn resign(&mut self) {
+        self.resign_membership().await;
         if self.elections.is_empty() {
             return;
         }
@@ -135,6 +141,9 @@ impl Daemon {
 
     /// Service `i`'s election in `lb status`.
     pub(super) fn lease_status(&self, i: usize) -> Option<LeaseStatus> {
+        if self.elects(i) {
+            return self.membership_status(i);
+        }
         let service = &self.services[i];
         let lease = service.config.external.as_ref()?.lease.as_ref()?;
         let now = Instant::now();
@@ -171,7 +180,10 @@ impl Daemon {
 /// How election tasks reach the API server: through the service that
 /// discovers the apiservers (`default/kubernetes`), if one does, as its
 /// own discovery does.
-fn reach(services: &[super::service::Service], kubeconfig: Option<std::path::PathBuf>) -> Reach {
+pub(super) fn reach(
+    services: &[super::service::Service],
+    kubeconfig: Option<std::path::PathBuf>,
+) -> Reach {
     let apiservers = services.iter().find(|s| {
         matches!(&s.config.discovery, Some(config::Discovery::Kubernetes { namespace, service, .. })
             if namespace == "default" && service == "kubernetes")

@@ -20,6 +20,7 @@
 //!   services; `external_state`: what it keeps between two syncs;
 //! - `elections`: the leased VIPs' elections (`crate::election`) kept in
 //!   step with the services, and turned into announcements;
+//! - `membership`: the same for the elections by membership (`elect`);
 //! - `closing`: VIP connections closed in the background, by the
 //!   `close_worker` thread;
 //! - `requests`: control requests and metrics scrapes;
@@ -41,6 +42,7 @@ mod elections;
 mod external_state;
 mod external_sync;
 mod inputs;
+mod membership;
 mod messages;
 mod owner;
 mod reload;
@@ -98,6 +100,7 @@ pub async fn run(options: Options) -> anyhow::Result<Ended> {
         mut calls,
         mut discoveries,
         mut elections,
+        mut memberships,
         mut scrapes,
     } = startup::start(options).await?;
     let socket_path = daemon.config.settings.control_socket.clone();
@@ -160,6 +163,7 @@ pub async fn run(options: Options) -> anyhow::Result<Ended> {
                 daemon.after_discovered();
             }
             Some(update) = elections.recv() => daemon.on_election(update),
+            Some(answering) = memberships.recv() => daemon.on_membership(answering),
             Some(message) = messages.recv() => match message {
                 Message::Kernel(event) => daemon.on_kernel_event(&event),
                 Message::Health { service, server, result, took } => {

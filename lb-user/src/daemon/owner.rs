@@ -65,6 +65,13 @@ pub(super) struct Daemon {
     pub(super) external: External,
     /// The election of each leased service, by service name.
     pub(super) elections: HashMap<String, election::Election>,
+    /// The elections by membership, while a service elects
+    /// (`membership.rs`).
+    pub(super) membership: Option<election::membership_task::Membership>,
+    /// What the membership task last said this node answers.
+    pub(super) answering: election::membership_task::Answering,
+    /// The daemon is stopping: no membership task starts again.
+    pub(super) membership_ended: bool,
 }
 
 /// The running config's daemon side (the services are in
@@ -88,6 +95,8 @@ pub(super) struct Senders {
     pub(super) discovered: mpsc::Sender<discovery::Update>,
     /// Where election tasks send their news.
     pub(super) elections: mpsc::Sender<election::Update>,
+    /// Where the membership task says what the node answers.
+    pub(super) membership: mpsc::Sender<election::membership_task::Answering>,
 }
 
 /// What this kernel and these privileges allow.

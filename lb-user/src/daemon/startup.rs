@@ -49,6 +49,7 @@ pub(super) struct Started {
     pub(super) calls: mpsc::Receiver<control::Call>,
     pub(super) discoveries: mpsc::Receiver<discovery::Update>,
     pub(super) elections: mpsc::Receiver<election::Update>,
+    pub(super) memberships: mpsc::Receiver<election::membership_task::Answering>,
     pub(super) scrapes: mpsc::Receiver<oneshot::Sender<String>>,
 }
 
@@ -139,6 +140,7 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
     let (calls_tx, calls) = mpsc::channel(64);
     let (discovered, discoveries) = mpsc::channel(64);
     let (election_updates, elections) = mpsc::channel(64);
+    let (membership, memberships) = mpsc::channel(64);
     tokio::spawn(control::serve(listener, calls_tx));
     let (scrape_tx, scrapes) = mpsc::channel(16);
     if let Some(addr) = settings.metrics {
@@ -168,7 +170,7 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         datapath,
         services: ServiceTable::new(services),
         saved,
-        senders: Senders { owner: tx, discovered, elections: election_updates },
+        senders: Senders { owner: tx, discovered, elections: election_updates, membership },
         metrics: Metrics::new(),
         last_reload: None,
         kernel: Abilities { sock_destroy, close_in_pods },
@@ -179,6 +181,9 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         table_watch,
         external: External::default(),
         elections: HashMap::new(),
+        membership: None,
+        answering: Default::default(),
+        membership_ended: false,
     };
     for i in 0..daemon.services.len() {
         daemon.service_appeared(i);
@@ -207,7 +212,7 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         control_socket = %socket_path.display(),
         "lb is running"
     );
-    Ok(Started { daemon, messages, calls, discoveries, elections, scrapes })
+    Ok(Started { daemon, messages, calls, discoveries, elections, memberships, scrapes })
 }
 
 /// Whether a service adopts the value the kernel holds for its VIP

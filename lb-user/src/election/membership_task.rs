@@ -8,27 +8,14 @@
 //! the last one to the kernel, so a VIP given up is silent before the
 //! write that gives it up can reach another node.
 
-use std::{collections::BTreeSet, path::PathBuf, pin::pin, time::Duration};
+use std::{collections::BTreeSet, path::PathBuf, time::Duration};
 
-use futures::StreamExt as _;
-use k8s_openapi::api::coordination::v1::Lease;
-use kube::{
-    Api,
-    api::PostParams,
-    runtime::{WatchStreamExt as _, watcher},
-};
 use tokio::{
     sync::{mpsc, watch},
     task::JoinHandle,
-    time::Instant,
 };
 
-use super::{
-    Reach,
-    membership::{Machine, Step, Timings, Watched},
-    membership_lease,
-};
-use crate::discovery::chain;
+use super::{Reach, membership::Timings};
 
 /// What the node may answer, as the task last said.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -130,6 +117,32 @@ impl Membership {
     }
 }
 
+#[cfg(not(feature = "kubernetes"))]
+async fn run(reach: Reach, settings: Settings, inputs: Inputs, answering: mpsc::Sender<Answering>) {
+    // `Config::parse` refuses `elect` in a build without Kubernetes.
+    let _ = (reach, settings, inputs);
+    let error = Some("lb was built without the `kubernetes` feature".to_owned());
+    let _ = answering.send(Answering { error, ..Answering::default() }).await;
+}
+
+#[cfg(feature = "kubernetes")]
+use {
+    super::{
+        membership::{Machine, Step, Watched},
+        membership_lease,
+    },
+    crate::discovery::chain,
+    futures::StreamExt as _,
+    k8s_openapi::api::coordination::v1::Lease,
+    kube::{
+        Api,
+        api::PostParams,
+        runtime::{WatchStreamExt as _, watcher},
+    },
+    std::pin::pin,
+    tokio::time::Instant,
+};
+
 /// What the daemon tells the task.
 struct Inputs {
     eligible: watch::Receiver<Option<BTreeSet<String>>>,
@@ -137,6 +150,7 @@ struct Inputs {
     applied: watch::Receiver<u64>,
 }
 
+#[cfg(feature = "kubernetes")]
 async fn run(reach: Reach, settings: Settings, inputs: Inputs, answering: mpsc::Sender<Answering>) {
     let Inputs { mut eligible, mut stop, mut applied } = inputs;
     let client = loop {
@@ -168,7 +182,8 @@ async fn run(reach: Reach, settings: Settings, inputs: Inputs, answering: mpsc::
     let mut error: Option<String> = None;
     loop {
         let now = Instant::now().into_std();
-        if *stop.borrow() {
+        // Told to stop, or dropped by the daemon.
+        if *stop.borrow() || stop.has_changed().is_err() {
             machine.stop(now);
         }
         let step = machine.poll(now);
@@ -196,14 +211,17 @@ async fn run(reach: Reach, settings: Settings, inputs: Inputs, answering: mpsc::
             }
             Step::Wait(until) => wake = until,
         }
+        // The daemon gone, nothing of its is answered any more.
+        let applied_all = applied.has_changed().is_err() || *applied.borrow() >= told.generation;
         if write.is_none()
-            && *applied.borrow() >= told.generation
+            && applied_all
             && let Some(lease) = waiting.take()
         {
             let (api, version) = (api.clone(), own_version.clone());
             write = Some(tokio::spawn(write_lease(api, lease, version, timeout)));
         }
-        if *stop.borrow() && write.is_none() && waiting.is_none() && fence.is_none() {
+        let stopping = *stop.borrow() || stop.has_changed().is_err();
+        if stopping && write.is_none() && waiting.is_none() && fence.is_none() {
             return;
         }
         let sleep = async {
@@ -252,6 +270,7 @@ async fn run(reach: Reach, settings: Settings, inputs: Inputs, answering: mpsc::
 }
 
 /// Writes `lease` over `version` (none: creates it); its new version.
+#[cfg(feature = "kubernetes")]
 async fn write_lease(
     api: Api<Lease>,
     mut lease: Lease,
@@ -281,6 +300,7 @@ async fn write_lease(
 
 /// Watches the membership Leases, for ever: a list, then changes; a list
 /// again whenever the watch must start over.
+#[cfg(feature = "kubernetes")]
 async fn watch_leases(api: Api<Lease>, tx: mpsc::Sender<Watched>) {
     let (key, value) = membership_lease::LABEL;
     let config = watcher::Config::default().labels(&format!("{key}={value}"));
@@ -316,8 +336,10 @@ async fn watch_leases(api: Api<Lease>, tx: mpsc::Sender<Watched>) {
 }
 
 /// Aborts a task when dropped.
+#[cfg(feature = "kubernetes")]
 struct AbortOnDrop(JoinHandle<()>);
 
+#[cfg(feature = "kubernetes")]
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();

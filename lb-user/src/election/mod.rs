@@ -10,12 +10,12 @@
 //! - `lease`: the Lease's reads and writes through kube-rs;
 //! - `identity`: this node's name in the Leases, with a token of its own.
 //!
-//! The elections by membership (issue 40), one Lease per node whatever
-//! the number of VIPs, are being built beside them: `membership` (the
-//! rules, pure, with `membership_sim` for their tests), `placement`
-//! (rendezvous hashing), `membership_lease` (the Lease's format) and
-//! `membership_task` (the task, through kube-rs); not yet used by the
-//! daemon.
+//! The elections by membership (`elect = true`), one Lease per node
+//! whatever the number of VIPs: `membership` (the rules, pure, with
+//! `membership_sim` for their tests; `membership_peers`, what a node
+//! knows of the others), `placement` (rendezvous hashing),
+//! `membership_lease` (the Lease's format) and `membership_task` (the
+//! task, through kube-rs, which the daemon's `membership.rs` drives).
 //!
 //! The daemon keeps the order that makes a handover safe: it withdraws a
 //! VIP from the kernel *before* it tells the task that the node is no
@@ -33,7 +33,6 @@ pub mod membership;
 #[cfg(feature = "kubernetes")]
 mod membership_lease;
 mod membership_peers;
-#[cfg(feature = "kubernetes")]
 pub mod membership_task;
 pub mod placement;
 
