@@ -4,9 +4,9 @@
 //! this node's Lease go one at a time, each over the version last seen
 //! (a write of someone else's in between gets `409 Conflict`, and the
 //! watch shows it to the machine). What the node may answer goes to the
-//! daemon as [`Answering`]; a write waits until the daemon has applied
-//! the last one to the kernel, so a VIP given up is silent before the
-//! write that gives it up can reach another node.
+//! daemon as [`Answering`]; a write that gives up a VIP waits until the
+//! daemon has applied its withdrawal to the kernel, so a VIP given up is
+//! silent before the write that gives it up can reach another node.
 
 use std::{collections::BTreeSet, path::PathBuf, time::Duration};
 
@@ -176,9 +176,13 @@ async fn run(reach: Reach, settings: Settings, inputs: Inputs, answering: mpsc::
     // The version of this node's Lease last seen: the next write's base.
     let mut own_version: Option<String> = None;
     let mut told = Answering::default();
+    // What the kernel may still answer: what the daemon applied last, and
+    // what it was told since (by generation), until it says so.
+    let mut kernel = Unapplied::default();
     let mut write: Option<JoinHandle<Result<String, String>>> = None;
-    // A write asked for, waiting for the daemon to apply what it answers.
-    let mut waiting: Option<Lease> = None;
+    // A write asked for (its claims, and the Lease), waiting until the
+    // kernel answers nothing the write gives up.
+    let mut waiting: Option<(BTreeSet<String>, Lease)> = None;
     let mut error: Option<String> = None;
     loop {
         let now = Instant::now().into_std();
@@ -193,6 +197,7 @@ async fn run(reach: Reach, settings: Settings, inputs: Inputs, answering: mpsc::
         };
         if (fence, &vips, &error) != (told.fence, &told.vips, &told.error) {
             told = Answering { vips, fence, generation: told.generation + 1, error: error.clone() };
+            kernel.told(told.generation, &told.vips);
             if answering.send(told.clone()).await.is_err() {
                 return;
             }
@@ -207,15 +212,17 @@ async fn run(reach: Reach, settings: Settings, inputs: Inputs, answering: mpsc::
                     &content,
                     settings.timings.duration,
                 );
-                waiting = Some(lease);
+                waiting = Some((content.claims, lease));
             }
             Step::Wait(until) => wake = until,
         }
         // The daemon gone, nothing of its is answered any more.
-        let applied_all = applied.has_changed().is_err() || *applied.borrow() >= told.generation;
+        let gone = applied.has_changed().is_err();
+        kernel.applied(if gone { u64::MAX } else { *applied.borrow() });
+        let silent = |claims: &BTreeSet<String>| kernel.may_answer().all(|v| claims.contains(v));
         if write.is_none()
-            && applied_all
-            && let Some(lease) = waiting.take()
+            && waiting.as_ref().is_some_and(|(claims, _)| silent(claims))
+            && let Some((_, lease)) = waiting.take()
         {
             let (api, version) = (api.clone(), own_version.clone());
             write = Some(tokio::spawn(write_lease(api, lease, version, timeout)));
@@ -266,6 +273,46 @@ async fn run(reach: Reach, settings: Settings, inputs: Inputs, answering: mpsc::
             Ok(()) = applied.changed() => {}
             () = sleep => {}
         }
+    }
+}
+
+/// What the kernel may answer, as far as the task knows: the VIPs of the
+/// last [`Answering`] the daemon acknowledged and of those it was sent
+/// since. A write that gives up none of them goes at once (a renewal);
+/// one that gives one up waits until the daemon has applied its
+/// withdrawal.
+#[derive(Default)]
+struct Unapplied {
+    applied: BTreeSet<String>,
+    /// Sent and not yet acknowledged, by generation.
+    pending: std::collections::VecDeque<(u64, BTreeSet<String>)>,
+}
+
+impl Unapplied {
+    fn told(&mut self, generation: u64, vips: &BTreeSet<String>) {
+        self.pending.push_back((generation, vips.clone()));
+        // Bounded, for a daemon slow to acknowledge: the two oldest become
+        // one, the later generation with both sets (more, never less).
+        if self.pending.len() > 64
+            && let (Some((_, mut first)), Some((generation, second))) =
+                (self.pending.pop_front(), self.pending.pop_front())
+        {
+            first.extend(second);
+            self.pending.push_front((generation, first));
+        }
+    }
+
+    /// The daemon has applied everything up to `generation`.
+    fn applied(&mut self, generation: u64) {
+        while self.pending.front().is_some_and(|(g, _)| *g <= generation) {
+            if let Some((_, vips)) = self.pending.pop_front() {
+                self.applied = vips;
+            }
+        }
+    }
+
+    fn may_answer(&self) -> impl Iterator<Item = &String> {
+        self.applied.iter().chain(self.pending.iter().flat_map(|(_, vips)| vips))
     }
 }
 
@@ -343,5 +390,45 @@ struct AbortOnDrop(JoinHandle<()>);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(vips: &[&str]) -> BTreeSet<String> {
+        vips.iter().map(|v| (*v).to_owned()).collect()
+    }
+
+    fn may_answer(kernel: &Unapplied) -> BTreeSet<String> {
+        kernel.may_answer().cloned().collect()
+    }
+
+    #[test]
+    fn a_vip_given_up_counts_as_answered_until_the_daemon_has_applied_it() {
+        let mut kernel = Unapplied::default();
+        kernel.told(1, &set(&["a", "b"]));
+        kernel.applied(1);
+        assert_eq!(may_answer(&kernel), set(&["a", "b"]));
+        // Told to answer `a` alone: `b` may still be answered until the
+        // daemon says it applied that.
+        kernel.told(2, &set(&["a"]));
+        kernel.applied(1);
+        assert_eq!(may_answer(&kernel), set(&["a", "b"]));
+        kernel.applied(2);
+        assert_eq!(may_answer(&kernel), set(&["a"]));
+    }
+
+    #[test]
+    fn a_daemon_slow_to_acknowledge_costs_bounded_memory_and_loses_no_vip() {
+        let mut kernel = Unapplied::default();
+        for generation in 1..=1_000u64 {
+            kernel.told(generation, &set(&[&format!("v{}", generation % 100)]));
+        }
+        assert!(kernel.pending.len() <= 64);
+        assert_eq!(may_answer(&kernel).len(), 100, "every VIP told since the last acknowledgement");
+        kernel.applied(1_000);
+        assert_eq!(may_answer(&kernel), set(&["v0"]));
     }
 }
