@@ -3,7 +3,7 @@
 //! Three daemons on the LAN and six VIPs: each VIP answered by exactly
 //! the node placement puts it on; a node SIGKILLed, its VIPs answered by
 //! the others (never two answering one VIP, as the capture sees it) and
-//! every other VIP untouched.
+//! every other VIP untouched; started again, it takes back its share.
 
 use std::{net::Ipv4Addr, time::Duration};
 
@@ -132,6 +132,13 @@ fn vips_spread_by_membership_and_a_killed_nodes_move_alone() {
                 new.1 - killed_at
             );
         }
+        // Back: after its hold-down it takes back its share, and only that.
+        lan.nodes[killed].start(kubeconfig.path(), &services());
+        assert!(
+            wait_until(Duration::from_secs(20), || placed_as_ruled(&lan, &[0, 1, 2])),
+            "the restarted node did not take its share back\n{}",
+            logs(&lan)
+        );
         drop(watch);
         drop(lan);
         drop(api);

@@ -35,7 +35,9 @@
 //! - **election** ([`election`]): the node announcing an external VIP dies;
 //!   how long until a client's connect is answered by another node (and
 //!   the new holder's first ARP answer), p50/p99 over repeated deaths; the
-//!   Lease requests per second one VIP costs the API server.
+//!   Lease requests per second one VIP costs the API server; and the
+//!   elections by membership beside per-VIP Leases at 1, 50 and 200 VIPs
+//!   (requests by verb, watch events), with their takeover at 200 VIPs.
 //!
 //! Output: a table on stdout, `target/bench/report.md` and the plot
 //! `target/bench/ratios.svg` ([`report`]). The targets ([`targets`]) are

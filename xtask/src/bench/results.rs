@@ -295,6 +295,33 @@ pub struct Election {
     pub takeover_connect_ms: Vec<f64>,
     pub takeover_arp_ms: Vec<f64>,
     pub api_requests_per_s: f64,
+    /// The elections by membership beside per-VIP Leases
+    /// (`tests/benches/membership.rs`).
+    pub membership: Option<Membership>,
+}
+
+/// The API load of the two ways of electing, at each VIP count, and the
+/// takeovers by membership with the most VIPs.
+pub struct Membership {
+    /// (way, VIPs, figures), per VIP first.
+    pub load: Vec<(&'static str, usize, ApiLoad)>,
+    pub takeover_vips: usize,
+    pub takeover_ms: Vec<f64>,
+}
+
+/// One steady state's cost to the API server, three nodes together.
+pub struct ApiLoad {
+    pub requests_per_s: f64,
+    pub watch_events_per_s: f64,
+    /// Requests per second by verb (GET, PUT, LIST, WATCH...).
+    pub by_verb: Vec<(String, f64)>,
+}
+
+impl ApiLoad {
+    /// Requests and watch events per second, per node (of three).
+    pub fn per_node(&self) -> f64 {
+        (self.requests_per_s + self.watch_events_per_s) / 3.0
+    }
 }
 
 pub struct Dns {

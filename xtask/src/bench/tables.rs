@@ -7,7 +7,7 @@ use super::{
     format::{count, millis, ms, services},
     owner,
     paths::Route,
-    results::{DnsRoute, KeepAliveCost, Results, Workload},
+    results::{DnsRoute, KeepAliveCost, Membership, Results, Workload},
     stats::{median, percentile},
     table::Table,
     workloads::CONNECTS,
@@ -263,7 +263,39 @@ fn election(r: &Results, tables: &mut Vec<Table>) {
             String::new(),
         ]);
         tables.push(t);
+        if let Some(m) = &e.membership {
+            membership(m, tables);
+        }
     }
+}
+
+fn membership(m: &Membership, tables: &mut Vec<Table>) {
+    let mut t = Table::new(
+        "What electing costs the API server, 3 nodes, steady state (lease 1 s, renew 200 ms)",
+        &["way", "VIPs", "requests/s", "by verb", "watch events/s", "per node, events included"],
+    );
+    for (way, n, load) in &m.load {
+        let verbs: Vec<String> = load.by_verb.iter().map(|(v, r)| format!("{v} {r:.1}")).collect();
+        t.row(vec![
+            (*way).to_owned(),
+            n.to_string(),
+            format!("{:.1}", load.requests_per_s),
+            verbs.join(", "),
+            format!("{:.1}", load.watch_events_per_s),
+            format!("{:.1}", load.per_node()),
+        ]);
+    }
+    tables.push(t);
+    let mut t = Table::new(
+        &format!(
+            "By membership, {} VIPs on 3 nodes: the node holding the most SIGKILLed, until each of its VIPs is claimed by another ({} deaths)",
+            m.takeover_vips,
+            m.takeover_ms.len()
+        ),
+        &["p50", "p99"],
+    );
+    t.row(vec![millis(median(&m.takeover_ms)), millis(percentile(&m.takeover_ms, 99.0))]);
+    tables.push(t);
 }
 
 fn dns(r: &Results, tables: &mut Vec<Table>) {

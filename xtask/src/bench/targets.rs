@@ -138,6 +138,30 @@ pub fn targets(r: &Results) -> Vec<(bool, String)> {
             ),
         ));
     }
+    if let Some(m) = r.election.as_ref().and_then(|e| e.membership.as_ref()) {
+        let p99 = percentile(&m.takeover_ms, 99.0);
+        lines.push((
+            m.takeover_ms.len() == 5 && p99 <= 1_500.0,
+            format!(
+                "by membership, every VIP of a SIGKILLed node taken over within 1.5 s ({} VIPs): p99 {}, p50 {}, {} of 5 deaths measured",
+                m.takeover_vips,
+                millis(p99),
+                millis(median(&m.takeover_ms)),
+                m.takeover_ms.len()
+            ),
+        ));
+        if let Some((_, n, most)) =
+            m.load.iter().filter(|(w, ..)| *w == "membership").max_by_key(|(_, n, _)| *n)
+        {
+            lines.push((
+                most.per_node() <= 6.0,
+                format!(
+                    "by membership, ≤ 6 API requests per second per node, watch events included, at {n} VIPs: {:.1}",
+                    most.per_node()
+                ),
+            ));
+        }
+    }
     if let Some(d) = &r.dns {
         let (vip, forwarder) = (d.qps(DnsRoute::Vip), d.qps(DnsRoute::Forwarder));
         lines.push((

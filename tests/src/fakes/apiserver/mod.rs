@@ -84,6 +84,7 @@ impl FakeApiServer {
                 state: Mutex::new(State { rv: 1, compacted: 1, ..State::default() }),
                 changed: watch::channel(()).0,
                 watching: AtomicUsize::new(0),
+                events: AtomicUsize::new(0),
                 leases_stalled: watch::channel(false).0,
             }),
             listeners: Mutex::new(HashMap::new()),
@@ -307,6 +308,12 @@ impl FakeApiServer {
     /// Watch streams open now (on every listener).
     pub fn watching(&self) -> usize {
         self.shared.watching.load(Ordering::Relaxed)
+    }
+
+    /// Watch events (ADDED, MODIFIED, DELETED) sent so far, on every
+    /// stream: what the watchers cost the server beside their requests.
+    pub fn watch_events(&self) -> usize {
+        self.shared.events.load(Ordering::Relaxed)
     }
 }
 

@@ -242,6 +242,7 @@ async fn stream_watch(
                         && in_scope(object.metadata(), &namespace, &wanted)
                     {
                         out.push(event_line(change.kind, object));
+                        shared.events.fetch_add(1, Ordering::Relaxed);
                     }
                 }
                 cursor = cursor.max(state.rv);

@@ -130,6 +130,8 @@ pub(super) struct Shared {
     pub(super) changed: watch::Sender<()>,
     /// Watch streams open now.
     pub(super) watching: AtomicUsize,
+    /// Watch events sent (ADDED, MODIFIED, DELETED), on every stream.
+    pub(super) events: AtomicUsize,
     /// `true` while Lease requests are stalled
     /// ([`super::FakeApiServer::stall_leases`]).
     pub(super) leases_stalled: watch::Sender<bool>,

@@ -1,0 +1,251 @@
+//! The elections by membership beside the per-VIP Leases, for `cargo
+//! xtask bench` (its `election` part), on the election tests' topology
+//! (three nodes on one bridge with a client, the fake API server on it),
+//! default timings (lease 1 s, renew and retry 200 ms):
+//!
+//! - API requests per second in steady state, by verb, all three nodes
+//!   together, and the watch events the server sent, at 1, 50 and 200
+//!   VIPs, each way (`lease = {..}` per VIP, `elect = true`), in this run;
+//! - with 200 VIPs by membership, [`ROUNDS`] times: the node holding the
+//!   most VIPs SIGKILLed, the time until every one of its VIPs is claimed
+//!   by exactly one other node (from the Leases, looked at every 100 ms:
+//!   a claim is answered a watch event later), then the node started
+//!   again and given time to take its share back.
+//!
+//! Prints one JSON line. Needs root and `LB_BIN`.
+
+use std::{
+    collections::BTreeMap,
+    time::{Duration, Instant},
+};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use lb_tests::{
+    fakes::{
+        apiserver::{FakeApiServer, Kubeconfig},
+        runtime,
+    },
+    in_new_netns,
+    lan::{API, Lan},
+    privileged,
+};
+
+/// Node deaths measured.
+const ROUNDS: usize = 5;
+/// How long the steady state's requests are counted.
+const STEADY: Duration = Duration::from_secs(5);
+/// The VIP counts measured.
+const COUNTS: [usize; 3] = [1, 50, 200];
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Way {
+    PerVip,
+    Membership,
+}
+
+fn main() {
+    if !privileged() {
+        return;
+    }
+    let mut load = serde_json::Map::new();
+    let only_takeover = std::env::var_os("LB_BENCH_TAKEOVER_ONLY").is_some();
+    for way in [Way::PerVip, Way::Membership].into_iter().filter(|_| !only_takeover) {
+        for n in COUNTS {
+            let figures = in_new_netns(move || steady(way, n, false));
+            let key = match way {
+                Way::PerVip => format!("per_vip_{n}"),
+                Way::Membership => format!("membership_{n}"),
+            };
+            load.insert(key, figures);
+        }
+    }
+    let takeover = in_new_netns(|| steady(Way::Membership, 200, true));
+    let report = serde_json::json!({
+        "nodes": 3,
+        "lease_duration_ms": 1000,
+        "renew_ms": 200,
+        "steady_s": STEADY.as_secs(),
+        "load": load,
+        "takeover": takeover,
+    });
+    println!("{report}");
+}
+
+/// `n` services on VIPs of their own, elected `way`; health checks once
+/// a second (the nodes run 3 × `n` of them on two CPUs).
+fn services(way: Way, n: usize) -> String {
+    let mut text = String::new();
+    if way == Way::Membership {
+        text.push_str("[kubernetes]\nnamespace = \"lb-system\"\n");
+    }
+    for k in 0..n {
+        let elect = match way {
+            Way::PerVip => format!("lease = {{ namespace = \"lb-system\", name = \"web{k}\" }}\n"),
+            Way::Membership => "elect = true\n".to_owned(),
+        };
+        text.push_str(&format!(
+            "[[service]]\nname = \"web{k}\"\nvip = \"198.18.1.{}:80\"\nservers = [\"198.18.2.2:8080\"]\n\
+             [service.health]\ncheck = \"tcp\"\ninterval = \"1s\"\ntimeout = \"500ms\"\nrise = 1\nfall = 1\n\
+             [service.external]\ninterfaces = [\"ext0\"]\nannounce = \"arp\"\n{elect}",
+            1 + k
+        ));
+    }
+    text
+}
+
+/// Which node holds each of the `n` services, of those in `nodes`;
+/// `None` where none does or two do. By membership, from the Leases'
+/// claims (a claim is answered once its write comes back to its node, a
+/// watch event later), so that watching costs the nodes nothing; per VIP,
+/// from each VIP's Lease.
+fn holders(
+    lan: &Lan,
+    api: &FakeApiServer,
+    way: Way,
+    nodes: &[usize],
+    n: usize,
+) -> Vec<Option<usize>> {
+    let annotation = |lease: &Lease, key: &str| {
+        let annotations = lease.metadata.annotations.as_ref();
+        annotations.and_then(|a| a.get(key)).cloned().unwrap_or_default()
+    };
+    let mut held: Vec<Vec<usize>> = vec![Vec::new(); n];
+    match way {
+        Way::Membership => {
+            for &i in nodes {
+                let Some(lease) = api.lease("lb-system", &lan.nodes[i].node_name) else { continue };
+                for vip in annotation(&lease, "lb.dev/claims").split(',').filter(|v| !v.is_empty())
+                {
+                    let k = vip.rsplit('.').next().and_then(|o| o.parse::<usize>().ok());
+                    if let Some(k) = k.filter(|k| (1..=n).contains(k)) {
+                        held[k - 1].push(i);
+                    }
+                }
+            }
+        }
+        Way::PerVip => {
+            for (k, held) in held.iter_mut().enumerate() {
+                let lease = api.lease("lb-system", &format!("web{k}"));
+                let holder = lease.and_then(|l| l.spec?.holder_identity).unwrap_or_default();
+                let node = nodes
+                    .iter()
+                    .find(|&&i| holder.starts_with(&format!("{}_", lan.nodes[i].node_name)));
+                held.extend(node);
+            }
+        }
+    }
+    held.into_iter().map(|h| if h.len() == 1 { Some(h[0]) } else { None }).collect()
+}
+
+/// Waits, looking every 100 ms, at most `timeout`.
+fn wait(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if check() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Three nodes with `n` VIPs elected `way`: the steady state's API load,
+/// and with `kill`, the takeovers after SIGKILLs.
+fn steady(way: Way, n: usize, kill: bool) -> serde_json::Value {
+    let mut lan = Lan::new("membership-bench", 3);
+    let rt = runtime();
+    let api = rt.block_on(FakeApiServer::start_at(format!("{API}:0").parse().unwrap()));
+    let kubeconfig = Kubeconfig::write(&api.url());
+    let text = services(way, n);
+    for node in &mut lan.nodes {
+        node.start(kubeconfig.path(), &text);
+    }
+    let all = [0, 1, 2];
+    let placed = wait(Duration::from_secs(120), || {
+        holders(&lan, &api, way, &all, n).iter().all(Option::is_some)
+    });
+    assert!(placed, "{n} VIPs not all held within 120 s");
+    // Settled: the hold-downs over (nodes started one after another hand
+    // shares on as they settle), no claim moving for 3 s.
+    let mut last = holders(&lan, &api, way, &all, n);
+    let mut since = Instant::now();
+    let settled = wait(Duration::from_secs(60), || {
+        let now = holders(&lan, &api, way, &all, n);
+        if now != last {
+            (last, since) = (now, Instant::now());
+        }
+        since.elapsed() >= Duration::from_secs(3)
+    });
+    assert!(settled, "{n} VIPs: the claims still moving after 60 s");
+    let (requests, lists, events) =
+        (api.lease_requests().len(), api.requests().len(), api.watch_events());
+    std::thread::sleep(STEADY);
+    let seconds = STEADY.as_secs_f64();
+    let mut by_verb: BTreeMap<String, f64> = BTreeMap::new();
+    for request in &api.lease_requests()[requests..] {
+        *by_verb.entry(request.method.clone()).or_default() += 1.0 / seconds;
+    }
+    for request in &api.requests()[lists..] {
+        let verb = if request.watch { "WATCH" } else { "LIST" };
+        *by_verb.entry(verb.to_owned()).or_default() += 1.0 / seconds;
+    }
+    let events = (api.watch_events() - events) as f64 / seconds;
+    let requests: f64 = by_verb.values().sum();
+    let mut figures = serde_json::json!({
+        "vips": n,
+        "requests_per_s": requests,
+        "requests_per_s_per_node": requests / 3.0,
+        "watch_events_per_s": events,
+        "by_verb": by_verb,
+    });
+    if kill {
+        figures["takeover_ms"] = takeovers(&mut lan, &api, &kubeconfig, &text, n).into();
+    }
+    drop(lan);
+    drop(api);
+    drop(rt);
+    figures
+}
+
+/// [`ROUNDS`] SIGKILLs of the node holding the most VIPs: for each, the
+/// milliseconds until every one of its VIPs is held by another node.
+fn takeovers(
+    lan: &mut Lan,
+    api: &FakeApiServer,
+    kubeconfig: &Kubeconfig,
+    text: &str,
+    n: usize,
+) -> Vec<f64> {
+    let all = [0, 1, 2];
+    let mut took = Vec::new();
+    for _ in 0..ROUNDS {
+        let before = holders(lan, api, Way::Membership, &all, n);
+        let count = |i: usize| before.iter().filter(|h| **h == Some(i)).count();
+        let victim = (0..3).max_by_key(|&i| count(i)).unwrap();
+        let rest: Vec<usize> = all.into_iter().filter(|&i| i != victim).collect();
+        let died = Instant::now();
+        lan.nodes[victim].daemon_mut().kill();
+        let moved = wait(Duration::from_secs(20), || {
+            let now = holders(lan, api, Way::Membership, &rest, n);
+            before.iter().zip(&now).all(|(b, h)| *b != Some(victim) || h.is_some())
+        });
+        if moved {
+            took.push(died.elapsed().as_secs_f64() * 1e3);
+        }
+        // Back, and its share back after the hold-down; then settled.
+        lan.nodes[victim].start(kubeconfig.path(), text);
+        let back = wait(Duration::from_secs(30), || {
+            let now = holders(lan, api, Way::Membership, &all, n);
+            now.iter().filter(|h| **h == Some(victim)).count() == count(victim)
+        });
+        if !back {
+            let now = holders(lan, api, Way::Membership, &all, n);
+            let theirs = now.iter().filter(|h| **h == Some(victim)).count();
+            eprintln!("the restarted node holds {theirs} of its {} VIPs after 30 s", count(victim));
+        }
+        std::thread::sleep(Duration::from_secs(3));
+    }
+    took
+}
