@@ -27,7 +27,7 @@ use lb_tests::{
     },
     in_new_netns,
     lan::{API, Lan},
-    privileged,
+    privileged, wait_every,
 };
 
 /// Node deaths measured.
@@ -137,18 +137,9 @@ fn holders(
     held.into_iter().map(|h| if h.len() == 1 { Some(h[0]) } else { None }).collect()
 }
 
-/// Waits, looking every 100 ms, at most `timeout`.
-fn wait(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if check() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+/// Waits, looking every 100 ms (reading three Leases), at most `timeout`.
+fn wait(timeout: Duration, check: impl FnMut() -> bool) -> bool {
+    wait_every(Duration::from_millis(100), timeout, check)
 }
 
 /// Three nodes with `n` VIPs elected `way`: the steady state's API load,

@@ -80,4 +80,4 @@ pub use env::{addr, client_bin, emulated, kernel_at_least, lb_bin, privileged};
 pub use lb_test_macros::privileged_test;
 pub use netns::{Namespace, NetnsGuard, in_new_netns, loopback_up, sh};
 pub use service::{Check, Policy, ServiceBuilder};
-pub use wait::{monotonic_ns, wait_until};
+pub use wait::{monotonic_ns, wait_every, wait_until};

@@ -7,7 +7,13 @@ use std::{
 };
 
 /// Polls `check` every 20 ms until it holds or `timeout` passes.
-pub fn wait_until(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
+pub fn wait_until(timeout: Duration, check: impl FnMut() -> bool) -> bool {
+    wait_every(Duration::from_millis(20), timeout, check)
+}
+
+/// Polls `check` every `every` until it holds or `timeout` passes (a
+/// check that costs the system under test something, less often).
+pub fn wait_every(every: Duration, timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
     loop {
         if check() {
@@ -16,7 +22,7 @@ pub fn wait_until(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
         if Instant::now() >= deadline {
             return false;
         }
-        thread::sleep(Duration::from_millis(20));
+        thread::sleep(every);
     }
 }
 

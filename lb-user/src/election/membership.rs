@@ -49,6 +49,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+pub(crate) use super::membership_record::{Content, Lease};
 use super::{
     membership_peers::{Candidate, Peers},
     placement,
@@ -78,28 +79,6 @@ impl Timings {
     pub(crate) fn margin(&self) -> Duration {
         self.duration / 4
     }
-}
-
-/// What a node writes in its membership Lease.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Content {
-    /// The VIPs it can serve.
-    pub eligible: BTreeSet<String>,
-    /// The VIPs it places on itself and answers, or will once seen.
-    pub claims: BTreeSet<String>,
-}
-
-/// A membership Lease as the watch delivers it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Lease {
-    /// Its node (the Lease's name).
-    pub node: String,
-    /// Who wrote it (`spec.holderIdentity`): the node's name and its
-    /// daemon's token (`identity.rs`).
-    pub identity: String,
-    /// `metadata.resourceVersion`: it changes with every write.
-    pub version: String,
-    pub content: Content,
 }
 
 /// What the watch over the membership Leases delivers, in its order.

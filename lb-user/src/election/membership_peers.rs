@@ -6,7 +6,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::membership::{Content, Lease};
+use super::membership_record::{Content, Lease};
 
 /// The most writers of one Lease remembered (the oldest go first).
 const WRITERS: usize = 8;

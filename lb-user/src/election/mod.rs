@@ -13,9 +13,10 @@
 //! The elections by membership (`elect = true`), one Lease per node
 //! whatever the number of VIPs: `membership` (the rules, pure, with
 //! `membership_sim` for their tests; `membership_peers`, what a node
-//! knows of the others), `placement` (rendezvous hashing),
-//! `membership_lease` (the Lease's format) and `membership_task` (the
-//! task, through kube-rs, which the daemon's `membership.rs` drives).
+//! knows of the others; `membership_record`, a Lease as they read it),
+//! `placement` (rendezvous hashing), `membership_lease` (the Lease's
+//! format) and `membership_task` (the task, through kube-rs, which the
+//! daemon's `membership.rs` drives).
 //!
 //! The daemon keeps the order that makes a handover safe: it withdraws a
 //! VIP from the kernel *before* it tells the task that the node is no
@@ -33,6 +34,7 @@ pub mod membership;
 #[cfg(feature = "kubernetes")]
 mod membership_lease;
 mod membership_peers;
+mod membership_record;
 pub mod membership_task;
 pub mod placement;
 
