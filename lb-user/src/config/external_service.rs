@@ -1,11 +1,14 @@
 //! `[service.external]`: the VIP served to clients on other machines
 //! through the XDP path, on which interfaces, and how it is announced.
 
-use std::net::SocketAddr;
+use std::{
+    collections::HashMap,
+    net::{IpAddr, SocketAddr},
+};
 
 use super::{
     election::parse_lease,
-    model::{Announce, External},
+    model::{Announce, External, LeaseRef, Service},
     problems::{Key, Problem},
     raw::RawExternal,
 };
@@ -86,6 +89,37 @@ pub(super) fn parse_external(
     }
     let lease = raw.lease.and_then(|lease| parse_lease(lease, announce, line, &at, problems));
     External { interfaces, announce, lease, elect }
+}
+
+/// The services announcing an address that another service announces
+/// elected another way (one with `elect`, one with a lease, or a different
+/// lease, or none): each would let a different node answer the address,
+/// so two nodes would. Each with the problem to report at its `elect`.
+pub(super) fn mixed_elections(services: &[Service]) -> Vec<(usize, String)> {
+    let way = |s: &Service| {
+        let e = s.external.as_ref().filter(|e| e.announce == Announce::Arp)?;
+        Some((e.elect, e.lease.clone()))
+    };
+    let mut first: HashMap<IpAddr, (usize, (bool, Option<LeaseRef>))> = HashMap::new();
+    let mut mixed = Vec::new();
+    for (i, service) in services.iter().enumerate() {
+        let Some(this) = way(service) else { continue };
+        match first.get(&service.vip.ip()) {
+            None => {
+                first.insert(service.vip.ip(), (i, this));
+            }
+            Some((j, that)) if *that != this => mixed.push((
+                i,
+                format!(
+                    "{} is also announced by service[{j}], elected another way: services on one \
+                     address are answered by one node, so they need the same elect or lease",
+                    service.vip.ip()
+                ),
+            )),
+            Some(_) => {}
+        }
+    }
+    mixed
 }
 
 /// Why `name` cannot name a Linux network interface, if it cannot.
@@ -171,5 +205,21 @@ mod tests {
             bad.contains("kubernetes.namespace") && bad.contains("not a Kubernetes namespace"),
             "{bad}"
         );
+    }
+
+    #[test]
+    fn services_on_one_address_are_elected_one_way() {
+        let second = EXTERNAL.replace("\"web\"", "\"api\"").replace(":80\"", ":443\"");
+        let elect = "announce = \"arp\"\nelect = true\n";
+        let alone = "announce = \"arp\"\n";
+        assert!(parse(&format!("{EXTERNAL}{elect}{second}{elect}")).is_ok());
+        let mixed = problems(&format!("{EXTERNAL}{elect}{second}{alone}"));
+        assert!(
+            mixed.contains("service[1]")
+                && mixed.contains("announced by service[0], elected another way"),
+            "{mixed}"
+        );
+        // Not announced, it answers nothing: nothing to elect.
+        assert!(parse(&format!("{EXTERNAL}{elect}{second}")).is_ok());
     }
 }

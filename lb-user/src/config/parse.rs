@@ -12,7 +12,7 @@ use toml::Spanned;
 use super::{
     ConfigError,
     election::{parse_election, parse_membership_namespace, parse_node_name},
-    external_service::parse_external,
+    external_service::{mixed_elections, parse_external},
     model::{
         Config, DEFAULT_BPFFS, DEFAULT_CONTROL_SOCKET, DEFAULT_FLOW_TABLE, DEFAULT_HOLD_DOWN,
         DEFAULT_NEW_FLOWS_PER_CPU, DEFAULT_STATE_DIR, Daemon, FLOW_TABLE_SIZES, HealthConfig,
@@ -349,6 +349,12 @@ pub(super) fn read_services(
             };
             problems.push(Problem::new(Some(line), key, problem));
         }
+    }
+    let services: Vec<Service> = parsed.iter().map(|p| p.service.clone()).collect();
+    for (k, why) in mixed_elections(&services) {
+        let p = &parsed[k];
+        let key = Key::service(p.index, &p.service.name).table("external.").at("elect");
+        problems.push(Problem::new(Some(p.list_line), key, why));
     }
     parsed.into_iter().map(|p| (p.service, p.start)).unzip()
 }

@@ -37,6 +37,7 @@ use toml::Spanned;
 
 use super::{
     Config, ConfigError, Daemon, Service, check_servers,
+    external_service::mixed_elections,
     parse::{Lines, read_services},
     raw::RawService,
     read_text,
@@ -207,6 +208,7 @@ fn clash(services: &[Service]) -> bool {
     }
     let owner = |addr| vips.contains(&addr).then(String::new);
     services.iter().any(|s| !check_servers(s.vip, &s.servers, s.default, owner).is_empty())
+        || !mixed_elections(services).is_empty()
 }
 
 #[cfg(test)]
