@@ -95,14 +95,16 @@ pub(super) fn parse_external(
 /// elected another way (one with `elect`, one with a lease, or a different
 /// lease, or none): each would let a different node answer the address,
 /// so two nodes would. Each with the problem to report at its `elect`.
-pub(super) fn mixed_elections(services: &[Service]) -> Vec<(usize, String)> {
+pub(super) fn mixed_elections<'a>(
+    services: impl IntoIterator<Item = &'a Service>,
+) -> Vec<(usize, String)> {
     let way = |s: &Service| {
         let e = s.external.as_ref().filter(|e| e.announce == Announce::Arp)?;
         Some((e.elect, e.lease.clone()))
     };
     let mut first: HashMap<IpAddr, (usize, (bool, Option<LeaseRef>))> = HashMap::new();
     let mut mixed = Vec::new();
-    for (i, service) in services.iter().enumerate() {
+    for (i, service) in services.into_iter().enumerate() {
         let Some(this) = way(service) else { continue };
         match first.get(&service.vip.ip()) {
             None => {

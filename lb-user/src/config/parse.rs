@@ -350,8 +350,7 @@ pub(super) fn read_services(
             problems.push(Problem::new(Some(line), key, problem));
         }
     }
-    let services: Vec<Service> = parsed.iter().map(|p| p.service.clone()).collect();
-    for (k, why) in mixed_elections(&services) {
+    for (k, why) in mixed_elections(parsed.iter().map(|p| &p.service)) {
         let p = &parsed[k];
         let key = Key::service(p.index, &p.service.name).table("external.").at("elect");
         problems.push(Problem::new(Some(p.list_line), key, why));

@@ -24,7 +24,8 @@ const RESIGN_WAIT: Duration = Duration::from_secs(1);
 
 impl Daemon {
     /// Whether this node may announce service `i`'s VIP now: always
-    /// without a lease; with one, while it holds the lease.
+    /// without a lease; with one, while it holds the lease; elected by
+    /// membership, while the membership task says it answers it.
     pub(super) fn may_announce(&self, i: usize) -> bool {
         if self.elects(i) {
             return self.membership_fence(i, Instant::now()).is_some();

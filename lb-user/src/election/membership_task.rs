@@ -157,7 +157,7 @@ async fn run(reach: Reach, settings: Settings, inputs: Inputs, answering: mpsc::
         match reach.client(&settings.node).await {
             Ok(client) => break client,
             Err(e) => {
-                tracing::warn!(node = %settings.node, "membership: {e}");
+                // The daemon logs it (`Answering::error`).
                 let failed = Answering { error: Some(e), ..Answering::default() };
                 if answering.send(failed).await.is_err() || *stop.borrow() {
                     return;
@@ -257,7 +257,7 @@ async fn run(reach: Reach, settings: Settings, inputs: Inputs, answering: mpsc::
                         error = None;
                     }
                     Ok(Err(e)) => {
-                        tracing::warn!(node = %settings.node, "membership: {e}");
+                        // The daemon logs it (`Answering::error`).
                         machine.on_write_failed(now);
                         error = Some(e);
                     }
