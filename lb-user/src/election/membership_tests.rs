@@ -229,6 +229,38 @@ fn a_renewal_acknowledged_after_the_fence_ran_out_is_no_warrant_for_the_claims_b
 }
 
 #[test]
+fn a_lease_listed_again_unchanged_renews_no_membership() {
+    // node-b outranks node-a for `v` and claims it; then it dies, and a
+    // relist (the watch starting over) shows its Lease as it was: that is
+    // no sign of life, and node-a takes `v` when node-b has run out.
+    let v =
+        vips(20).into_iter().find(|v| placement::first(v, ["node-a", "node-b"]) == Some("node-b"));
+    let v = vec![v.unwrap()];
+    let start = Instant::now();
+    let mut b_lease = own("10", &v);
+    b_lease.node = "node-b".into();
+    b_lease.identity = "node-b_t".into();
+    let mut a = Machine::new("node-a".into(), "node-a_t".into(), TIMINGS, None);
+    a.set_eligible(v.iter().cloned().collect(), start);
+    a.on_watched(Watched::Applied(b_lease.clone()), start);
+    let Step::Write(_) = a.poll(start) else { panic!("no first write") };
+    a.on_written("11".into(), start);
+    a.on_watched(Watched::Applied(own("11", &[])), start);
+    // node-a renews meanwhile.
+    for (k, version) in [(1, "12"), (2, "13")] {
+        let at = start + TIMINGS.renew * k;
+        let Step::Write(_) = a.poll(at) else { panic!("no renewal") };
+        a.on_written(version.into(), at);
+        a.on_watched(Watched::Applied(own(version, &[])), at);
+    }
+    let relisted = start + TIMINGS.duration - Duration::from_millis(100);
+    a.on_watched(Watched::Listed(vec![b_lease, own("13", &[])]), relisted);
+    let after = start + TIMINGS.duration + Duration::from_millis(1);
+    let Step::Write(claim) = a.poll(after) else { panic!("no claim once node-b ran out") };
+    assert_eq!(claim.claims, v.iter().cloned().collect::<BTreeSet<_>>());
+}
+
+#[test]
 fn a_claim_seen_late_still_waits_for_a_member_alive_when_it_was_sent() {
     // node-b outranks node-a for `v`, and node-a holds it: node-b claims
     // it and must wait until node-a lets go.
