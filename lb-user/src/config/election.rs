@@ -1,11 +1,11 @@
-//! The settings of the elections by lease: this node's name and the
-//! timings (`[daemon]`), and each service's lease (`[service.external]
-//! lease = { namespace, name }`).
+//! The settings of the elections: this node's name and the leases'
+//! timings (`[daemon]`), each service's lease (`[service.external] lease =
+//! { namespace, name }`), and the membership's (`[kubernetes]`).
 
 use std::time::Duration;
 
 use super::{
-    model::{Announce, Election, LeaseRef},
+    model::{Announce, Election, LeaseRef, Membership},
     problems::{Key, Problem},
     raw::{RawDaemon, RawKubernetesSettings, RawLease},
     values::parse_duration,
@@ -85,21 +85,60 @@ pub(super) fn parse_election(raw: &RawDaemon, problems: &mut Vec<Problem>) -> El
     election
 }
 
-/// `[kubernetes] namespace`: where the nodes' membership Leases are
-/// (default `lb-system`).
-pub(super) fn parse_membership_namespace(
+/// `[kubernetes] namespace`, `membership_duration`, `membership_renew`:
+/// the elections by membership. `retry` is `[daemon] lease_retry`, which
+/// they share with the leases.
+pub(super) fn parse_membership(
     raw: Option<RawKubernetesSettings>,
+    retry: Duration,
     problems: &mut Vec<Problem>,
-) -> String {
-    let namespace = raw.and_then(|k| k.namespace).unwrap_or_else(|| "lb-system".to_owned());
-    if let Some(why) = bad_object_name(&namespace) {
+) -> Membership {
+    let raw = raw.unwrap_or_default();
+    let defaults = Membership::default();
+    let mut read = |text: &Option<String>, key: &'static str, default: Duration| {
+        text.as_deref()
+            .and_then(|t| parse_duration(t, None, Key::top(key), problems))
+            .unwrap_or(default)
+    };
+    let membership = Membership {
+        duration: read(
+            &raw.membership_duration,
+            "kubernetes.membership_duration",
+            defaults.duration,
+        ),
+        renew: read(&raw.membership_renew, "kubernetes.membership_renew", defaults.renew),
+        namespace: raw.namespace.unwrap_or(defaults.namespace),
+    };
+    if let Some(why) = bad_object_name(&membership.namespace) {
         problems.push(Problem::new(
             None,
             "kubernetes.namespace",
-            format!("{namespace:?} is not a Kubernetes namespace: {why}"),
+            format!("{:?} is not a Kubernetes namespace: {why}", membership.namespace),
         ));
     }
-    namespace
+    if !(Duration::from_millis(100)..=Duration::from_secs(3600)).contains(&membership.duration) {
+        problems.push(Problem::new(
+            None,
+            "kubernetes.membership_duration",
+            format!("{:?} is not from 100ms to 1h", membership.duration),
+        ));
+    }
+    // A node answers until an eighth of the duration before the others may
+    // count it gone: a renewal that fails once must be retried before then.
+    let fence = membership.duration - membership.duration / 8;
+    if membership.renew + retry >= fence {
+        problems.push(Problem::new(
+            None,
+            "kubernetes.membership_renew",
+            format!(
+                "{:?} (and lease_retry, {retry:?}) leaves no room for a failed renewal to be \
+                 retried before the node falls silent ({fence:?} after a renewal, seven eighths \
+                 of membership_duration)",
+                membership.renew
+            ),
+        ));
+    }
+    membership
 }
 
 /// `lease = { namespace, name }` of a `[service.external]` table (`at`).

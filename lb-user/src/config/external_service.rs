@@ -143,6 +143,7 @@ fn bad_interface_name(name: &str) -> Option<&'static str> {
 mod tests {
     use super::super::testing::{parse, problems};
     use crate::config::{Announce, External};
+    use std::time::Duration;
 
     const EXTERNAL: &str = r#"
         [[service]]
@@ -187,7 +188,7 @@ mod tests {
     fn a_vip_elected_by_membership_announces_and_has_no_lease_of_its_own() {
         let elected = parse(&format!("{EXTERNAL}announce = \"arp\"\nelect = true\n")).unwrap();
         assert!(elected.services[0].external.as_ref().unwrap().elect);
-        assert_eq!(elected.daemon.membership_namespace, "lb-system");
+        assert_eq!(elected.daemon.membership.namespace, "lb-system");
         let silent = problems(&format!("{EXTERNAL}elect = true\n"));
         assert!(
             silent.contains("external.elect") && silent.contains("announce = \"arp\""),
@@ -201,12 +202,26 @@ mod tests {
             "{both}"
         );
         let namespace = parse(&format!("[kubernetes]\nnamespace = \"infra\"\n{EXTERNAL}")).unwrap();
-        assert_eq!(namespace.daemon.membership_namespace, "infra");
+        assert_eq!(namespace.daemon.membership.namespace, "infra");
         let bad = problems(&format!("[kubernetes]\nnamespace = \"No_Such\"\n{EXTERNAL}"));
         assert!(
             bad.contains("kubernetes.namespace") && bad.contains("not a Kubernetes namespace"),
             "{bad}"
         );
+        assert_eq!(elected.daemon.membership.duration, Duration::from_millis(1_200));
+        assert_eq!(elected.daemon.membership.renew, Duration::from_millis(700));
+        let timed = "[kubernetes]\nmembership_duration = \"3s\"\nmembership_renew = \"1s\"\n";
+        let timed = parse(&format!("{timed}{EXTERNAL}")).unwrap();
+        assert_eq!(timed.daemon.membership.duration, Duration::from_secs(3));
+        assert_eq!(timed.daemon.membership.renew, Duration::from_secs(1));
+        // 1s + the default retry (200ms) reaches the fence, 7/8 of 1.2s.
+        let tight = problems(&format!("[kubernetes]\nmembership_renew = \"1s\"\n{EXTERNAL}"));
+        assert!(
+            tight.contains("kubernetes.membership_renew") && tight.contains("no room"),
+            "{tight}"
+        );
+        let short = problems(&format!("[kubernetes]\nmembership_duration = \"50ms\"\n{EXTERNAL}"));
+        assert!(short.contains("kubernetes.membership_duration"), "{short}");
     }
 
     #[test]

@@ -92,8 +92,37 @@ pub struct Daemon {
     pub node_name: String,
     /// The timings of the elections by lease.
     pub election: Election,
-    /// Where the nodes' membership Leases are (`[kubernetes] namespace`).
-    pub membership_namespace: String,
+    /// The elections by membership (`[kubernetes]`).
+    pub membership: Membership,
+}
+
+/// The elections by membership (`[kubernetes] namespace`,
+/// `membership_duration`, `membership_renew`): where the nodes' Leases are
+/// and how often each node renews its own. Every node must have the same
+/// timings: a node counts another gone after its own `duration`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Membership {
+    /// lb's namespace (default `lb-system`).
+    pub namespace: String,
+    /// How long a node stays a member for the others after they last saw
+    /// its Lease change; it answers until an eighth of it before that.
+    pub duration: Duration,
+    /// How often a node writes its Lease when nothing changes.
+    pub renew: Duration,
+}
+
+impl Default for Membership {
+    /// Chosen so that a dead node's VIPs move within 1.5 s (about a
+    /// duration) and a node costs the API server at most 6 requests and
+    /// watch events a second on three nodes: one write per renewal, seen by
+    /// each of the three watches (4 / 0.7 s = 5.7).
+    fn default() -> Self {
+        Self {
+            namespace: "lb-system".to_owned(),
+            duration: Duration::from_millis(1_200),
+            renew: Duration::from_millis(700),
+        }
+    }
 }
 
 /// The timings of the elections by lease (`[daemon] lease_*`), chosen so

@@ -11,7 +11,7 @@ use toml::Spanned;
 
 use super::{
     ConfigError,
-    election::{parse_election, parse_membership_namespace, parse_node_name},
+    election::{parse_election, parse_membership, parse_node_name},
     external_service::{mixed_elections, parse_external},
     model::{
         Config, DEFAULT_BPFFS, DEFAULT_CONTROL_SOCKET, DEFAULT_FLOW_TABLE, DEFAULT_HOLD_DOWN,
@@ -116,7 +116,7 @@ impl Config {
                 }),
             election,
             node_name: parse_node_name(raw.daemon.node_name, &mut problems),
-            membership_namespace: parse_membership_namespace(raw.kubernetes, &mut problems),
+            membership: parse_membership(raw.kubernetes, election.retry, &mut problems),
         };
         for (key, value) in [
             ("bpffs", Some(&daemon.bpffs)),

@@ -70,6 +70,8 @@ pub(super) struct RawExternal {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawKubernetesSettings {
     pub(super) namespace: Option<String>,
+    pub(super) membership_duration: Option<String>,
+    pub(super) membership_renew: Option<String>,
 }
 
 /// `[service.external] lease`.

@@ -65,13 +65,13 @@ impl Daemon {
         let membership = self.membership.get_or_insert_with(|| {
             let settings = &self.config.settings;
             let timings = Timings {
-                duration: settings.election.duration,
-                renew: settings.election.renew,
+                duration: settings.membership.duration,
+                renew: settings.membership.renew,
                 retry: settings.election.retry,
-                hold_down: settings.election.duration * 2,
+                hold_down: settings.membership.duration * 2,
             };
             let settings = Settings {
-                namespace: settings.membership_namespace.clone(),
+                namespace: settings.membership.namespace.clone(),
                 node: settings.node_name.clone(),
                 identity: election::identity::load(&settings.node_name, &settings.state_dir),
                 timings,
@@ -133,7 +133,7 @@ impl Daemon {
             (None, None) => ("not eligible", Some("no membership task".to_owned())),
         };
         Some(LeaseStatus {
-            lease: format!("{}/{} (membership)", settings.membership_namespace, settings.node_name),
+            lease: format!("{}/{} (membership)", settings.membership.namespace, settings.node_name),
             node: settings.node_name.clone(),
             identity: self.membership.as_ref().map(|m| m.identity.clone()),
             role: role.to_owned(),

@@ -52,6 +52,9 @@ pub(super) struct Node {
     watch_at: Instant,
     /// The wake-up its machine asked for last (earlier ones are stale).
     wake_at: Option<Instant>,
+    /// The first write its watch delivers: a restarted daemon's watch
+    /// starts with a list of what landed before.
+    watch_from: usize,
 }
 
 pub(super) struct Cluster {
@@ -59,6 +62,7 @@ pub(super) struct Cluster {
     pub now: Instant,
     pub nodes: Vec<Node>,
     pub latencies: Latencies,
+    timings: Timings,
     /// Every write that landed, in order.
     log: Vec<Lease>,
     next_version: u64,
@@ -86,6 +90,7 @@ impl Cluster {
                 cut_until: (None, None),
                 watch_at: start,
                 wake_at: None,
+                watch_from: 0,
             })
             .collect();
         Self {
@@ -93,6 +98,7 @@ impl Cluster {
             now: start,
             nodes,
             latencies,
+            timings,
             log: Vec::new(),
             next_version: 1,
             queue: BinaryHeap::new(),
@@ -139,6 +145,27 @@ impl Cluster {
 
     pub(super) fn kill(&mut self, i: usize) {
         self.nodes[i].dead = true;
+    }
+
+    /// Starts killed node `i` again, eligible for `vips`: a new daemon,
+    /// whose watch begins with a list of every Lease as it is now. Its
+    /// kernel's old fence is the new daemon's to keep or drop, so a test
+    /// restarts a node only once its old fence has run out.
+    pub(super) fn restart(&mut self, i: usize, vips: &[String]) {
+        let now = self.now;
+        let node = &self.nodes[i];
+        let mut machine =
+            Machine::new(node.name.clone(), node.identity.clone(), self.timings, None);
+        let mut latest: BTreeMap<&str, &Lease> = BTreeMap::new();
+        for lease in &self.log {
+            latest.insert(&lease.node, lease);
+        }
+        machine.on_watched(Watched::Listed(latest.into_values().cloned().collect()), now);
+        machine.set_eligible(vips.iter().cloned().collect(), now);
+        let node = &mut self.nodes[i];
+        (node.machine, node.dead, node.wake_at, node.watch_from) =
+            (machine, false, None, self.log.len());
+        self.drive(i);
     }
 
     /// Cuts node `i` from the API server: its writes until `writes`, its
@@ -256,7 +283,7 @@ impl Cluster {
                 self.drive(node);
             }
             Event::Deliver { node, entry } => {
-                if self.nodes[node].dead {
+                if self.nodes[node].dead || entry < self.nodes[node].watch_from {
                     return;
                 }
                 let lease = self.log[entry].clone();
