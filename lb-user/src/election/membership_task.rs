@@ -184,6 +184,10 @@ async fn run(reach: Reach, settings: Settings, inputs: Inputs, answering: mpsc::
     // kernel answers nothing the write gives up.
     let mut waiting: Option<(BTreeSet<String>, Lease)> = None;
     let mut error: Option<String> = None;
+    // No write before the first list: it tells whether the Lease exists
+    // (a create) and its version (an update), so a restarted daemon's
+    // first write is not a create refused as a conflict.
+    let mut listed = false;
     loop {
         let now = Instant::now().into_std();
         // Told to stop, or dropped by the daemon.
@@ -221,6 +225,7 @@ async fn run(reach: Reach, settings: Settings, inputs: Inputs, answering: mpsc::
         kernel.applied(if gone { u64::MAX } else { *applied.borrow() });
         let silent = |claims: &BTreeSet<String>| kernel.may_answer().all(|v| claims.contains(v));
         if write.is_none()
+            && listed
             && waiting.as_ref().is_some_and(|(claims, _)| silent(claims))
             && let Some((_, lease)) = waiting.take()
         {
@@ -243,6 +248,7 @@ async fn run(reach: Reach, settings: Settings, inputs: Inputs, answering: mpsc::
                     own_version = Some(lease.version.clone());
                 }
                 if let Watched::Listed(leases) = &event {
+                    listed = true;
                     own_version = leases.iter().find(|l| l.node == settings.node).map(|l| l.version.clone());
                 }
                 machine.on_watched(event, Instant::now().into_std());
