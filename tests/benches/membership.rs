@@ -1,16 +1,17 @@
 //! The elections by membership beside the per-VIP Leases, for `cargo
 //! xtask bench` (its `election` part), on the election tests' topology
 //! (three nodes on one bridge with a client, the fake API server on it),
-//! default timings (lease 1 s, renew and retry 200 ms):
+//! default timings (per VIP: lease 1 s, renew and retry 200 ms; by
+//! membership: 1.2 s, renewed every 700 ms):
 //!
 //! - API requests per second in steady state, by verb, all three nodes
 //!   together, and the watch events the server sent, at 1, 50 and 200
 //!   VIPs, each way (`lease = {..}` per VIP, `elect = true`), in this run;
-//! - with 200 VIPs by membership, [`ROUNDS`] times: the node holding the
-//!   most VIPs SIGKILLed, the time until every one of its VIPs is claimed
-//!   by exactly one other node (from the Leases, looked at every 100 ms:
-//!   a claim is answered a watch event later), then the node started
-//!   again and given time to take its share back.
+//! - with 200 VIPs by membership, [`ROUNDS`] times: every VIP where
+//!   placement puts it, the node placement gives the most VIPs SIGKILLed,
+//!   the time until every one of its VIPs is claimed by exactly one other
+//!   node (from the Leases, looked at every 50 ms: a claim is answered a
+//!   watch event later), then the node started again.
 //!
 //! Prints one JSON line. Needs root and `LB_BIN`.
 
@@ -29,9 +30,10 @@ use lb_tests::{
     lan::{API, Lan},
     privileged, wait_every,
 };
+use lb_user::election::placement;
 
 /// Node deaths measured.
-const ROUNDS: usize = 5;
+const ROUNDS: usize = 10;
 /// How long the steady state's requests are counted.
 const STEADY: Duration = Duration::from_secs(5);
 /// The VIP counts measured.
@@ -64,6 +66,8 @@ fn main() {
         "nodes": 3,
         "lease_duration_ms": 1000,
         "renew_ms": 200,
+        "membership_duration_ms": 1200,
+        "membership_renew_ms": 700,
         "steady_s": STEADY.as_secs(),
         "load": load,
         "takeover": takeover,
@@ -137,9 +141,9 @@ fn holders(
     held.into_iter().map(|h| if h.len() == 1 { Some(h[0]) } else { None }).collect()
 }
 
-/// Waits, looking every 100 ms (reading three Leases), at most `timeout`.
+/// Waits, looking every 50 ms (reading three Leases), at most `timeout`.
 fn wait(timeout: Duration, check: impl FnMut() -> bool) -> bool {
-    wait_every(Duration::from_millis(100), timeout, check)
+    wait_every(Duration::from_millis(50), timeout, check)
 }
 
 /// Three nodes with `n` VIPs elected `way`: the steady state's API load,
@@ -159,11 +163,20 @@ fn steady(way: Way, n: usize, kill: bool) -> serde_json::Value {
     });
     assert!(placed, "{n} VIPs not all held within 120 s");
     // Settled: the hold-downs over (nodes started one after another hand
-    // shares on as they settle), no claim moving for 3 s.
-    let mut last = holders(&lan, &api, way, &all, n);
+    // shares on as they settle), no claim moving and, by membership, no
+    // node's eligibility changing (its checks coming up) for 3 s.
+    let published = |lan: &Lan| {
+        let lease = |i: usize| api.lease("lb-system", &lan.nodes[i].node_name);
+        let eligible = |i: usize| {
+            let lease = lease(i)?;
+            lease.metadata.annotations?.get("lb.dev/eligible").cloned()
+        };
+        (holders(lan, &api, way, &all, n), all.map(eligible))
+    };
+    let mut last = published(&lan);
     let mut since = Instant::now();
     let settled = wait(Duration::from_secs(60), || {
-        let now = holders(&lan, &api, way, &all, n);
+        let now = published(&lan);
         if now != last {
             (last, since) = (now, Instant::now());
         }
@@ -176,7 +189,12 @@ fn steady(way: Way, n: usize, kill: bool) -> serde_json::Value {
     let seconds = STEADY.as_secs_f64();
     let mut by_verb: BTreeMap<String, f64> = BTreeMap::new();
     for request in &api.lease_requests()[requests..] {
-        *by_verb.entry(request.method.clone()).or_default() += 1.0 / seconds;
+        // Refused ones apart: a conflict is a write lost.
+        let verb = match request.status {
+            200..=299 => request.method.clone(),
+            status => format!("{} {status}", request.method),
+        };
+        *by_verb.entry(verb).or_default() += 1.0 / seconds;
     }
     for request in &api.requests()[lists..] {
         let verb = if request.watch { "WATCH" } else { "LIST" };
@@ -193,6 +211,7 @@ fn steady(way: Way, n: usize, kill: bool) -> serde_json::Value {
     });
     if kill {
         figures["takeover_ms"] = takeovers(&mut lan, &api, &kubeconfig, &text, n).into();
+        figures["rounds"] = ROUNDS.into();
     }
     drop(lan);
     drop(api);
@@ -200,8 +219,11 @@ fn steady(way: Way, n: usize, kill: bool) -> serde_json::Value {
     figures
 }
 
-/// [`ROUNDS`] SIGKILLs of the node holding the most VIPs: for each, the
-/// milliseconds until every one of its VIPs is held by another node.
+/// [`ROUNDS`] SIGKILLs of the node placement gives the most VIPs: for
+/// each, the milliseconds until every one of its VIPs is held by another
+/// node. Each round begins with every VIP where placement puts it; the
+/// killed node is started again and takes its share back after its
+/// hold-down.
 fn takeovers(
     lan: &mut Lan,
     api: &FakeApiServer,
@@ -210,33 +232,46 @@ fn takeovers(
     n: usize,
 ) -> Vec<f64> {
     let all = [0, 1, 2];
+    let placed: Vec<Option<usize>> = (0..n)
+        .map(|k| {
+            let names = all.iter().map(|i| lan.nodes[*i].node_name.as_str());
+            let first = placement::first(&format!("198.18.1.{}", k + 1), names);
+            all.into_iter().find(|i| Some(lan.nodes[*i].node_name.as_str()) == first)
+        })
+        .collect();
+    let as_placed = |lan: &Lan| holders(lan, api, Way::Membership, &all, n) == placed;
+    let count = |i: usize| placed.iter().filter(|h| **h == Some(i)).count();
+    let victim = (0..3).max_by_key(|&i| count(i)).unwrap();
+    let rest: Vec<usize> = all.into_iter().filter(|&i| i != victim).collect();
     let mut took = Vec::new();
     for _ in 0..ROUNDS {
-        let before = holders(lan, api, Way::Membership, &all, n);
-        let count = |i: usize| before.iter().filter(|h| **h == Some(i)).count();
-        let victim = (0..3).max_by_key(|&i| count(i)).unwrap();
-        let rest: Vec<usize> = all.into_iter().filter(|&i| i != victim).collect();
+        if !wait(Duration::from_secs(30), || as_placed(lan)) {
+            eprintln!("{}", off_placement(lan, api, &placed, n));
+        }
         let died = Instant::now();
         lan.nodes[victim].daemon_mut().kill();
         let moved = wait(Duration::from_secs(20), || {
             let now = holders(lan, api, Way::Membership, &rest, n);
-            before.iter().zip(&now).all(|(b, h)| *b != Some(victim) || h.is_some())
+            placed.iter().zip(&now).all(|(p, h)| *p != Some(victim) || h.is_some())
         });
         if moved {
             took.push(died.elapsed().as_secs_f64() * 1e3);
         }
-        // Back, and its share back after the hold-down; then settled.
+        // Back, and its share back after the hold-down.
         lan.nodes[victim].start(kubeconfig.path(), text);
-        let back = wait(Duration::from_secs(30), || {
-            let now = holders(lan, api, Way::Membership, &all, n);
-            now.iter().filter(|h| **h == Some(victim)).count() == count(victim)
-        });
-        if !back {
-            let now = holders(lan, api, Way::Membership, &all, n);
-            let theirs = now.iter().filter(|h| **h == Some(victim)).count();
-            eprintln!("the restarted node holds {theirs} of its {} VIPs after 30 s", count(victim));
-        }
-        std::thread::sleep(Duration::from_secs(3));
+    }
+    if !wait(Duration::from_secs(30), || as_placed(lan)) {
+        eprintln!("{}", off_placement(lan, api, &placed, n));
     }
     took
+}
+
+/// The VIPs not held where placement puts them, and by whom they are.
+fn off_placement(lan: &Lan, api: &FakeApiServer, placed: &[Option<usize>], n: usize) -> String {
+    let now = holders(lan, api, Way::Membership, &[0, 1, 2], n);
+    let off: Vec<String> = (0..n)
+        .filter(|&k| now[k] != placed[k])
+        .map(|k| format!("198.18.1.{}: placed on {:?}, held by {:?}", k + 1, placed[k], now[k]))
+        .collect();
+    format!("{} VIPs not where placement puts them after 30 s: {off:?}", off.len())
 }

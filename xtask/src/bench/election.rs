@@ -62,6 +62,7 @@ fn membership(figures: &serde_json::Value) -> anyhow::Result<Membership> {
     Ok(Membership {
         load,
         takeover_vips: takeover["vips"].as_u64().context("no takeover vips")? as usize,
+        takeover_rounds: takeover["rounds"].as_u64().context("no takeover rounds")? as usize,
         takeover_ms: takeover_ms.iter().filter_map(serde_json::Value::as_f64).collect(),
     })
 }

@@ -306,6 +306,8 @@ pub struct Membership {
     /// (way, VIPs, figures), per VIP first.
     pub load: Vec<(&'static str, usize, ApiLoad)>,
     pub takeover_vips: usize,
+    /// Node deaths: one figure each in `takeover_ms` unless one failed.
+    pub takeover_rounds: usize,
     pub takeover_ms: Vec<f64>,
 }
 
