@@ -144,6 +144,9 @@ pub(crate) struct Machine {
     claimed_since: BTreeMap<String, u64>,
     fence: Option<Instant>,
     member_since: Option<Instant>,
+    /// Since when its writes have landed without a break (its fence held
+    /// throughout): it counts the others' silence only from then.
+    sighted_since: Option<Instant>,
     /// The VIPs it answers (while the fence holds).
     answering: BTreeSet<String>,
     /// The last write to its Lease by someone else, seen.
@@ -181,6 +184,7 @@ impl Machine {
             claimed_since: BTreeMap::new(),
             fence: None,
             member_since: None,
+            sighted_since: None,
             answering: BTreeSet::new(),
             foreign_at: None,
             kept,
@@ -227,8 +231,9 @@ impl Machine {
             settled: self.member_since.is_some_and(|t| t + self.timings.hold_down <= now),
             claims: self.last_sent.as_ref().is_some_and(|s| s.content.claims.contains(vip)),
         };
+        let sighted = self.sighted_since.unwrap_or(now);
         let candidates: Vec<Candidate> =
-            std::iter::once(mine).chain(self.peers.candidates(vip, now)).collect();
+            std::iter::once(mine).chain(self.peers.candidates(vip, now, sighted)).collect();
         let first = placement::first(vip, candidates.iter().map(|c| c.node));
         // The first of all, unless it is new and a settled member holds the
         // VIP: then the first of the settled (the holder keeps it).
@@ -345,6 +350,7 @@ impl Machine {
         let own = [
             self.fence,
             self.member_since.map(|m| m + t.hold_down),
+            self.sighted_since.map(|s| s + t.duration),
             self.foreign_at.map(|f| f + t.duration),
         ];
         renew.into_iter().chain(peers).chain(own.into_iter().flatten()).filter(|w| *w > now).min()
@@ -358,6 +364,7 @@ impl Machine {
         let continuous = self.holds_fence(now);
         if !continuous || self.member_since.is_none() {
             self.member_since = Some(sent.at);
+            self.sighted_since = Some(now);
         }
         if fence > now {
             self.fence = Some(fence);

@@ -95,17 +95,21 @@ impl Peers {
         peer.content = lease.content;
     }
 
-    /// The members, at `now`, that can serve `vip`.
+    /// The members, at `now`, that can serve `vip`, counting silence only
+    /// from `sighted` on: before then this node could not have seen their
+    /// writes (its own were not landing), so their silence says nothing.
     pub(super) fn candidates<'a>(
         &'a self,
         vip: &'a str,
         now: Instant,
+        sighted: Instant,
     ) -> impl Iterator<Item = Candidate<'a>> + 'a {
-        let members = self.nodes.iter().filter(move |(_, p)| now < p.seen_at + self.duration);
+        let alive = move |seen: Instant| now < seen.max(sighted) + self.duration;
+        let members = self.nodes.iter().filter(move |(_, p)| alive(p.seen_at));
         members.filter(|(_, p)| p.content.eligible.contains(vip)).map(move |(node, p)| Candidate {
             node,
             settled: p.member_since + self.hold_down <= now,
-            claims: p.claims(vip).any(|seen| seen + self.duration > now),
+            claims: p.claims(vip).any(alive),
         })
     }
 

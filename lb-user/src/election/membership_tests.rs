@@ -184,6 +184,45 @@ fn a_node_cut_from_the_api_falls_silent_then_takes_back_its_share_after_the_hold
     assert_eq!(cluster.held()[0], held);
 }
 
+/// The API server stalls for every node (writes refused, watches
+/// blind): every fence runs out and nobody answers meanwhile; when it
+/// answers again, every VIP comes back on the node that held it. A node
+/// counts another gone only after a whole duration of its own writes
+/// landing: silence it could not have seen is no sign of death.
+#[test]
+fn an_api_stall_for_every_node_moves_no_vip() {
+    for (seed, stall) in [(11, 2_000), (12, 5_000), (13, 1_300)] {
+        let mut cluster = settled(60, seed);
+        let before = cluster.answered_by.clone();
+        let back = cluster.now + Duration::from_millis(stall);
+        for i in 0..NODES.len() {
+            cluster.cut(i, back, back);
+        }
+        let until = back + TIMINGS.hold_down + TIMINGS.duration * 3;
+        // Bounded: one step per 20 ms of simulated time.
+        while cluster.now < until {
+            let next = cluster.now + Duration::from_millis(20);
+            cluster.run_until(next);
+            for (vip, (holder, _)) in &before {
+                let answering = cluster.answering(vip);
+                assert!(
+                    answering.iter().all(|i| i == holder),
+                    "{vip}, held by {holder}, answered by {answering:?} {:?} after the stall \
+                     of {stall} ms (seed {seed})",
+                    cluster.now.duration_since(back)
+                );
+            }
+        }
+        for (vip, (holder, _)) in &before {
+            assert_eq!(
+                cluster.answering(vip),
+                vec![*holder],
+                "{vip} after the stall of {stall} ms"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_node_whose_writes_come_back_before_its_watch_answers_nothing_it_has_not_seen() {
     let mut cluster = settled(30, 7);

@@ -11,6 +11,7 @@
 //! - One VIP's servers going unready on its holder moves that VIP alone;
 //!   a node cut from the API server falls silent for each of its VIPs
 //!   before any other node answers it, and only its VIPs move.
+//! - An API server stall of 5 s moves no VIP.
 
 use std::{
     collections::BTreeMap,
@@ -389,6 +390,48 @@ fn an_unready_vip_moves_alone_and_a_node_cut_from_the_api_falls_silent_first() {
             count(cut),
             lan.nodes[cut].name
         );
+        drop(watch);
+        drop(lan);
+        drop(api);
+        drop(rt);
+    });
+}
+
+/// An API server that answers no Lease write for 5 s, for every node at
+/// once: every node falls silent at its fence, and none counts the others'
+/// silence it could not have seen; once the API answers, every VIP comes
+/// back on the node that held it, and no other node ever answers one.
+#[privileged_test]
+fn an_api_stall_of_five_seconds_moves_no_vip_by_membership() {
+    let _serial = one_at_a_time();
+    in_new_netns(|| {
+        let (mut lan, rt, api) = lan_and_api("el-member-stall", 3);
+        let kubeconfig = Kubeconfig::write(&api.url());
+        let text = services(TWELVE, |_| 8080);
+        for node in &mut lan.nodes {
+            node.start(kubeconfig.path(), &text);
+        }
+        let all = [0, 1, 2];
+        let ruled = |lan: &Lan| held_as(lan, TWELVE, &all, |k| placed(lan, k, &all));
+        assert!(wait_until(Duration::from_secs(30), || ruled(&lan)), "{}", logs(&lan));
+        let watch = Watch::start_for(&lan.client, "pc", ASK_EVERY, (0..TWELVE).map(vip).collect());
+        thread::sleep(Duration::from_millis(500));
+
+        api.stall_leases();
+        thread::sleep(Duration::from_secs(5));
+        api.end_lease_stall();
+        assert!(
+            wait_until(Duration::from_secs(20), || ruled(&lan)),
+            "not back as placed after the stall\n{}",
+            logs(&lan)
+        );
+        thread::sleep(Duration::from_secs(3));
+        for k in 0..TWELVE {
+            let mac = &lan.nodes[placed(&lan, k, &all)].mac;
+            let turns = watch.turns_of(vip(k));
+            assert!(turns.iter().all(|t| t.0 == *mac), "{} moved: {turns:?}", vip(k));
+            assert!(ruled(&lan), "{} no longer held as placed", vip(k));
+        }
         drop(watch);
         drop(lan);
         drop(api);
