@@ -244,6 +244,21 @@ impl Node {
         self.cgroup = Some(cgroup);
     }
 
+    /// A rolling update of the node: its daemon stopped as a pod is
+    /// (SIGTERM: it keeps its leases and membership for the next), then
+    /// started again with the `services` tables.
+    pub fn roll(&mut self, services: &str) {
+        let (daemon, cgroup) = (self.daemon.as_mut().unwrap(), self.cgroup.as_ref().unwrap());
+        daemon.signal(libc::SIGTERM);
+        assert!(daemon.wait_exit(Duration::from_secs(10)), "{} did not stop", self.name);
+        daemon.write_config(cgroup, services);
+        let mut daemon = self.daemon.take().unwrap();
+        self.daemon = Some(self.ns.run(move || {
+            daemon.restart();
+            daemon
+        }));
+    }
+
     pub fn daemon(&self) -> &Daemon {
         self.daemon.as_ref().expect("the node's daemon was started")
     }

@@ -24,17 +24,24 @@ const RESIGN_WAIT: Duration = Duration::from_secs(1);
 
 impl Daemon {
     /// Whether this node may announce service `i`'s VIP now: always
-    /// without a lease; with one, while it holds the lease; elected by
-    /// membership, while the membership task says it answers it.
+    /// without an election; with a lease, while it holds the lease;
+    /// elected by membership, while the membership task says it answers
+    /// it; with both (moving from a Lease per VIP to membership), while
+    /// both say so.
     pub(super) fn may_announce(&self, i: usize) -> bool {
-        if self.elects(i) {
-            return self.membership_fence(i, Instant::now()).is_some();
-        }
+        let now = Instant::now();
+        let by_membership = !self.elects(i) || self.membership_fence(i, now).is_some();
         let service = &self.services[i];
-        if service.config.external.as_ref().is_none_or(|e| e.lease.is_none()) {
-            return true;
-        }
-        self.elections.get(&service.config.name).is_some_and(|e| e.fence(Instant::now()).is_some())
+        let by_lease = service.config.external.as_ref().is_none_or(|e| e.lease.is_none())
+            || self.elections.get(&service.config.name).is_some_and(|e| e.fence(now).is_some());
+        by_membership && by_lease
+    }
+
+    /// Whether service `i` is elected both ways: by its Lease and by
+    /// membership (a cluster moving from the one to the other).
+    fn migrating(&self, i: usize) -> bool {
+        self.elects(i)
+            && self.services[i].config.external.as_ref().is_some_and(|e| e.lease.is_some())
     }
 
     /// The fences of the leased VIPs, for `ANNOUNCE_UNTIL`: the holder's
@@ -46,12 +53,16 @@ impl Daemon {
         let mut fences = HashMap::new();
         for &i in external {
             let service = &self.services[i];
-            let fence = if self.elects(i) {
-                self.membership_fence(i, now)
-            } else if service.config.external.as_ref().is_none_or(|e| e.lease.is_none()) {
-                continue;
-            } else {
-                self.elections.get(&service.config.name).and_then(|e| e.fence(now))
+            let leased = service.config.external.as_ref().is_some_and(|e| e.lease.is_some());
+            let by_lease = || self.elections.get(&service.config.name).and_then(|e| e.fence(now));
+            let fence = match (self.elects(i), leased) {
+                (false, false) => continue,
+                (true, false) => self.membership_fence(i, now),
+                (false, true) => by_lease(),
+                // Moving between the two: the earlier fence of both.
+                (true, true) => {
+                    self.membership_fence(i, now).zip(by_lease()).map(|(m, l)| m.min(l))
+                }
             };
             let until = fence.map_or(0, |fence| now_ns + (fence - now).as_nanos() as u64);
             // Two services on one address: the stricter fence.
@@ -77,6 +88,16 @@ impl Daemon {
             wanted.get(name).is_some_and(|(_, lease)| *lease == election.lease)
         });
         for (name, (i, lease)) in wanted {
+            let migrating = self.migrating(i);
+            let mut why = eligible.get(&i).copied().unwrap_or(Some("no usable server"));
+            // Moving to membership: the node seeks the VIP's Lease only
+            // while membership places the VIP on it, and gives it up when
+            // it does not, so that the node membership places it on takes
+            // it at once (no settling: membership's hold-down keeps a
+            // flapping node from moving it).
+            if why.is_none() && migrating && self.membership_fence(i, Instant::now()).is_none() {
+                why = Some("membership places it on another node");
+            }
             let election = self.elections.entry(name.clone()).or_insert_with(|| {
                 let settings = &self.config.settings;
                 Election::start(
@@ -87,13 +108,13 @@ impl Daemon {
                         duration: settings.election.duration,
                         renew: settings.election.renew,
                         retry: settings.election.retry,
-                        settle: settings.election.duration,
+                        settle: if migrating { Duration::ZERO } else { settings.election.duration },
                     },
                     reach(&self.services, settings.kubeconfig.clone()),
                     self.senders.elections.clone(),
                 )
             });
-            election.set_eligible(eligible.get(&i).copied().unwrap_or(Some("no usable server")));
+            election.set_eligible(why);
         }
         self.sync_membership(eligible);
     }
@@ -142,7 +163,7 @@ impl Daemon {
 
     /// Service `i`'s election in `lb status`.
     pub(super) fn lease_status(&self, i: usize) -> Option<LeaseStatus> {
-        if self.elects(i) {
+        if self.elects(i) && !self.migrating(i) {
             return self.membership_status(i);
         }
         let service = &self.services[i];

@@ -12,6 +12,8 @@
 //!   a node cut from the API server falls silent for each of its VIPs
 //!   before any other node answers it, and only its VIPs move.
 //! - An API server stall of 5 s moves no VIP.
+//! - A cluster moves from a Lease per VIP to membership by two rolling
+//!   updates, never answering a VIP twice.
 
 use std::{
     collections::BTreeMap,
@@ -44,15 +46,38 @@ fn vip(k: usize) -> Ipv4Addr {
     Ipv4Addr::new(198, 18, 1, 101 + k as u8)
 }
 
+/// How the services' VIPs are elected.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Way {
+    /// `lease = { .. }`: a Lease per VIP.
+    Lease,
+    /// Both: a cluster moving from the one to the other.
+    Both,
+    /// `elect = true`.
+    Membership,
+}
+
 /// `n` services, each on a VIP of its own, elected by membership; VIP
 /// `k`'s server listens on `port(k)` behind each node.
 fn services(n: usize, port: impl Fn(usize) -> u16) -> String {
+    services_elected(n, port, Way::Membership)
+}
+
+/// As [`services`], elected `way`.
+fn services_elected(n: usize, port: impl Fn(usize) -> u16, way: Way) -> String {
     let mut text = "[kubernetes]\nnamespace = \"lb-system\"\n".to_owned();
     for k in 0..n {
+        let elect = match way {
+            Way::Lease => format!("lease = {{ namespace = \"lb-system\", name = \"web{k}\" }}\n"),
+            Way::Both => format!(
+                "elect = true\nlease = {{ namespace = \"lb-system\", name = \"web{k}\" }}\n"
+            ),
+            Way::Membership => "elect = true\n".to_owned(),
+        };
         text.push_str(&format!(
             "[[service]]\nname = \"web{k}\"\nvip = \"{}:80\"\nservers = [\"198.18.2.2:{}\"]\n\
              [service.health]\ncheck = \"tcp\"\ninterval = \"200ms\"\ntimeout = \"200ms\"\nrise = 1\nfall = 1\n\
-             [service.external]\ninterfaces = [\"ext0\"]\nannounce = \"arp\"\nelect = true\n",
+             [service.external]\ninterfaces = [\"ext0\"]\nannounce = \"arp\"\n{elect}",
             vip(k),
             port(k)
         ));
@@ -432,6 +457,80 @@ fn an_api_stall_of_five_seconds_moves_no_vip_by_membership() {
             assert!(turns.iter().all(|t| t.0 == *mac), "{} moved: {turns:?}", vip(k));
             assert!(ruled(&lan), "{} no longer held as placed", vip(k));
         }
+        drop(watch);
+        drop(lan);
+        drop(api);
+        drop(rt);
+    });
+}
+
+/// Whether each of the `n` VIPs has exactly one holder among the nodes
+/// (by their `lb status`: the Lease's holder, or membership's).
+fn one_holder_each(lan: &Lan, n: usize) -> bool {
+    let roles: Vec<Vec<Option<String>>> = lan.nodes.iter().map(roles).collect();
+    (0..n).all(|k| {
+        let holders =
+            roles.iter().filter(|r| r.get(k).cloned().flatten().as_deref() == Some("holder"));
+        holders.count() == 1
+    })
+}
+
+/// A cluster moves from a Lease per VIP to membership by two rolling
+/// updates, a node at a time: first to both (`lease` and `elect`: a node
+/// answers only while it holds both), then to membership alone. No VIP is
+/// ever answered by two nodes, and none goes unanswered for long.
+#[privileged_test]
+fn a_cluster_moves_from_a_lease_per_vip_to_membership_by_rolling_updates() {
+    let _serial = one_at_a_time();
+    in_new_netns(|| {
+        let (mut lan, rt, api) = lan_and_api("el-member-move", 3);
+        let kubeconfig = Kubeconfig::write(&api.url());
+        const N: usize = 6;
+        for node in &mut lan.nodes {
+            node.start(kubeconfig.path(), &services_elected(N, |_| 8080, Way::Lease));
+        }
+        assert!(wait_until(Duration::from_secs(30), || one_holder_each(&lan, N)), "{}", logs(&lan));
+        let watch = Watch::start_for(&lan.client, "pc", ASK_EVERY, (0..N).map(vip).collect());
+        thread::sleep(Duration::from_millis(500));
+        for way in [Way::Both, Way::Membership] {
+            for i in 0..3 {
+                lan.nodes[i].roll(&services_elected(N, |_| 8080, way));
+                assert!(
+                    wait_until(Duration::from_secs(30), || one_holder_each(&lan, N)),
+                    "{}",
+                    logs(&lan)
+                );
+                // The hold-down: a node back takes its share after it.
+                thread::sleep(Duration::from_secs(3));
+            }
+        }
+        let all = [0, 1, 2];
+        assert!(
+            wait_until(Duration::from_secs(30), || held_as(&lan, N, &all, |k| placed(
+                &lan, k, &all
+            ))),
+            "not placed as ruled once moved\n{}",
+            logs(&lan)
+        );
+        thread::sleep(Duration::from_secs(1));
+        // Never two at once: each node's run of answers ends before the
+        // next one's begins; and the longest silence between answers.
+        let mut longest = Duration::ZERO;
+        for k in 0..N {
+            let turns = watch.turns_of(vip(k));
+            for pair in turns.windows(2) {
+                assert!(pair[0].2 < pair[1].1, "{} answered by two: {turns:?}", vip(k));
+            }
+            let mut seen: Vec<Duration> =
+                watch.seen().iter().filter(|s| s.vip == vip(k)).map(|s| s.at).collect();
+            seen.sort();
+            for pair in seen.windows(2) {
+                longest = longest.max(pair[1] - pair[0]);
+            }
+            println!("{}: {} turns", vip(k), turns.len());
+        }
+        println!("moved to membership: the longest silence of a VIP {longest:?}");
+        assert!(longest <= TAKEOVER, "a VIP unanswered for {longest:?}");
         drop(watch);
         drop(lan);
         drop(api);
