@@ -117,7 +117,9 @@ fn daemonset_runs_on_the_host_network_with_only_the_capabilities_it_needs() {
 /// elections by lease, one Role for their Leases: get and update on the
 /// Leases it names (never an empty list of names, which means all of
 /// them), create (which Kubernetes cannot scope by name), no delete,
-/// nothing else.
+/// nothing else; for the elections by membership, one Role in lb's
+/// namespace: list, watch, create and update its Leases, no get, no
+/// delete.
 #[test]
 fn rbac_allows_only_listing_and_watching_endpointslices_where_discovery_looks() {
     let text = std::fs::read_to_string(deploy("kubernetes/rbac.yaml")).unwrap();
@@ -131,7 +133,7 @@ fn rbac_allows_only_listing_and_watching_endpointslices_where_discovery_looks() 
     );
     let of_kind = |kind: &'static str| docs.iter().filter(move |d| d["kind"] == kind);
     let namespace = |d: &serde_yaml::Value| d["metadata"]["namespace"].as_str().unwrap().to_owned();
-    let mut leases = 0;
+    let (mut leases, mut membership) = (0, 0);
     let verbs = |rule: &serde_yaml::Value| -> Vec<String> {
         rule["verbs"]
             .as_sequence()
@@ -145,6 +147,16 @@ fn rbac_allows_only_listing_and_watching_endpointslices_where_discovery_looks() 
         let rules = role["rules"].as_sequence().unwrap();
         for rule in rules {
             assert_eq!(rule["resources"].as_sequence().unwrap().len(), 1);
+        }
+        if rules[0]["apiGroups"][0] == "coordination.k8s.io"
+            && role["metadata"]["name"] == "lb-membership"
+        {
+            // The membership Leases: each node's own, in lb's namespace.
+            assert_eq!(rules.len(), 1);
+            assert_eq!(rules[0]["resources"][0], "leases");
+            assert_eq!(verbs(&rules[0]), ["list", "watch", "create", "update"]);
+            membership += 1;
+            continue;
         }
         if rules[0]["apiGroups"][0] == "coordination.k8s.io" {
             assert_eq!(rules.len(), 2);
@@ -166,6 +178,7 @@ fn rbac_allows_only_listing_and_watching_endpointslices_where_discovery_looks() 
         assert_eq!(verbs, ["list", "watch"]);
     }
     assert_eq!(leases, 1, "one Role for the elections' Leases");
+    assert_eq!(membership, 1, "one Role for the membership Leases");
     let ds = yaml("kubernetes/daemonset.yaml");
     let account = docs.iter().find(|d| d["kind"] == "ServiceAccount").expect("a ServiceAccount");
     assert_eq!(ds["spec"]["template"]["spec"]["serviceAccountName"], account["metadata"]["name"]);

@@ -93,6 +93,9 @@ pub(super) fn parse_membership(
     retry: Duration,
     problems: &mut Vec<Problem>,
 ) -> Membership {
+    // Without the `kubernetes` feature nothing is elected by default: an
+    // explicit `elect` is refused, with the reason, by the service.
+    let by_default = raw.is_some() && cfg!(feature = "kubernetes");
     let raw = raw.unwrap_or_default();
     let defaults = Membership::default();
     let mut read = |text: &Option<String>, key: &'static str, default: Duration| {
@@ -108,6 +111,7 @@ pub(super) fn parse_membership(
         ),
         renew: read(&raw.membership_renew, "kubernetes.membership_renew", defaults.renew),
         namespace: raw.namespace.unwrap_or(defaults.namespace),
+        by_default,
     };
     if let Some(why) = bad_object_name(&membership.namespace) {
         problems.push(Problem::new(

@@ -17,14 +17,17 @@ use super::{
 const MAX_IFNAME: usize = 15;
 
 /// `[service.external]` of the service whose VIP is `vip` (`at`: the
-/// table's key). Whether the interfaces exist is the daemon's to see: one
-/// may appear after lb starts (a bond, a VLAN), and status says which are
-/// missing.
+/// table's key); `elect_by_default`: `[kubernetes]` is set, so a VIP
+/// announced with no lease of its own is elected by membership unless it
+/// says `elect = false`. Whether the interfaces exist is the daemon's to
+/// see: one may appear after lb starts (a bond, a VLAN), and status says
+/// which are missing.
 pub(super) fn parse_external(
     raw: RawExternal,
     vip: Option<SocketAddr>,
     line: Option<usize>,
     at: Key,
+    elect_by_default: bool,
     problems: &mut Vec<Problem>,
 ) -> External {
     let mut problem = |key: Key, what: String| problems.push(Problem::new(line, key, what));
@@ -70,13 +73,10 @@ pub(super) fn parse_external(
             Announce::None
         }
     };
-    let elect = raw.elect.unwrap_or(false);
+    let elect =
+        raw.elect.unwrap_or(elect_by_default && raw.lease.is_none() && announce == Announce::Arp);
     if elect {
-        let why = if raw.lease.is_some() {
-            Some(
-                "a VIP is elected either by its own Lease (lease) or by membership (elect), not both",
-            )
-        } else if announce != Announce::Arp {
+        let why = if announce != Announce::Arp {
             Some("elects the node that announces the VIP, so it needs announce = \"arp\"")
         } else if !cfg!(feature = "kubernetes") {
             Some("lb was built without the `kubernetes` feature, which elections need")
@@ -185,7 +185,7 @@ mod tests {
     }
 
     #[test]
-    fn a_vip_elected_by_membership_announces_and_has_no_lease_of_its_own() {
+    fn a_vip_elected_by_membership_announces_and_may_keep_its_lease_while_moving() {
         let elected = parse(&format!("{EXTERNAL}announce = \"arp\"\nelect = true\n")).unwrap();
         assert!(elected.services[0].external.as_ref().unwrap().elect);
         assert_eq!(elected.daemon.membership.namespace, "lb-system");
@@ -194,13 +194,13 @@ mod tests {
             silent.contains("external.elect") && silent.contains("announce = \"arp\""),
             "{silent}"
         );
-        let both = problems(&format!(
+        // Both: a cluster moving from a Lease per VIP to membership.
+        let both = parse(&format!(
             "{EXTERNAL}announce = \"arp\"\nelect = true\nlease = {{ namespace = \"lb\", name = \"web\" }}\n"
-        ));
-        assert!(
-            both.contains("either by its own Lease (lease) or by membership (elect)"),
-            "{both}"
-        );
+        ))
+        .unwrap();
+        let external = both.services[0].external.as_ref().unwrap();
+        assert!(external.elect && external.lease.is_some());
         let namespace = parse(&format!("[kubernetes]\nnamespace = \"infra\"\n{EXTERNAL}")).unwrap();
         assert_eq!(namespace.daemon.membership.namespace, "infra");
         let bad = problems(&format!("[kubernetes]\nnamespace = \"No_Such\"\n{EXTERNAL}"));
@@ -222,6 +222,20 @@ mod tests {
         );
         let short = problems(&format!("[kubernetes]\nmembership_duration = \"50ms\"\n{EXTERNAL}"));
         assert!(short.contains("kubernetes.membership_duration"), "{short}");
+    }
+
+    #[test]
+    fn with_kubernetes_set_an_announced_vip_without_a_lease_is_elected_by_default() {
+        let elect = |text: &str| parse(text).unwrap().services[0].external.as_ref().unwrap().elect;
+        let arp = format!("{EXTERNAL}announce = \"arp\"\n");
+        assert!(!elect(&arp), "no [kubernetes]: announced alone");
+        let kubernetes = "[kubernetes]\n";
+        // (A build without Kubernetes elects nothing by default.)
+        assert_eq!(elect(&format!("{kubernetes}{arp}")), cfg!(feature = "kubernetes"));
+        assert!(!elect(&format!("{kubernetes}{arp}elect = false\n")), "said no");
+        let leased = format!("{kubernetes}{arp}lease = {{ namespace = \"lb\", name = \"web\" }}\n");
+        assert!(!elect(&leased), "a Lease of its own stays the way it is elected");
+        assert!(!elect(&format!("{kubernetes}{EXTERNAL}")), "not announced: nothing to elect");
     }
 
     #[test]

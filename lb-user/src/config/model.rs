@@ -109,6 +109,10 @@ pub struct Membership {
     pub duration: Duration,
     /// How often a node writes its Lease when nothing changes.
     pub renew: Duration,
+    /// `[kubernetes]` is in the config: a VIP announced by ARP with no
+    /// lease of its own is elected by membership unless it says `elect =
+    /// false`.
+    pub by_default: bool,
 }
 
 impl Default for Membership {
@@ -121,6 +125,7 @@ impl Default for Membership {
             namespace: "lb-system".to_owned(),
             duration: Duration::from_millis(1_200),
             renew: Duration::from_millis(700),
+            by_default: false,
         }
     }
 }
@@ -207,6 +212,8 @@ pub struct External {
     pub lease: Option<LeaseRef>,
     /// One node among those that can serve the VIP announces it, placed
     /// by the elections by membership (`crate::election::membership`).
+    /// With `lease` too, a cluster moving from a Lease per VIP: the node
+    /// announces only while it holds both (docs/elections.md).
     pub elect: bool,
 }
 

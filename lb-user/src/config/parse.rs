@@ -143,7 +143,8 @@ impl Config {
                 ),
             ));
         }
-        let (services, starts) = read_services(raw.service, &lines, &mut problems);
+        let (services, starts) =
+            read_services(raw.service, &lines, daemon.membership.by_default, &mut problems);
         let leased =
             services.iter().any(|s| s.external.as_ref().is_some_and(|e| e.lease.is_some()));
         if leased && ["localhost", "localhost.localdomain"].contains(&daemon.node_name.as_str()) {
@@ -211,6 +212,7 @@ impl Lines {
 pub(super) fn read_services(
     tables: Vec<Spanned<RawService>>,
     lines: &Lines,
+    elect_by_default: bool,
     problems: &mut Vec<Problem>,
 ) -> (Vec<Service>, Vec<usize>) {
     let line_of = |span| lines.of_span(span);
@@ -304,7 +306,8 @@ pub(super) fn read_services(
         };
         let external = raw.external.map(|e| {
             let line = at(e.span());
-            parse_external(e.into_inner(), vip, line, key.table("external."), problems)
+            let at = key.table("external.");
+            parse_external(e.into_inner(), vip, line, at, elect_by_default, problems)
         });
         if servers.is_empty() && default.is_none() && discovery.is_none() {
             problems.push(Problem::new(

@@ -117,7 +117,7 @@ impl Source {
     ) -> Result<(Config, Self, Read), ConfigError> {
         // The shortcut reads only service tables: the settings are as they
         // were.
-        if let Some((services, starts, tables)) = self.reparse(&text, running) {
+        if let Some((services, starts, tables)) = self.reparse(&text, settings, running) {
             let config = Config { daemon: settings.clone(), services };
             return Ok((config, Self { text, starts }, Read::Tables(tables)));
         }
@@ -139,6 +139,7 @@ impl Source {
     fn reparse(
         &self,
         text: &str,
+        settings: &Daemon,
         running: &[&Service],
     ) -> Option<(Vec<Service>, Vec<usize>, usize)> {
         if running.len() != self.starts.len() {
@@ -170,7 +171,9 @@ impl Source {
         }
         let tables: Tables = toml::from_str(changed).ok()?;
         let mut problems = Vec::new();
-        let (read, read_starts) = read_services(tables.service, &Lines::of(changed), &mut problems);
+        let by_default = settings.membership.by_default;
+        let (read, read_starts) =
+            read_services(tables.service, &Lines::of(changed), by_default, &mut problems);
         if !problems.is_empty() {
             return None;
         }
@@ -244,7 +247,7 @@ mod tests {
     fn reread(old: &str, new: &str) -> Option<usize> {
         let (config, source) = source(old);
         let running: Vec<&Service> = config.services.iter().collect();
-        let (services, starts, tables) = source.reparse(new, &running)?;
+        let (services, starts, tables) = source.reparse(new, &config.daemon, &running)?;
         let (whole, whole_source) = Source::parse(new.to_owned(), Path::new("test.toml"))
             .unwrap_or_else(|e| panic!("the shortcut read a file the whole parse rejects: {e}"));
         assert_eq!(services, whole.services);
