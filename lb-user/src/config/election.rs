@@ -239,7 +239,7 @@ mod tests {
     }
 
     #[test]
-    fn localhost_names_no_node_when_leases_are_used() {
+    fn localhost_names_no_node_when_elections_are_used() {
         for name in ["localhost", "localhost.localdomain"] {
             let text = problems(&LEASED.replace("node-a", name));
             assert!(text.contains("daemon.node_name") && text.contains("names no node"), "{text}");
@@ -249,6 +249,10 @@ mod tests {
             .replace("node-a", "localhost")
             .replace("lease = { namespace = \"lb-system\", name = \"web\" }", "");
         assert_eq!(parse(&unleased).unwrap().daemon.node_name, "localhost");
+        // Elected by membership: one Lease per node name.
+        let elected = unleased.replace("announce = \"arp\"", "announce = \"arp\"\nelect = true");
+        let text = problems(&elected);
+        assert!(text.contains("daemon.node_name") && text.contains("names no node"), "{text}");
     }
 
     #[test]

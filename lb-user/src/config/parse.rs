@@ -145,16 +145,18 @@ impl Config {
         }
         let (services, starts) =
             read_services(raw.service, &lines, daemon.membership.by_default, &mut problems);
-        let leased =
-            services.iter().any(|s| s.external.as_ref().is_some_and(|e| e.lease.is_some()));
-        if leased && ["localhost", "localhost.localdomain"].contains(&daemon.node_name.as_str()) {
+        let elected = services
+            .iter()
+            .any(|s| s.external.as_ref().is_some_and(|e| e.lease.is_some() || e.elect));
+        if elected && ["localhost", "localhost.localdomain"].contains(&daemon.node_name.as_str()) {
             problems.push(Problem::new(
                 None,
                 "daemon.node_name",
                 format!(
-                    "{:?} names no node in particular: with leases, every node so named would hold them \
-                     at once; set [daemon] node_name (or LB_NODE_NAME, as the DaemonSet does from \
-                     spec.nodeName) to this node's own name",
+                    "{:?} names no node in particular: with elections, every node so named would \
+                     hold its leases, or write one membership Lease, at once; set [daemon] node_name \
+                     (or LB_NODE_NAME, as the DaemonSet does from spec.nodeName) to this node's own \
+                     name",
                     daemon.node_name
                 ),
             ));
