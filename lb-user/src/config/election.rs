@@ -38,14 +38,23 @@ fn hostname() -> String {
         .unwrap_or_else(|| "localhost".to_owned())
 }
 
+/// A top-level duration setting `key`, or `default` when absent or bad
+/// (then a problem says why).
+fn duration_or(
+    text: &Option<String>,
+    key: &'static str,
+    default: Duration,
+    problems: &mut Vec<Problem>,
+) -> Duration {
+    text.as_deref()
+        .and_then(|t| parse_duration(t, None, Key::top(key), problems))
+        .unwrap_or(default)
+}
+
 /// `[daemon] lease_duration`, `lease_renew`, `lease_retry`.
 pub(super) fn parse_election(raw: &RawDaemon, problems: &mut Vec<Problem>) -> Election {
     let defaults = Election::default();
-    let mut read = |text: &Option<String>, key: &'static str, default: Duration| {
-        text.as_deref()
-            .and_then(|t| parse_duration(t, None, Key::top(key), problems))
-            .unwrap_or(default)
-    };
+    let mut read = |text: &Option<String>, key, default| duration_or(text, key, default, problems);
     let election = Election {
         duration: read(&raw.lease_duration, "daemon.lease_duration", defaults.duration),
         renew: read(&raw.lease_renew, "daemon.lease_renew", defaults.renew),
@@ -98,11 +107,7 @@ pub(super) fn parse_membership(
     let by_default = raw.is_some() && cfg!(feature = "kubernetes");
     let raw = raw.unwrap_or_default();
     let defaults = Membership::default();
-    let mut read = |text: &Option<String>, key: &'static str, default: Duration| {
-        text.as_deref()
-            .and_then(|t| parse_duration(t, None, Key::top(key), problems))
-            .unwrap_or(default)
-    };
+    let mut read = |text: &Option<String>, key, default| duration_or(text, key, default, problems);
     let membership = Membership {
         duration: read(
             &raw.membership_duration,

@@ -30,7 +30,7 @@ use std::{
 use lb_tests::{
     Backend,
     arp::Watch,
-    fakes::apiserver::Kubeconfig,
+    fakes::apiserver::{FakeApiServer, Kubeconfig},
     in_new_netns,
     lan::{API, Lan, Node},
     privileged_test, wait_until,
@@ -181,18 +181,26 @@ fn ask(to: SocketAddr) -> Result<String, String> {
     Some(line.trim().to_owned()).filter(|l| !l.is_empty()).ok_or_else(|| "closed".to_owned())
 }
 
+/// Three nodes on a LAN for the test `tag`, each running `text`, and the
+/// fake API server they share (on the runtime returned, which must outlive
+/// it).
+fn three_nodes(tag: &str, text: &str) -> (Lan, tokio::runtime::Runtime, FakeApiServer, Kubeconfig) {
+    let (mut lan, rt, api) = lan_and_api(tag, 3);
+    let kubeconfig = Kubeconfig::write(&api.url());
+    for node in &mut lan.nodes {
+        node.start(kubeconfig.path(), text);
+    }
+    (lan, rt, api, kubeconfig)
+}
+
 const FIFTY: usize = 50;
 
 #[privileged_test]
 fn fifty_vips_spread_by_membership_and_a_killed_nodes_move_alone() {
     let _serial = one_at_a_time();
     in_new_netns(|| {
-        let (mut lan, rt, api) = lan_and_api("el-member", 3);
-        let kubeconfig = Kubeconfig::write(&api.url());
         let text = services(FIFTY, |_| 8080);
-        for node in &mut lan.nodes {
-            node.start(kubeconfig.path(), &text);
-        }
+        let (mut lan, rt, api, kubeconfig) = three_nodes("el-member", &text);
         let all = [0, 1, 2];
         let ruled = |lan: &Lan| held_as(lan, FIFTY, &all, |k| placed(lan, k, &all));
         assert!(
@@ -430,12 +438,8 @@ fn an_unready_vip_moves_alone_and_a_node_cut_from_the_api_falls_silent_first() {
 fn an_api_stall_of_five_seconds_moves_no_vip_by_membership() {
     let _serial = one_at_a_time();
     in_new_netns(|| {
-        let (mut lan, rt, api) = lan_and_api("el-member-stall", 3);
-        let kubeconfig = Kubeconfig::write(&api.url());
-        let text = services(TWELVE, |_| 8080);
-        for node in &mut lan.nodes {
-            node.start(kubeconfig.path(), &text);
-        }
+        let (lan, rt, api, _kubeconfig) =
+            three_nodes("el-member-stall", &services(TWELVE, |_| 8080));
         let all = [0, 1, 2];
         let ruled = |lan: &Lan| held_as(lan, TWELVE, &all, |k| placed(lan, k, &all));
         assert!(wait_until(Duration::from_secs(30), || ruled(&lan)), "{}", logs(&lan));
@@ -483,12 +487,9 @@ fn one_holder_each(lan: &Lan, n: usize) -> bool {
 fn a_cluster_moves_from_a_lease_per_vip_to_membership_by_rolling_updates() {
     let _serial = one_at_a_time();
     in_new_netns(|| {
-        let (mut lan, rt, api) = lan_and_api("el-member-move", 3);
-        let kubeconfig = Kubeconfig::write(&api.url());
         const N: usize = 6;
-        for node in &mut lan.nodes {
-            node.start(kubeconfig.path(), &services_elected(N, |_| 8080, Way::Lease));
-        }
+        let text = services_elected(N, |_| 8080, Way::Lease);
+        let (mut lan, rt, api, _kubeconfig) = three_nodes("el-member-move", &text);
         assert!(wait_until(Duration::from_secs(30), || one_holder_each(&lan, N)), "{}", logs(&lan));
         let watch = Watch::start_for(&lan.client, "pc", ASK_EVERY, (0..N).map(vip).collect());
         thread::sleep(Duration::from_millis(500));
