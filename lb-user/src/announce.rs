@@ -10,6 +10,7 @@ use std::{
     mem::size_of,
     net::IpAddr,
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    sync::Mutex,
 };
 
 use etherparse::{
@@ -90,7 +91,17 @@ pub fn unsolicited(ip: IpAddr, mac: Mac) -> Vec<u8> {
 
 /// Sends `frame` out of interface `ifindex` as it is.
 pub fn send(ifindex: u32, frame: &[u8]) -> io::Result<()> {
-    let socket = socket(libc::AF_PACKET, libc::SOCK_RAW, 0)?;
+    // One socket for every frame: closing an `AF_PACKET` socket waits for
+    // an RCU grace period (`packet_release`: `synchronize_net`, 12 ms
+    // measured here), and a daemon that starts announcing 200 VIPs at once
+    // spent seconds in it, its other work (renewing its membership)
+    // starved meanwhile. It sends only (protocol 0: it receives nothing).
+    static SOCKET: Mutex<Option<OwnedFd>> = Mutex::new(None);
+    let mut cached = SOCKET.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if cached.is_none() {
+        *cached = Some(socket(libc::AF_PACKET, libc::SOCK_RAW, 0)?);
+    }
+    let socket = cached.as_ref().expect("set just above");
     // SAFETY: a zeroed sockaddr_ll is valid.
     let mut to: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
     to.sll_family = libc::AF_PACKET as u16;
