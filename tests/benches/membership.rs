@@ -11,9 +11,12 @@
 //!   placement puts it, the node placement gives the most VIPs SIGKILLed,
 //!   the time until every one of its VIPs is claimed by exactly one other
 //!   node (from the Leases, looked at every 50 ms: a claim is answered a
-//!   watch event later), then the node started again.
+//!   watch event later), then the node started again; then [`DETACHES`]
+//!   times the same with `lb detach` instead of the SIGKILL.
 //!
-//! Prints one JSON line. Needs root and `LB_BIN`.
+//! Prints one JSON line. Needs root and `LB_BIN`. With `LB_BENCH_LOGS`
+//! (a directory), the daemons' logs are written there after the steady
+//! state and after the takeovers.
 
 use std::{
     collections::BTreeMap,
@@ -34,6 +37,8 @@ use lb_user::election::placement;
 
 /// Node deaths measured.
 const ROUNDS: usize = 10;
+/// Nodes detached (`lb detach`) measured.
+const DETACHES: usize = 5;
 /// How long the steady state's requests are counted.
 const STEADY: Duration = Duration::from_secs(5);
 /// The VIP counts measured.
@@ -201,6 +206,13 @@ fn steady(way: Way, n: usize, kill: bool) -> serde_json::Value {
         *by_verb.entry(verb.to_owned()).or_default() += 1.0 / seconds;
     }
     let events = (api.watch_events() - events) as f64 / seconds;
+    if let Some(dir) = std::env::var_os("LB_BENCH_LOGS") {
+        for node in &lan.nodes {
+            let to =
+                std::path::Path::new(&dir).join(format!("{}-{}-{n}.log", node.name, way as u8));
+            let _ = std::fs::write(to, node.daemon().log());
+        }
+    }
     let requests: f64 = by_verb.values().sum();
     let mut figures = serde_json::json!({
         "vips": n,
@@ -210,8 +222,11 @@ fn steady(way: Way, n: usize, kill: bool) -> serde_json::Value {
         "by_verb": by_verb,
     });
     if kill {
-        figures["takeover_ms"] = takeovers(&mut lan, &api, &kubeconfig, &text, n).into();
+        let (killed, detached) = takeovers(&mut lan, &api, &kubeconfig, &text, n);
+        figures["takeover_ms"] = killed.into();
         figures["rounds"] = ROUNDS.into();
+        figures["graceful_ms"] = detached.into();
+        figures["graceful_rounds"] = DETACHES.into();
     }
     drop(lan);
     drop(api);
@@ -219,18 +234,18 @@ fn steady(way: Way, n: usize, kill: bool) -> serde_json::Value {
     figures
 }
 
-/// [`ROUNDS`] SIGKILLs of the node placement gives the most VIPs: for
-/// each, the milliseconds until every one of its VIPs is held by another
-/// node. Each round begins with every VIP where placement puts it; the
-/// killed node is started again and takes its share back after its
-/// hold-down.
+/// [`ROUNDS`] SIGKILLs of the node placement gives the most VIPs, then
+/// [`DETACHES`] times `lb detach` of it: for each, the milliseconds until
+/// every one of its VIPs is held by another node. Each round begins with
+/// every VIP where placement puts it; the node is started again and takes
+/// its share back after its hold-down.
 fn takeovers(
     lan: &mut Lan,
     api: &FakeApiServer,
     kubeconfig: &Kubeconfig,
     text: &str,
     n: usize,
-) -> Vec<f64> {
+) -> (Vec<f64>, Vec<f64>) {
     let all = [0, 1, 2];
     let placed: Vec<Option<usize>> = (0..n)
         .map(|k| {
@@ -243,19 +258,34 @@ fn takeovers(
     let count = |i: usize| placed.iter().filter(|h| **h == Some(i)).count();
     let victim = (0..3).max_by_key(|&i| count(i)).unwrap();
     let rest: Vec<usize> = all.into_iter().filter(|&i| i != victim).collect();
-    let mut took = Vec::new();
-    for _ in 0..ROUNDS {
+    let (mut took, mut handed) = (Vec::new(), Vec::new());
+    for round in 0..ROUNDS + DETACHES {
         if !wait(Duration::from_secs(30), || as_placed(lan)) {
             eprintln!("{}", off_placement(lan, api, &placed, n));
         }
+        // Steady: the restarted node's checks and writes settled too.
+        std::thread::sleep(Duration::from_secs(3));
         let died = Instant::now();
-        lan.nodes[victim].daemon_mut().kill();
+        if round < ROUNDS {
+            lan.nodes[victim].daemon_mut().kill();
+        } else {
+            // Withdrawn and resigned: the others take over at once.
+            lan.nodes[victim].daemon().lb(&["detach"]);
+        }
         let moved = wait(Duration::from_secs(20), || {
             let now = holders(lan, api, Way::Membership, &rest, n);
             placed.iter().zip(&now).all(|(p, h)| *p != Some(victim) || h.is_some())
         });
-        if moved {
-            took.push(died.elapsed().as_secs_f64() * 1e3);
+        let ms = died.elapsed().as_secs_f64() * 1e3;
+        let how = if round < ROUNDS { "SIGKILL" } else { "lb detach" };
+        eprintln!("round {round} ({how}): every VIP claimed elsewhere after {ms:.0} ms");
+        match (moved, round < ROUNDS) {
+            (true, true) => took.push(ms),
+            (true, false) => handed.push(ms),
+            (false, _) => {}
+        }
+        if round >= ROUNDS {
+            assert!(lan.nodes[victim].daemon_mut().wait_exit(Duration::from_secs(10)), "detach");
         }
         // Back, and its share back after the hold-down.
         lan.nodes[victim].start(kubeconfig.path(), text);
@@ -263,7 +293,13 @@ fn takeovers(
     if !wait(Duration::from_secs(30), || as_placed(lan)) {
         eprintln!("{}", off_placement(lan, api, &placed, n));
     }
-    took
+    if let Some(dir) = std::env::var_os("LB_BENCH_LOGS") {
+        for node in &lan.nodes {
+            let to = std::path::Path::new(&dir).join(format!("end-{}.log", node.name));
+            let _ = std::fs::write(to, node.daemon().log());
+        }
+    }
+    (took, handed)
 }
 
 /// The VIPs not held where placement puts them, and by whom they are.

@@ -209,6 +209,12 @@ async fn run(reach: Reach, settings: Settings, inputs: Inputs, answering: mpsc::
         let mut wake = None;
         match step {
             Step::Write(content) => {
+                tracing::debug!(
+                    claims = content.claims.len(),
+                    eligible = content.eligible.len(),
+                    answering = told.vips.len(),
+                    "membership: writing this node's Lease"
+                );
                 let lease = membership_lease::lease(
                     &settings.namespace,
                     &settings.node,

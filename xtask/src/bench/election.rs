@@ -59,10 +59,14 @@ fn membership(figures: &serde_json::Value) -> anyhow::Result<Membership> {
     }
     let takeover = &figures["takeover"];
     let takeover_ms = takeover["takeover_ms"].as_array().context("no takeover_ms")?;
+    let graceful_ms = takeover["graceful_ms"].as_array().context("no graceful_ms")?;
     Ok(Membership {
         load,
         takeover_vips: takeover["vips"].as_u64().context("no takeover vips")? as usize,
         takeover_rounds: takeover["rounds"].as_u64().context("no takeover rounds")? as usize,
         takeover_ms: takeover_ms.iter().filter_map(serde_json::Value::as_f64).collect(),
+        graceful_rounds: takeover["graceful_rounds"].as_u64().context("no graceful rounds")?
+            as usize,
+        graceful_ms: graceful_ms.iter().filter_map(serde_json::Value::as_f64).collect(),
     })
 }

@@ -309,6 +309,9 @@ pub struct Membership {
     /// Node deaths: one figure each in `takeover_ms` unless one failed.
     pub takeover_rounds: usize,
     pub takeover_ms: Vec<f64>,
+    /// The same node detached (`lb detach`) instead, one figure each.
+    pub graceful_rounds: usize,
+    pub graceful_ms: Vec<f64>,
 }
 
 /// One steady state's cost to the API server, three nodes together.

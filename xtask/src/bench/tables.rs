@@ -271,7 +271,7 @@ fn election(r: &Results, tables: &mut Vec<Table>) {
 
 fn membership(m: &Membership, tables: &mut Vec<Table>) {
     let mut t = Table::new(
-        "What electing costs the API server, 3 nodes, steady state (lease 1 s, renew 200 ms)",
+        "What electing costs the API server, 3 nodes, steady state (a Lease per VIP: 1 s, renewed every 200 ms; membership: 1.2 s, every 700 ms)",
         &["way", "VIPs", "requests/s", "by verb", "watch events/s", "per node, events included"],
     );
     for (way, n, load) in &m.load {
@@ -288,13 +288,20 @@ fn membership(m: &Membership, tables: &mut Vec<Table>) {
     tables.push(t);
     let mut t = Table::new(
         &format!(
-            "By membership, {} VIPs on 3 nodes: the node holding the most SIGKILLed, until each of its VIPs is claimed by another ({} deaths)",
+            "By membership, {} VIPs on 3 nodes: until each VIP of the node holding the most is claimed by another",
             m.takeover_vips,
-            m.takeover_ms.len()
         ),
-        &["p50", "p99"],
+        &["the node", "times", "p50", "p99"],
     );
-    t.row(vec![millis(median(&m.takeover_ms)), millis(percentile(&m.takeover_ms, 99.0))]);
+    for (what, samples) in [("SIGKILLed", &m.takeover_ms), ("detached (lb detach)", &m.graceful_ms)]
+    {
+        t.row(vec![
+            what.to_owned(),
+            samples.len().to_string(),
+            millis(median(samples)),
+            millis(percentile(samples, 99.0)),
+        ]);
+    }
     tables.push(t);
 }
 

@@ -151,6 +151,18 @@ pub fn targets(r: &Results) -> Vec<(bool, String)> {
                 m.takeover_rounds
             ),
         ));
+        let p99 = percentile(&m.graceful_ms, 99.0);
+        lines.push((
+            m.graceful_ms.len() == m.graceful_rounds && p99 <= 300.0,
+            format!(
+                "by membership, every VIP of a detached node (lb detach) taken over within 0.3 s ({} VIPs): p99 {}, p50 {}, {} of {} measured",
+                m.takeover_vips,
+                millis(p99),
+                millis(median(&m.graceful_ms)),
+                m.graceful_ms.len(),
+                m.graceful_rounds
+            ),
+        ));
         if let Some((_, n, most)) =
             m.load.iter().filter(|(w, ..)| *w == "membership").max_by_key(|(_, n, _)| *n)
         {
