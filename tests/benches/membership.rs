@@ -206,13 +206,7 @@ fn steady(way: Way, n: usize, kill: bool) -> serde_json::Value {
         *by_verb.entry(verb.to_owned()).or_default() += 1.0 / seconds;
     }
     let events = (api.watch_events() - events) as f64 / seconds;
-    if let Some(dir) = std::env::var_os("LB_BENCH_LOGS") {
-        for node in &lan.nodes {
-            let to =
-                std::path::Path::new(&dir).join(format!("{}-{}-{n}.log", node.name, way as u8));
-            let _ = std::fs::write(to, node.daemon().log());
-        }
-    }
+    keep_logs(&lan, &format!("-{}-{n}", way as u8));
     let requests: f64 = by_verb.values().sum();
     let mut figures = serde_json::json!({
         "vips": n,
@@ -293,12 +287,7 @@ fn takeovers(
     if !wait(Duration::from_secs(30), || as_placed(lan)) {
         eprintln!("{}", off_placement(lan, api, &placed, n));
     }
-    if let Some(dir) = std::env::var_os("LB_BENCH_LOGS") {
-        for node in &lan.nodes {
-            let to = std::path::Path::new(&dir).join(format!("end-{}.log", node.name));
-            let _ = std::fs::write(to, node.daemon().log());
-        }
-    }
+    keep_logs(lan, "-end");
     (took, handed)
 }
 
@@ -310,4 +299,14 @@ fn off_placement(lan: &Lan, api: &FakeApiServer, placed: &[Option<usize>], n: us
         .map(|k| format!("198.18.1.{}: placed on {:?}, held by {:?}", k + 1, placed[k], now[k]))
         .collect();
     format!("{} VIPs not where placement puts them after 30 s: {off:?}", off.len())
+}
+
+/// With `LB_BENCH_LOGS`, writes each daemon's log there as
+/// `<node><suffix>.log`.
+fn keep_logs(lan: &Lan, suffix: &str) {
+    let Some(dir) = std::env::var_os("LB_BENCH_LOGS") else { return };
+    for node in &lan.nodes {
+        let to = std::path::Path::new(&dir).join(format!("{}{suffix}.log", node.name));
+        let _ = std::fs::write(to, node.daemon().log());
+    }
 }

@@ -139,30 +139,23 @@ pub fn targets(r: &Results) -> Vec<(bool, String)> {
         ));
     }
     if let Some(m) = r.election.as_ref().and_then(|e| e.membership.as_ref()) {
-        let p99 = percentile(&m.takeover_ms, 99.0);
-        lines.push((
-            m.takeover_ms.len() == m.takeover_rounds && p99 <= 1_500.0,
-            format!(
-                "by membership, every VIP of a SIGKILLed node taken over within 1.5 s ({} VIPs): p99 {}, p50 {}, {} of {} deaths measured",
-                m.takeover_vips,
-                millis(p99),
-                millis(median(&m.takeover_ms)),
-                m.takeover_ms.len(),
-                m.takeover_rounds
-            ),
-        ));
-        let p99 = percentile(&m.graceful_ms, 99.0);
-        lines.push((
-            m.graceful_ms.len() == m.graceful_rounds && p99 <= 300.0,
-            format!(
-                "by membership, every VIP of a detached node (lb detach) taken over within 0.3 s ({} VIPs): p99 {}, p50 {}, {} of {} measured",
-                m.takeover_vips,
-                millis(p99),
-                millis(median(&m.graceful_ms)),
-                m.graceful_ms.len(),
-                m.graceful_rounds
-            ),
-        ));
+        let handovers = [
+            ("a SIGKILLed node", "1.5 s", 1_500.0, &m.takeover_ms, m.takeover_rounds),
+            ("a detached node (lb detach)", "0.3 s", 300.0, &m.graceful_ms, m.graceful_rounds),
+        ];
+        for (whose, goal, goal_ms, samples, rounds) in handovers {
+            let p99 = percentile(samples, 99.0);
+            lines.push((
+                samples.len() == rounds && p99 <= goal_ms,
+                format!(
+                    "by membership, every VIP of {whose} taken over within {goal} ({} VIPs): p99 {}, p50 {}, {} of {rounds} measured",
+                    m.takeover_vips,
+                    millis(p99),
+                    millis(median(samples)),
+                    samples.len(),
+                ),
+            ));
+        }
         if let Some((_, n, most)) =
             m.load.iter().filter(|(w, ..)| *w == "membership").max_by_key(|(_, n, _)| *n)
         {
