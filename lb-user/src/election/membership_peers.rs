@@ -134,3 +134,32 @@ impl Peers {
             .flat_map(|p| [p.seen_at + self.duration, p.member_since + self.hold_down])
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whoever can write a node's Lease writes it as a thousand different
+    /// identities, each claiming a VIP: the node's memory of writers stays
+    /// at `WRITERS`, and the claims it keeps are the latest ones.
+    #[test]
+    fn a_flood_of_writers_to_one_lease_is_remembered_within_bounds() {
+        let (duration, start) = (Duration::from_secs(60), Instant::now());
+        let mut peers = Peers::new(duration, duration);
+        for k in 0..1_000u32 {
+            let vip = format!("198.18.1.{}", k % 250);
+            let content = Content { eligible: [vip.clone()].into(), claims: [vip].into() };
+            let lease = Lease {
+                node: "node-b".into(),
+                identity: format!("node-b_{k}"),
+                version: k.to_string(),
+                content,
+            };
+            peers.apply(lease, start + Duration::from_millis(u64::from(k)));
+        }
+        let peer = &peers.nodes["node-b"];
+        assert_eq!(peer.writers.len(), WRITERS);
+        assert!(peer.writers.contains_key("node-b_999"));
+        assert!(!peer.writers.contains_key("node-b_0"));
+    }
+}
