@@ -116,11 +116,13 @@ const _: () = assert!(Reason::COUNT as u32 <= COUNTER_SLOTS);
 /// 10: `UDP_FLOWS` and `UDP_REPLIES`, the external path's UDP flows, apart
 /// from TCP's opening ones: a flood of SYNs evicts no UDP flow. A daemon
 /// of layout 10 adopts pins of layout 9 and moves their UDP flows there.
-pub const LAYOUT_VERSION: u32 = 10;
+/// 11: `EPOCH` and `VIP_PORTS`, for the established flows' fast path. A
+/// daemon of layout 11 adopts pins of layout 10 (it adds the two maps).
+pub const LAYOUT_VERSION: u32 = 11;
 /// The one older layout a daemon adopts, by adding what its layout lacks
 /// (maps and programs; nothing pinned changes shape) before it replaces
 /// the programs.
-pub const UPGRADABLE_LAYOUT: u32 = 9;
+pub const UPGRADABLE_LAYOUT: u32 = 10;
 
 /// Index of the layout version in `META`.
 pub const META_LAYOUT_VERSION: u32 = 0;
@@ -276,6 +278,15 @@ pub const LIMIT_NAT_PORT_LAST: u32 = 3;
 pub const MAX_NAT_ADDRESSES: usize = 7;
 /// Number of `LIMITS` slots.
 pub const LIMIT_SLOTS: u32 = 4;
+/// Words of `VIP_PORTS`: a bit for each of the 65,536 ports.
+pub const VIP_PORT_WORDS: u32 = 65_536 / 64;
+
+/// The word of `VIP_PORTS` that holds `port`'s bit (host byte order), and
+/// the bit.
+#[inline(always)]
+pub const fn vip_port_bit(port: u16) -> (u32, u64) {
+    ((port >> 6) as u32, 1 << (port & 63))
+}
 /// The daemon's `LIMITS[LIMIT_ANSWERS]`: as many answers as a flood of
 /// 10,000 forged packets a second per CPU asks for, no more (Linux answers
 /// ICMP errors at 1,000 a second in all by default; these are TCP resets

@@ -81,8 +81,18 @@ pub const TRAFFIC_SLOTS: &str = "TRAFFIC_SLOTS";
 /// within the hold-down. Pinned, so that the marks of every program
 /// (sock_ops, `lb_xdp`) stamp the one map `lb_xdp` reads (layout 8).
 pub const MARKED_AT: &str = "MARKED_AT";
+/// One `u32`, bumped by the daemon after every change to what decides
+/// whether an established flow goes on to its server (`SERVICES`,
+/// `EXTERNAL`, `LINK_MACS`): a verdict `lb_xdp` keeps per CPU beside a
+/// route holds only within the epoch it was reached in (layout 11).
+pub const EPOCH: &str = "EPOCH";
+/// [`VIP_PORT_WORDS`](crate::VIP_PORT_WORDS) `u64`s, a bit per port: set
+/// for the ports of external VIPs. `lb_xdp` looks a packet up among the
+/// established flows before anything else only if its port is one
+/// (layout 11).
+pub const VIP_PORTS: &str = "VIP_PORTS";
 /// Every map the daemon pins, in one list so attach, adopt and detach agree.
-pub const ALL: [&str; 24] = [
+pub const ALL: [&str; 26] = [
     SERVICES,
     FAILED_AT,
     SOCKETS,
@@ -107,6 +117,8 @@ pub const ALL: [&str; 24] = [
     OPENING_REPLIES,
     UDP_FLOWS,
     UDP_REPLIES,
+    EPOCH,
+    VIP_PORTS,
 ];
 /// The maps pins of `UPGRADABLE_LAYOUT` lack (an upgrade creates them).
-pub const NEW_IN_LAYOUT: [&str; 2] = [UDP_FLOWS, UDP_REPLIES];
+pub const NEW_IN_LAYOUT: [&str; 2] = [EPOCH, VIP_PORTS];

@@ -286,6 +286,11 @@ reasons! {
     /// stack judges it, but it ends nothing and frees no NAT port (forged
     /// blind on the servers' side).
     XdpServerOutOfWindow = 80 => "xdp_server_out_of_window",
+    /// xdp: a client's packet of an established flow went to its server
+    /// the short way (`established.rs` in lb-ebpf), on the verdict an
+    /// earlier packet of the flow's VIP and server left in this epoch;
+    /// counted here instead of `xdp_forwarded`.
+    XdpForwardedShort = 81 => "xdp_forwarded_short",
 }
 
 impl Reason {
@@ -426,6 +431,7 @@ mod tests {
                 "xdp_icmp_elsewhere",
                 "xdp_too_big_below_floor",
                 "xdp_server_out_of_window",
+                "xdp_forwarded_short",
             ]
         );
     }

@@ -29,7 +29,9 @@
 //!   `packet/`): packets from other machines to an external VIP go to a
 //!   server chosen as for a connect, with NAT; the servers' replies are
 //!   translated back, and ICMP errors about the flows both ways
-//!   (`icmp.rs`). Failure marks and events are shared (`report.rs`).
+//!   (`icmp.rs`). Failure marks and events are shared (`report.rs`). A
+//!   client's packet of an established flow goes the short way
+//!   (`established.rs`) once the full path has judged its VIP and server.
 //!
 //! The programs are dumb and fast: the daemon decides the selection; the
 //! kernel only skips servers whose connect failed within the hold-down.
@@ -59,6 +61,7 @@ mod announce;
 mod connect;
 mod consts;
 mod ctx;
+mod established;
 mod flows;
 mod forward;
 mod icmp;
@@ -66,6 +69,7 @@ mod maps;
 mod packet;
 mod per_second;
 mod release;
+mod reply;
 mod report;
 mod reset;
 mod route;
@@ -80,6 +84,7 @@ use crate::{
     connect::{try_connect, vip_of_peer},
     consts::{ALLOW, REFUSE},
     ctx::{ctx_read, ctx_write, read_endpoint6, read_port, write_endpoint6, write_port},
+    established::Short,
     maps::{PACKET, count},
     packet::Parsed,
     release::try_release,
@@ -196,8 +201,10 @@ pub fn lb_sock_ops(ctx: SockOpsContext) -> u32 {
     1
 }
 
-/// The external path: a packet from the network to an external VIP goes to
-/// a server, a server's reply back to its client (`forward.rs`); one to
+/// The external path: a client's packet of an established flow the short
+/// way (`established.rs`); any other packet from the network to an
+/// external VIP goes to a server, a server's reply back to its client
+/// (`forward.rs`); one to
 /// a VIP's address that lb does not serve is answered or dropped
 /// (`forward::unserved`); anything else passes untouched.
 #[xdp]
@@ -209,6 +216,15 @@ pub fn lb_xdp(ctx: XdpContext) -> u32 {
     // SAFETY: this CPU's slot, used by this program run alone (XDP runs
     // with preemption off: one packet per CPU at a time).
     let p = unsafe { &mut *slot };
+    // The short way first; what it does not take goes the full way.
+    let short = match established::short_way(&ctx, p) {
+        Short::Sent(verdict) => Some(verdict),
+        Short::Reply => reply::reply(&ctx, p),
+        Short::Full => None,
+    };
+    if let Some(verdict) = short {
+        return verdict;
+    }
     let answered = announce::answer(&ctx);
     if answered != announce::NOT_ASKED {
         return answered;

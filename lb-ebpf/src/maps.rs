@@ -15,8 +15,8 @@ use lb_common::{
     LIMIT_SLOTS, MARK_SLOTS, MAX_CONNECTING_SOCKETS, MAX_EXTERNAL_FLOWS, MAX_FAILED_SERVERS,
     MAX_LINKS, MAX_SERVER_PAIRS, MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS,
     MAX_UDP_PEER_SOCKETS, META_SLOTS, NatKey, NatReply, Reason, Service, SockEntry,
-    TRAFFIC_SLOT_COUNT, Traffic, TrafficSlot, UNMARKED_SLOTS, UdpPeers, maglev::Maglev,
-    udp_flow_table,
+    TRAFFIC_SLOT_COUNT, Traffic, TrafficSlot, UNMARKED_SLOTS, UdpPeers, VIP_PORT_WORDS,
+    maglev::Maglev, udp_flow_table,
 };
 
 use crate::consts::IPPROTO_UDP;
@@ -225,6 +225,18 @@ pub(crate) static LINK_MACS: HashMap<u32, AnnounceValue> =
 #[map]
 pub(crate) static MAGLEV: HashMap<Endpoint, Maglev> =
     HashMap::with_max_entries(MAX_SERVICES, BPF_F_NO_PREALLOC);
+
+/// The daemon's epoch (`lb_common::maps::EPOCH`): bumped after every
+/// change to `SERVICES`, `EXTERNAL` or `LINK_MACS`, which end the
+/// verdicts `ROUTES` keeps (`route::keep_verdict`).
+#[map]
+pub(crate) static EPOCH: Array<u32> = Array::with_max_entries(1, 0);
+
+/// A bit per port, set for the ports of external VIPs (`lb_common::
+/// vip_port_bit`): only a packet to one is looked up among the
+/// established flows first (`established.rs`). Written by the daemon.
+#[map]
+pub(crate) static VIP_PORTS: Array<u64> = Array::with_max_entries(VIP_PORT_WORDS, 0);
 
 /// The new flow `forward::choose` and `forward::new_flow` build, per
 /// CPU (`scratch::NewFlow`): kept off the stack, as `PACKET` is.

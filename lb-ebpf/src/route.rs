@@ -23,13 +23,13 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup as fib_lookup, bpf_jiffies64},
     programs::XdpContext,
 };
-use lb_common::{Endpoint, Reason};
+use lb_common::{Endpoint, Flow, Reason};
 
 use crate::{
     consts::{AF_INET, AF_INET6},
     maps::{ROUTES, count_xdp},
     packet::set_link,
-    scratch::{Packet, ROUTE_SLOTS},
+    scratch::{KeptRoute, Packet, ROUTE_SLOTS},
 };
 
 /// `BPF_FIB_LKUP_RET_SUCCESS`: the FIB found the route and the neighbour.
@@ -76,14 +76,7 @@ pub(crate) fn route(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoint
     // SAFETY: this CPU's slot, used by this program run alone (see
     // `PACKET` in maps.rs); valid for the whole run.
     let kept = unsafe { &mut *kept };
-    if kept.found_at != 0
-        && now.wrapping_sub(kept.found_at) < ROUTE_KEPT_TICKS
-        && p.ip_len <= kept.fits
-        && kept.server == *dst
-        && kept.node == src.addr
-        && kept.ingress == ingress
-        && kept.protocol == u32::from(p.protocol)
-    {
+    if takes(kept, p, src, dst, ingress, now) {
         if !set_link(ctx, p, kept.macs) {
             return Route::Unreachable;
         }
@@ -126,10 +119,77 @@ pub(crate) fn route(ctx: &XdpContext, p: &Packet, src: &Endpoint, dst: &Endpoint
     kept.macs[6..].copy_from_slice(&fib.smac);
     kept.fits = p.ip_len;
     kept.found_at = now;
+    kept.vip = Endpoint::default();
     if !set_link(ctx, p, kept.macs) {
         return Route::Unreachable;
     }
     Route::Via(fib.ifindex)
+}
+
+/// Whether a packet rewritten to leave from `src` to `dst`, arriving on
+/// `ingress`, may take the route `kept`.
+#[inline(always)]
+fn takes(
+    kept: &KeptRoute,
+    p: &Packet,
+    src: &Endpoint,
+    dst: &Endpoint,
+    ingress: u32,
+    now: u64,
+) -> bool {
+    kept.found_at != 0
+        && now.wrapping_sub(kept.found_at) < ROUTE_KEPT_TICKS
+        && p.ip_len <= kept.fits
+        && kept.server == *dst
+        && kept.node == src.addr
+        && kept.ingress == ingress
+        && kept.protocol == u32::from(p.protocol)
+}
+
+/// The route this CPU keeps for `flow`'s packet `p` (a client's, of an
+/// established TCP flow), if it also keeps the verdict that such packets
+/// go on to the flow's server: reached in this `epoch` by the full path
+/// (`keep_verdict`), for `p`'s VIP, and for frames sent to `to_mac`.
+/// Nothing is written: the caller rewrites and sends the packet.
+#[inline(always)]
+pub(crate) fn kept_verdict(
+    ingress: u32,
+    p: &Packet,
+    flow: &Flow,
+    to_mac: [u8; 6],
+    epoch: u32,
+    now: u64,
+) -> Option<&'static KeptRoute> {
+    // SAFETY: this CPU's slot, used by this program run alone (see
+    // `PACKET` in maps.rs); only read.
+    let kept = unsafe { &*ROUTES.get_ptr(slot(&flow.server, ingress))? };
+    let holds = kept.epoch == epoch && kept.vip == p.dst && kept.to_mac == to_mac;
+    (holds && takes(kept, p, &flow.node, &flow.server, ingress, now)).then_some(kept)
+}
+
+/// Keeps beside the route to `server` of packets arriving on `ingress`
+/// the verdict that the established TCP flows of `vip` to it go on to
+/// it, reached in `epoch` by the full path for a frame sent to `to_mac`
+/// (`forward::forward`): their packets may take `established.rs`'s way
+/// until the epoch or the route changes. The route must be the one the
+/// packet just took.
+#[inline(always)]
+pub(crate) fn keep_verdict(
+    server: &Endpoint,
+    ingress: u32,
+    vip: &Endpoint,
+    epoch: u32,
+    to_mac: [u8; 6],
+) {
+    let Some(kept) = ROUTES.get_ptr_mut(slot(server, ingress)) else { return };
+    // SAFETY: as in `route`.
+    let kept = unsafe { &mut *kept };
+    if kept.found_at == 0 || kept.server != *server || kept.ingress != ingress {
+        return;
+    }
+    kept.vip = *vip;
+    kept.epoch = epoch;
+    kept.to_mac = to_mac;
 }
 
 /// The slot of `ROUTES` that keeps the route to `server` of packets

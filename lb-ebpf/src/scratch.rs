@@ -35,6 +35,24 @@ pub(crate) struct Packet {
 }
 
 impl Packet {
+    /// A packet of nothing, to parse into.
+    #[inline(always)]
+    pub(crate) fn empty() -> Self {
+        Packet {
+            ipv6: false,
+            protocol: 0,
+            src: Endpoint::default(),
+            dst: Endpoint::default(),
+            tcp_flags: 0,
+            tcp_ack: 0,
+            tcp_seq: 0,
+            ip_len: 0,
+            icmp_error: false,
+            error_to: [0; 4],
+            opening: false,
+        }
+    }
+
     /// Where the TCP or UDP header starts. A constant on each branch, never
     /// a value read back from the packet's map slot, which the verifier
     /// would not let near a packet pointer.
@@ -85,6 +103,13 @@ pub(crate) struct KeptRoute {
     pub(crate) fits: u32,
     /// When it answered (`bpf_jiffies64()`); 0 in a slot never filled.
     pub(crate) found_at: u64,
+    /// The verdict kept with the route (`route::keep_verdict`): in
+    /// `EPOCH` `epoch`, the established TCP flows of `vip` to `server`,
+    /// arriving on `ingress` sent to `to_mac`, go on to `server`. None
+    /// (`vip` zero) from each new route on.
+    pub(crate) vip: Endpoint,
+    pub(crate) epoch: u32,
+    pub(crate) to_mac: [u8; 6],
 }
 
 /// What this CPU spent of one budget in its current second

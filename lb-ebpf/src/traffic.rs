@@ -21,7 +21,12 @@ use crate::maps::{TRAFFIC, TRAFFIC_SLOTS, count_xdp};
 #[inline(always)]
 pub(crate) fn add_traffic(server: &Endpoint, bytes: u32) {
     // SAFETY: plain helper call without arguments.
-    let now = unsafe { bpf_jiffies64() };
+    add_traffic_at(server, bytes, unsafe { bpf_jiffies64() });
+}
+
+/// As `add_traffic`, at `now` (`bpf_jiffies64()`), read by the caller.
+#[inline(always)]
+pub(crate) fn add_traffic_at(server: &Endpoint, bytes: u32, now: u64) {
     if let Some(slot) = TRAFFIC_SLOTS.get_ptr_mut(traffic_slot(server)) {
         // SAFETY: this CPU's slot, written only by `lb_xdp` on this CPU,
         // which runs one packet at a time (see `count_xdp`).

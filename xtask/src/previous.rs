@@ -20,10 +20,10 @@ use crate::{
     cmd::{run_cmd, target_dir, workspace},
 };
 
-/// The commit of the previous version: main with the external path's
-/// new TCP flows in tables of their own (layout 9), before UDP flows had
-/// theirs (`UDP_FLOWS`, layout 10).
-pub const PREVIOUS: &str = "756998a2e275e22b745e843058d56e42bcf58444";
+/// The commit of the previous version: main with the membership
+/// elections (layout 10), before the established flows' short way
+/// (`EPOCH`, `VIP_PORTS`, layout 11).
+pub const PREVIOUS: &str = "422b988db1f33e98460e1809ef009d3374f5b4b1";
 
 /// The previous version's `lb`, built once under `target/previous/` (and
 /// kept there for the next run). `None` when this clone lacks its commit

@@ -17,7 +17,7 @@ use lb_common::{
     TrafficSlot, maglev::Maglev, maps,
 };
 
-use super::sockets::max_entries;
+use super::{fast_path::FastPathMaps, sockets::max_entries};
 
 /// Handles to the external path's pinned maps.
 pub struct ExternalMaps {
@@ -39,6 +39,8 @@ pub struct ExternalMaps {
     link_macs: HashMap<MapData, u32, AnnounceValue>,
     /// `FLOWS`' size (`[daemon] flow_table` when it was attached).
     flow_capacity: usize,
+    /// `EPOCH` and `VIP_PORTS`, for the established flows' short way.
+    fast_path: FastPathMaps,
 }
 
 /// An address announced on one interface: (interface index, address).
@@ -63,9 +65,11 @@ impl ExternalMaps {
                     .with_context(|| format!("map {} has an unexpected type or size", $name))?
             };
         }
+        let fast_path = FastPathMaps::from_maps(&mut map)?;
         let flows = map(maps::FLOWS)?;
         let flow_capacity = max_entries(&flows, maps::FLOWS)?;
         Ok(Self {
+            fast_path,
             flow_capacity,
             flows: HashMap::try_from(flows)
                 .with_context(|| format!("map {} has an unexpected type or size", maps::FLOWS))?,
@@ -91,10 +95,17 @@ impl ExternalMaps {
         self.flow_capacity
     }
 
+    /// Ends the verdicts `lb_xdp` keeps for established flows (a new
+    /// `EPOCH`): after a change to `SERVICES`.
+    pub fn new_epoch(&mut self) -> anyhow::Result<()> {
+        self.fast_path.new_epoch()
+    }
+
     /// Makes `EXTERNAL` hold exactly `vips`, and each of their addresses
     /// with port 0: `lb_xdp` answers or drops what arrives for a VIP's
     /// address that it does not serve, rather than hand it to a kernel
-    /// that does not own the address. Returns how many entries changed.
+    /// that does not own the address; and `VIP_PORTS` their ports.
+    /// Returns how many entries of `EXTERNAL` changed.
     pub fn set_vips(&mut self, vips: &HashSet<SocketAddr>) -> anyhow::Result<usize> {
         let addresses = vips.iter().map(|vip| SocketAddr::new(vip.ip(), 0));
         let wanted: HashSet<Endpoint> =
@@ -118,6 +129,13 @@ impl ExternalMaps {
             remove(&mut self.vips, vip).context("removing a VIP from EXTERNAL")?;
             changed += 1;
         }
+        if changed > 0 {
+            self.fast_path.new_epoch()?;
+        }
+        // Ports after the VIPs: a port is looked up among the established
+        // flows first only while some VIP has it, and no flow is
+        // established before its VIP is in `EXTERNAL`.
+        self.fast_path.set_ports(vips)?;
         Ok(changed)
     }
 
@@ -240,16 +258,22 @@ impl ExternalMaps {
     pub fn set_link_macs(&mut self, macs: &StdHashMap<u32, [u8; 6]>) -> anyhow::Result<()> {
         let present: StdHashMap<u32, AnnounceValue> =
             self.link_macs.iter().filter_map(Result::ok).collect();
+        let mut changed = false;
         for (&ifindex, &mac) in macs {
             let value = AnnounceValue { mac, _pad: [0; 2] };
             if present.get(&ifindex) != Some(&value) {
                 self.link_macs
                     .insert(ifindex, value, 0)
                     .with_context(|| format!("writing interface {ifindex}'s MAC to LINK_MACS"))?;
+                changed = true;
             }
         }
         for gone in present.keys().filter(|i| !macs.contains_key(*i)) {
             remove(&mut self.link_macs, gone).context("removing an interface from LINK_MACS")?;
+            changed = true;
+        }
+        if changed {
+            self.fast_path.new_epoch()?;
         }
         Ok(())
     }

@@ -29,13 +29,13 @@
 //! system calls aya does not offer.
 
 mod external_maps;
+mod fast_path;
 mod maps;
 mod object;
 mod pins;
 mod sockets;
 mod sys;
 mod upgrade;
-mod upgrade_flows;
 pub mod xdp;
 
 use std::{
@@ -229,7 +229,7 @@ impl Datapath {
         upgrade: bool,
         limits: XdpLimits,
     ) -> anyhow::Result<Option<KernelLogger>> {
-        match replace_programs(bpffs, cgroup, bpf_log, upgrade, limits) {
+        match replace_programs(bpffs, cgroup, bpf_log, limits) {
             Ok(logger) => {
                 info!(
                     "the pinned programs differed from this lb's: replaced them (one atomic link update each){}",
@@ -340,18 +340,28 @@ impl Datapath {
 
     /// Makes the `SERVICES` map equal `desired`, writing only what changed.
     /// Returns how many entries were written or removed.
+    /// Each change ends the verdicts `lb_xdp` keeps for established flows
+    /// (a new epoch).
     pub fn reconcile(&mut self, desired: &[VipEntry]) -> anyhow::Result<usize> {
-        self.maps.reconcile(desired, self.host_netns)
+        let changes = self.maps.reconcile(desired, self.host_netns)?;
+        if changes > 0 {
+            self.external.new_epoch()?;
+        }
+        Ok(changes)
     }
 
-    /// Writes one VIP's entry (one whole-value update) unless it is unchanged.
+    /// Writes one VIP's entry (one whole-value update) unless it is
+    /// unchanged; a new epoch, as for [`Self::reconcile`].
     pub fn write(&mut self, entry: &VipEntry) -> anyhow::Result<()> {
-        self.maps.write(entry, self.host_netns)
+        self.maps.write(entry, self.host_netns)?;
+        self.external.new_epoch()
     }
 
-    /// Stops rewriting connects to `vip` (removes its entry, if any).
+    /// Stops rewriting connects to `vip` (removes its entry, if any); a
+    /// new epoch, as for [`Self::reconcile`].
     pub fn remove(&mut self, vip: SocketAddr) -> anyhow::Result<()> {
-        self.maps.remove(vip)
+        self.maps.remove(vip)?;
+        self.external.new_epoch()
     }
 
     /// The pinned maps, to read (the daemon writes through [`Self::write`],

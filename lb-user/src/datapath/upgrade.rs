@@ -18,14 +18,11 @@ use lb_common::{
     META_PROGRAMS_LOW, UNMARKED_KERNEL, UNMARKED_REPLACED, UPGRADABLE_LAYOUT, maps, programs,
 };
 
-use tracing::info;
-
 use super::{
     attach_one,
     object::{EBPF_OBJECT, KernelLogger, XdpLimits, load_object, load_program, write_limits},
     pins::{links_dir, maps_dir, open_pinned_map},
     sys::{bpf_link_update, bpf_obj_get, pinned_link_ids},
-    upgrade_flows::{move_udp_flows, size_udp_tables},
     xdp::{self, on_pinned_maps},
 };
 
@@ -111,24 +108,19 @@ pub fn programs_fingerprint() -> u64 {
 /// place. Only the programs whose links are pinned are replaced (the
 /// optional getpeername hooks may be absent); then the programs new in
 /// this layout are attached to `cgroup` if their links are missing, and
-/// the pins are stamped with this layout. `upgrade`: the pins are of the
-/// previous layout, whose UDP flows move to their own tables
-/// (`upgrade_flows`).
+/// the pins are stamped with this layout. The maps pins of the previous
+/// layout lack (`lb_common::maps::NEW_IN_LAYOUT`) are made and pinned by
+/// the load.
 pub(super) fn replace_programs(
     bpffs: &Path,
     cgroup: &Path,
     bpf_log: bool,
-    upgrade: bool,
     limits: XdpLimits,
 ) -> anyhow::Result<Option<KernelLogger>> {
     // The pinned maps are of this layout or the previous one: checked before.
-    let mut loader = on_pinned_maps(bpffs);
-    if upgrade {
-        size_udp_tables(&mut loader, bpffs)?;
-    }
+    let loader = on_pinned_maps(bpffs);
     let (mut ebpf, logger) =
         load_object(loader, bpf_log).context("loading the eBPF object on the pinned maps")?;
-    let mut moved = if upgrade { move_udp_flows(&mut ebpf)? } else { 0 };
     // The sockets the running programs track carry no mark of these
     // programs (a connect may also run connect4 under the old programs and
     // its sock_ops under the new ones; with TCP Fast Open, the first send
@@ -167,12 +159,8 @@ pub(super) fn replace_programs(
     }
     xdp::replace(&mut ebpf, bpffs)?;
     // A running program may have marked a server between the first
-    // `forget_marks` and its replacement, or opened a UDP flow.
+    // `forget_marks` and its replacement.
     forget_marks(&mut ebpf)?;
-    if upgrade {
-        moved += move_udp_flows(&mut ebpf)?;
-        info!(flows = moved, "moved the external path's UDP flows to their own tables");
-    }
     let missing: Vec<&str> =
         programs::NEW_IN_LAYOUT.into_iter().filter(|p| !links.join(p).exists()).collect();
     if !missing.is_empty() {

@@ -21,7 +21,7 @@ use aya::{
 };
 use lb_common::{
     Endpoint, Flow, FlowKey, MARK_SLOTS, MARKED_UNKNOWN, MAX_SERVERS, NatKey, NatReply, Reason,
-    Service, Traffic, TrafficSlot, maglev::Maglev, maps, nat, programs, traffic_slot,
+    Service, Traffic, TrafficSlot, maglev::Maglev, maps, nat, programs, traffic_slot, vip_port_bit,
 };
 
 pub const XDP_DROP: u32 = 1;
@@ -197,6 +197,22 @@ impl Node {
             HashMap::try_from(self.ebpf.map_mut(maps::EXTERNAL).unwrap()).unwrap();
         external.insert(Endpoint::from(family.vip), 0, 0).unwrap();
         external.insert(host(family.vip.ip()), 0, 0).unwrap();
+        let mut ports: Array<_, u64> =
+            Array::try_from(self.ebpf.map_mut(maps::VIP_PORTS).unwrap()).unwrap();
+        let (word, bit) = vip_port_bit(family.vip.port());
+        let had = ports.get(&word, 0).unwrap();
+        ports.set(word, had | bit, 0).unwrap();
+        self.new_epoch();
+    }
+
+    /// Ends the verdicts the program keeps for established flows, as the
+    /// daemon does after every change to `SERVICES`, `EXTERNAL` or
+    /// `LINK_MACS`: a test that writes one of them directly calls this.
+    pub fn new_epoch(&mut self) {
+        let mut epoch: Array<_, u32> =
+            Array::try_from(self.ebpf.map_mut(maps::EPOCH).unwrap()).unwrap();
+        let now = epoch.get(&0, 0).unwrap();
+        epoch.set(0, now.wrapping_add(1), 0).unwrap();
     }
 
     /// As [`Self::serve`], with `policy = "spread"` over every server and
@@ -212,6 +228,7 @@ impl Node {
         let mut tables: HashMap<_, Endpoint, Maglev> =
             HashMap::try_from(self.ebpf.map_mut(maps::MAGLEV).unwrap()).unwrap();
         tables.insert(vip, lb_user::maglev::table(servers), 0).unwrap();
+        self.new_epoch();
     }
 
     /// Runs the program on `frame` as if it arrived on `ingress` (loopback

@@ -108,6 +108,7 @@ fn the_daemons_confirmed_failure_moves_established_flows() {
         service.servers[..2].copy_from_slice(&[Endpoint::from(b), Endpoint::from(a)]);
         service.daemon_states[1] = DAEMON_STATE_FAILED;
         services.insert(vip, service, 0).unwrap();
+        node.new_epoch();
         assert_reset(node, f, &from_client(f, f.client, Flags::ACK, 1_001));
         assert_eq!(node.counter(Reason::XdpFlowMoved), 1, "a confirmed failure kept the flow");
         assert_eq!(forwarded(node, f, f.client, 5_000).dst, b);

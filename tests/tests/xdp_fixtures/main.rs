@@ -36,6 +36,7 @@ mod hostile;
 mod icmp;
 mod kept;
 mod nat;
+mod short_way;
 mod tables;
 mod too_big;
 
@@ -304,6 +305,7 @@ fn a_frame_sent_to_another_machine_is_not_forwarded() {
         let mut links: HashMap<_, u32, lb_common::AnnounceValue> =
             HashMap::try_from(node.ebpf.map_mut(maps::LINK_MACS).unwrap()).unwrap();
         links.insert(arrives, lb_common::AnnounceValue { mac: EXT_MAC, _pad: [0; 2] }, 0).unwrap();
+        node.new_epoch();
         let mut flooded = from_client(f, f.client, Flags::SYN, 1);
         flooded.macs = (OTHER_MAC, CLIENT_MAC);
         let frame = flooded.frame();
