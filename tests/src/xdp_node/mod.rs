@@ -205,6 +205,19 @@ impl Node {
         self.new_epoch();
     }
 
+    /// Tells the program that ext0's MAC is [`EXT_MAC`], as the daemon
+    /// writes `LINK_MACS` (with a new epoch), where test packets arrive:
+    /// ext0, or loopback before Linux 5.14. Returns ext0's index.
+    pub fn know_ext0_mac(&mut self) -> u32 {
+        let ext0 = ifindex("ext0");
+        let arrives = if self.knows_ingress() { ext0 } else { 1 };
+        let mut links: HashMap<_, u32, lb_common::AnnounceValue> =
+            HashMap::try_from(self.ebpf.map_mut(maps::LINK_MACS).unwrap()).unwrap();
+        links.insert(arrives, lb_common::AnnounceValue { mac: EXT_MAC, _pad: [0; 2] }, 0).unwrap();
+        self.new_epoch();
+        ext0
+    }
+
     /// Ends the verdicts the program keeps for established flows, as the
     /// daemon does after every change to `SERVICES`, `EXTERNAL` or
     /// `LINK_MACS`: a test that writes one of them directly calls this.

@@ -299,13 +299,7 @@ fn no_server_or_no_nat_port_refuses_the_flow() {
 fn a_frame_sent_to_another_machine_is_not_forwarded() {
     both_families(|node, f| {
         const OTHER_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x99];
-        let ext0 = ifindex("ext0");
-        // Where test packets arrive: ext0, or loopback before Linux 5.14.
-        let arrives = if node.knows_ingress() { ext0 } else { 1 };
-        let mut links: HashMap<_, u32, lb_common::AnnounceValue> =
-            HashMap::try_from(node.ebpf.map_mut(maps::LINK_MACS).unwrap()).unwrap();
-        links.insert(arrives, lb_common::AnnounceValue { mac: EXT_MAC, _pad: [0; 2] }, 0).unwrap();
-        node.new_epoch();
+        let ext0 = node.know_ext0_mac();
         let mut flooded = from_client(f, f.client, Flags::SYN, 1);
         flooded.macs = (OTHER_MAC, CLIENT_MAC);
         let frame = flooded.frame();

@@ -119,12 +119,7 @@ fn what_the_verdict_does_not_cover_goes_the_full_way() {
 
         // A frame a switch flooded, sent to another machine: the full
         // path, which leaves it alone once the node knows its own MAC.
-        let ext0 = ifindex("ext0");
-        let arrives = if node.knows_ingress() { ext0 } else { 1 };
-        let mut links: HashMap<_, u32, lb_common::AnnounceValue> =
-            HashMap::try_from(node.ebpf.map_mut(maps::LINK_MACS).unwrap()).unwrap();
-        links.insert(arrives, lb_common::AnnounceValue { mac: EXT_MAC, _pad: [0; 2] }, 0).unwrap();
-        node.new_epoch();
+        let ext0 = node.know_ext0_mac();
         let full = node.counter(Reason::XdpForwarded);
         assert_eq!(node.run(&ack, Some(ext0)).0, XDP_REDIRECT);
         assert_eq!(node.counter(Reason::XdpForwarded), full + 1, "the full path judges anew");
