@@ -14,6 +14,9 @@ use lb_common::{VIP_PORT_WORDS, maps, vip_port_bit};
 pub(super) struct FastPathMaps {
     epoch: Array<aya::maps::MapData, u32>,
     vip_ports: Array<aya::maps::MapData, u64>,
+    /// `EPOCH` as last written (read back once, at start): this daemon,
+    /// which holds the pins' lock, is its only writer.
+    now: u32,
     /// `VIP_PORTS` as last written (read back once, at start).
     ports: Vec<u64>,
 }
@@ -30,16 +33,17 @@ impl FastPathMaps {
             .map(|i| vip_ports.get(&i, 0))
             .collect::<Result<_, _>>()
             .with_context(|| format!("reading map {}", maps::VIP_PORTS))?;
-        Ok(Self { epoch, vip_ports, ports })
+        let now = epoch.get(&0, 0).with_context(|| format!("reading map {}", maps::EPOCH))?;
+        Ok(Self { epoch, vip_ports, now, ports })
     }
 
     /// Ends the verdicts the kernel keeps for established flows: called
     /// after every change to `SERVICES`, `EXTERNAL` or `LINK_MACS`.
     pub(super) fn new_epoch(&mut self) -> anyhow::Result<()> {
-        let now = self.epoch.get(&0, 0).with_context(|| format!("reading map {}", maps::EPOCH))?;
-        self.epoch
-            .set(0, now.wrapping_add(1), 0)
-            .with_context(|| format!("writing map {}", maps::EPOCH))
+        let next = self.now.wrapping_add(1);
+        self.epoch.set(0, next, 0).with_context(|| format!("writing map {}", maps::EPOCH))?;
+        self.now = next;
+        Ok(())
     }
 
     /// Makes `VIP_PORTS` hold exactly the ports of `vips`. Returns how

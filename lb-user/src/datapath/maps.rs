@@ -173,19 +173,23 @@ impl PinnedMaps {
     }
 
     /// Writes one VIP's entry (one whole-value update) unless it is unchanged.
-    pub(super) fn write(&mut self, entry: &VipEntry, host_netns: u64) -> anyhow::Result<()> {
+    /// Whether it wrote.
+    pub(super) fn write(&mut self, entry: &VipEntry, host_netns: u64) -> anyhow::Result<bool> {
         let (vip, value) = (Endpoint::from(entry.vip), entry.to_value(host_netns));
         let services = &mut self.services;
-        if services.get(&vip, 0).ok() != Some(value) {
-            services.insert(vip, value, 0).with_context(|| format!("writing VIP {}", entry.vip))?;
+        if services.get(&vip, 0).ok() == Some(value) {
+            return Ok(false);
         }
-        Ok(())
+        services.insert(vip, value, 0).with_context(|| format!("writing VIP {}", entry.vip))?;
+        Ok(true)
     }
 
     /// Stops rewriting connects to `vip` (removes its entry, if any).
-    pub(super) fn remove(&mut self, vip: SocketAddr) -> anyhow::Result<()> {
+    /// Whether there was one.
+    pub(super) fn remove(&mut self, vip: SocketAddr) -> anyhow::Result<bool> {
         match self.services.remove(&Endpoint::from(vip)) {
-            Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+            Ok(()) => Ok(true),
+            Err(MapError::KeyNotFound) => Ok(false),
             Err(e) => Err(e).with_context(|| format!("removing VIP {vip}")),
         }
     }

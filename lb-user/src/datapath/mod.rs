@@ -353,15 +353,19 @@ impl Datapath {
     /// Writes one VIP's entry (one whole-value update) unless it is
     /// unchanged; a new epoch, as for [`Self::reconcile`].
     pub fn write(&mut self, entry: &VipEntry) -> anyhow::Result<()> {
-        self.maps.write(entry, self.host_netns)?;
-        self.external.new_epoch()
+        if self.maps.write(entry, self.host_netns)? {
+            self.external.new_epoch()?;
+        }
+        Ok(())
     }
 
     /// Stops rewriting connects to `vip` (removes its entry, if any); a
     /// new epoch, as for [`Self::reconcile`].
     pub fn remove(&mut self, vip: SocketAddr) -> anyhow::Result<()> {
-        self.maps.remove(vip)?;
-        self.external.new_epoch()
+        if self.maps.remove(vip)? {
+            self.external.new_epoch()?;
+        }
+        Ok(())
     }
 
     /// The pinned maps, to read (the daemon writes through [`Self::write`],

@@ -137,6 +137,15 @@ fn what_the_verdict_does_not_cover_goes_the_full_way() {
         assert_eq!(node.run(&frame, Some(ext0)), (XDP_PASS, frame));
         assert_eq!(node.counter(Reason::XdpTtlExceeded), 1);
 
+        // The flow's segment as a first fragment (IPv4: MF set): the
+        // full path, which hands no fragment on (its port may be
+        // anything's).
+        if f.vip.is_ipv4() {
+            let mut fragment = from_client(f, f.client, Flags::ACK, 1_001).frame();
+            fragment[14 + 6] |= 0x20;
+            assert_eq!(node.run(&fragment, Some(ext0)).0, XDP_DROP, "a fragment went on");
+        }
+
         // A FIN and a reset change the flow's state: the full path.
         let full = node.counter(Reason::XdpForwarded);
         for flags in [Flags::FIN_ACK, Flags::RST_ACK] {
