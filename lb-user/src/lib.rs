@@ -34,6 +34,7 @@ pub mod discovery;
 pub mod election;
 pub mod health;
 pub mod interfaces;
+pub mod loadbalancer;
 pub mod maglev;
 pub mod metrics;
 pub mod nat_addresses;

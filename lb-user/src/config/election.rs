@@ -187,7 +187,7 @@ pub(super) fn parse_lease(
 
 /// Why `name` cannot name a namespace or a Lease (a DNS subdomain, RFC
 /// 1123), if it cannot.
-fn bad_object_name(name: &str) -> Option<&'static str> {
+pub(super) fn bad_object_name(name: &str) -> Option<&'static str> {
     if name.is_empty() {
         Some("empty")
     } else if name.len() > 253 {

@@ -125,7 +125,7 @@ pub(super) fn mixed_elections<'a>(
 }
 
 /// Why `name` cannot name a Linux network interface, if it cannot.
-fn bad_interface_name(name: &str) -> Option<&'static str> {
+pub(super) fn bad_interface_name(name: &str) -> Option<&'static str> {
     if name.is_empty() {
         Some("empty")
     } else if name.len() > MAX_IFNAME {

@@ -8,7 +8,8 @@
 //! - `parse`: the file and its `[[service]]` tables, checked each on its
 //!   own and then against one another; `values`: one value or sub-table
 //!   (durations, addresses, `[service.health]`, `[service.discovery]`),
-//!   `external`: `[service.external]`;
+//!   `external`: `[service.external]`; `load_balancers`: `[[pool]]` and
+//!   the LoadBalancer keys of `[kubernetes]`;
 //! - `raw`: the file as written (serde); `paths`: the paths a client
 //!   command needs, read leniently;
 //! - `servers`: the one set of rules for a server list, whatever its
@@ -17,6 +18,7 @@
 
 mod election;
 mod external_service;
+mod load_balancers;
 mod model;
 mod parse;
 mod paths;
@@ -31,8 +33,8 @@ use std::path::Path;
 pub use model::{
     Announce, CheckKind, Config, DEFAULT_BPFFS, DEFAULT_CONFIG_PATH, DEFAULT_CONTROL_SOCKET,
     DEFAULT_DEBOUNCE, DEFAULT_DNS_REFRESH_MAX, DEFAULT_DNS_REFRESH_MIN, DEFAULT_HOLD_DOWN,
-    DEFAULT_STATE_DIR, Daemon, Discovery, Election, External, HealthConfig, LeaseRef, Policy,
-    PortRef, Scope, Service,
+    DEFAULT_STATE_DIR, Daemon, Discovery, Election, External, HealthConfig, LeaseRef,
+    LoadBalancers, Policy, PortRef, Scope, Service,
 };
 pub use paths::ClientPaths;
 pub use problems::{ConfigError, Problem};

@@ -94,6 +94,22 @@ pub struct Daemon {
     pub election: Election,
     /// The elections by membership (`[kubernetes]`).
     pub membership: Membership,
+    /// LoadBalancer Services (`[kubernetes] default_class`, `interfaces`,
+    /// `[[pool]]`).
+    pub load_balancers: LoadBalancers,
+}
+
+/// LoadBalancer Services: which lb serves and the pools their addresses
+/// come from.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoadBalancers {
+    /// `[kubernetes] default_class`: also serve LoadBalancer Services that
+    /// name no `spec.loadBalancerClass` (default false: only lb's class).
+    pub default_class: bool,
+    /// `[kubernetes] interfaces`: where their addresses are announced.
+    pub interfaces: Vec<String>,
+    /// `[[pool]]`, in the file's order (the order addresses are drawn in).
+    pub pools: Vec<crate::loadbalancer::pools::Pool>,
 }
 
 /// The elections by membership (`[kubernetes] namespace`,

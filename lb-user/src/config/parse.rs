@@ -13,6 +13,7 @@ use super::{
     ConfigError,
     election::{parse_election, parse_membership, parse_node_name},
     external_service::{mixed_elections, parse_external},
+    load_balancers::parse_load_balancers,
     model::{
         Config, DEFAULT_BPFFS, DEFAULT_CONTROL_SOCKET, DEFAULT_FLOW_TABLE, DEFAULT_HOLD_DOWN,
         DEFAULT_NEW_FLOWS_PER_CPU, DEFAULT_STATE_DIR, Daemon, FLOW_TABLE_SIZES, HealthConfig,
@@ -70,6 +71,8 @@ impl Config {
             .as_deref()
             .and_then(|m| parse_endpoint(m, None, Key::top("daemon.metrics"), &mut problems));
         let election = parse_election(&raw.daemon, &mut problems);
+        let load_balancers =
+            parse_load_balancers(raw.kubernetes.as_ref(), raw.pool, &lines, &mut problems);
         let daemon = Daemon {
             cgroup: raw.daemon.cgroup,
             bpffs: raw.daemon.bpffs.unwrap_or_else(|| DEFAULT_BPFFS.into()),
@@ -117,6 +120,7 @@ impl Config {
             election,
             node_name: parse_node_name(raw.daemon.node_name, &mut problems),
             membership: parse_membership(raw.kubernetes, election.retry, &mut problems),
+            load_balancers,
         };
         for (key, value) in [
             ("bpffs", Some(&daemon.bpffs)),

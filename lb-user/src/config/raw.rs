@@ -16,6 +16,20 @@ pub(super) struct RawConfig {
     pub(super) kubernetes: Option<RawKubernetesSettings>,
     #[serde(default)]
     pub(super) service: Vec<Spanned<RawService>>,
+    /// `[[pool]]`.
+    #[serde(default)]
+    pub(super) pool: Vec<Spanned<RawPool>>,
+}
+
+/// One `[[pool]]` table.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPool {
+    pub(super) name: String,
+    #[serde(default)]
+    pub(super) addresses: Vec<String>,
+    pub(super) auto_assign: Option<bool>,
+    pub(super) namespaces: Option<Vec<String>>,
 }
 
 /// `[daemon]`.
@@ -72,6 +86,8 @@ pub(super) struct RawKubernetesSettings {
     pub(super) namespace: Option<String>,
     pub(super) membership_duration: Option<String>,
     pub(super) membership_renew: Option<String>,
+    pub(super) default_class: Option<bool>,
+    pub(super) interfaces: Option<Vec<String>>,
 }
 
 /// `[service.external] lease`.

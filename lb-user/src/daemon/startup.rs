@@ -81,6 +81,14 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         config.services.iter().map(|s| saved_list(&saved, &vips, s).cloned()).collect()
     };
     let Config { daemon: settings, services: configured } = config;
+    let load_balancers = &settings.load_balancers;
+    if !load_balancers.pools.is_empty() || load_balancers.default_class {
+        warn!(
+            pools = load_balancers.pools.len(),
+            "[[pool]] and [kubernetes] default_class are read and checked, but LoadBalancer \
+             Services are not served yet (issue 41): no Service is watched or given an address"
+        );
+    }
     let mut services = Vec::with_capacity(configured.len());
     let mut discovered_at = HashMap::new();
     for (service, restored) in configured.into_iter().zip(restored) {

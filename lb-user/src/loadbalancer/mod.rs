@@ -1,0 +1,20 @@
+//! LoadBalancer Services (issue 41): the address pools (`[[pool]]`), the
+//! allocator that gives each Service its addresses, and how a Kubernetes
+//! Service is read as what it asks for.
+//!
+//! - `pools`: `[[pool]]`'s address ranges, as numbers;
+//! - `allocate`: who gets which address, a pure function of the pools and
+//!   the Services (tested with properties: never one address twice unless
+//!   shared on purpose, nothing held moves);
+//! - `service`: a Kubernetes Service read as what it asks (lb's and
+//!   MetalLB's annotations);
+//!
+//! Not built yet: the task that writes each Service's addresses to its
+//! status; electing the node that allocates; serving the addresses (each
+//! Service port an external VIP following its EndpointSlices). A daemon
+//! given `[[pool]]` says so at start.
+
+pub mod allocate;
+pub mod pools;
+#[cfg(feature = "kubernetes")]
+pub mod service;
