@@ -1,5 +1,5 @@
-//! A fake Kubernetes API server for discovery and election tests:
-//! EndpointSlices and Leases, over plain HTTP/1.1, speaking the real list
+//! A fake Kubernetes API server for discovery, election and LoadBalancer
+//! tests: EndpointSlices, Leases, Services and Events, over plain HTTP/1.1, speaking the real list
 //! and watch protocol, with JSON built from `k8s-openapi` types.
 //!
 //! - `GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices?labelSelector=k=v`
@@ -11,6 +11,12 @@
 //!   create, update (`409 Conflict` on a stale resourceVersion) and delete
 //!   Leases (`leases.rs`), and list and watch them as slices are;
 //!   [`FakeApiServer::lease`] shows one.
+//!
+//! - `/api/v1/services` (every namespace) and
+//!   `/api/v1/namespaces/{ns}/services`: listed and watched as slices
+//!   are; a Service's `status` patched, and Events (`events.k8s.io/v1`)
+//!   created and patched (`services.rs`); [`FakeApiServer::apply_service`],
+//!   [`FakeApiServer::service`], [`FakeApiServer::events`].
 //!
 //! The test drives it step by step: [`FakeApiServer::apply`],
 //! [`FakeApiServer::delete`], [`FakeApiServer::bookmark`],
@@ -30,6 +36,7 @@ mod leases;
 mod objects;
 mod responses;
 mod serve;
+mod services;
 mod store;
 
 use std::{
@@ -47,11 +54,11 @@ pub use k8s_openapi::api::{
     coordination::v1::Lease,
     discovery::v1::{Endpoint, EndpointSlice},
 };
+pub use k8s_openapi::api::{core::v1::Service, events::v1::Event};
 pub use objects::{Condition, Kubeconfig, SERVICE_NAME_LABEL, endpoint, endpoint_slice};
 use serve::accept_loop;
-pub use store::LeaseRequest;
-pub use store::RequestLog;
 use store::{Kind, Object, Shared, State};
+pub use store::{LeaseRequest, RequestLog, ServiceWrite};
 use tokio::{
     net::TcpListener,
     sync::watch,
@@ -298,6 +305,66 @@ impl FakeApiServer {
     pub fn lease(&self, namespace: &str, name: &str) -> Option<Lease> {
         let state = self.shared.state.lock().unwrap();
         state.leases.items.get(&(namespace.to_owned(), name.to_owned())).cloned()
+    }
+
+    /// Creates or replaces a Service's spec and metadata (namespace
+    /// `default` when unset; a new one gets a creationTimestamp of now);
+    /// its status is kept, as the apiserver keeps it on an update. Returns
+    /// the new resourceVersion.
+    pub fn apply_service(&self, mut service: Service) -> u64 {
+        let mut state = self.shared.state.lock().unwrap();
+        state.rv += 1;
+        let rv = state.rv;
+        let namespace =
+            service.metadata.namespace.get_or_insert_with(|| "default".to_owned()).clone();
+        let name = service.metadata.name.clone().expect("a Service needs a name");
+        let key = (namespace, name);
+        let before = state.services.get(&key).cloned();
+        if let Some(before) = &before {
+            service.status.clone_from(&before.status);
+            service.metadata.creation_timestamp.clone_from(&before.metadata.creation_timestamp);
+        } else if service.metadata.creation_timestamp.is_none() {
+            // Seconds, as the API keeps them (jiff's `now` needs its `std`
+            // feature, which xtask's build of this crate goes without).
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+            let now = i64::try_from(now.as_secs()).unwrap();
+            service.metadata.creation_timestamp =
+                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                    k8s_openapi::jiff::Timestamp::from_second(now).unwrap(),
+                ));
+        }
+        service.metadata.resource_version = Some(rv.to_string());
+        let kind = if before.is_some() { Kind::Modified } else { Kind::Added };
+        state.services.insert(key, service.clone());
+        state.record(kind, Object::Service(Box::new(service)));
+        rv
+    }
+
+    /// Deletes a Service; returns the new resourceVersion (`None`: no such
+    /// Service).
+    pub fn delete_service(&self, namespace: &str, name: &str) -> Option<u64> {
+        let mut state = self.shared.state.lock().unwrap();
+        let mut service = state.services.remove(&(namespace.to_owned(), name.to_owned()))?;
+        state.rv += 1;
+        service.metadata.resource_version = Some(state.rv.to_string());
+        state.record(Kind::Deleted, Object::Service(Box::new(service)));
+        Some(state.rv)
+    }
+
+    /// The Service `namespace/name`, as stored now.
+    pub fn service(&self, namespace: &str, name: &str) -> Option<Service> {
+        let state = self.shared.state.lock().unwrap();
+        state.services.get(&(namespace.to_owned(), name.to_owned())).cloned()
+    }
+
+    /// The writes to Services' status answered so far.
+    pub fn service_writes(&self) -> Vec<ServiceWrite> {
+        self.shared.state.lock().unwrap().service_writes.clone()
+    }
+
+    /// The Events created so far, as last patched.
+    pub fn events(&self) -> Vec<Event> {
+        self.shared.state.lock().unwrap().events.clone()
     }
 
     /// The Lease requests answered so far.

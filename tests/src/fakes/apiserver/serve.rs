@@ -20,7 +20,7 @@ use hyper::{
 use hyper_util::rt::TokioIo;
 use k8s_openapi::{
     List,
-    api::{coordination::v1::Lease, discovery::v1::EndpointSlice},
+    api::{coordination::v1::Lease, core::v1::Service, discovery::v1::EndpointSlice},
     apimachinery::pkg::apis::meta::v1::{ListMeta, ObjectMeta, WatchEvent},
 };
 use tokio::{
@@ -32,6 +32,7 @@ use tokio::{
 use super::{
     leases,
     responses::{ChannelBody, json_response, status, status_response},
+    services,
     store::{Kind, Object, RequestLog, Resource, Shared, WatchScope, in_scope},
 };
 
@@ -59,6 +60,8 @@ pub(super) async fn accept_loop(
                         && !leases::is_collection_get(request.method(), path)
                     {
                         leases::handle(&shared, via, request).await
+                    } else if services::answers(path) {
+                        services::handle(&shared, via, request).await
                     } else {
                         handle(&shared, via, request)
                     };
@@ -86,14 +89,20 @@ fn handle(
     };
     let slices = collection("/apis/discovery.k8s.io/v1/namespaces/", "/endpointslices");
     let leases = collection(leases::PREFIX, "/leases");
-    let (resource, namespace) = match (slices, leases) {
-        (Some(namespace), _) => (Resource::Slices, namespace),
-        (_, Some(namespace)) => (Resource::Leases, namespace),
+    let services = collection(services::SERVICES, "/services")
+        .or_else(|| (path == "/api/v1/services").then(String::new));
+    let (resource, namespace) = match (slices, leases, services) {
+        (Some(namespace), _, _) => (Resource::Slices, namespace),
+        (_, Some(namespace), _) => (Resource::Leases, namespace),
+        (_, _, Some(namespace)) => (Resource::Services, namespace),
         _ => {
             return status_response(
                 404,
                 "NotFound",
-                &format!("the fake apiserver serves EndpointSlices and Leases only, not {path}"),
+                &format!(
+                    "the fake apiserver serves EndpointSlices, Leases, Services and Events only, \
+                     not {path}"
+                ),
             );
         }
     };
@@ -122,6 +131,11 @@ fn handle(
                 let items = state.leases.items.values();
                 let items = items.filter(|l| in_scope(&l.metadata, &namespace, &wanted)).cloned();
                 serde_json::to_vec(&List::<Lease> { items: items.collect(), metadata })
+            }
+            Resource::Services => {
+                let items = state.services.values();
+                let items = items.filter(|s| in_scope(&s.metadata, &namespace, &wanted)).cloned();
+                serde_json::to_vec(&List::<Service> { items: items.collect(), metadata })
             }
         };
         state.requests.push(log);
@@ -299,6 +313,7 @@ fn event_line(kind: Kind, object: &Object) -> Bytes {
     match object {
         Object::Slice(slice) => line(&event(kind, slice.clone())),
         Object::Lease(lease) => line(&event(kind, lease.clone())),
+        Object::Service(service) => line(&event(kind, (**service).clone())),
     }
 }
 
@@ -311,6 +326,7 @@ fn bookmark(resource: Resource, rv: u64) -> Bytes {
     let object = match resource {
         Resource::Slices => serde_json::to_value(EndpointSlice { metadata, ..Default::default() }),
         Resource::Leases => serde_json::to_value(Lease { metadata, ..Default::default() }),
+        Resource::Services => serde_json::to_value(Service { metadata, ..Default::default() }),
     };
     line(&serde_json::json!({ "type": "BOOKMARK", "object": object.unwrap() }))
 }

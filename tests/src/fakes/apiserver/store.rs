@@ -9,7 +9,9 @@ use std::{
 };
 
 use k8s_openapi::{
-    api::{coordination::v1::Lease, discovery::v1::EndpointSlice},
+    api::{
+        coordination::v1::Lease, core::v1::Service, discovery::v1::EndpointSlice, events::v1::Event,
+    },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use tokio::sync::watch;
@@ -41,6 +43,7 @@ pub(super) enum Kind {
 pub(super) enum Resource {
     Slices,
     Leases,
+    Services,
 }
 
 /// An object of either kind, as a change carries it.
@@ -48,6 +51,7 @@ pub(super) enum Resource {
 pub(super) enum Object {
     Slice(EndpointSlice),
     Lease(Lease),
+    Service(Box<Service>),
 }
 
 impl Object {
@@ -55,6 +59,7 @@ impl Object {
         match self {
             Self::Slice(slice) => &slice.metadata,
             Self::Lease(lease) => &lease.metadata,
+            Self::Service(service) => &service.metadata,
         }
     }
 
@@ -62,6 +67,7 @@ impl Object {
         match self {
             Self::Slice(_) => Resource::Slices,
             Self::Lease(_) => Resource::Leases,
+            Self::Service(_) => Resource::Services,
         }
     }
 }
@@ -93,6 +99,31 @@ pub(super) struct State {
     pub(super) watches: Vec<WatchScope>,
     /// The Leases (`leases.rs`).
     pub(super) leases: Leases,
+    /// The Services, by (namespace, name) (`services.rs`).
+    pub(super) services: BTreeMap<(String, String), Service>,
+    /// Every write to a Service's status.
+    pub(super) service_writes: Vec<ServiceWrite>,
+    /// The Events created, as last patched.
+    pub(super) events: Vec<Event>,
+}
+
+/// One write to a Service's status that the fake answered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceWrite {
+    /// The listener (apiserver) that answered.
+    pub via: SocketAddr,
+    /// The Service's name.
+    pub name: String,
+    /// `merge` or `apply`.
+    pub patch: &'static str,
+    /// The HTTP status of the answer.
+    pub status: u16,
+}
+
+impl ServiceWrite {
+    pub(super) fn new(via: SocketAddr, name: &str, patch: &'static str, status: u16) -> Self {
+        Self { via, name: name.to_owned(), patch, status }
+    }
 }
 
 /// What one open watch stream watches. A change to an object wakes only
@@ -142,7 +173,8 @@ pub(super) fn in_scope(
     namespace: &str,
     wanted: &[(String, String)],
 ) -> bool {
-    metadata.namespace.as_deref() == Some(namespace)
+    // "": every namespace (a cluster-wide list or watch).
+    (namespace.is_empty() || metadata.namespace.as_deref() == Some(namespace))
         && wanted.iter().all(|(k, v)| metadata.labels.as_ref().and_then(|l| l.get(k)) == Some(v))
 }
 
