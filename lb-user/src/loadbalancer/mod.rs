@@ -8,13 +8,16 @@
 //!   shared on purpose, nothing held moves);
 //! - `service`: a Kubernetes Service read as what it asks (lb's and
 //!   MetalLB's annotations);
+//! - `allocator`: the task that watches Services and writes each one's
+//!   addresses to its status, with Events, while this node leads.
 //!
-//! Not built yet: the task that writes each Service's addresses to its
-//! status; electing the node that allocates; serving the addresses (each
-//! Service port an external VIP following its EndpointSlices). A daemon
-//! given `[[pool]]` says so at start.
+//! Not wired into the daemon yet: electing the node that allocates, and
+//! serving the addresses (each Service port an external VIP following its
+//! EndpointSlices). A daemon given `[[pool]]` says so at start.
 
 pub mod allocate;
+#[cfg(feature = "kubernetes")]
+pub mod allocator;
 pub mod pools;
 #[cfg(feature = "kubernetes")]
 pub mod service;

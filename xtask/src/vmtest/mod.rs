@@ -235,7 +235,7 @@ pub fn run(
 /// threads, 10,000 connections) that say nothing more about a kernel than
 /// the others do and would take many minutes under software emulation,
 /// and the discovery and membership tests that never touch the kernel.
-const HOST_ONLY: [&str; 4] = ["chaos", "stress", "discovery", "membership"];
+const HOST_ONLY: [&str; 5] = ["chaos", "stress", "discovery", "load_balancers", "membership"];
 
 /// Test binaries CI runs on the host kernel only ([`Guests::Trimmed`]):
 /// discovery through a VIP, the Lease elections and the balancer's
