@@ -25,6 +25,11 @@ const FILE: &str = "servers.json";
 pub struct SavedState {
     /// By service name: the lists set at runtime or discovered.
     pub services: BTreeMap<String, SavedList>,
+    /// What the LoadBalancer Services last asked the nodes to serve: served
+    /// again from the start of the next daemon, before its Services watch
+    /// has listed, as the file's services are (fail-static).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub load_balancers: Vec<crate::loadbalancer::Served>,
 }
 
 /// One service's saved list.

@@ -19,11 +19,11 @@ use std::{
 use lb_tests::{
     Daemon, TestCgroup,
     fakes::{
-        apiserver::{Condition, FakeApiServer, Kubeconfig, endpoint, endpoint_slice},
+        apiserver::{Condition, FakeApiServer, Kubeconfig, Service, endpoint, endpoint_slice},
         runtime,
     },
     in_new_netns, privileged_test,
-    topology::{Topology, VIP4, who},
+    topology::{SERVING_WITHIN, Topology, VIP4, client_neighbour, who},
     wait_until,
 };
 
@@ -213,4 +213,133 @@ fn metallb_474_rolling_update_from_another_machine() {
         drop(daemon);
         drop(cgroup);
     });
+}
+
+/// A LoadBalancer Service end to end (issue 41): created in the fake API
+/// server with no address, it is given one from the config's pool
+/// (`status.loadBalancer.ingress`), the node announces it (the client has
+/// the pool's subnet on its link and asks who has the address: only an
+/// announcing node answers) and the client's connects land on its
+/// endpoints; deleted, it is withdrawn and its address goes to the next
+/// Service.
+#[privileged_test]
+fn a_load_balancer_service_is_given_an_address_announced_and_served() {
+    in_new_netns(|| {
+        use Condition::Ready;
+        let net = Topology::on_link();
+        let rt = runtime();
+        let api = rt.block_on(FakeApiServer::start());
+        let kubeconfig = Kubeconfig::write(&api.url());
+        let pod1 = net.server("pod-1", "198.18.2.2:8080");
+        let pod2 = net.server("pod-2", "198.18.2.3:8080");
+        let endpoints = vec![
+            endpoint(&pod1.addr.ip().to_string(), "node-a", Ready),
+            endpoint(&pod2.addr.ip().to_string(), "node-b", Ready),
+        ];
+        api.apply(endpoint_slice("web-1", "web", "IPv4", &[("http", 8080)], endpoints.clone()));
+        api.apply(endpoint_slice("shop-1", "shop", "IPv4", &[("http", 8080)], endpoints));
+        api.apply_service(load_balancer("web"));
+
+        let cgroup = TestCgroup::new("external-lbsvc");
+        let mut daemon = Daemon::start_with(
+            "external-lbsvc",
+            &cgroup,
+            &format!("kubeconfig = {:?}\nnode_name = \"node-a\"\n", kubeconfig.path()),
+            "[kubernetes]\ndefault_class = true\ninterfaces = [\"ext0\"]\n\
+             [[pool]]\nname = \"default\"\naddresses = [\"198.18.1.100-198.18.1.101\"]\n",
+        );
+        let address = |name: &str| {
+            let service = api.service("default", name)?;
+            let ingress = service.status?.load_balancer?.ingress?;
+            ingress.first()?.ip.clone()
+        };
+        let given = wait_until(SERVING_WITHIN, || address("web").is_some());
+        assert!(given, "web was given no address\n{}", daemon.log());
+        assert_eq!(address("web").as_deref(), Some("198.18.1.100"), "the pool's first");
+
+        // Served from another machine, on its endpoints.
+        let vip: SocketAddr = "198.18.1.100:80".parse().unwrap();
+        let greeted = |vip: SocketAddr| {
+            net.client.run(move || {
+                let stream = TcpStream::connect_timeout(&vip, Duration::from_secs(1)).ok()?;
+                who(&stream).ok()
+            })
+        };
+        let served = wait_until(SERVING_WITHIN, || greeted(vip).is_some());
+        assert!(served, "{vip} never answered\n{}", daemon.log());
+        let mut pods = BTreeSet::new();
+        for _ in 0..40 {
+            pods.insert(greeted(vip).expect("a connect through the LoadBalancer address"));
+        }
+        assert_eq!(pods, BTreeSet::from(["pod-1".to_owned(), "pod-2".to_owned()]), "spread");
+        assert!(client_neighbour(&net, "198.18.1.100").is_some(), "the node answers its ARP");
+        let status = daemon.status();
+        let names: Vec<&str> = status["services"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|s| s["name"].as_str())
+            .collect();
+        assert_eq!(names, ["default/web@198.18.1.100:80"], "lb status lists it");
+
+        // A daemon killed and restarted: the kernel serves on meanwhile, the
+        // new daemon serves the Service from the start (the state file),
+        // before its watch has listed, and nothing is written: no address
+        // changes.
+        let writes = api.service_writes().len();
+        let added = daemon.log().matches("service added").count();
+        daemon.kill();
+        assert!(greeted(vip).is_some(), "fail-static: the kernel serves on without the daemon");
+        daemon.restart();
+        assert!(greeted(vip).is_some(), "served right after the restart\n{}", daemon.log());
+        std::thread::sleep(Duration::from_secs(1));
+        assert!(greeted(vip).is_some(), "served after the restart\n{}", daemon.log());
+        // Made at start-up from the state file, not added when the watch
+        // listed (the log is the runs' one after the other).
+        let log = daemon.log();
+        assert_eq!(log.matches("service added").count(), added, "{log}");
+        assert!(!log.contains("service removed"), "{log}");
+        assert_eq!(address("web").as_deref(), Some("198.18.1.100"));
+        assert_eq!(api.service_writes().len(), writes, "a restart writes nothing");
+
+        // Deleted: withdrawn, and its address given to the next Service.
+        api.delete_service("default", "web").unwrap();
+        let withdrawn = wait_until(SERVING_WITHIN, || greeted(vip).is_none());
+        assert!(withdrawn, "{vip} still answers after its Service was deleted");
+        api.apply_service(load_balancer("shop"));
+        let reused = wait_until(SERVING_WITHIN, || address("shop").is_some());
+        assert!(reused, "shop was given no address\n{}", daemon.log());
+        assert_eq!(address("shop").as_deref(), Some("198.18.1.100"), "back in the pool");
+        let served = wait_until(SERVING_WITHIN, || greeted(vip).is_some());
+        assert!(served, "{vip} never answered for shop\n{}", daemon.log());
+        drop(daemon);
+        drop(cgroup);
+    });
+}
+
+/// A LoadBalancer Service `name` in `default` with no class, port 80
+/// (`http`) to the pods' 8080.
+fn load_balancer(name: &str) -> Service {
+    use k8s_openapi::{
+        api::core::v1::{ServicePort, ServiceSpec},
+        apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
+    };
+    Service {
+        metadata: ObjectMeta {
+            namespace: Some("default".into()),
+            name: Some(name.into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(ServiceSpec {
+            type_: Some("LoadBalancer".into()),
+            ports: Some(vec![ServicePort {
+                name: Some("http".into()),
+                port: 80,
+                target_port: Some(IntOrString::Int(8080)),
+                ..ServicePort::default()
+            }]),
+            ..ServiceSpec::default()
+        }),
+        status: None,
+    }
 }

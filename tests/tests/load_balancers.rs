@@ -21,7 +21,7 @@ use lb_tests::fakes::apiserver::{Event, FakeApiServer, Kubeconfig, Service};
 use lb_user::{
     config::LoadBalancers,
     loadbalancer::{
-        allocator,
+        Served, allocator,
         pools::{AddressRange, Pool},
         service::{CLASS, METALLB_IPS, SHARING},
     },
@@ -71,21 +71,35 @@ fn service(name: &str, ports: &[i32], annotations: &[(&str, &str)]) -> Service {
 struct Allocator {
     task: JoinHandle<()>,
     leading: watch::Sender<bool>,
+    served: watch::Receiver<Vec<Served>>,
     _stop: watch::Sender<bool>,
 }
 
 impl Allocator {
     fn start(kubeconfig: &Kubeconfig, settings: LoadBalancers, leading: bool) -> Self {
-        let (leading_tx, leading_rx) = watch::channel(leading);
-        let (stop, stop_rx) = watch::channel(false);
+        let (leading_tx, leading) = watch::channel(leading);
+        let (stop_tx, stop) = watch::channel(false);
+        let (served_tx, served) = watch::channel(Vec::new());
+        let channels = allocator::Channels { leading, served: served_tx, stop };
         let task = allocator::spawn(
             Some(kubeconfig.path().to_owned()),
             settings,
             "node-a".into(),
-            leading_rx,
-            stop_rx,
+            channels,
         );
-        Self { task, leading: leading_tx, _stop: stop }
+        Self { task, leading: leading_tx, served, _stop: stop_tx }
+    }
+
+    /// What the task says to serve now: Service name → (addresses, ports).
+    fn served(&self) -> BTreeMap<String, (Vec<String>, Vec<u16>)> {
+        self.served
+            .borrow()
+            .iter()
+            .map(|s| {
+                let addresses = s.addresses.iter().map(ToString::to_string).collect();
+                (s.service.name.clone(), (addresses, s.ports.iter().map(|p| p.port).collect()))
+            })
+            .collect()
     }
 }
 
@@ -201,6 +215,14 @@ async fn services_get_addresses_from_the_pool_and_keep_them_across_restarts() {
     let before: BTreeMap<&str, Vec<IpAddr>> =
         ["web", "asks", "dns", "dot"].map(|n| (n, addresses(&api, n))).into_iter().collect();
     assert_eq!(addresses(&api, "other"), Vec::<IpAddr>::new());
+    // What every node serves: the statuses' addresses, on each port.
+    let served = allocator.served();
+    let expect = |ip: &str, port| (vec![ip.to_owned()], vec![port]);
+    assert_eq!(served.len(), 4, "pending and others' Services are not served: {served:?}");
+    assert_eq!(served["web"], expect("198.18.1.100", 80));
+    assert_eq!(served["asks"], expect("198.18.1.102", 80));
+    assert_eq!(served["dns"], expect("198.18.1.101", 53));
+    assert_eq!(served["dot"], expect("198.18.1.101", 853));
     let warned = notes(&api).iter().filter(|n| n.2 == "AllocationFailed").count();
 
     // A steady state writes nothing, however often the watch wakes.
@@ -226,6 +248,7 @@ async fn services_get_addresses_from_the_pool_and_keep_them_across_restarts() {
         assert_eq!(&addresses(&api, name), held, "{name} moved after a restart");
     }
     assert_eq!(api.service_writes().len(), writes, "a restart writes nothing");
+    assert_eq!(allocator.served().len(), 4, "a new task serves what the statuses say");
 
     // Deleted: its address goes back to the pool, to the pending Service
     // (once the one that asked for that address by name is gone too: of
@@ -274,6 +297,8 @@ async fn only_a_leading_allocator_writes_and_a_conflicting_status_is_settled() {
     api.apply_service(ours);
     settle(&api).await;
     assert!(api.service_writes().is_empty(), "a follower writes nothing");
+    // ...but serves what the statuses say, wherever it was written from.
+    assert_eq!(follower.served().len(), 2, "{:?}", follower.served());
 
     follower.leading.send_replace(true);
     until_addresses(&api, "younger", &["198.18.1.100"]).await;

@@ -12,7 +12,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::owner::Daemon;
+use super::{load_balancers::ALLOCATOR, owner::Daemon};
 use crate::{
     control::LeaseStatus,
     election::{
@@ -46,7 +46,7 @@ impl Daemon {
     /// or why not). Called after the kernel's announcements are written.
     pub(super) fn sync_membership(&mut self, eligible: &HashMap<usize, Option<&'static str>>) {
         let electing: Vec<usize> = (0..self.services.len()).filter(|&i| self.elects(i)).collect();
-        if electing.is_empty() || self.membership_ended {
+        if (electing.is_empty() && !self.allocates()) || self.membership_ended {
             if let Some(membership) = self.membership.take() {
                 // No service elects any more: nothing is announced by it.
                 membership.applied(u64::MAX);
@@ -60,8 +60,11 @@ impl Daemon {
             let address = self.services[i].config.vip.ip().to_string();
             *addresses.entry(address).or_insert(true) &= ok;
         }
-        let can_serve: BTreeSet<String> =
+        let mut can_serve: BTreeSet<String> =
             addresses.into_iter().filter(|(_, ok)| *ok).map(|(a, _)| a).collect();
+        if self.allocates() {
+            can_serve.insert(ALLOCATOR.to_owned());
+        }
         let membership = self.membership.get_or_insert_with(|| {
             let settings = &self.config.settings;
             let timings = Timings {
@@ -92,6 +95,7 @@ impl Daemon {
         }
         let generation = answering.generation;
         self.answering = answering;
+        self.set_leading();
         self.reannounce();
         if let Some(membership) = &self.membership {
             membership.applied(generation);

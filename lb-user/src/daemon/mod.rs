@@ -21,6 +21,8 @@
 //! - `elections`: the leased VIPs' elections (`crate::election`) kept in
 //!   step with the services, and turned into announcements;
 //! - `membership`: the same for the elections by membership (`elect`);
+//! - `load_balancers`: LoadBalancer Services' task, its services beside
+//!   the file's, and the allocating node's election;
 //! - `closing`: VIP connections closed in the background, by the
 //!   `close_worker` thread;
 //! - `requests`: control requests and metrics scrapes;
@@ -42,6 +44,7 @@ mod elections;
 mod external_state;
 mod external_sync;
 mod inputs;
+mod load_balancers;
 mod membership;
 mod messages;
 mod owner;
@@ -101,6 +104,7 @@ pub async fn run(options: Options) -> anyhow::Result<Ended> {
         mut discoveries,
         mut elections,
         mut memberships,
+        mut served,
         mut scrapes,
     } = startup::start(options).await?;
     let socket_path = daemon.config.settings.control_socket.clone();
@@ -164,6 +168,10 @@ pub async fn run(options: Options) -> anyhow::Result<Ended> {
             }
             Some(update) = elections.recv() => daemon.on_election(update),
             Some(answering) = memberships.recv() => daemon.on_membership(answering),
+            Ok(()) = served.changed() => {
+                let now = served.borrow_and_update().clone();
+                daemon.on_served(now);
+            }
             Some(message) = messages.recv() => match message {
                 Message::Kernel(event) => daemon.on_kernel_event(&event),
                 Message::Health { service, server, result, took } => {

@@ -1,7 +1,8 @@
 //! The owner loop's state: the one value that holds every service and the
 //! datapath. The rooms that act on it import it; it imports only the
 //! parts it holds (`service`, `timers`, `census`, `close_worker`,
-//! `saver`, `watch`, `external_state`) and the messages (`messages`).
+//! `saver`, `watch`, `external_state`, `load_balancers`) and the messages
+//! (`messages`).
 
 use std::{collections::HashMap, path::PathBuf};
 
@@ -11,6 +12,7 @@ use super::{
     census::Census,
     close_worker::Closer,
     external_state::External,
+    load_balancers::LoadBalancerTask,
     messages::{After, Message},
     saver::Saver,
     service_table::ServiceTable,
@@ -72,6 +74,9 @@ pub(super) struct Daemon {
     pub(super) answering: election::membership_task::Answering,
     /// The daemon is stopping: no membership task starts again.
     pub(super) membership_ended: bool,
+    /// The LoadBalancer Services' task, when the config has pools
+    /// (`load_balancers.rs`).
+    pub(super) load_balancers: Option<LoadBalancerTask>,
 }
 
 /// The running config's daemon side (the services are in

@@ -1,7 +1,9 @@
 //! `lb reload` and SIGHUP: the new file parsed (only the service tables
 //! that changed), its [`Plan`](crate::reload_plan::Plan) made by the pure
 //! `reload_plan::plan`, and carried out here: services removed, added and
-//! updated, each touched VIP written once, removed VIPs closed.
+//! updated, each touched VIP written once, removed VIPs closed. The
+//! LoadBalancer Services' services (`load_balancers.rs`) are applied the
+//! same way, beside the file's.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -54,7 +56,13 @@ impl Daemon {
     /// changes if the file is invalid.
     fn try_reload(&mut self) -> anyhow::Result<()> {
         let started = Instant::now();
-        let running: Vec<&config::Service> = self.services.iter().map(|s| &s.config).collect();
+        // The file's services: the LoadBalancer Services' are not in it.
+        let running: Vec<&config::Service> = self
+            .services
+            .iter()
+            .map(|s| &s.config)
+            .filter(|s| !self.is_load_balancer(&s.name))
+            .collect();
         // Only the changed services' settings are kept (copied below), and
         // the source, copied here out of the parser's arena.
         let (config, source, read) = parse_config(|| {
@@ -65,7 +73,30 @@ impl Daemon {
         if config.daemon != self.config.settings {
             warn!("[daemon] settings changed; they take effect at the next start");
         }
-        let plan = reload_plan::plan(&running, &config.services);
+        let mut wanted = config.services;
+        wanted.extend(self.load_balancer_services(&wanted));
+        let changed = self.apply_services(&wanted)?;
+        self.config.settings = config.daemon;
+        self.config.source = source;
+        info!(
+            services = self.services.len(),
+            changed,
+            tables_parsed = %read,
+            parse_ms = parsed_in.as_millis(),
+            apply_ms = (started.elapsed() - parsed_in).as_millis(),
+            "config reloaded"
+        );
+        Ok(())
+    }
+
+    /// Makes the running services `wanted` ([`reload_plan::plan`]):
+    /// unchanged services keep their state and connections; removed
+    /// services stop being rewritten and their VIP connections are closed.
+    /// Returns how many services changed. An error (a certificate that
+    /// does not load) changes nothing.
+    pub(super) fn apply_services(&mut self, wanted: &[config::Service]) -> anyhow::Result<usize> {
+        let running: Vec<&config::Service> = self.services.iter().map(|s| &s.config).collect();
+        let plan = reload_plan::plan(&running, wanted);
         let changed = plan.changes.len();
         // The certificates of the services that start or restart their
         // checks; the others keep what they loaded.
@@ -132,7 +163,7 @@ impl Daemon {
                 }
             }
         }
-        self.keep_config_order(&config.services);
+        self.keep_config_order(wanted);
         // The NAT sources of new servers go in before any selection has them.
         self.sync_external(false);
         for name in &plan.writes {
@@ -161,17 +192,7 @@ impl Daemon {
             let removed: HashSet<_> = plan.removed_vips.iter().copied().collect();
             self.close(move |vip, _| removed.contains(&vip), Close::RemovedVips);
         }
-        self.config.settings = config.daemon;
-        self.config.source = source;
-        info!(
-            services = self.services.len(),
-            changed,
-            tables_parsed = %read,
-            parse_ms = parsed_in.as_millis(),
-            apply_ms = (started.elapsed() - parsed_in).as_millis(),
-            "config reloaded"
-        );
-        Ok(())
+        Ok(changed)
     }
 
     /// The plan's removals, in one pass (they come first in the plan):

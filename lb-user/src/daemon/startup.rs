@@ -50,6 +50,8 @@ pub(super) struct Started {
     pub(super) discoveries: mpsc::Receiver<discovery::Update>,
     pub(super) elections: mpsc::Receiver<election::Update>,
     pub(super) memberships: mpsc::Receiver<election::membership_task::Answering>,
+    /// What the LoadBalancer Services ask the nodes to serve.
+    pub(super) served: tokio::sync::watch::Receiver<Vec<crate::loadbalancer::Served>>,
     pub(super) scrapes: mpsc::Receiver<oneshot::Sender<String>>,
 }
 
@@ -58,7 +60,7 @@ pub(super) struct Started {
 pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
     let started_ns = datapath::monotonic_now_ns();
     tune_allocator();
-    let (config, source) = load_config_to_keep(&options.config_path)?;
+    let (mut config, source) = load_config_to_keep(&options.config_path)?;
     // Before anything is attached.
     let mut tls = load_tls(&config.services)?;
     let cgroup = match &config.daemon.cgroup {
@@ -71,6 +73,10 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
     let listener = control::bind(&socket_path).await?;
 
     let saved = SavedState::load(&config.daemon.state_dir);
+    // The LoadBalancer Services' services the last daemon served, served
+    // again from the start (with their saved lists, below).
+    let resumed = super::load_balancers::resume(&config.daemon, &config.services, &saved);
+    config.services.extend(resumed.services.iter().cloned());
     let now = Instant::now();
     // The lists set at runtime or discovered (state file), checked against
     // every VIP; cloned, so that the config's services can be moved into
@@ -81,14 +87,6 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         config.services.iter().map(|s| saved_list(&saved, &vips, s).cloned()).collect()
     };
     let Config { daemon: settings, services: configured } = config;
-    let load_balancers = &settings.load_balancers;
-    if !load_balancers.pools.is_empty() || load_balancers.default_class {
-        warn!(
-            pools = load_balancers.pools.len(),
-            "[[pool]] and [kubernetes] default_class are read and checked, but LoadBalancer \
-             Services are not served yet (issue 41): no Service is watched or given an address"
-        );
-    }
     let mut services = Vec::with_capacity(configured.len());
     let mut discovered_at = HashMap::new();
     for (service, restored) in configured.into_iter().zip(restored) {
@@ -192,7 +190,13 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         membership: None,
         answering: Default::default(),
         membership_ended: false,
+        load_balancers: None,
     };
+    let reach =
+        super::elections::reach(&daemon.services, daemon.config.settings.kubeconfig.clone());
+    let (load_balancers, served) =
+        super::load_balancers::start(&daemon.config.settings, reach, resumed);
+    daemon.load_balancers = load_balancers;
     for i in 0..daemon.services.len() {
         daemon.service_appeared(i);
         let service = &daemon.services[i];
@@ -220,7 +224,7 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         control_socket = %socket_path.display(),
         "lb is running"
     );
-    Ok(Started { daemon, messages, calls, discoveries, elections, memberships, scrapes })
+    Ok(Started { daemon, messages, calls, discoveries, elections, memberships, served, scrapes })
 }
 
 /// Whether a service adopts the value the kernel holds for its VIP

@@ -20,7 +20,9 @@ use std::{
 use super::pools::{Family, Pool, number};
 
 /// A Service, by namespace and name.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(
+    Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub struct ServiceRef {
     /// `metadata.namespace`.
     pub namespace: String,

@@ -1,8 +1,10 @@
-//! The allocator task: watches every Service (one cluster-wide watch,
-//! kube-runtime's reflector), and while this node leads, gives lb's
-//! LoadBalancer Services their addresses ([`super::allocate::plan`]) and
-//! writes them to `status.loadBalancer.ingress` (`ipMode: VIP`), with an
-//! Event for each assignment, release and refusal.
+//! The LoadBalancer task: watches every Service (one cluster-wide watch,
+//! kube-runtime's reflector); says, on every node, what lb's LoadBalancer
+//! Services ask the nodes to serve ([`Served`]: the addresses their status
+//! shows, from the pools); and while this node leads, gives them their
+//! addresses ([`super::allocate::plan`]) and writes them to
+//! `status.loadBalancer.ingress` (`ipMode: VIP`), with an Event for each
+//! assignment, release and refusal.
 //!
 //! The status is the record: every plan starts from what the Services'
 //! status shows, so a restart or a new leader moves nothing. A write
@@ -37,33 +39,53 @@ use tokio::{sync::watch, task::JoinHandle, time::Instant};
 use tracing::{info, warn};
 
 use super::{
+    Served,
     allocate::{Outcome, ServiceRef, Wish, plan},
-    service::{CLASS, ingress_ips, is_ours, wish},
+    service::{CLASS, ingress_ips, is_ours, served, wish},
 };
 use crate::{config::LoadBalancers, discovery::chain, election::Reach};
 
 /// After a failed write, the plan is tried again this much later.
 const RETRY: Duration = Duration::from_secs(1);
 
-/// Starts the allocator, reaching the API server through `kubeconfig`
-/// (`None`: in-cluster). It allocates while `leading` is true and ends
-/// when `stop` turns true or its sender is dropped.
+/// The task's ends, for whoever starts it.
+pub struct Channels {
+    /// Whether this node allocates (the caller's election).
+    pub leading: watch::Receiver<bool>,
+    /// Where the task says what to serve, sorted by Service, after every
+    /// change.
+    pub served: watch::Sender<Vec<Served>>,
+    /// The task ends when this turns true or its sender is dropped.
+    pub stop: watch::Receiver<bool>,
+}
+
+/// Starts the task, reaching the API server through `kubeconfig` (`None`:
+/// in-cluster); `node` names this node in Events.
 pub fn spawn(
     kubeconfig: Option<PathBuf>,
     settings: LoadBalancers,
     node: String,
-    leading: watch::Receiver<bool>,
-    stop: watch::Receiver<bool>,
+    channels: Channels,
+) -> JoinHandle<()> {
+    spawn_with(Reach::kubeconfig(kubeconfig), settings, node, channels)
+}
+
+/// [`spawn`], reaching the API server as `reach` says.
+pub(crate) fn spawn_with(
+    reach: Reach,
+    settings: LoadBalancers,
+    node: String,
+    channels: Channels,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
-        let client = match Reach::kubeconfig(kubeconfig).client("allocator").await {
+        let client = match reach.client("LoadBalancer Services").await {
             Ok(client) => client,
             Err(why) => {
-                warn!(%why, "LoadBalancer allocator: no client of the API server; not allocating");
+                warn!(%why, "LoadBalancer Services: no client of the API server; none served");
                 return;
             }
         };
-        Allocator::new(client, settings, node).run(leading, stop).await;
+        Allocator::new(client, settings, node).run(channels).await;
     })
 }
 
@@ -83,7 +105,8 @@ impl Allocator {
         Self { client, settings, recorder, told: BTreeMap::new() }
     }
 
-    async fn run(mut self, mut leading: watch::Receiver<bool>, mut stop: watch::Receiver<bool>) {
+    async fn run(mut self, channels: Channels) {
+        let Channels { mut leading, served, mut stop } = channels;
         let (store, writer) = reflector::store();
         let services =
             watcher(Api::<Service>::all(self.client.clone()), watcher::Config::default())
@@ -122,10 +145,31 @@ impl Allocator {
                     }
                 }
             }
-            if replan && listed && *leading.borrow() && !self.allocate(&store).await {
+            if !(replan && listed) {
+                continue;
+            }
+            let now = self.served(&store);
+            served.send_if_modified(|before| {
+                let changed = *before != now;
+                *before = now;
+                changed
+            });
+            if *leading.borrow() && !self.allocate(&store).await {
                 retry_at = Some(Instant::now() + RETRY);
             }
         }
+    }
+
+    /// What lb's Services ask the nodes to serve now, by Service.
+    fn served(&self, store: &Store<Service>) -> Vec<Served> {
+        let mut all: Vec<Served> = store
+            .state()
+            .iter()
+            .filter(|s| is_ours(s, self.settings.default_class))
+            .filter_map(|s| served(s, &self.settings.pools))
+            .collect();
+        all.sort_by(|a, b| a.service.cmp(&b.service));
+        all
     }
 
     /// Plans and writes what differs; false if a write failed (other than

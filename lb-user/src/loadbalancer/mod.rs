@@ -11,9 +11,13 @@
 //! - `allocator`: the task that watches Services and writes each one's
 //!   addresses to its status, with Events, while this node leads.
 //!
-//! Not wired into the daemon yet: electing the node that allocates, and
-//! serving the addresses (each Service port an external VIP following its
-//! EndpointSlices). A daemon given `[[pool]]` says so at start.
+//! The daemon (`daemon/load_balancers.rs`) starts the task, elects the
+//! node that allocates, and serves what the task says (each address and
+//! port an external VIP following the Service's EndpointSlices).
+
+use std::net::IpAddr;
+
+use allocate::ServiceRef;
 
 pub mod allocate;
 #[cfg(feature = "kubernetes")]
@@ -21,3 +25,28 @@ pub mod allocator;
 pub mod pools;
 #[cfg(feature = "kubernetes")]
 pub mod service;
+
+/// What the nodes serve for one of lb's LoadBalancer Services: the
+/// addresses its status shows that are in a pool (an address written
+/// there by hand, or by anyone else, is never announced), on each of its
+/// port numbers (a port number named twice, TCP and UDP, is one VIP:port
+/// serving both).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Served {
+    /// The Service.
+    pub service: ServiceRef,
+    /// Its addresses, in the order of its status.
+    pub addresses: Vec<IpAddr>,
+    /// Its ports, by number.
+    pub ports: Vec<ServedPort>,
+}
+
+/// A Service port as the nodes serve it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ServedPort {
+    /// The port's name in the Service and its EndpointSlices ("" when it
+    /// has one port and no name): what discovery finds the servers' port by.
+    pub name: String,
+    /// The port number clients connect to.
+    pub port: u16,
+}

@@ -13,8 +13,9 @@ use std::net::IpAddr;
 use k8s_openapi::api::core::v1::Service;
 
 use super::{
+    Served, ServedPort,
     allocate::{Families, PortKey, Refusal, ServiceRef, Wish},
-    pools::Family,
+    pools::{Family, Pool},
 };
 
 /// The `spec.loadBalancerClass` of the Services lb serves.
@@ -101,6 +102,29 @@ pub fn wish(service: &Service) -> Result<Wish, Refusal> {
         sharing: annotation(service, SHARING, METALLB_SHARING)?,
         ports,
         held: ingress_ips(service),
+    })
+}
+
+/// What the nodes serve for `service` (one of lb's), if anything: `None`
+/// while its status shows no address of `pools`.
+pub fn served(service: &Service, pools: &[Pool]) -> Option<Served> {
+    let meta = &service.metadata;
+    let service_ref = ServiceRef { namespace: meta.namespace.clone()?, name: meta.name.clone()? };
+    let addresses: Vec<IpAddr> = ingress_ips(service)
+        .into_iter()
+        .filter(|&ip| pools.iter().any(|p| p.contains(ip)))
+        .collect();
+    let mut ports: Vec<ServedPort> = Vec::new();
+    for port in service.spec.as_ref()?.ports.iter().flatten() {
+        let Some(number) = u16::try_from(port.port).ok().filter(|&p| p != 0) else { continue };
+        if !ports.iter().any(|p| p.port == number) {
+            ports.push(ServedPort { name: port.name.clone().unwrap_or_default(), port: number });
+        }
+    }
+    (!addresses.is_empty() && !ports.is_empty()).then_some(Served {
+        service: service_ref,
+        addresses,
+        ports,
     })
 }
 
@@ -281,6 +305,47 @@ mod tests {
         assert!(refused(&both).contains("both ask for addresses"), "{}", refused(&both));
         let same = service(&[(IPS, "198.18.1.105"), (METALLB_IPS, "198.18.1.105")], spec());
         assert!(wish(&same).is_ok(), "lb's and MetalLB's may say the same");
+    }
+
+    #[test]
+    fn only_addresses_of_a_pool_are_served_each_port_number_once() {
+        let pools = [Pool {
+            name: "default".into(),
+            ranges: vec![
+                crate::loadbalancer::pools::AddressRange::parse("198.18.1.100/30").unwrap(),
+            ],
+            auto_assign: true,
+            namespaces: Vec::new(),
+        }];
+        let ingress = |ips: &[&str]| ServiceStatus {
+            load_balancer: Some(LoadBalancerStatus {
+                ingress: Some(
+                    ips.iter()
+                        .map(|ip| LoadBalancerIngress {
+                            ip: Some((*ip).into()),
+                            ..Default::default()
+                        })
+                        .collect(),
+                ),
+            }),
+            ..Default::default()
+        };
+        let mut svc = service(&[], spec());
+        svc.spec.as_mut().unwrap().ports.as_mut().unwrap().push(ServicePort {
+            name: Some("dns-tcp".into()),
+            port: 53,
+            ..Default::default()
+        });
+        assert_eq!(served(&svc, &pools), None, "no address yet");
+        // One written by hand outside every pool: never served.
+        svc.status = Some(ingress(&["198.18.1.101", "203.0.113.7"]));
+        let served = served(&svc, &pools).unwrap();
+        assert_eq!(served.addresses, ["198.18.1.101".parse::<IpAddr>().unwrap()]);
+        let ports: Vec<(&str, u16)> =
+            served.ports.iter().map(|p| (p.name.as_str(), p.port)).collect();
+        assert_eq!(ports, [("", 80), ("", 53)], "53 once, for TCP and UDP, by its first name");
+        svc.status = Some(ingress(&["203.0.113.7"]));
+        assert_eq!(super::served(&svc, &pools), None);
     }
 
     #[test]
