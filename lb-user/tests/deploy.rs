@@ -207,6 +207,53 @@ fn rbac_allows_only_listing_and_watching_endpointslices_where_discovery_looks() 
     }
 }
 
+#[test]
+fn loadbalancer_rbac_is_cluster_wide_but_no_wider_than_the_job() {
+    let text = std::fs::read_to_string(deploy("kubernetes/rbac-loadbalancer.yaml")).unwrap();
+    let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&text)
+        .map(|d| serde_yaml::Value::deserialize(d).unwrap())
+        .collect();
+    let role = docs.iter().find(|d| d["kind"] == "ClusterRole").expect("a ClusterRole");
+    let rules: Vec<(String, String, Vec<String>)> = role["rules"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|rule| {
+            let one = |key: &str| {
+                let list = rule[key].as_sequence().unwrap();
+                assert_eq!(list.len(), 1, "one {key} per rule: {rule:?}");
+                list[0].as_str().unwrap().to_owned()
+            };
+            assert!(rule.get("resourceNames").is_none());
+            let verbs = rule["verbs"].as_sequence().unwrap();
+            (
+                one("apiGroups"),
+                one("resources"),
+                verbs.iter().map(|v| v.as_str().unwrap().to_owned()).collect(),
+            )
+        })
+        .collect();
+    let rule = |group: &str, resource: &str, verbs: &[&str]| {
+        (group.to_owned(), resource.to_owned(), verbs.iter().map(|v| (*v).to_owned()).collect())
+    };
+    assert_eq!(
+        rules,
+        [
+            rule("", "services", &["list", "watch"]),
+            rule("", "services/status", &["patch"]),
+            rule("events.k8s.io", "events", &["create", "patch"]),
+            rule("discovery.k8s.io", "endpointslices", &["list", "watch"]),
+        ]
+    );
+    let binding = docs.iter().find(|d| d["kind"] == "ClusterRoleBinding").expect("a binding");
+    assert_eq!(binding["roleRef"]["name"], role["metadata"]["name"]);
+    let ds = yaml("kubernetes/daemonset.yaml");
+    assert_eq!(
+        binding["subjects"][0]["name"],
+        ds["spec"]["template"]["spec"]["serviceAccountName"]
+    );
+}
+
 /// The config the DaemonSet runs (`configmap.yaml`).
 fn configmap_config() -> Config {
     let cm = yaml("kubernetes/configmap.yaml");
