@@ -191,6 +191,9 @@ pub fn table(status: &Status) -> String {
     if let Some(external) = &datapath.external {
         external_table(&mut out, external);
     }
+    if let Some(lbs) = &status.load_balancers {
+        load_balancers_table(&mut out, lbs);
+    }
     for (name, present) in [
         ("getpeername hooks", datapath.features.getpeername),
         ("closing connections (SOCK_DESTROY)", datapath.features.sock_destroy),
@@ -208,6 +211,28 @@ pub fn table(status: &Status) -> String {
         }
     }
     out
+}
+
+/// The LoadBalancer Services' lines of `lb status`.
+fn load_balancers_table(out: &mut String, lbs: &crate::control::LoadBalancersStatus) {
+    let who = if lbs.allocating { "this node allocates" } else { "another node allocates" };
+    let _ = writeln!(out, "LoadBalancer Services ({who}):");
+    if lbs.services.is_empty() {
+        let _ = writeln!(out, "  none with an address");
+    }
+    for s in &lbs.services {
+        let addresses: Vec<String> = s.addresses.iter().map(ToString::to_string).collect();
+        let ports: Vec<String> = s.ports.iter().map(ToString::to_string).collect();
+        let _ = writeln!(
+            out,
+            "  {} {} pool {}, {}, ports {}",
+            s.service,
+            addresses.join(" "),
+            s.pool.as_deref().unwrap_or("-"),
+            s.traffic_policy,
+            ports.join(" ")
+        );
+    }
 }
 
 /// A leased VIP's line of `lb status`: this node's role, the holder, the

@@ -19,7 +19,10 @@ use std::{
 use lb_tests::{
     Daemon, TestCgroup,
     fakes::{
-        apiserver::{Condition, FakeApiServer, Kubeconfig, Service, endpoint, endpoint_slice},
+        apiserver::{
+            Condition, FakeApiServer, Kubeconfig, endpoint, endpoint_slice, ingress_ip,
+            load_balancer_service,
+        },
         runtime,
     },
     in_new_netns, privileged_test,
@@ -238,7 +241,7 @@ fn a_load_balancer_service_is_given_an_address_announced_and_served() {
         ];
         api.apply(endpoint_slice("web-1", "web", "IPv4", &[("http", 8080)], endpoints.clone()));
         api.apply(endpoint_slice("shop-1", "shop", "IPv4", &[("http", 8080)], endpoints));
-        api.apply_service(load_balancer("web"));
+        api.apply_service(load_balancer_service("web", &[("http", 80, 8080)]));
 
         let cgroup = TestCgroup::new("external-lbsvc");
         let mut daemon = Daemon::start_with(
@@ -248,11 +251,7 @@ fn a_load_balancer_service_is_given_an_address_announced_and_served() {
             "[kubernetes]\ndefault_class = true\ninterfaces = [\"ext0\"]\n\
              [[pool]]\nname = \"default\"\naddresses = [\"198.18.1.100-198.18.1.101\"]\n",
         );
-        let address = |name: &str| {
-            let service = api.service("default", name)?;
-            let ingress = service.status?.load_balancer?.ingress?;
-            ingress.first()?.ip.clone()
-        };
+        let address = |name: &str| ingress_ip(&api.service("default", name)?);
         let given = wait_until(SERVING_WITHIN, || address("web").is_some());
         assert!(given, "web was given no address\n{}", daemon.log());
         assert_eq!(address("web").as_deref(), Some("198.18.1.100"), "the pool's first");
@@ -281,6 +280,20 @@ fn a_load_balancer_service_is_given_an_address_announced_and_served() {
             .filter_map(|s| s["name"].as_str())
             .collect();
         assert_eq!(names, ["default/web@198.18.1.100:80"], "lb status lists it");
+        let lbs = &status["load_balancers"];
+        assert_eq!(lbs["allocating"], true, "the only node allocates: {lbs}");
+        let web = &lbs["services"][0];
+        assert_eq!(web["service"], "default/web", "{lbs}");
+        assert_eq!(web["addresses"][0], "198.18.1.100");
+        assert_eq!(web["pool"], "default");
+        assert_eq!(web["ports"][0], 80);
+        assert_eq!(web["served_as"][0], "default/web@198.18.1.100:80");
+        let table = daemon.lb(&["status"]);
+        assert!(
+            table.contains("LoadBalancer Services (this node allocates):")
+                && table.contains("default/web 198.18.1.100 pool default, Cluster, ports 80"),
+            "{table}"
+        );
 
         // A daemon killed and restarted: the kernel serves on meanwhile, the
         // new daemon serves the Service from the start (the state file),
@@ -306,7 +319,7 @@ fn a_load_balancer_service_is_given_an_address_announced_and_served() {
         api.delete_service("default", "web").unwrap();
         let withdrawn = wait_until(SERVING_WITHIN, || greeted(vip).is_none());
         assert!(withdrawn, "{vip} still answers after its Service was deleted");
-        api.apply_service(load_balancer("shop"));
+        api.apply_service(load_balancer_service("shop", &[("http", 80, 8080)]));
         let reused = wait_until(SERVING_WITHIN, || address("shop").is_some());
         assert!(reused, "shop was given no address\n{}", daemon.log());
         assert_eq!(address("shop").as_deref(), Some("198.18.1.100"), "back in the pool");
@@ -315,31 +328,4 @@ fn a_load_balancer_service_is_given_an_address_announced_and_served() {
         drop(daemon);
         drop(cgroup);
     });
-}
-
-/// A LoadBalancer Service `name` in `default` with no class, port 80
-/// (`http`) to the pods' 8080.
-fn load_balancer(name: &str) -> Service {
-    use k8s_openapi::{
-        api::core::v1::{ServicePort, ServiceSpec},
-        apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
-    };
-    Service {
-        metadata: ObjectMeta {
-            namespace: Some("default".into()),
-            name: Some(name.into()),
-            ..ObjectMeta::default()
-        },
-        spec: Some(ServiceSpec {
-            type_: Some("LoadBalancer".into()),
-            ports: Some(vec![ServicePort {
-                name: Some("http".into()),
-                port: 80,
-                target_port: Some(IntOrString::Int(8080)),
-                ..ServicePort::default()
-            }]),
-            ..ServiceSpec::default()
-        }),
-        status: None,
-    }
 }

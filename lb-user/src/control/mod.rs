@@ -101,8 +101,9 @@ mod status;
 
 pub use status::{
     ConfigStatus, DatapathStatus, DiscoveryStatus, ExternalStatus, Features, InterfaceStatus,
-    LeaseStatus, ReloadStatus, ServerStatus, ServiceExternal, ServiceStatus, Status,
-    TakeoverStatus, TrackedSockets, TrafficStatus, UdpReverse,
+    LeaseStatus, LoadBalancerStatus, LoadBalancersStatus, ReloadStatus, ServerStatus,
+    ServiceExternal, ServiceStatus, Status, TakeoverStatus, TrackedSockets, TrafficStatus,
+    UdpReverse,
 };
 
 /// Sends one request to the daemon behind `socket` and returns its answer.

@@ -17,6 +17,36 @@ pub struct Status {
     /// The config file and its last reload.
     #[serde(default)]
     pub config: ConfigStatus,
+    /// The LoadBalancer Services the nodes serve, when the config has
+    /// pools.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_balancers: Option<LoadBalancersStatus>,
+}
+
+/// LoadBalancer Services (`[[pool]]`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadBalancersStatus {
+    /// This node gives the Services their addresses now (one node does).
+    pub allocating: bool,
+    /// Each Service with an address, by namespace and name.
+    pub services: Vec<LoadBalancerStatus>,
+}
+
+/// One LoadBalancer Service.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadBalancerStatus {
+    /// `namespace/name`.
+    pub service: String,
+    /// Its addresses (its status's, in a pool).
+    pub addresses: Vec<std::net::IpAddr>,
+    /// The pool of its first address.
+    pub pool: Option<String>,
+    /// Its port numbers.
+    pub ports: Vec<u16>,
+    /// Its traffic policy as served (`Cluster`).
+    pub traffic_policy: String,
+    /// The services serving it (in `services`, one per address and port).
+    pub served_as: Vec<String>,
 }
 
 /// The config file the daemon runs.

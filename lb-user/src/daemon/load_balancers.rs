@@ -9,7 +9,7 @@
 //! it at a time, fenced like any VIP, at no cost to the API server beyond
 //! the membership Leases the nodes write anyway.
 
-use std::{collections::HashSet, net::SocketAddr};
+use std::{collections::HashSet, net::SocketAddr, time::Duration};
 
 use tokio::{sync::watch, task::JoinHandle};
 use tracing::{info, warn};
@@ -17,12 +17,20 @@ use tracing::{info, warn};
 use super::owner::Daemon;
 use crate::{
     config::{
-        self, Announce, CheckKind, DEFAULT_DEBOUNCE, DEFAULT_HOLD_DOWN, Discovery, External,
-        HealthConfig, LoadBalancers, Policy, PortRef, Scope,
+        self, Announce, CheckKind, DEFAULT_HOLD_DOWN, Discovery, External, HealthConfig,
+        LoadBalancers, Policy, PortRef, Scope,
     },
+    control::{LoadBalancerStatus, LoadBalancersStatus},
     loadbalancer::Served,
     state::SavedState,
 };
+
+/// How long a burst of EndpointSlice changes settles before it applies,
+/// for a LoadBalancer Service's services: shorter than a `[[service]]`'s
+/// default (1 s), as a new Service's first list waits for it too (from
+/// creation to the first connect answered: 1.02 s with 1 s, measured by
+/// `tests/benches/load_balancers.rs`), and still one update for a burst.
+const DEBOUNCE: Duration = Duration::from_millis(200);
 
 /// The token the allocating node is placed by, as if it were a VIP: the
 /// unspecified address, which no VIP can be.
@@ -158,6 +166,38 @@ impl Daemon {
         }
     }
 
+    /// The LoadBalancer Services in `lb status`.
+    pub(super) fn load_balancers_status(&self) -> Option<LoadBalancersStatus> {
+        let task = self.load_balancers.as_ref()?;
+        let pools = &self.config.settings.load_balancers.pools;
+        let services = task
+            .served
+            .iter()
+            .map(|served| {
+                let prefix = format!("{}@", served.service);
+                LoadBalancerStatus {
+                    service: served.service.to_string(),
+                    addresses: served.addresses.clone(),
+                    pool: served
+                        .addresses
+                        .first()
+                        .and_then(|&ip| pools.iter().find(|p| p.contains(ip)))
+                        .map(|p| p.name.clone()),
+                    ports: served.ports.iter().map(|p| p.port).collect(),
+                    traffic_policy: "Cluster".to_owned(),
+                    served_as: self
+                        .services
+                        .iter()
+                        .map(|s| &s.config.name)
+                        .filter(|n| n.starts_with(&prefix) && task.names.contains(*n))
+                        .cloned()
+                        .collect(),
+                }
+            })
+            .collect();
+        Some(LoadBalancersStatus { allocating: *task.leading.borrow(), services })
+    }
+
     /// Whether the membership task should place [`ALLOCATOR`] too.
     pub(super) fn allocates(&self) -> bool {
         self.load_balancers.is_some()
@@ -214,7 +254,7 @@ pub(super) fn services_of(
                         namespace: wanted.service.namespace.clone(),
                         service: wanted.service.name.clone(),
                         port: PortRef::Name(port.name.clone()),
-                        debounce: DEFAULT_DEBOUNCE,
+                        debounce: DEBOUNCE,
                     }),
                     scope: Scope::All,
                     external: Some(External {
@@ -276,7 +316,7 @@ mod tests {
                 namespace: "shop".into(),
                 service: "web".into(),
                 port: PortRef::Name("https".into()),
-                debounce: DEFAULT_DEBOUNCE,
+                debounce: DEBOUNCE,
             })
         );
         let external = https.external.as_ref().unwrap();

@@ -186,6 +186,7 @@ impl Daemon {
             self.kernel.close_in_pods,
         );
         datapath.external = self.external_status();
+        let load_balancers = self.load_balancers_status();
         self.workers.census.then(move |maps, tracked| {
             let kernel = KernelSnapshot::of(maps);
             let services = services
@@ -200,7 +201,8 @@ impl Daemon {
             datapath.counters =
                 maps.counters().into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
             datapath.tracked_sockets = tracked;
-            let _ = reply.send(Response::Status(Box::new(Status { services, config, datapath })));
+            let status = Status { services, config, datapath, load_balancers };
+            let _ = reply.send(Response::Status(Box::new(status)));
         });
     }
 

@@ -621,4 +621,5 @@ fn leases_go_through_the_apiservers_service_and_survive_an_apiserver_death() {
     });
 }
 
+mod load_balancers;
 mod membership;

@@ -55,7 +55,10 @@ pub use k8s_openapi::api::{
     discovery::v1::{Endpoint, EndpointSlice},
 };
 pub use k8s_openapi::api::{core::v1::Service, events::v1::Event};
-pub use objects::{Condition, Kubeconfig, SERVICE_NAME_LABEL, endpoint, endpoint_slice};
+pub use objects::{
+    Condition, Kubeconfig, SERVICE_NAME_LABEL, endpoint, endpoint_slice, ingress_ip,
+    load_balancer_service,
+};
 use serve::accept_loop;
 use store::{Kind, Object, Shared, State};
 pub use store::{LeaseRequest, RequestLog, ServiceWrite};

@@ -1,5 +1,5 @@
 //! What a test builds for the fake: EndpointSlices and their endpoints,
-//! and a kubeconfig that points at it.
+//! LoadBalancer Services, and a kubeconfig that points at it.
 
 use std::{
     collections::BTreeMap,
@@ -7,8 +7,11 @@ use std::{
 };
 
 use k8s_openapi::{
-    api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
-    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    api::{
+        core::v1::{Service, ServicePort, ServiceSpec},
+        discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
+    },
+    apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
 };
 
 /// The label that ties an EndpointSlice to its Service.
@@ -118,4 +121,38 @@ pub fn endpoint_slice(
         ),
         endpoints,
     }
+}
+
+/// A LoadBalancer Service `name` in `default`, of no class, with TCP
+/// `ports` (name, port, the pods' target port).
+pub fn load_balancer_service(name: &str, ports: &[(&str, u16, u16)]) -> Service {
+    Service {
+        metadata: ObjectMeta {
+            namespace: Some("default".into()),
+            name: Some(name.into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(ServiceSpec {
+            type_: Some("LoadBalancer".into()),
+            ports: Some(
+                ports
+                    .iter()
+                    .map(|&(port_name, port, target)| ServicePort {
+                        name: Some(port_name.to_owned()),
+                        port: i32::from(port),
+                        target_port: Some(IntOrString::Int(i32::from(target))),
+                        ..ServicePort::default()
+                    })
+                    .collect(),
+            ),
+            ..ServiceSpec::default()
+        }),
+        status: None,
+    }
+}
+
+/// The first address `service`'s status shows, if any.
+pub fn ingress_ip(service: &Service) -> Option<String> {
+    let ingress = service.status.as_ref()?.load_balancer.as_ref()?.ingress.as_ref()?;
+    ingress.first()?.ip.clone()
 }
