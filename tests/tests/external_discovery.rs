@@ -224,7 +224,7 @@ fn metallb_474_rolling_update_from_another_machine() {
 /// the pool's subnet on its link and asks who has the address: only an
 /// announcing node answers) and the client's connects land on its
 /// endpoints; deleted, it is withdrawn and its address goes to the next
-/// Service.
+/// Service, a dual-stack one, served on both families.
 #[privileged_test]
 fn a_load_balancer_service_is_given_an_address_announced_and_served() {
     in_new_netns(|| {
@@ -241,6 +241,9 @@ fn a_load_balancer_service_is_given_an_address_announced_and_served() {
         ];
         api.apply(endpoint_slice("web-1", "web", "IPv4", &[("http", 8080)], endpoints.clone()));
         api.apply(endpoint_slice("shop-1", "shop", "IPv4", &[("http", 8080)], endpoints));
+        let pod6 = net.server("pod-6", "[2001:2:0:2::2]:8080");
+        let endpoints6 = vec![endpoint(&pod6.addr.ip().to_string(), "node-a", Ready)];
+        api.apply(endpoint_slice("shop-6", "shop", "IPv6", &[("http", 8080)], endpoints6));
         api.apply_service(load_balancer_service("web", &[("http", 80, 8080)]));
 
         let cgroup = TestCgroup::new("external-lbsvc");
@@ -249,7 +252,8 @@ fn a_load_balancer_service_is_given_an_address_announced_and_served() {
             &cgroup,
             &format!("kubeconfig = {:?}\nnode_name = \"node-a\"\n", kubeconfig.path()),
             "[kubernetes]\ndefault_class = true\ninterfaces = [\"ext0\"]\n\
-             [[pool]]\nname = \"default\"\naddresses = [\"198.18.1.100-198.18.1.101\"]\n",
+             [[pool]]\nname = \"default\"\n\
+             addresses = [\"198.18.1.100-198.18.1.101\", \"2001:2:0:1::100-2001:2:0:1::101\"]\n",
         );
         let address = |name: &str| ingress_ip(&api.service("default", name)?);
         let given = wait_until(SERVING_WITHIN, || address("web").is_some());
@@ -315,16 +319,29 @@ fn a_load_balancer_service_is_given_an_address_announced_and_served() {
         assert_eq!(address("web").as_deref(), Some("198.18.1.100"));
         assert_eq!(api.service_writes().len(), writes, "a restart writes nothing");
 
-        // Deleted: withdrawn, and its address given to the next Service.
+        // Deleted: withdrawn, and its address given to the next Service,
+        // dual-stack: IPv6 announced by NDP and served on the IPv6 pod.
         api.delete_service("default", "web").unwrap();
         let withdrawn = wait_until(SERVING_WITHIN, || greeted(vip).is_none());
         assert!(withdrawn, "{vip} still answers after its Service was deleted");
-        api.apply_service(load_balancer_service("shop", &[("http", 80, 8080)]));
-        let reused = wait_until(SERVING_WITHIN, || address("shop").is_some());
-        assert!(reused, "shop was given no address\n{}", daemon.log());
-        assert_eq!(address("shop").as_deref(), Some("198.18.1.100"), "back in the pool");
+        let mut shop = load_balancer_service("shop", &[("http", 80, 8080)]);
+        let spec = shop.spec.as_mut().unwrap();
+        spec.ip_families = Some(vec!["IPv4".into(), "IPv6".into()]);
+        spec.ip_family_policy = Some("RequireDualStack".into());
+        api.apply_service(shop);
+        let both = || {
+            let status = api.service("default", "shop")?.status?.load_balancer?.ingress?;
+            Some(status.into_iter().filter_map(|i| i.ip).collect::<Vec<_>>())
+        };
+        let reused = wait_until(SERVING_WITHIN, || both().is_some_and(|ips| ips.len() == 2));
+        assert!(reused, "shop was given no addresses: {:?}\n{}", both(), daemon.log());
+        assert_eq!(both().unwrap(), ["198.18.1.100", "2001:2:0:1::100"], "back in the pool");
         let served = wait_until(SERVING_WITHIN, || greeted(vip).is_some());
         assert!(served, "{vip} never answered for shop\n{}", daemon.log());
+        let vip6: SocketAddr = "[2001:2:0:1::100]:80".parse().unwrap();
+        let served6 = wait_until(SERVING_WITHIN, || greeted(vip6).as_deref() == Some("pod-6"));
+        assert!(served6, "{vip6} never answered from pod-6\n{}", daemon.log());
+        assert!(client_neighbour(&net, "2001:2:0:1::100").is_some(), "NDP answered");
         drop(daemon);
         drop(cgroup);
     });
