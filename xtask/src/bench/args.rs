@@ -26,4 +26,5 @@ pub enum Part {
     Dns,
     External,
     Election,
+    LoadBalancers,
 }

@@ -38,6 +38,10 @@
 //!   Lease requests per second one VIP costs the API server; and the
 //!   elections by membership beside per-VIP Leases at 1, 50 and 200 VIPs
 //!   (requests by verb, watch events), with their takeover at 200 VIPs.
+//! - **load-balancers** ([`load_balancers`]): LoadBalancer Services on
+//!   three nodes: a Service's creation to its address in its status, to
+//!   a node claiming it, to the first connect from another machine
+//!   answered, p50/p99 over 100 Services; the API load with all served.
 //!
 //! Output: a table on stdout, `target/bench/report.md` and the plot
 //! `target/bench/ratios.svg` ([`report`]). The targets ([`targets`]) are
@@ -68,6 +72,7 @@ mod failover;
 mod format;
 mod host;
 mod limits;
+mod load_balancers;
 mod owner;
 mod paths;
 mod plot;
@@ -110,6 +115,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             Part::Dns,
             Part::External,
             Part::Election,
+            Part::LoadBalancers,
         ]
     } else {
         args.only.clone()
@@ -142,6 +148,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             Part::Dns => dns::run(args.rounds, &dir, &mut results)?,
             Part::External => external_path::run(&mut results)?,
             Part::Election => election::run(&mut results)?,
+            Part::LoadBalancers => load_balancers::run(&mut results)?,
         }
         println!("    ({:?} took {:.0} s)", part, part_started.elapsed().as_secs_f64());
     }

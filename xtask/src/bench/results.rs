@@ -329,6 +329,22 @@ impl ApiLoad {
     }
 }
 
+/// LoadBalancer Services (`tests/benches/load_balancers.rs`): from a
+/// Service's creation to each step, (p50, p99) in ms; the steady state's
+/// API load with every Service served, three nodes together.
+pub struct LoadBalancers {
+    pub nodes: usize,
+    pub services: usize,
+    pub to_status_ms: (f64, f64),
+    pub to_claim_ms: (f64, f64),
+    pub to_connect_ms: (f64, f64),
+    pub lease_requests_per_s: f64,
+    pub lists_and_watches_per_s: f64,
+    pub status_writes_per_s: f64,
+    pub watch_events_per_s: f64,
+    pub watches_open: usize,
+}
+
 pub struct Dns {
     pub rounds: u32,
     pub qps: Vec<(DnsRoute, f64)>,
@@ -369,6 +385,7 @@ pub struct Results {
     pub dns: Option<Dns>,
     pub external: Option<External>,
     pub election: Option<Election>,
+    pub load_balancers: Option<LoadBalancers>,
     pub notes: Vec<String>,
     pub duration: Duration,
     /// The 1-minute load average when the run started: other work on the
@@ -394,6 +411,7 @@ impl Results {
             dns: None,
             external: None,
             election: None,
+            load_balancers: None,
             notes: Vec::new(),
             duration: Duration::ZERO,
             load_at_start: load_average(),

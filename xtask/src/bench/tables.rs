@@ -33,6 +33,7 @@ pub(super) fn tables(r: &Results) -> Vec<Table> {
         owner_loop,
         external,
         election,
+        load_balancers,
         dns,
         discovery,
     ] {
@@ -267,6 +268,42 @@ fn election(r: &Results, tables: &mut Vec<Table>) {
             membership(m, tables);
         }
     }
+}
+
+fn load_balancers(r: &Results, tables: &mut Vec<Table>) {
+    let Some(l) = &r.load_balancers else { return };
+    let mut t = Table::new(
+        &format!(
+            "LoadBalancer Services, {} nodes: {} Services created one after another",
+            l.nodes, l.services
+        ),
+        &["from a Service's creation to", "p50", "p99"],
+    );
+    for (what, (p50, p99)) in [
+        ("its address in its status", l.to_status_ms),
+        ("a node claiming the address", l.to_claim_ms),
+        ("the first connect from another machine answered", l.to_connect_ms),
+    ] {
+        t.row(vec![what.to_owned(), millis(p50), millis(p99)]);
+    }
+    tables.push(t);
+    let mut t = Table::new(
+        &format!(
+            "What {} LoadBalancer Services cost the API server, {} nodes together, steady state",
+            l.services, l.nodes
+        ),
+        &["what", "per second"],
+    );
+    for (what, value) in [
+        ("Lease requests (membership renewals)", l.lease_requests_per_s),
+        ("lists and watch requests", l.lists_and_watches_per_s),
+        ("Service status writes", l.status_writes_per_s),
+        ("watch events sent", l.watch_events_per_s),
+    ] {
+        t.row(vec![what.to_owned(), format!("{value:.1}")]);
+    }
+    t.row(vec!["watches open (not per second)".to_owned(), l.watches_open.to_string()]);
+    tables.push(t);
 }
 
 fn membership(m: &Membership, tables: &mut Vec<Table>) {
