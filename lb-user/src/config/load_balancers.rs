@@ -9,16 +9,16 @@ use super::{
     election::bad_object_name,
     external_service::bad_interface_name,
     model::LoadBalancers,
-    parse::Lines,
     problems::{Key, Problem},
     raw::{RawKubernetesSettings, RawPool},
 };
 
-/// The LoadBalancer settings, or the problems with them.
+/// The LoadBalancer settings, or the problems with them; `line_of` says
+/// which line of the file a span is on.
 pub(super) fn parse_load_balancers(
     kubernetes: Option<&RawKubernetesSettings>,
     tables: Vec<Spanned<RawPool>>,
-    lines: &Lines,
+    line_of: &dyn Fn(std::ops::Range<usize>) -> usize,
     problems: &mut Vec<Problem>,
 ) -> LoadBalancers {
     let default_class = kubernetes.and_then(|k| k.default_class).unwrap_or(false);
@@ -42,7 +42,7 @@ pub(super) fn parse_load_balancers(
 
     let mut pools = Vec::with_capacity(tables.len());
     for (i, table) in tables.into_iter().enumerate() {
-        let line = Some(lines.of_span(table.span()));
+        let line = Some(line_of(table.span()));
         let raw = table.into_inner();
         let key = |at: &str| format!("pool[{i}].{at}");
         let mut problem = |at: &str, what: String| problems.push(Problem::new(line, key(at), what));

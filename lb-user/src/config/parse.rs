@@ -71,8 +71,12 @@ impl Config {
             .as_deref()
             .and_then(|m| parse_endpoint(m, None, Key::top("daemon.metrics"), &mut problems));
         let election = parse_election(&raw.daemon, &mut problems);
-        let load_balancers =
-            parse_load_balancers(raw.kubernetes.as_ref(), raw.pool, &lines, &mut problems);
+        let load_balancers = parse_load_balancers(
+            raw.kubernetes.as_ref(),
+            raw.pool,
+            &|span| lines.of_span(span),
+            &mut problems,
+        );
         let daemon = Daemon {
             cgroup: raw.daemon.cgroup,
             bpffs: raw.daemon.bpffs.unwrap_or_else(|| DEFAULT_BPFFS.into()),

@@ -1,5 +1,5 @@
 //! LoadBalancer Services in the daemon (issue 41): the task
-//! (`loadbalancer::allocator`) started when the config has `[[pool]]`s;
+//! (`loadbalancer::allocator`, held in `load_balancer_task.rs`);
 //! what it says the nodes serve turned into services beside the file's
 //! (one per address and port: servers from the Service's EndpointSlices,
 //! announced by ARP/NDP on `[kubernetes] interfaces`, elected by
@@ -9,119 +9,17 @@
 //! it at a time, fenced like any VIP, at no cost to the API server beyond
 //! the membership Leases the nodes write anyway.
 
-use std::{collections::HashSet, net::SocketAddr, time::Duration};
-
-use tokio::{sync::watch, task::JoinHandle};
 use tracing::{info, warn};
 
-use super::owner::Daemon;
+use super::{
+    load_balancer_task::{ALLOCATOR, services_of},
+    owner::Daemon,
+};
 use crate::{
-    config::{
-        self, Announce, CheckKind, DEFAULT_HOLD_DOWN, Discovery, External, HealthConfig,
-        LoadBalancers, Policy, PortRef, Scope,
-    },
+    config,
     control::{LoadBalancerStatus, LoadBalancersStatus},
     loadbalancer::Served,
-    state::SavedState,
 };
-
-/// How long a burst of EndpointSlice changes settles before it applies,
-/// for a LoadBalancer Service's services: shorter than a `[[service]]`'s
-/// default (1 s), as a new Service's first list waits for it too (from
-/// creation to the first connect answered: 1.02 s with 1 s, measured by
-/// `tests/benches/load_balancers.rs`), and still one update for a burst.
-const DEBOUNCE: Duration = Duration::from_millis(200);
-
-/// The token the allocating node is placed by, as if it were a VIP: the
-/// unspecified address, which no VIP can be.
-pub(super) const ALLOCATOR: &str = "0.0.0.0";
-
-/// The running task and what it said last.
-pub(super) struct LoadBalancerTask {
-    leading: watch::Sender<bool>,
-    _stop: watch::Sender<bool>,
-    task: JoinHandle<()>,
-    /// What the task said to serve last.
-    served: Vec<Served>,
-    /// The names of the services made from it, running now.
-    names: HashSet<String>,
-}
-
-impl Drop for LoadBalancerTask {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-/// What the last daemon served for the LoadBalancer Services (the state
-/// file), to serve again from the start, before the Services watch has
-/// listed: as the file's services, they keep working across a restart.
-pub(super) struct Resumed {
-    served: Vec<Served>,
-    /// The services made from it, beside the file's.
-    pub(super) services: Vec<config::Service>,
-}
-
-/// [`Resumed`] from `saved`, if `settings` still has pools.
-pub(super) fn resume(
-    settings: &config::Daemon,
-    file: &[config::Service],
-    saved: &SavedState,
-) -> Resumed {
-    if settings.load_balancers.pools.is_empty() {
-        return Resumed { served: Vec::new(), services: Vec::new() };
-    }
-    // Only what is still in a pool (the pools may have changed since).
-    let pools = &settings.load_balancers.pools;
-    let served: Vec<Served> = saved
-        .load_balancers
-        .iter()
-        .cloned()
-        .map(|mut s| {
-            s.addresses.retain(|&ip| pools.iter().any(|p| p.contains(ip)));
-            s
-        })
-        .filter(|s| !s.addresses.is_empty())
-        .collect();
-    let services = services_of(&served, &settings.load_balancers, file);
-    Resumed { served, services }
-}
-
-/// Starts the task if `settings` has pools: the task, and where it says
-/// what to serve (a receiver whose sender is gone when there is none, so
-/// that the owner loop's branch never fires).
-pub(super) fn start(
-    settings: &config::Daemon,
-    reach: crate::election::Reach,
-    resumed: Resumed,
-) -> (Option<LoadBalancerTask>, watch::Receiver<Vec<Served>>) {
-    let (served_tx, served) = watch::channel(Vec::new());
-    if settings.load_balancers.pools.is_empty() || !cfg!(feature = "kubernetes") {
-        return (None, served);
-    }
-    let (leading, leading_rx) = watch::channel(false);
-    let (stop, stop_rx) = watch::channel(false);
-    #[cfg(feature = "kubernetes")]
-    let task = crate::loadbalancer::allocator::spawn_with(
-        reach,
-        settings.load_balancers.clone(),
-        settings.node_name.clone(),
-        crate::loadbalancer::allocator::Channels {
-            leading: leading_rx,
-            served: served_tx,
-            stop: stop_rx,
-        },
-    );
-    #[cfg(not(feature = "kubernetes"))]
-    let task = {
-        let _ = (reach, leading_rx, stop_rx, served_tx);
-        tokio::spawn(async {})
-    };
-    info!(pools = settings.load_balancers.pools.len(), "serving LoadBalancer Services");
-    let names = resumed.services.iter().map(|s| s.name.clone()).collect();
-    let task = LoadBalancerTask { leading, _stop: stop, task, served: resumed.served, names };
-    (Some(task), served)
-}
 
 impl Daemon {
     /// Whether the service named `name` was made from a LoadBalancer
@@ -210,135 +108,5 @@ impl Daemon {
             let leads = self.answering.vips.contains(ALLOCATOR);
             task.leading.send_if_modified(|before| std::mem::replace(before, leads) != leads);
         }
-    }
-}
-
-/// The services `served` asks for, beside the file's `file`: one per
-/// address and port, named `namespace/name@VIP`. A VIP or name the file
-/// already has is the file's (the LoadBalancer Service's is left out,
-/// with a warning); of two Services claiming one VIP (the allocator
-/// settles that) the first by name is served meanwhile.
-pub(super) fn services_of(
-    served: &[Served],
-    settings: &LoadBalancers,
-    file: &[config::Service],
-) -> Vec<config::Service> {
-    let mut names: HashSet<String> = file.iter().map(|s| s.name.clone()).collect();
-    let mut vips: HashSet<SocketAddr> = file.iter().map(|s| s.vip).collect();
-    let mut services = Vec::new();
-    for wanted in served {
-        for &ip in &wanted.addresses {
-            for port in &wanted.ports {
-                let vip = SocketAddr::new(ip, port.port);
-                let name = format!("{}@{vip}", wanted.service);
-                if vips.contains(&vip) || names.contains(&name) {
-                    warn!(
-                        service = %wanted.service, %vip,
-                        "LoadBalancer Service not served at this VIP: another service has it"
-                    );
-                    continue;
-                }
-                vips.insert(vip);
-                names.insert(name.clone());
-                services.push(config::Service {
-                    name,
-                    vip,
-                    servers: Vec::new(),
-                    default: None,
-                    // As kube-proxy: every ready endpoint, judged by its
-                    // EndpointSlice conditions.
-                    policy: Policy::Spread,
-                    hold_down: DEFAULT_HOLD_DOWN,
-                    health: HealthConfig { check: CheckKind::None, ..HealthConfig::default() },
-                    discovery: Some(Discovery::Kubernetes {
-                        namespace: wanted.service.namespace.clone(),
-                        service: wanted.service.name.clone(),
-                        port: PortRef::Name(port.name.clone()),
-                        debounce: DEBOUNCE,
-                    }),
-                    scope: Scope::All,
-                    external: Some(External {
-                        interfaces: settings.interfaces.clone(),
-                        announce: Announce::Arp,
-                        lease: None,
-                        elect: true,
-                    }),
-                });
-            }
-        }
-    }
-    services
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::loadbalancer::{ServedPort, allocate::ServiceRef};
-
-    fn served(name: &str, addresses: &[&str], ports: &[(&str, u16)]) -> Served {
-        Served {
-            service: ServiceRef { namespace: "shop".into(), name: name.into() },
-            addresses: addresses.iter().map(|a| a.parse().unwrap()).collect(),
-            ports: ports.iter().map(|&(n, p)| ServedPort { name: n.into(), port: p }).collect(),
-        }
-    }
-
-    #[test]
-    fn each_address_and_port_is_a_service_following_the_endpoint_slices() {
-        let settings = LoadBalancers {
-            default_class: false,
-            interfaces: vec!["eth1".into()],
-            pools: Vec::new(),
-        };
-        let all = services_of(
-            &[served(
-                "web",
-                &["198.18.1.100", "fd00:198:18::100"],
-                &[("http", 80), ("https", 443)],
-            )],
-            &settings,
-            &[],
-        );
-        let names: Vec<&str> = all.iter().map(|s| s.name.as_str()).collect();
-        assert_eq!(
-            names,
-            [
-                "shop/web@198.18.1.100:80",
-                "shop/web@198.18.1.100:443",
-                "shop/web@[fd00:198:18::100]:80",
-                "shop/web@[fd00:198:18::100]:443",
-            ]
-        );
-        let https = &all[1];
-        assert_eq!(
-            https.discovery,
-            Some(Discovery::Kubernetes {
-                namespace: "shop".into(),
-                service: "web".into(),
-                port: PortRef::Name("https".into()),
-                debounce: DEBOUNCE,
-            })
-        );
-        let external = https.external.as_ref().unwrap();
-        assert!(external.elect && external.announce == Announce::Arp);
-        assert_eq!(external.interfaces, ["eth1"]);
-        assert!(https.servers.is_empty() && https.health.check == CheckKind::None);
-    }
-
-    #[test]
-    fn a_vip_the_file_or_another_service_has_is_not_taken() {
-        let settings = LoadBalancers::default();
-        let file = services_of(&[served("file", &["198.18.1.100"], &[("", 80)])], &settings, &[]);
-        let all = services_of(
-            &[
-                served("a", &["198.18.1.100"], &[("", 80), ("", 81)]),
-                served("b", &["198.18.1.101"], &[("", 80)]),
-                served("c", &["198.18.1.101"], &[("", 80)]),
-            ],
-            &settings,
-            &file,
-        );
-        let names: Vec<&str> = all.iter().map(|s| s.name.as_str()).collect();
-        assert_eq!(names, ["shop/a@198.18.1.100:81", "shop/b@198.18.1.101:80"]);
     }
 }

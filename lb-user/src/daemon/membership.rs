@@ -12,7 +12,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{load_balancers::ALLOCATOR, owner::Daemon};
+use super::{load_balancer_task::ALLOCATOR, owner::Daemon};
 use crate::{
     control::LeaseStatus,
     election::{

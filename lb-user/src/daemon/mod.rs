@@ -21,8 +21,9 @@
 //! - `elections`: the leased VIPs' elections (`crate::election`) kept in
 //!   step with the services, and turned into announcements;
 //! - `membership`: the same for the elections by membership (`elect`);
-//! - `load_balancers`: LoadBalancer Services' task, its services beside
-//!   the file's, and the allocating node's election;
+//! - `load_balancers`: LoadBalancer Services' services beside the file's,
+//!   and the allocating node's election; `load_balancer_task`: the task
+//!   and what it said, which the loop holds;
 //! - `closing`: VIP connections closed in the background, by the
 //!   `close_worker` thread;
 //! - `requests`: control requests and metrics scrapes;
@@ -44,6 +45,7 @@ mod elections;
 mod external_state;
 mod external_sync;
 mod inputs;
+mod load_balancer_task;
 mod load_balancers;
 mod membership;
 mod messages;

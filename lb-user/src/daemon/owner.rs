@@ -1,7 +1,7 @@
 //! The owner loop's state: the one value that holds every service and the
 //! datapath. The rooms that act on it import it; it imports only the
 //! parts it holds (`service`, `timers`, `census`, `close_worker`,
-//! `saver`, `watch`, `external_state`, `load_balancers`) and the messages
+//! `saver`, `watch`, `external_state`, `load_balancer_task`) and the messages
 //! (`messages`).
 
 use std::{collections::HashMap, path::PathBuf};
@@ -12,7 +12,7 @@ use super::{
     census::Census,
     close_worker::Closer,
     external_state::External,
-    load_balancers::LoadBalancerTask,
+    load_balancer_task::LoadBalancerTask,
     messages::{After, Message},
     saver::Saver,
     service_table::ServiceTable,

@@ -75,7 +75,7 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
     let saved = SavedState::load(&config.daemon.state_dir);
     // The LoadBalancer Services' services the last daemon served, served
     // again from the start (with their saved lists, below).
-    let resumed = super::load_balancers::resume(&config.daemon, &config.services, &saved);
+    let resumed = super::load_balancer_task::resume(&config.daemon, &config.services, &saved);
     config.services.extend(resumed.services.iter().cloned());
     let now = Instant::now();
     // The lists set at runtime or discovered (state file), checked against
@@ -195,7 +195,7 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
     let reach =
         super::elections::reach(&daemon.services, daemon.config.settings.kubeconfig.clone());
     let (load_balancers, served) =
-        super::load_balancers::start(&daemon.config.settings, reach, resumed);
+        super::load_balancer_task::start(&daemon.config.settings, reach, resumed);
     daemon.load_balancers = load_balancers;
     for i in 0..daemon.services.len() {
         daemon.service_appeared(i);
