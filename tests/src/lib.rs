@@ -63,6 +63,8 @@ pub mod packets;
 pub mod pass_xdp;
 pub mod raw;
 pub mod resolvers;
+#[cfg(feature = "rigs")]
+pub mod rolling_update;
 mod service;
 pub mod supervisor;
 #[cfg(feature = "rigs")]
