@@ -237,6 +237,19 @@ impl Default for Service {
 /// the kernel's own never moves.
 pub const DAEMON_STATE_FAILED: u8 = 1;
 
+/// A flag of an external VIP's value in `EXTERNAL`: its flows keep the
+/// client's address (destination NAT only; `externalTrafficPolicy:
+/// Local`). Their servers' replies pass through the node (it is their
+/// gateway) and are translated back to the VIP; the servers' ports are
+/// in `VIP_PORTS` so that their replies are looked up.
+pub const EXTERNAL_KEEP_CLIENT: u32 = 1;
+
+/// A flag of an external VIP's value in `EXTERNAL`: a `spread` VIP's new
+/// flows are placed by their client's address alone, not its port, so
+/// that a client's flows go to one server while the servers stay the
+/// same (`sessionAffinity: ClientIP`).
+pub const EXTERNAL_CLIENT_AFFINITY: u32 = 2;
+
 /// The socket cookie of an `Event` about a flow of the external path
 /// (a socket's cookie is never 0).
 pub const EXTERNAL_FLOW_COOKIE: u64 = 0;

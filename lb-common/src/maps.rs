@@ -87,9 +87,11 @@ pub const MARKED_AT: &str = "MARKED_AT";
 /// route holds only within the epoch it was reached in (layout 11).
 pub const EPOCH: &str = "EPOCH";
 /// [`VIP_PORT_WORDS`](crate::VIP_PORT_WORDS) `u64`s, a bit per port: set
-/// for the ports of external VIPs. `lb_xdp` looks a packet up among the
-/// established flows before anything else only if its port is one
-/// (layout 11).
+/// for the ports of external VIPs, and of the servers of those that keep
+/// the client's address. `lb_xdp` looks a packet up among the
+/// established flows before anything else only if its destination port
+/// is one, and a server's packet to a port that is not a NAT port among
+/// the replies only if its source port is one (layout 11).
 pub const VIP_PORTS: &str = "VIP_PORTS";
 /// Every map the daemon pins, in one list so attach, adopt and detach agree.
 pub const ALL: [&str; 26] = [

@@ -291,6 +291,11 @@ reasons! {
     /// earlier packet of the flow's VIP and server left in this epoch;
     /// counted here instead of `xdp_forwarded`.
     XdpForwardedShort = 81 => "xdp_forwarded_short",
+    /// xdp: a client's first packet to a VIP that keeps the client's
+    /// address (`lb_common::EXTERNAL_KEEP_CLIENT`) came from the node's
+    /// own address toward the chosen server: forged (its flow would hold
+    /// one of the node's NAT ports); dropped.
+    XdpClientIsNode = 82 => "xdp_client_is_node",
 }
 
 impl Reason {
@@ -432,6 +437,7 @@ mod tests {
                 "xdp_too_big_below_floor",
                 "xdp_server_out_of_window",
                 "xdp_forwarded_short",
+                "xdp_client_is_node",
             ]
         );
     }

@@ -128,9 +128,15 @@ pub(crate) fn promote(p: &Packet, flow: &Flow) {
 /// port, in the opening tables of its protocol (`OPENING_FLOWS`,
 /// `OPENING_REPLIES`; UDP's): its entry there, or `None` (counted) if the flow must be
 /// refused. A port is free if neither table has an entry for it, or if
-/// the flows of those it has ended long enough ago (`reclaim`).
+/// the flows of those it has ended long enough ago (`reclaim`). With
+/// `keep_client`, the client's own address and port stand for the NAT
+/// source: nothing to choose, one try.
 #[inline(never)]
-pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet) -> Option<&'static mut Flow> {
+pub(crate) fn new_flow(
+    ctx: &XdpContext,
+    p: &Packet,
+    keep_client: bool,
+) -> Option<&'static mut Flow> {
     let Some(slot) = NEW_FLOW.get_ptr_mut(0) else {
         count_xdp(Reason::MapError);
         return None;
@@ -163,29 +169,35 @@ pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet) -> Option<&'static mut Flow
     // more it has (`[daemon] nat_addresses`).
     let sources = u32::from(u16::from_be(node.port)).min(MORE_SOURCES);
     let mut allocated = false;
-    let (first, count) = nat_ports();
-    // Ports at random, each on its own: ports tried in a row would cluster
-    // the ones taken, as linear probing does in a hash table. The second
-    // half of the tries is pressed (`lb_common::nat`).
-    for i in 0..2 * NAT_TRIES {
-        // SAFETY: plain helper call without arguments.
-        let random = unsafe { bpf_get_prandom_u32() };
-        // `max(1)`: no division by zero for LLVM to guard (`nat_ports`
-        // never says 0).
-        let port = (first + random % count.max(1)) as u16;
-        if sources > 0 {
-            pick_source(&host, sources, &node, &mut new.nat.node);
+    if keep_client {
+        // A client that claims the node's own address toward the server
+        // is forged, and would take one of its NAT ports.
+        if node.addr == p.src.addr {
+            count_xdp(Reason::XdpClientIsNode);
+            return None;
         }
-        new.nat.node.port = port.to_be();
-        // SAFETY: only whether an entry exists (UDP flows are never there).
-        let established = tcp && unsafe { NAT_REPLIES.get(&new.nat) }.is_some();
-        let replies = opening_replies(p.protocol);
-        if !established && replies.insert(&new.nat, &new.reply, u64::from(BPF_NOEXIST)).is_ok()
-            || reclaim(&new.nat, tcp, tick, i >= NAT_TRIES)
-                && replies.insert(&new.nat, &new.reply, u64::from(BPF_ANY)).is_ok()
-        {
-            allocated = true;
-            break;
+        new.nat.node = p.src;
+        // Pressed: the client reuses its port for a new connection.
+        allocated = take_port(&new.nat, &new.reply, tcp, tick, true);
+    } else {
+        let (first, count) = nat_ports();
+        // Ports at random, each on its own: ports tried in a row would cluster
+        // the ones taken, as linear probing does in a hash table. The second
+        // half of the tries is pressed (`lb_common::nat`).
+        for i in 0..2 * NAT_TRIES {
+            // SAFETY: plain helper call without arguments.
+            let random = unsafe { bpf_get_prandom_u32() };
+            // `max(1)`: no division by zero for LLVM to guard (`nat_ports`
+            // never says 0).
+            let port = (first + random % count.max(1)) as u16;
+            if sources > 0 {
+                pick_source(&host, sources, &node, &mut new.nat.node);
+            }
+            new.nat.node.port = port.to_be();
+            if take_port(&new.nat, &new.reply, tcp, tick, i >= NAT_TRIES) {
+                allocated = true;
+                break;
+            }
         }
     }
     if !allocated {
@@ -207,6 +219,20 @@ pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet) -> Option<&'static mut Flow
     count_xdp(Reason::XdpNewFlow);
     // SAFETY: as in `known`.
     Some(unsafe { &mut *entry })
+}
+
+/// Records `reply` under `nat` in the opening replies of its protocol,
+/// if its port is free: no flow holds it, or the one that does has ended
+/// (`reclaim`). The port is a NAT port, or the client's own for a flow
+/// that keeps its address.
+#[inline(always)]
+fn take_port(nat: &NatKey, reply: &NatReply, tcp: bool, tick: u32, pressed: bool) -> bool {
+    // SAFETY: only whether an entry exists (UDP flows are never there).
+    let established = tcp && unsafe { NAT_REPLIES.get(nat) }.is_some();
+    let replies = opening_replies(nat.protocol);
+    !established && replies.insert(nat, reply, u64::from(BPF_NOEXIST)).is_ok()
+        || reclaim(nat, tcp, tick, pressed)
+            && replies.insert(nat, reply, u64::from(BPF_ANY)).is_ok()
 }
 
 /// Whether the NAT port of `nat` may go to a new flow: no established

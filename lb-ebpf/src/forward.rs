@@ -14,6 +14,12 @@
 //! server (`NODE_ADDRESSES`) and the NAT port as source, by the kernel's
 //! FIB (`send`); one too big for that route is answered with the node's
 //! own ICMP error (`too_big.rs`).
+//! A VIP that keeps the client's address (`externalTrafficPolicy:
+//! Local`; its `EXTERNAL` value says so) is translated the same way but
+//! for the source: its flows' packets leave with the client's own
+//! address and port, which stand where the NAT port stands in the reply
+//! key; the server, on this node or behind it, sends its replies through
+//! the node, its gateway, where `reply.rs` translates them back.
 //! A flow keeps its server while the server is in the selection and
 //! usable; then its next packet chooses again.
 //!
@@ -43,8 +49,8 @@
 
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpContext};
 use lb_common::{
-    DAEMON_STATE_FAILED, EXTERNAL_FLOW_COOKIE, Endpoint, EventKind, Flow, NAT_REPLY_ESTABLISHED,
-    Reason, Service, maglev, nat,
+    DAEMON_STATE_FAILED, EXTERNAL_CLIENT_AFFINITY, EXTERNAL_FLOW_COOKIE, EXTERNAL_KEEP_CLIENT,
+    Endpoint, EventKind, Flow, NAT_REPLY_ESTABLISHED, Reason, Service, maglev, nat,
 };
 
 use crate::{
@@ -93,12 +99,14 @@ pub(crate) fn forward(ctx: &XdpContext, p: &mut Packet) -> Option<u32> {
     let epoch = EPOCH.get(0).copied().unwrap_or(0);
     let to_mac = packet::read::<[u8; 6]>(ctx, 0).unwrap_or_default();
     // SAFETY: the values are only read; the daemon replaces values whole.
-    if unsafe { EXTERNAL.get(&p.dst) }.is_none() {
+    let Some(&external) = (unsafe { EXTERNAL.get(&p.dst) }) else {
         return reply::reply(ctx, p).or_else(|| {
             count_xdp(Reason::XdpNotOurs);
             unserved(ctx, p)
         });
-    }
+    };
+    let keep_client = external & EXTERNAL_KEEP_CLIENT != 0;
+    let by_address = external & EXTERNAL_CLIENT_AFFINITY != 0;
     if !packet::for_this_node(ctx) {
         return Some(xdp_action::XDP_PASS);
     }
@@ -111,7 +119,7 @@ pub(crate) fn forward(ctx: &XdpContext, p: &mut Packet) -> Option<u32> {
         count_xdp(Reason::XdpTtlExceeded);
         return Some(xdp_action::XDP_PASS);
     }
-    if let Some(flow) = known(ctx, p, service) {
+    if let Some(flow) = known(ctx, p, service, keep_client) {
         count_xdp(Reason::XdpForwarded);
         // A client's packet after its SYN, of an opening TCP flow: the
         // handshake may be complete (`promote` checks).
@@ -135,10 +143,10 @@ pub(crate) fn forward(ctx: &XdpContext, p: &mut Packet) -> Option<u32> {
         count_xdp(Reason::XdpNoFlow);
         return Some(reset::answer(ctx, p));
     }
-    if !spend(Budget::NewFlow) || !choose(p, service) {
+    if !spend(Budget::NewFlow) || !choose(p, service, by_address) {
         return Some(xdp_action::XDP_DROP);
     }
-    let Some(flow) = new_flow(ctx, p) else { return Some(xdp_action::XDP_DROP) };
+    let Some(flow) = new_flow(ctx, p, keep_client) else { return Some(xdp_action::XDP_DROP) };
     p.opening = true;
     let verdict = send(ctx, p, flow, true);
     if verdict != xdp_action::XDP_REDIRECT {
@@ -183,10 +191,17 @@ pub(crate) fn unserved(ctx: &XdpContext, p: &Packet) -> Option<u32> {
 }
 
 /// A client's packet to an external VIP: its flow's entry, if the flow is
-/// known and keeps its server (a flow that does not leaves both tables,
-/// and so frees its NAT port: its next packet is of no flow).
+/// known and keeps its server, and is translated as the VIP now says
+/// (`keep_client`: its source toward the server is the client's own). A
+/// flow that does not leaves both tables, and so frees its NAT port: its
+/// next packet is of no flow.
 #[inline(never)]
-fn known(ctx: &XdpContext, p: &mut Packet, service: &Service) -> Option<&'static mut Flow> {
+fn known(
+    ctx: &XdpContext,
+    p: &mut Packet,
+    service: &Service,
+    keep_client: bool,
+) -> Option<&'static mut Flow> {
     let key = flow_key(p);
     // UDP flows are never established.
     let tcp = u32::from(p.protocol) == IPPROTO_TCP;
@@ -205,7 +220,7 @@ fn known(ctx: &XdpContext, p: &mut Packet, service: &Service) -> Option<&'static
         let _ = opening_flows(p.protocol).remove(&key);
         return None;
     }
-    if keeps(ctx, service, flow, p) {
+    if (flow.node == p.src) == keep_client && keeps(ctx, service, flow, p) {
         return Some(flow);
     }
     if opening {
@@ -358,15 +373,18 @@ fn keeps(ctx: &XdpContext, service: &Service, flow: &Flow, p: &Packet) -> bool {
 /// A `spread` service's server for `p`'s new flow from its Maglev table
 /// (`MAGLEV`, written by the daemon from the spread group), if the slot
 /// names one that is still preferred and usable; otherwise the choice is
-/// the socket path's.
+/// the socket path's. `by_address`: the slot is the client address's,
+/// whatever its port (`sessionAffinity: ClientIP`).
 #[inline(always)]
-fn consistent(service: &Service, p: &Packet) -> Option<Endpoint> {
+fn consistent(service: &Service, p: &Packet, by_address: bool) -> Option<Endpoint> {
     if service.spread <= 1 {
         return None;
     }
     // SAFETY: the value is only read; the daemon replaces values whole.
     let table = unsafe { MAGLEV.get(&p.dst) }?;
-    let server = maglev::server_for(table, maglev::flow_hash(&p.src, p.protocol))?;
+    let port = if by_address { 0 } else { p.src.port };
+    let client = Endpoint { addr: p.src.addr, port, _pad: [0; 2] };
+    let server = maglev::server_for(table, maglev::flow_hash(&client, p.protocol))?;
     if !(preferred(service, &server) && usable(service, &server)) {
         return None;
     }
@@ -379,8 +397,8 @@ fn consistent(service: &Service, p: &Packet) -> Option<Endpoint> {
 /// if the flow must be refused. A BPF function of its own, apart from
 /// `new_flow`: together their frames passed Linux 5.10's limit.
 #[inline(never)]
-fn choose(p: &Packet, service: &Service) -> bool {
-    let server = match consistent(service, p) {
+fn choose(p: &Packet, service: &Service, by_address: bool) -> bool {
+    let server = match consistent(service, p, by_address) {
         Some(server) => server,
         None => {
             let Ok(server) = choose_server(service, &XDP) else { return false };

@@ -1,4 +1,5 @@
-//! A server's packet to a NAT port (`reply`) is translated back to the
+//! A server's packet to a NAT port, or to the client's own port for a VIP
+//! that keeps the client's address (`reply`), is translated back to the
 //! VIP and the client, and leaves the way the client's packets came, if
 //! it arrived on the interface the flow's packets to the server leave by
 //! (anything else claiming to be the server is dropped). An established
@@ -21,13 +22,13 @@
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpContext};
 use lb_common::{
     EXTERNAL_FLOW_COOKIE, EventKind, NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN, NatKey, NatReply,
-    Reason, nat,
+    Reason, nat, vip_port_bit,
 };
 
 use crate::{
     consts::{IPPROTO_TCP, TCP_FIN, TCP_SYN},
     flows::nat_ports,
-    maps::{NAT_REPLIES, count_xdp, opening_replies},
+    maps::{NAT_REPLIES, VIP_PORTS, count_xdp, opening_replies},
     packet,
     report::{emit, mark_failed_reporting},
     scratch::Packet,
@@ -39,11 +40,14 @@ use crate::{
 /// full path).
 #[inline(never)]
 pub(crate) fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
-    // A reply goes to a NAT port: a packet to any other port (most of what
-    // crosses the node's interfaces, its own traffic) is not one, without
-    // a hash lookup.
+    // A reply goes to a NAT port, or comes from the port of a server of a
+    // VIP that keeps the client's address (`VIP_PORTS` has those): a
+    // packet to any other port (most of what crosses the node's
+    // interfaces, its own traffic) is not one, without a hash lookup.
     let (first, count) = nat_ports();
-    if u32::from(u16::from_be(p.dst.port)).wrapping_sub(first) >= count {
+    if u32::from(u16::from_be(p.dst.port)).wrapping_sub(first) >= count
+        && !kept_client_port(p.src.port)
+    {
         return None;
     }
     let key = NatKey { server: p.src, node: p.dst, protocol: p.protocol, _pad: [0; 3] };
@@ -119,6 +123,15 @@ pub(crate) fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     }
     count_xdp(Reason::XdpReplied);
     Some(packet::redirect(nat.client_ifindex))
+}
+
+/// Whether `port` (network byte order), a server's source port, is one
+/// of those `VIP_PORTS` has: possibly a server of a VIP whose flows keep
+/// the client's address, whose replies go to the client's own port.
+#[inline(always)]
+fn kept_client_port(port: u16) -> bool {
+    let (word, bit) = vip_port_bit(u16::from_be(port));
+    VIP_PORTS.get(word).copied().unwrap_or(0) & bit != 0
 }
 
 /// Whether the reset `p` (from where the flow's packets to the server

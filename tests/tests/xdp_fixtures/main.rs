@@ -31,9 +31,11 @@ use lb_common::{
 use lb_tests::packets::{Flags, Segment, read_frame};
 use lb_tests::privileged_test;
 
+mod affinity;
 mod announce;
 mod hostile;
 mod icmp;
+mod keep_client;
 mod kept;
 mod nat;
 mod short_way;
