@@ -236,6 +236,8 @@ mod tests {
                 announce: crate::config::Announce::None,
                 lease: None,
                 elect: false,
+                keep_client_address: false,
+                client_affinity: false,
             });
         };
         assert_eq!(update(external), Update { external: true, ..Update::default() });

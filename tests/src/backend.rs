@@ -14,7 +14,8 @@ use std::{
 };
 
 /// A TCP (and UDP) server on one address that answers `who` with its
-/// name, so a test knows which server a connection really reached, and
+/// name, so a test knows which server a connection really reached,
+/// `peer` with the address the connection came from, and
 /// answers `GET /...` (a health check) with a status the test controls.
 pub struct Backend {
     /// What it answers `who` with.
@@ -149,6 +150,12 @@ fn serve(
     let mut first = String::new();
     if BufReader::new(&stream).read_line(&mut first).is_err() || first.is_empty() {
         return; // a TCP health check: connect and close
+    }
+    if first.trim_end() == "peer" {
+        // Whom the server sees: the client's own address, or a NAT source.
+        let peer = stream.peer_addr().map_or_else(|e| e.to_string(), |a| a.to_string());
+        let _ = writeln!(stream, "{peer}");
+        return;
     }
     if first.starts_with("GET ") {
         let status = health_status.load(Ordering::Relaxed);

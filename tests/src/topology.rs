@@ -270,3 +270,13 @@ pub fn mac_of(dev: &str) -> String {
         .unwrap();
     String::from_utf8_lossy(&out.stdout).split_whitespace().nth(2).unwrap_or_default().to_owned()
 }
+
+/// The address the server sees `stream` come from (it answers `peer`
+/// with it): the client's own, or the node's NAT source.
+pub fn peer(mut stream: &TcpStream) -> Result<SocketAddr, String> {
+    stream.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    stream.write_all(b"peer\n").map_err(|e| e.to_string())?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line).map_err(|e| e.to_string())?;
+    line.trim().parse().map_err(|e| format!("{line:?}: {e}"))
+}

@@ -129,6 +129,7 @@ fn kubernetes(service: &str, port: &str, debounce: Duration) -> Discovery {
         service: service.to_owned(),
         port: PortRef::Name(port.to_owned()),
         debounce,
+        node: None,
     }
 }
 

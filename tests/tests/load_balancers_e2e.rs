@@ -7,6 +7,7 @@
 
 use std::{
     collections::BTreeSet,
+    io::{Read as _, Write as _},
     net::{SocketAddr, TcpStream},
     time::Duration,
 };
@@ -22,7 +23,7 @@ use lb_tests::{
     },
     in_new_netns, privileged_test,
     rolling_update::{Vip, metallb_474},
-    topology::{SERVING_WITHIN, Topology, client_neighbour, who},
+    topology::{SERVING_WITHIN, Topology, client_neighbour, peer, who},
     wait_until,
 };
 
@@ -161,4 +162,133 @@ fn a_load_balancer_service_is_given_an_address_announced_and_served() {
 #[privileged_test]
 fn metallb_474_rolling_update_through_a_load_balancer_service() {
     in_new_netns(|| metallb_474(Vip::LoadBalancer));
+}
+
+/// `externalTrafficPolicy: Local` (issue 41): only a node with a ready
+/// endpoint of its own announces the address and serves it, from that
+/// endpoint alone, and the server sees the client's own address (the
+/// pods' gateway is the node, as in a cluster, so their replies pass
+/// through it and are translated back); the node's
+/// `healthCheckNodePort` says how many local endpoints it has, `503`
+/// with none. IPv4 and IPv6.
+#[privileged_test]
+fn a_local_service_is_served_only_from_a_local_endpoint_keeping_the_client() {
+    in_new_netns(|| {
+        use Condition::Ready;
+        const HEALTH_PORT: u16 = 31_999;
+        let net = Topology::on_link();
+        net.servers.sh(&["ip", "route", "add", "198.18.0.0/24", "via", "198.18.2.1"]);
+        net.servers.sh(&["ip", "-6", "route", "add", "2001:2::/64", "via", "2001:2:0:2::1"]);
+        let rt = runtime();
+        let api = rt.block_on(FakeApiServer::start());
+        let kubeconfig = Kubeconfig::write(&api.url());
+        let _pod = net.server("pod-1", "198.18.2.2:8080");
+        let _pod6 = net.server("pod-6", "[2001:2:0:2::2]:8080");
+        // The pods run on `node`.
+        let place = |node: &str| {
+            let at = |ip: &str| vec![endpoint(ip, node, Ready)];
+            api.apply(endpoint_slice("web-4", "web", "IPv4", &[("http", 8080)], at("198.18.2.2")));
+            api.apply(endpoint_slice(
+                "web-6",
+                "web",
+                "IPv6",
+                &[("http", 8080)],
+                at("2001:2:0:2::2"),
+            ));
+        };
+        place("node-b");
+        let mut web = load_balancer_service("web", &[("http", 80, 8080)]);
+        let spec = web.spec.as_mut().unwrap();
+        spec.external_traffic_policy = Some("Local".into());
+        spec.health_check_node_port = Some(i32::from(HEALTH_PORT));
+        spec.ip_families = Some(vec!["IPv4".into(), "IPv6".into()]);
+        spec.ip_family_policy = Some("RequireDualStack".into());
+        api.apply_service(web);
+
+        let cgroup = TestCgroup::new("external-lblocal");
+        let daemon = Daemon::start_with(
+            "external-lblocal",
+            &cgroup,
+            &format!("kubeconfig = {:?}\nnode_name = \"node-a\"\n", kubeconfig.path()),
+            "[kubernetes]\ndefault_class = true\ninterfaces = [\"ext0\"]\n\
+             [[pool]]\nname = \"default\"\n\
+             addresses = [\"198.18.1.100\", \"2001:2:0:1::100\"]\n",
+        );
+        let (vip, vip6): (SocketAddr, SocketAddr) =
+            ("198.18.1.100:80".parse().unwrap(), "[2001:2:0:1::100]:80".parse().unwrap());
+        let seen_by_server = |vip: SocketAddr| {
+            net.client.run(move || {
+                let stream = TcpStream::connect_timeout(&vip, Duration::from_secs(1)).ok()?;
+                peer(&stream).ok()
+            })
+        };
+        // kube-proxy's answer on the node's address: (status, body).
+        let health = || {
+            net.client.run(|| {
+                let to: SocketAddr = format!("198.18.0.1:{HEALTH_PORT}").parse().unwrap();
+                let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(1)).ok()?;
+                s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+                s.write_all(b"GET /healthz HTTP/1.1\r\nHost: node\r\nConnection: close\r\n\r\n")
+                    .ok()?;
+                let mut text = String::new();
+                s.read_to_string(&mut text).ok()?;
+                let status = text.split_whitespace().nth(1)?.parse::<u16>().ok()?;
+                Some((status, text.split("\r\n\r\n").nth(1)?.to_owned()))
+            })
+        };
+
+        // Allocated, but this node has no endpoint of it: silent.
+        let given = wait_until(SERVING_WITHIN, || {
+            let status =
+                api.service("default", "web").and_then(|s| s.status?.load_balancer?.ingress);
+            status.is_some_and(|ingress| ingress.len() == 2)
+        });
+        assert!(given, "web was given no addresses\n{}", daemon.log());
+        let answered = wait_until(SERVING_WITHIN, || health().is_some_and(|(code, _)| code == 503));
+        assert!(answered, "healthCheckNodePort: {:?}\n{}", health(), daemon.log());
+        let (_, body) = health().unwrap();
+        assert!(
+            body.contains(r#""localEndpoints":0"#) && body.contains(r#""name":"web""#),
+            "{body}"
+        );
+        let status = daemon.status();
+        let web = &status["load_balancers"]["services"][0];
+        assert_eq!(web["traffic_policy"], "Local", "{web}");
+        std::thread::sleep(Duration::from_secs(2));
+        assert_eq!(seen_by_server(vip), None, "served with no local endpoint");
+        assert_eq!(
+            client_neighbour(&net, "198.18.1.100"),
+            None,
+            "announced with no local endpoint"
+        );
+
+        // The pods move to this node: announced, served from them, and the
+        // servers see the client's own address.
+        place("node-a");
+        let client4: SocketAddr = "198.18.0.10:0".parse().unwrap();
+        let served = wait_until(SERVING_WITHIN, || seen_by_server(vip).is_some());
+        assert!(served, "{vip} never answered\n{}", daemon.log());
+        for _ in 0..10 {
+            let seen = seen_by_server(vip).expect("a connect through the Local address");
+            assert_eq!(seen.ip(), client4.ip(), "the server saw {seen}, not the client");
+        }
+        let served6 = wait_until(SERVING_WITHIN, || seen_by_server(vip6).is_some());
+        assert!(served6, "{vip6} never answered\n{}", daemon.log());
+        let seen6 = seen_by_server(vip6).unwrap();
+        assert_eq!(seen6.ip().to_string(), "2001:2::10", "the server saw {seen6}, not the client");
+        assert!(client_neighbour(&net, "198.18.1.100").is_some(), "ARP answered");
+        let healthy = wait_until(SERVING_WITHIN, || health().is_some_and(|(code, _)| code == 200));
+        assert!(healthy, "healthCheckNodePort: {:?}", health());
+        assert!(health().unwrap().1.contains(r#""localEndpoints":1"#));
+
+        // They move away again: withdrawn.
+        place("node-b");
+        let withdrawn = wait_until(SERVING_WITHIN, || seen_by_server(vip).is_none());
+        assert!(withdrawn, "{vip} still served with no local endpoint\n{}", daemon.log());
+        let unhealthy =
+            wait_until(SERVING_WITHIN, || health().is_some_and(|(code, _)| code == 503));
+        assert!(unhealthy, "healthCheckNodePort: {:?}", health());
+        drop(daemon);
+        drop(cgroup);
+    });
 }

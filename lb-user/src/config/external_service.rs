@@ -88,7 +88,9 @@ pub(super) fn parse_external(
         }
     }
     let lease = raw.lease.and_then(|lease| parse_lease(lease, announce, line, &at, problems));
-    External { interfaces, announce, lease, elect }
+    let keep_client_address = raw.keep_client_address.unwrap_or(false);
+    let client_affinity = raw.client_affinity.unwrap_or(false);
+    External { interfaces, announce, lease, elect, keep_client_address, client_affinity }
 }
 
 /// The services announcing an address that another service announces
@@ -162,6 +164,8 @@ mod tests {
             announce: Announce::None,
             lease: None,
             elect: false,
+            keep_client_address: false,
+            client_affinity: false,
         };
         assert_eq!(config.services[0].external, Some(expected));
         let arp = parse(&format!("{EXTERNAL}announce = \"arp\"\n")).unwrap();

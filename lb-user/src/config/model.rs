@@ -231,6 +231,14 @@ pub struct External {
     /// With `lease` too, a cluster moving from a Lease per VIP: the node
     /// announces only while it holds both (docs/elections.md).
     pub elect: bool,
+    /// The servers see the client's own address: destination NAT only
+    /// (`externalTrafficPolicy: Local`). Their replies must pass through
+    /// this node (it is their gateway), where they are translated back.
+    pub keep_client_address: bool,
+    /// With `policy = "spread"`, a client's flows from other machines go
+    /// to one server, placed by its address alone, while the servers stay
+    /// the same (`sessionAffinity: ClientIP`).
+    pub client_affinity: bool,
 }
 
 /// A `coordination.k8s.io/v1` Lease.
@@ -301,6 +309,9 @@ pub enum Discovery {
         port: PortRef,
         /// How long a burst of changes settles before it applies.
         debounce: Duration,
+        /// Only the endpoints on this node (by the name EndpointSlices
+        /// give it): `externalTrafficPolicy: Local`.
+        node: Option<String>,
     },
     /// The A (IPv4 VIP) or AAAA (IPv6 VIP) records of `name`, re-resolved
     /// at their TTL clamped to `refresh_min..=refresh_max`.

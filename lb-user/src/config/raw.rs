@@ -77,6 +77,8 @@ pub(super) struct RawExternal {
     pub(super) announce: Option<String>,
     pub(super) lease: Option<RawLease>,
     pub(super) elect: Option<bool>,
+    pub(super) keep_client_address: Option<bool>,
+    pub(super) client_affinity: Option<bool>,
 }
 
 /// `[kubernetes]`: where lb keeps what it shares with the other nodes.

@@ -106,6 +106,7 @@ fn read_discovery(
                 service: k.service,
                 port,
                 debounce,
+                node: None,
             })
         }
         (None, Some(d)) => {
@@ -410,7 +411,8 @@ mod tests {
                 namespace: "default".into(),
                 service: "kubernetes".into(),
                 port: PortRef::Name("https".into()),
-                debounce: DEFAULT_DEBOUNCE
+                debounce: DEFAULT_DEBOUNCE,
+                node: None,
             })
         );
         let dns = format!(

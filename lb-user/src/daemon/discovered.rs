@@ -125,12 +125,16 @@ pub(super) fn screen(
 }
 
 /// The list to apply from a source's answer, or why the last one stays: a
-/// source that goes blank or fails must never empty a VIP.
+/// source that goes blank or fails must never empty a VIP, unless a blank
+/// list is one of its answers (`blank_applies`: the endpoints on this node
+/// of a Service whose traffic stays on the node that receives it, which
+/// may have none here: the node then stops announcing it).
 pub(super) fn list_to_apply(
     result: Result<Vec<Endpoint>, String>,
+    blank_applies: bool,
 ) -> Result<Vec<(SocketAddr, Readiness)>, (Outcome, String)> {
     match result {
-        Ok(endpoints) if endpoints.is_empty() => {
+        Ok(endpoints) if endpoints.is_empty() && !blank_applies => {
             Err((Outcome::Empty, "the source listed no endpoints".to_owned()))
         }
         Ok(endpoints) => Ok(endpoints.iter().map(|e| (e.addr, e.readiness)).collect()),
@@ -183,7 +187,11 @@ impl Daemon {
             let dropped = screen(endpoints, vip, |addr| self.services.by_vip.contains_key(&addr));
             self.count_dropped(i, &dropped);
         }
-        let result = list_to_apply(result).and_then(|list| {
+        let local = matches!(
+            &self.services[i].config.discovery,
+            Some(config::Discovery::Kubernetes { node: Some(_), .. })
+        );
+        let result = list_to_apply(result, local).and_then(|list| {
             self.apply_discovered(i, &list, update.truncated).map_err(|e| (Outcome::Error, e))
         });
         let outcome = result.as_ref().map_or_else(|(outcome, _)| *outcome, |()| Outcome::Applied);
@@ -354,7 +362,7 @@ mod tests {
         let mut only_bad = vec![endpoint("169.254.169.254:80")];
         screen(&mut only_bad, vip, is_vip);
         assert_eq!(
-            list_to_apply(Ok(only_bad)).unwrap_err().0,
+            list_to_apply(Ok(only_bad), false).unwrap_err().0,
             Outcome::Empty,
             "keeps the last list"
         );
@@ -364,10 +372,11 @@ mod tests {
     fn an_empty_or_failed_answer_keeps_the_last_list() {
         let a: SocketAddr = "127.10.0.1:443".parse().unwrap();
         let endpoint = Endpoint { addr: a, readiness: Readiness::Serving };
-        assert_eq!(list_to_apply(Ok(vec![endpoint])), Ok(vec![(a, Readiness::Serving)]));
-        assert_eq!(list_to_apply(Ok(vec![])).unwrap_err().0, Outcome::Empty);
+        assert_eq!(list_to_apply(Ok(vec![endpoint]), false), Ok(vec![(a, Readiness::Serving)]));
+        assert_eq!(list_to_apply(Ok(vec![]), false).unwrap_err().0, Outcome::Empty);
+        assert_eq!(list_to_apply(Ok(vec![]), true), Ok(vec![]), "none on this node");
         assert_eq!(
-            list_to_apply(Err("watch failed".into())),
+            list_to_apply(Err("watch failed".into()), true),
             Err((Outcome::Error, "watch failed".into()))
         );
     }

@@ -23,7 +23,7 @@ use crate::{
     balancer::State,
     config::{Announce, Policy},
     control::{ExternalStatus, InterfaceStatus, ServiceExternal, TrafficStatus},
-    datapath::Announced,
+    datapath::{Announced, ExternalVips},
     maglev, nat_addresses, nat_ports, routes,
 };
 
@@ -61,11 +61,23 @@ impl Daemon {
         let external: Vec<usize> = (0..self.services.len())
             .filter(|&i| self.services[i].config.external.is_some())
             .collect();
-        let vips: HashSet<SocketAddr> =
-            external.iter().map(|&i| self.services[i].config.vip).collect();
+        let mut vips = ExternalVips::default();
+        for &i in &external {
+            let service = &self.services[i];
+            vips.vips.insert(service.config.vip);
+            let Some(external) = &service.config.external else { continue };
+            if external.client_affinity {
+                vips.by_address.insert(service.config.vip);
+            }
+            if external.keep_client_address {
+                vips.keeping.insert(service.config.vip);
+                vips.server_ports.extend(service.balancer.servers().iter().map(|s| s.addr.port()));
+            }
+        }
         if let Err(e) = self.datapath.external().set_vips(&vips) {
             warn!("writing the external VIPs: {e:#}");
         }
+        self.sync_health_checks();
         let servers: HashSet<IpAddr> = external
             .iter()
             .flat_map(|&i| self.services[i].balancer.servers().iter().map(|s| s.addr.ip()))
@@ -177,7 +189,8 @@ impl Daemon {
                 (name, (role, result))
             })
             .collect();
-        let families = (vips.iter().any(SocketAddr::is_ipv4), vips.iter().any(SocketAddr::is_ipv6));
+        let families =
+            (vips.vips.iter().any(SocketAddr::is_ipv4), vips.vips.iter().any(SocketAddr::is_ipv6));
         if !external.is_empty() {
             self.watch_forwarding(families);
             self.reserve_nat_ports();
@@ -454,7 +467,7 @@ impl Daemon {
 }
 
 /// Whether a server in `state` can take connections now.
-fn is_usable(state: State) -> bool {
+pub(super) fn is_usable(state: State) -> bool {
     matches!(state, State::Active | State::Preferred | State::Healthy | State::Standby)
 }
 

@@ -14,7 +14,7 @@ use crate::{
         self, Announce, CheckKind, DEFAULT_HOLD_DOWN, Discovery, External, HealthConfig,
         LoadBalancers, Policy, PortRef, Scope,
     },
-    loadbalancer::Served,
+    loadbalancer::{Served, health_check::HealthPorts},
     state::SavedState,
 };
 
@@ -39,6 +39,8 @@ pub(super) struct LoadBalancerTask {
     pub(super) served: Vec<Served>,
     /// The names of the services made from it, running now.
     pub(super) names: HashSet<String>,
+    /// The `healthCheckNodePort`s of its `Local` Services, answered.
+    pub(super) health: HealthPorts,
 }
 
 impl Drop for LoadBalancerTask {
@@ -77,7 +79,7 @@ pub(super) fn resume(
         })
         .filter(|s| !s.addresses.is_empty())
         .collect();
-    let services = services_of(&served, &settings.load_balancers, file);
+    let services = services_of(&served, &settings.load_balancers, &settings.node_name, file);
     Resumed { served, services }
 }
 
@@ -113,7 +115,14 @@ pub(super) fn start(
     };
     info!(pools = settings.load_balancers.pools.len(), "serving LoadBalancer Services");
     let names = resumed.services.iter().map(|s| s.name.clone()).collect();
-    let task = LoadBalancerTask { leading, _stop: stop, task, served: resumed.served, names };
+    let task = LoadBalancerTask {
+        leading,
+        _stop: stop,
+        task,
+        served: resumed.served,
+        names,
+        health: HealthPorts::default(),
+    };
     (Some(task), served)
 }
 
@@ -121,10 +130,14 @@ pub(super) fn start(
 /// address and port, named `namespace/name@VIP`. A VIP or name the file
 /// already has is the file's (the LoadBalancer Service's is left out,
 /// with a warning); of two Services claiming one VIP (the allocator
-/// settles that) the first by name is served meanwhile.
+/// settles that) the first by name is served meanwhile. A Service whose
+/// `externalTrafficPolicy` is `Local` is served from the endpoints on
+/// `node` alone (none here: this node is not eligible, and never
+/// announces it), keeping the client's address.
 pub(super) fn services_of(
     served: &[Served],
     settings: &LoadBalancers,
+    node: &str,
     file: &[config::Service],
 ) -> Vec<config::Service> {
     let mut names: HashSet<String> = file.iter().map(|s| s.name.clone()).collect();
@@ -159,6 +172,7 @@ pub(super) fn services_of(
                         service: wanted.service.name.clone(),
                         port: PortRef::Name(port.name.clone()),
                         debounce: DEBOUNCE,
+                        node: wanted.local.then(|| node.to_owned()),
                     }),
                     scope: Scope::All,
                     external: Some(External {
@@ -166,6 +180,8 @@ pub(super) fn services_of(
                         announce: Announce::Arp,
                         lease: None,
                         elect: true,
+                        keep_client_address: wanted.local,
+                        client_affinity: wanted.client_affinity,
                     }),
                 });
             }
@@ -184,6 +200,9 @@ mod tests {
             service: ServiceRef { namespace: "shop".into(), name: name.into() },
             addresses: addresses.iter().map(|a| a.parse().unwrap()).collect(),
             ports: ports.iter().map(|&(n, p)| ServedPort { name: n.into(), port: p }).collect(),
+            local: false,
+            health_check_node_port: None,
+            client_affinity: false,
         }
     }
 
@@ -201,6 +220,7 @@ mod tests {
                 &[("http", 80), ("https", 443)],
             )],
             &settings,
+            "n1",
             &[],
         );
         let names: Vec<&str> = all.iter().map(|s| s.name.as_str()).collect();
@@ -221,18 +241,31 @@ mod tests {
                 service: "web".into(),
                 port: PortRef::Name("https".into()),
                 debounce: DEBOUNCE,
+                node: None,
             })
         );
         let external = https.external.as_ref().unwrap();
         assert!(external.elect && external.announce == Announce::Arp);
+        assert!(!external.keep_client_address);
         assert_eq!(external.interfaces, ["eth1"]);
         assert!(https.servers.is_empty() && https.health.check == CheckKind::None);
     }
 
     #[test]
+    fn a_local_service_follows_this_nodes_endpoints_and_keeps_the_client() {
+        let mut local = served("web", &["198.18.1.100"], &[("http", 80)]);
+        local.local = true;
+        let all = services_of(&[local], &LoadBalancers::default(), "n1", &[]);
+        let Some(Discovery::Kubernetes { node, .. }) = &all[0].discovery else { panic!() };
+        assert_eq!(node.as_deref(), Some("n1"));
+        assert!(all[0].external.as_ref().unwrap().keep_client_address);
+    }
+
+    #[test]
     fn a_vip_the_file_or_another_service_has_is_not_taken() {
         let settings = LoadBalancers::default();
-        let file = services_of(&[served("file", &["198.18.1.100"], &[("", 80)])], &settings, &[]);
+        let file =
+            services_of(&[served("file", &["198.18.1.100"], &[("", 80)])], &settings, "n1", &[]);
         let all = services_of(
             &[
                 served("a", &["198.18.1.100"], &[("", 80), ("", 81)]),
@@ -240,6 +273,7 @@ mod tests {
                 served("c", &["198.18.1.101"], &[("", 80)]),
             ],
             &settings,
+            "n1",
             &file,
         );
         let names: Vec<&str> = all.iter().map(|s| s.name.as_str()).collect();

@@ -7,18 +7,22 @@
 //! that allocates, elected by membership too: [`ALLOCATOR`] is placed as
 //! a VIP every node with the task can serve, so exactly one node answers
 //! it at a time, fenced like any VIP, at no cost to the API server beyond
-//! the membership Leases the nodes write anyway.
+//! the membership Leases the nodes write anyway. `Local` Services'
+//! `healthCheckNodePort`s are answered from here too.
+
+use std::collections::BTreeMap;
 
 use tracing::{info, warn};
 
 use super::{
+    external_sync::is_usable,
     load_balancer_task::{ALLOCATOR, services_of},
     owner::Daemon,
 };
 use crate::{
     config,
     control::{LoadBalancerStatus, LoadBalancersStatus},
-    loadbalancer::Served,
+    loadbalancer::{Served, health_check::Health},
 };
 
 impl Daemon {
@@ -34,9 +38,10 @@ impl Daemon {
         &mut self,
         file: &[config::Service],
     ) -> Vec<config::Service> {
-        let settings = &self.config.settings.load_balancers;
+        let settings = &self.config.settings;
         let Some(task) = &mut self.load_balancers else { return Vec::new() };
-        let services = services_of(&task.served, settings, file);
+        let services =
+            services_of(&task.served, &settings.load_balancers, &settings.node_name, file);
         task.names = services.iter().map(|s| s.name.clone()).collect();
         services
     }
@@ -82,7 +87,7 @@ impl Daemon {
                         .and_then(|&ip| pools.iter().find(|p| p.contains(ip)))
                         .map(|p| p.name.clone()),
                     ports: served.ports.iter().map(|p| p.port).collect(),
-                    traffic_policy: "Cluster".to_owned(),
+                    traffic_policy: if served.local { "Local" } else { "Cluster" }.to_owned(),
                     served_as: self
                         .services
                         .iter()
@@ -94,6 +99,30 @@ impl Daemon {
             })
             .collect();
         Some(LoadBalancersStatus { allocating: *task.leading.borrow(), services })
+    }
+
+    /// Answers each `Local` Service's `healthCheckNodePort` with its
+    /// ready endpoints on this node: the most any of its services (one per
+    /// address and port) has usable. Called with every sync of the
+    /// external path (each second, and as servers change).
+    pub(super) fn sync_health_checks(&mut self) {
+        let Some(task) = &mut self.load_balancers else { return };
+        let mut wanted = BTreeMap::new();
+        for served in &task.served {
+            let Some(port) = served.health_check_node_port else { continue };
+            let prefix = format!("{}@", served.service);
+            let local_endpoints = self
+                .services
+                .iter()
+                .filter(|s| {
+                    s.config.name.starts_with(&prefix) && task.names.contains(&s.config.name)
+                })
+                .map(|s| s.balancer.servers().iter().filter(|s| is_usable(s.state)).count())
+                .max()
+                .unwrap_or(0);
+            wanted.insert(port, Health { service: served.service.clone(), local_endpoints });
+        }
+        task.health.set(wanted);
     }
 
     /// Whether the membership task should place [`ALLOCATOR`] too.

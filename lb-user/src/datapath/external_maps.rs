@@ -43,6 +43,20 @@ pub struct ExternalMaps {
     fast_path: FastPathMaps,
 }
 
+/// The external VIPs, as `ExternalMaps::set_vips` tells `lb_xdp`.
+#[derive(Debug, Default)]
+pub struct ExternalVips {
+    /// Every external VIP.
+    pub vips: HashSet<SocketAddr>,
+    /// Those whose flows keep the client's address (destination NAT only).
+    pub keeping: HashSet<SocketAddr>,
+    /// Those whose new flows are placed by the client's address alone.
+    pub by_address: HashSet<SocketAddr>,
+    /// The ports of the servers of those: their replies go to the client's
+    /// own port, and are looked up by their source port.
+    pub server_ports: HashSet<u16>,
+}
+
 /// An address announced on one interface: (interface index, address).
 pub type Announced = (u32, IpAddr);
 
@@ -101,31 +115,45 @@ impl ExternalMaps {
         self.fast_path.new_epoch()
     }
 
-    /// Makes `EXTERNAL` hold exactly `vips`, and each of their addresses
-    /// with port 0: `lb_xdp` answers or drops what arrives for a VIP's
-    /// address that it does not serve, rather than hand it to a kernel
-    /// that does not own the address; and `VIP_PORTS` their ports.
+    /// Makes `EXTERNAL` hold exactly `vips` (with the flag of those that
+    /// keep the client's address), and each of their addresses with port
+    /// 0: `lb_xdp` answers or drops what arrives for a VIP's address that
+    /// it does not serve, rather than hand it to a kernel that does not
+    /// own the address; and `VIP_PORTS` their ports and the ports of the
+    /// servers of those that keep the client's address.
     /// Returns how many entries of `EXTERNAL` changed.
-    pub fn set_vips(&mut self, vips: &HashSet<SocketAddr>) -> anyhow::Result<usize> {
-        let addresses = vips.iter().map(|vip| SocketAddr::new(vip.ip(), 0));
-        let wanted: HashSet<Endpoint> =
-            vips.iter().copied().chain(addresses).map(Endpoint::from).collect();
+    pub fn set_vips(&mut self, vips: &ExternalVips) -> anyhow::Result<usize> {
+        let addresses = vips.vips.iter().map(|vip| (SocketAddr::new(vip.ip(), 0), 0));
+        let flags = |vip: &SocketAddr| {
+            let flag = |set: &HashSet<SocketAddr>, flag| if set.contains(vip) { flag } else { 0 };
+            flag(&vips.keeping, lb_common::EXTERNAL_KEEP_CLIENT)
+                | flag(&vips.by_address, lb_common::EXTERNAL_CLIENT_AFFINITY)
+        };
+        let wanted: StdHashMap<Endpoint, u32> = vips
+            .vips
+            .iter()
+            .map(|vip| (*vip, flags(vip)))
+            .chain(addresses)
+            .map(|(vip, flags)| (Endpoint::from(vip), flags))
+            .collect();
         if wanted.len() > MAX_SERVICES as usize {
             anyhow::bail!(
                 "{} external VIPs and their {} addresses are more than EXTERNAL holds ({MAX_SERVICES})",
-                vips.len(),
-                wanted.len() - vips.len()
+                vips.vips.len(),
+                wanted.len() - vips.vips.len()
             );
         }
-        let present: HashSet<Endpoint> = self.vips.keys().filter_map(Result::ok).collect();
+        let present: StdHashMap<Endpoint, u32> = self.vips.iter().filter_map(Result::ok).collect();
         let mut changed = 0;
-        for vip in wanted.difference(&present) {
-            self.vips
-                .insert(vip, 0, 0)
-                .with_context(|| format!("writing {} to EXTERNAL", SocketAddr::from(*vip)))?;
-            changed += 1;
+        for (vip, &flags) in &wanted {
+            if present.get(vip) != Some(&flags) {
+                self.vips
+                    .insert(vip, flags, 0)
+                    .with_context(|| format!("writing {} to EXTERNAL", SocketAddr::from(*vip)))?;
+                changed += 1;
+            }
         }
-        for vip in present.difference(&wanted) {
+        for vip in present.keys().filter(|vip| !wanted.contains_key(vip)) {
             remove(&mut self.vips, vip).context("removing a VIP from EXTERNAL")?;
             changed += 1;
         }
@@ -135,7 +163,8 @@ impl ExternalMaps {
         // Ports after the VIPs: a port is looked up among the established
         // flows first only while some VIP has it, and no flow is
         // established before its VIP is in `EXTERNAL`.
-        self.fast_path.set_ports(vips)?;
+        let ports = vips.vips.iter().map(SocketAddr::port).chain(vips.server_ports.iter().copied());
+        self.fast_path.set_ports(ports)?;
         Ok(changed)
     }
 

@@ -4,8 +4,6 @@
 //! that ends every verdict the kernel keeps, bumped after each change to
 //! what those verdicts stand for (`SERVICES`, `EXTERNAL`, `LINK_MACS`).
 
-use std::{collections::HashSet, net::SocketAddr};
-
 use anyhow::Context as _;
 use aya::maps::{Array, Map};
 use lb_common::{VIP_PORT_WORDS, maps, vip_port_bit};
@@ -46,10 +44,10 @@ impl FastPathMaps {
         Ok(())
     }
 
-    /// Makes `VIP_PORTS` hold exactly the ports of `vips`. Returns how
+    /// Makes `VIP_PORTS` hold exactly `ports`. Returns how
     /// many of its words changed.
-    pub(super) fn set_ports(&mut self, vips: &HashSet<SocketAddr>) -> anyhow::Result<usize> {
-        let wanted = port_words(vips.iter().map(SocketAddr::port));
+    pub(super) fn set_ports(&mut self, ports: impl Iterator<Item = u16>) -> anyhow::Result<usize> {
+        let wanted = port_words(ports);
         let mut changed = 0;
         for (index, (had, want)) in self.ports.iter_mut().zip(wanted).enumerate() {
             if *had != want {

@@ -58,7 +58,7 @@ use lb_common::{NETNS_ANY, maps as map_names, programs};
 use tracing::{info, warn};
 
 pub use self::{
-    external_maps::{Announced, ExternalMaps, Forwarded},
+    external_maps::{Announced, ExternalMaps, ExternalVips, Forwarded},
     maps::{Forgotten, PinnedMaps, VipEntry, failed_within},
     object::{KernelLogger, XdpLimits},
     pins::detach,

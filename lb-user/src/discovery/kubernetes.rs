@@ -68,6 +68,8 @@ pub(crate) struct Target {
     /// The Kubernetes Service.
     pub name: String,
     pub port: PortRef,
+    /// Only the endpoints on this node (`externalTrafficPolicy: Local`).
+    pub node: Option<String>,
     /// The config's servers of the lb service: dialled last.
     pub seeds: Vec<SocketAddr>,
 }
@@ -150,7 +152,8 @@ pub(crate) async fn run(
                     false
                 }
             };
-            let (endpoints, truncated) = endpoints_of(slices.values(), target.vip, &target.port);
+            let (endpoints, truncated) =
+                endpoints_of(slices.values(), target.vip, &target.port, target.node.as_deref());
             if truncated > 0 {
                 tracing::warn!(
                     service = %target.service,

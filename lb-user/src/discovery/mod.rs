@@ -180,7 +180,7 @@ pub fn spawn_with(
     tokio::spawn(async move {
         match discovery {
             #[cfg(feature = "kubernetes")]
-            config::Discovery::Kubernetes { namespace, service, port, debounce } => {
+            config::Discovery::Kubernetes { namespace, service, port, debounce, node } => {
                 let (signals, signal_rx) = mpsc::channel(SIGNALS);
                 let follow = kubernetes::run(
                     kubernetes::Target {
@@ -189,6 +189,7 @@ pub fn spawn_with(
                         namespace,
                         name: service,
                         port,
+                        node,
                         seeds,
                     },
                     options.kubeconfig,
@@ -323,6 +324,7 @@ mod tests {
                 service: "kubernetes".into(),
                 port: config::PortRef::Name("https".into()),
                 debounce: Duration::from_secs(1),
+                node: None,
             },
             config::Discovery::Dns {
                 name: "api.example.internal".into(),

@@ -7,7 +7,9 @@
 //!   Service's port (`default/kubernetes` has port 443 named `https`, its
 //!   slice lists 6443 named `https`): a name follows a Service port;
 //! - each endpoint judged by its own conditions, never by its node (MetalLB
-//!   474): `ready` (nil counts as ready) → [`Readiness::Ready`]; not ready
+//!   474), which counts only for a Service whose traffic stays on the
+//!   node that receives it (`externalTrafficPolicy: Local`: the node's
+//!   own endpoints, and no other): `ready` (nil counts as ready) → [`Readiness::Ready`]; not ready
 //!   but `serving` (nil: as ready) → [`Readiness::Serving`] (terminating,
 //!   drained); not serving → left out. Of an endpoint's addresses only the
 //!   first is used, as kube-proxy does;
@@ -21,12 +23,14 @@ use super::{Endpoint, forward::rank};
 use crate::{balancer::Readiness, config::PortRef};
 
 /// The Service's endpoints, merged over all its slices: those of the VIP's
-/// family, on the configured port, by their conditions; ranked, at most 16,
+/// family, on the configured port, by their conditions (and on `node`
+/// alone, if given: `externalTrafficPolicy: Local`); ranked, at most 16,
 /// and how many more were left out.
 pub(crate) fn endpoints_of<'a>(
     slices: impl IntoIterator<Item = &'a EndpointSlice>,
     vip: SocketAddr,
     port: &PortRef,
+    node: Option<&str>,
 ) -> (Vec<Endpoint>, usize) {
     let family = if vip.is_ipv4() { "IPv4" } else { "IPv6" };
     let mut found = Vec::new();
@@ -38,6 +42,9 @@ pub(crate) fn endpoints_of<'a>(
             continue;
         };
         for endpoint in &slice.endpoints {
+            if node.is_some_and(|node| endpoint.node_name.as_deref() != Some(node)) {
+                continue;
+            }
             let Some(readiness) = readiness_of(endpoint.conditions.as_ref()) else {
                 continue;
             };
@@ -194,7 +201,7 @@ mod tests {
                 endpoint("127.10.0.2", "node-a", NOT_READY),
             ],
         );
-        let (list, truncated) = endpoints_of([&s], vip4(), &https());
+        let (list, truncated) = endpoints_of([&s], vip4(), &https(), None);
         assert_eq!(list, [ep("127.10.0.1:8443", Readiness::Ready)]);
         assert_eq!(truncated, 0);
         // And the other way round: a ready endpoint never lifts a not-ready
@@ -209,7 +216,7 @@ mod tests {
                 endpoint("127.10.0.1", "node-a", READY),
             ],
         );
-        let (list, _) = endpoints_of([&s], vip4(), &https());
+        let (list, _) = endpoints_of([&s], vip4(), &https(), None);
         assert_eq!(
             list,
             [ep("127.10.0.1:8443", Readiness::Ready), ep("127.10.0.3:8443", Readiness::Serving)]
@@ -230,11 +237,35 @@ mod tests {
             vec![port("https", 8443)],
             vec![endpoint("127.10.0.2", "n2", None)],
         );
-        let (list, _) = endpoints_of([&a, &b], vip4(), &https());
+        let (list, _) = endpoints_of([&a, &b], vip4(), &https(), None);
         assert_eq!(
             list,
             [ep("127.10.0.1:8443", Readiness::Ready), ep("127.10.0.2:8443", Readiness::Ready)]
         );
+    }
+
+    #[test]
+    fn a_local_service_takes_only_this_nodes_endpoints() {
+        let s = slice(
+            "web-a",
+            "IPv4",
+            vec![port("https", 8443)],
+            vec![
+                endpoint("127.10.0.1", "n1", READY),
+                endpoint("127.10.0.2", "n2", READY),
+                endpoint("127.10.0.3", "n1", None),
+            ],
+        );
+        let (list, _) = endpoints_of([&s], vip4(), &https(), Some("n1"));
+        assert_eq!(
+            list,
+            [ep("127.10.0.1:8443", Readiness::Ready), ep("127.10.0.3:8443", Readiness::Ready)]
+        );
+        assert_eq!(endpoints_of([&s], vip4(), &https(), Some("n3")).0, [], "no endpoint here");
+        let mut nameless = endpoint("127.10.0.4", "n1", READY);
+        nameless.node_name = None;
+        let s = slice("web-b", "IPv4", vec![port("https", 8443)], vec![nameless]);
+        assert_eq!(endpoints_of([&s], vip4(), &https(), Some("n1")).0, [], "on no known node");
     }
 
     #[test]
@@ -259,9 +290,10 @@ mod tests {
             vec![port("https", 8443)],
             vec![endpoint("web.example", "n1", READY)],
         );
-        let (list, _) = endpoints_of([&v4, &v6, &fqdn], vip4(), &https());
+        let (list, _) = endpoints_of([&v4, &v6, &fqdn], vip4(), &https(), None);
         assert_eq!(list, [ep("127.10.0.1:8443", Readiness::Ready)]);
-        let (list, _) = endpoints_of([&v4, &v6, &fqdn], "[::1]:6444".parse().unwrap(), &https());
+        let (list, _) =
+            endpoints_of([&v4, &v6, &fqdn], "[::1]:6444".parse().unwrap(), &https(), None);
         assert_eq!(list, [ep("[fd00::1]:8443", Readiness::Ready)]);
         // A slice that says IPv4 but carries something else is skipped.
         let bad = slice(
@@ -270,7 +302,7 @@ mod tests {
             vec![port("https", 8443)],
             vec![endpoint("fd00::2", "n1", READY), endpoint("0.0.0.0", "n1", READY)],
         );
-        assert_eq!(endpoints_of([&bad], vip4(), &https()).0, []);
+        assert_eq!(endpoints_of([&bad], vip4(), &https(), None).0, []);
     }
 
     #[test]
@@ -289,12 +321,12 @@ mod tests {
             vec![port("https", 9443)],
             vec![endpoint("127.10.0.2", "n2", READY)],
         );
-        let (list, _) = endpoints_of([&old, &new], vip4(), &https());
+        let (list, _) = endpoints_of([&old, &new], vip4(), &https(), None);
         assert_eq!(
             list,
             [ep("127.10.0.1:8443", Readiness::Ready), ep("127.10.0.2:9443", Readiness::Ready)]
         );
-        let (list, _) = endpoints_of([&old, &new], vip4(), &PortRef::Number(9090));
+        let (list, _) = endpoints_of([&old, &new], vip4(), &PortRef::Number(9090), None);
         assert_eq!(list, [ep("127.10.0.1:9090", Readiness::Ready)]);
         // An unnamed port (a Service with one port) is the name "".
         let unnamed = slice(
@@ -304,14 +336,14 @@ mod tests {
             vec![endpoint("127.10.0.3", "n3", READY)],
         );
         assert_eq!(
-            endpoints_of([&unnamed], vip4(), &PortRef::Name(String::new())).0,
+            endpoints_of([&unnamed], vip4(), &PortRef::Name(String::new()), None).0,
             [ep("127.10.0.3:6443", Readiness::Ready)]
         );
-        assert_eq!(endpoints_of([&unnamed], vip4(), &https()).0, []);
+        assert_eq!(endpoints_of([&unnamed], vip4(), &https(), None).0, []);
         // A slice without ports, or a port without a number, gives nothing.
         let mut none = unnamed.clone();
         none.ports = None;
-        assert_eq!(endpoints_of([&none], vip4(), &PortRef::Number(6443)).0, []);
+        assert_eq!(endpoints_of([&none], vip4(), &PortRef::Number(6443), None).0, []);
     }
 
     /// UDP services: the cluster's DNS (`kube-system/kube-dns`, port `dns`)
@@ -326,7 +358,7 @@ mod tests {
             vec![endpoint("127.10.0.1", "n1", READY)],
         );
         assert_eq!(
-            endpoints_of([&s], vip4(), &PortRef::Name("dns".into())).0,
+            endpoints_of([&s], vip4(), &PortRef::Name("dns".into()), None).0,
             [ep("127.10.0.1:53", Readiness::Ready)]
         );
     }
@@ -337,7 +369,7 @@ mod tests {
         e.addresses.push("127.10.0.99".into());
         let s = slice("web", "IPv4", vec![port("https", 8443)], vec![e]);
         assert_eq!(
-            endpoints_of([&s], vip4(), &https()).0,
+            endpoints_of([&s], vip4(), &https(), None).0,
             [ep("127.10.0.1:8443", Readiness::Ready)]
         );
     }
@@ -348,7 +380,7 @@ mod tests {
             (1..=12).map(|i| endpoint(&format!("127.10.1.{i}"), "n", DRAINING)).collect();
         endpoints.extend((1..=12).map(|i| endpoint(&format!("127.10.2.{i}"), "n", READY)));
         let s = slice("web", "IPv4", vec![port("https", 443)], endpoints);
-        let (list, truncated) = endpoints_of([&s], vip4(), &https());
+        let (list, truncated) = endpoints_of([&s], vip4(), &https(), None);
         assert_eq!(list.len(), 16);
         assert_eq!(truncated, 8);
         assert!(list[..12].iter().all(|e| e.readiness == Readiness::Ready));

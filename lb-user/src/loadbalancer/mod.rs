@@ -22,6 +22,7 @@ use allocate::ServiceRef;
 pub mod allocate;
 #[cfg(feature = "kubernetes")]
 pub mod allocator;
+pub mod health_check;
 pub mod pools;
 #[cfg(feature = "kubernetes")]
 pub mod service;
@@ -39,6 +40,17 @@ pub struct Served {
     pub addresses: Vec<IpAddr>,
     /// Its ports, by number.
     pub ports: Vec<ServedPort>,
+    /// `externalTrafficPolicy: Local`: each node serves it only from its
+    /// own endpoints, keeping the client's address.
+    #[serde(default)]
+    pub local: bool,
+    /// Its `healthCheckNodePort` (with `local`): each node answers there
+    /// how many local endpoints it has, as kube-proxy does.
+    #[serde(default)]
+    pub health_check_node_port: Option<u16>,
+    /// `sessionAffinity: ClientIP`: a client's flows go to one endpoint.
+    #[serde(default)]
+    pub client_affinity: bool,
 }
 
 /// A Service port as the nodes serve it.

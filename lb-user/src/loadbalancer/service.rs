@@ -121,10 +121,19 @@ pub fn served(service: &Service, pools: &[Pool]) -> Option<Served> {
             ports.push(ServedPort { name: port.name.clone().unwrap_or_default(), port: number });
         }
     }
+    let spec = service.spec.as_ref()?;
+    let local = spec.external_traffic_policy.as_deref() == Some("Local");
+    let health_check_node_port = spec
+        .health_check_node_port
+        .and_then(|p| u16::try_from(p).ok())
+        .filter(|&p| local && p != 0);
     (!addresses.is_empty() && !ports.is_empty()).then_some(Served {
         service: service_ref,
         addresses,
         ports,
+        local,
+        health_check_node_port,
+        client_affinity: spec.session_affinity.as_deref() == Some("ClientIP"),
     })
 }
 
@@ -344,6 +353,20 @@ mod tests {
         let ports: Vec<(&str, u16)> =
             served.ports.iter().map(|p| (p.name.as_str(), p.port)).collect();
         assert_eq!(ports, [("", 80), ("", 53)], "53 once, for TCP and UDP, by its first name");
+        assert!(
+            !served.local && !served.client_affinity && served.health_check_node_port.is_none()
+        );
+        // The traffic policies, read; a health port only with `Local`.
+        let spec = svc.spec.as_mut().unwrap();
+        spec.health_check_node_port = Some(31_000);
+        spec.session_affinity = Some("ClientIP".into());
+        assert_eq!(super::served(&svc, &pools).unwrap().health_check_node_port, None, "Cluster");
+        svc.spec.as_mut().unwrap().external_traffic_policy = Some("Local".into());
+        let local = super::served(&svc, &pools).unwrap();
+        assert!(local.local && local.client_affinity);
+        assert_eq!(local.health_check_node_port, Some(31_000));
+        svc.spec.as_mut().unwrap().health_check_node_port = Some(70_000);
+        assert_eq!(super::served(&svc, &pools).unwrap().health_check_node_port, None, "no port");
         svc.status = Some(ingress(&["203.0.113.7"]));
         assert_eq!(super::served(&svc, &pools), None);
     }

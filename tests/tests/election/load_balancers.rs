@@ -2,9 +2,14 @@
 //! same config (a pool, `default_class`), none names a service. One node
 //! allocates (elected by membership), one node answers ARP for each
 //! address, and when the allocating node's daemon is killed another
-//! allocates the next Service, without moving any address.
+//! allocates the next Service, without moving any address. A Service
+//! with `externalTrafficPolicy: Local` is answered by the node its
+//! endpoint is on, and by no other, keeping the client's address.
 
-use std::time::Duration;
+use std::{
+    net::{SocketAddr, TcpStream},
+    time::Duration,
+};
 
 use lb_tests::{
     fakes::apiserver::{
@@ -12,8 +17,10 @@ use lb_tests::{
         load_balancer_service,
     },
     in_new_netns,
-    lan::{Lan, VIP_IP},
-    privileged_test, wait_until,
+    lan::{Lan, VIP, VIP_IP},
+    privileged_test,
+    topology::{peer, who},
+    wait_until,
 };
 
 use super::{lan_and_api, one_at_a_time};
@@ -102,5 +109,62 @@ fn one_node_allocates_one_answers_and_a_killed_allocator_is_replaced() {
             Some(VIP_IP),
             "web kept its address"
         );
+    });
+}
+
+#[privileged_test]
+fn a_local_service_is_answered_only_by_the_node_of_its_endpoint() {
+    let _serial = one_at_a_time();
+    in_new_netns(|| {
+        let (mut lan, _rt, api) = lan_and_api("el-lblocal", 3);
+        let kubeconfig = Kubeconfig::write(&api.url());
+        // The pods' gateway is their node, as in a cluster.
+        for node in &lan.nodes {
+            node.servers.sh(&["ip", "route", "add", "198.18.0.0/24", "via", "198.18.2.1"]);
+        }
+        let place = |node: &str| {
+            let pod = endpoint("198.18.2.2", node, Condition::Ready);
+            api.apply(endpoint_slice("web-1", "web", "IPv4", &[("http", 8080)], vec![pod]));
+        };
+        place("node2");
+        for node in &mut lan.nodes {
+            node.start(kubeconfig.path(), CONFIG);
+        }
+        let mut web = load_balancer_service("web", &[("http", 80, 8080)]);
+        web.spec.as_mut().unwrap().external_traffic_policy = Some("Local".into());
+        api.apply_service(web);
+        wait_address(&api, &lan, "web", VIP_IP);
+        // Which node's server answers, and whom it sees.
+        let ask = || {
+            lan.client.run(|| {
+                let vip: SocketAddr = VIP.parse().unwrap();
+                let stream = TcpStream::connect_timeout(&vip, Duration::from_millis(500)).ok()?;
+                let name = who(&stream).ok()?;
+                let stream = TcpStream::connect_timeout(&vip, Duration::from_millis(500)).ok()?;
+                Some((name, peer(&stream).ok()?))
+            })
+        };
+        for (node, mac) in [("node2", &lan.nodes[1].mac), ("node3", &lan.nodes[2].mac)] {
+            place(node);
+            let moved = wait_until(Duration::from_secs(30), || {
+                ask().is_some_and(|(name, _)| name == node)
+                    && lan.client_neighbour().as_ref() == Some(mac)
+            });
+            assert!(moved, "{node} never answered alone: {:?}\n{}", ask(), logs(&lan));
+            for _ in 0..5 {
+                let (name, seen) = ask().expect("a connect through the Local address");
+                assert_eq!(name, node, "another node's server answered");
+                assert_eq!(seen.ip().to_string(), "198.18.0.10", "the server saw {seen}");
+            }
+            let announcing: Vec<&str> = lan
+                .nodes
+                .iter()
+                .filter(|n| n.daemon().log().contains("announcing vip=198.18.1.100"))
+                .map(|n| n.name.as_str())
+                .collect();
+            assert!(!announcing.contains(&"node1"), "node1 has no endpoint: {announcing:?}");
+            // The client learns the MAC again when the node changes.
+            lan.client.sh(&["ip", "neigh", "flush", "dev", "c0"]);
+        }
     });
 }
