@@ -17,7 +17,7 @@ use k8s_openapi::{
     },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
-use lb_tests::fakes::apiserver::{Event, FakeApiServer, Kubeconfig, Service};
+use lb_tests::fakes::apiserver::{Event, FakeApiServer, Kubeconfig, Race, Service};
 use lb_user::{
     config::LoadBalancers,
     loadbalancer::{
@@ -305,4 +305,41 @@ async fn only_a_leading_allocator_writes_and_a_conflicting_status_is_settled() {
     until_addresses(&api, "classy", &["198.18.1.101"]).await;
     assert_eq!(addresses(&api, "elder"), ["198.18.1.105".parse::<IpAddr>().unwrap()]);
     drop(follower);
+}
+
+/// Racing writers, as an abuser or a busy cluster makes them: a Service
+/// edited by another client between the allocator's plan and its write
+/// gets `409 Conflict`, and the allocator writes again from the version
+/// its watch brings, once, keeping the other client's edit; one deleted
+/// meanwhile gets `404` and nothing more, and its address goes to the
+/// next Service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_status_write_that_loses_a_race_is_planned_again() {
+    let api = FakeApiServer::start().await;
+    let kubeconfig = Kubeconfig::write(&api.url());
+    let pools = vec![pool("default", &["198.18.1.100-198.18.1.101"])];
+    let _allocator = Allocator::start(&kubeconfig, settings(pools), true);
+    let statuses = |name: &str| -> Vec<u16> {
+        api.service_writes().iter().filter(|w| w.name == name).map(|w| w.status).collect()
+    };
+
+    api.race_next_status_write("web", Race::Edited);
+    api.apply_service(service("web", &[80], &[]));
+    until_addresses(&api, "web", &["198.18.1.100"]).await;
+    assert_eq!(statuses("web"), [409, 200], "written again after the conflict");
+    let labels = api.service("shop", "web").unwrap().metadata.labels.unwrap_or_default();
+    assert_eq!(labels.get("edited-by").map(String::as_str), Some("another-client"));
+
+    api.race_next_status_write("gone", Race::Deleted);
+    api.apply_service(service("gone", &[80], &[]));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while statuses("gone").is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "gone was never written");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    api.apply_service(service("next", &[80], &[]));
+    until_addresses(&api, "next", &["198.18.1.101"]).await;
+    settle(&api).await;
+    assert_eq!(statuses("gone"), [404], "a deleted Service is written to once");
+    assert_eq!(statuses("web"), [409, 200], "nothing more for web");
 }

@@ -292,3 +292,99 @@ fn a_local_service_is_served_only_from_a_local_endpoint_keeping_the_client() {
         drop(cgroup);
     });
 }
+
+/// Requested, shared and exhausted end to end (issue 41): a Service asks
+/// for the pool's second address by MetalLB's annotation and gets it; two
+/// Services share the first by a sharing key, each on its own port, each
+/// port served on its own Service's endpoint from another machine; a
+/// fourth finds the pool exhausted: pending, an Event says why, and the
+/// others are still served, unchanged.
+#[privileged_test]
+fn requested_shared_and_exhausted_addresses_end_to_end() {
+    in_new_netns(|| {
+        use Condition::Ready;
+        const SHARING: &str = "lb.dev/allow-shared-ip";
+        let net = Topology::on_link();
+        let rt = runtime();
+        let api = rt.block_on(FakeApiServer::start());
+        let kubeconfig = Kubeconfig::write(&api.url());
+        let _pod1 = net.server("pod-1", "198.18.2.2:8080");
+        let _pod2 = net.server("pod-2", "198.18.2.3:8080");
+        let _pod3 = net.server("pod-3", "198.18.2.4:8080");
+        for (service, ip) in [("asks", "198.18.2.2"), ("dns", "198.18.2.3"), ("dot", "198.18.2.4")]
+        {
+            let ready = vec![endpoint(ip, "node-a", Ready)];
+            api.apply(endpoint_slice(
+                &format!("{service}-1"),
+                service,
+                "IPv4",
+                &[("p", 8080)],
+                ready,
+            ));
+        }
+        let with = |name: &str, port: u16, annotations: &[(&str, &str)]| {
+            let mut service = load_balancer_service(name, &[("p", port, 8080)]);
+            service.metadata.annotations =
+                Some(annotations.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect());
+            service
+        };
+        api.apply_service(with(
+            "asks",
+            80,
+            &[("metallb.universe.tf/loadBalancerIPs", "198.18.1.101")],
+        ));
+        api.apply_service(with("dns", 53, &[(SHARING, "edge")]));
+        api.apply_service(with("dot", 853, &[(SHARING, "edge")]));
+
+        let cgroup = TestCgroup::new("external-lbshare");
+        let daemon = Daemon::start_with(
+            "external-lbshare",
+            &cgroup,
+            &format!("kubeconfig = {:?}\nnode_name = \"node-a\"\n", kubeconfig.path()),
+            "[kubernetes]\ndefault_class = true\ninterfaces = [\"ext0\"]\n\
+             [[pool]]\nname = \"default\"\naddresses = [\"198.18.1.100-198.18.1.101\"]\n",
+        );
+        let address = |name: &str| ingress_ip(&api.service("default", name)?);
+        let given = wait_until(SERVING_WITHIN, || {
+            ["asks", "dns", "dot"].iter().all(|name| address(name).is_some())
+        });
+        assert!(given, "not every Service was given an address\n{}", daemon.log());
+        assert_eq!(address("asks").as_deref(), Some("198.18.1.101"), "the address asked for");
+        assert_eq!(address("dns").as_deref(), Some("198.18.1.100"));
+        assert_eq!(address("dot").as_deref(), Some("198.18.1.100"), "shared on purpose");
+        let greeted = |to: &str| {
+            let to: SocketAddr = to.parse().unwrap();
+            net.client.run(move || {
+                let stream = TcpStream::connect_timeout(&to, Duration::from_secs(1)).ok()?;
+                who(&stream).ok()
+            })
+        };
+        let every = [
+            ("198.18.1.101:80", "pod-1"),
+            ("198.18.1.100:53", "pod-2"),
+            ("198.18.1.100:853", "pod-3"),
+        ];
+        let all_served = || every.iter().all(|(vip, pod)| greeted(vip).as_deref() == Some(*pod));
+        assert!(wait_until(SERVING_WITHIN, all_served), "not all served\n{}", daemon.log());
+
+        // The pool is exhausted: the next stays pending, told why, and
+        // nothing else moves.
+        let writes = api.service_writes().len();
+        api.apply_service(with("late", 80, &[]));
+        let told = wait_until(SERVING_WITHIN, || {
+            api.events().iter().any(|e| {
+                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("late")
+                    && e.reason.as_deref() == Some("AllocationFailed")
+                    && e.note.as_deref().is_some_and(|n| n.contains("has an IPv4 address left"))
+            })
+        });
+        assert!(told, "no AllocationFailed event: {:#?}", api.events());
+        assert_eq!(address("late"), None, "pending");
+        assert_eq!(api.service_writes().len(), writes, "nothing else written");
+        assert!(all_served(), "another Service was disturbed\n{}", daemon.log());
+        assert_eq!(address("asks").as_deref(), Some("198.18.1.101"));
+        assert_eq!(address("dot").as_deref(), Some("198.18.1.100"));
+        drop(daemon);
+        drop(cgroup);
+    });
+}

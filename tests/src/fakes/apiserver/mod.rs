@@ -61,7 +61,7 @@ pub use objects::{
 };
 use serve::accept_loop;
 use store::{Kind, Object, Shared, State};
-pub use store::{LeaseRequest, RequestLog, ServiceWrite};
+pub use store::{LeaseRequest, Race, RequestLog, ServiceWrite};
 use tokio::{
     net::TcpListener,
     sync::watch,
@@ -358,6 +358,12 @@ impl FakeApiServer {
     pub fn service(&self, namespace: &str, name: &str) -> Option<Service> {
         let state = self.shared.state.lock().unwrap();
         state.services.get(&(namespace.to_owned(), name.to_owned())).cloned()
+    }
+
+    /// Makes the next status write to the Service `name` meet `race`
+    /// first, as if another client had just changed it.
+    pub fn race_next_status_write(&self, name: &str, race: Race) {
+        self.shared.state.lock().unwrap().races.insert(name.to_owned(), race);
     }
 
     /// The writes to Services' status answered so far.

@@ -16,7 +16,7 @@ use k8s_openapi::api::{core::v1::Service, events::v1::Event};
 
 use super::{
     responses::{ChannelBody, json_response, status_response},
-    store::{Kind, Object, ServiceWrite, Shared},
+    store::{Kind, Object, Race, ServiceWrite, Shared},
 };
 
 /// Services of one namespace: `{SERVICES}{namespace}/services[/{name}[/status]]`.
@@ -113,6 +113,26 @@ fn patch_status(
     };
     let mut state = shared.state.lock().unwrap();
     let key = (namespace.to_owned(), name.to_owned());
+    match state.races.remove(name) {
+        Some(Race::Edited) => {
+            if let Some(mut edited) = state.services.get(&key).cloned() {
+                state.rv += 1;
+                edited.metadata.resource_version = Some(state.rv.to_string());
+                let labels = edited.metadata.labels.get_or_insert_with(Default::default);
+                labels.insert("edited-by".into(), "another-client".into());
+                state.services.insert(key.clone(), edited.clone());
+                state.record(Kind::Modified, Object::Service(Box::new(edited)));
+            }
+        }
+        Some(Race::Deleted) => {
+            if let Some(mut deleted) = state.services.remove(&key) {
+                state.rv += 1;
+                deleted.metadata.resource_version = Some(state.rv.to_string());
+                state.record(Kind::Deleted, Object::Service(Box::new(deleted)));
+            }
+        }
+        None => {}
+    }
     let Some(stored) = state.services.get(&key).cloned() else {
         state.service_writes.push(ServiceWrite::new(via, name, kind, 404));
         return not_found(name);

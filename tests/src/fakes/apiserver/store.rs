@@ -105,6 +105,19 @@ pub(super) struct State {
     pub(super) service_writes: Vec<ServiceWrite>,
     /// The Events created, as last patched.
     pub(super) events: Vec<Event>,
+    /// Services whose next status write meets a race first
+    /// (`FakeApiServer::race_next_status_write`).
+    pub(super) races: BTreeMap<String, Race>,
+}
+
+/// What happens to a Service just before its next status write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Race {
+    /// Another client edits it (a label): the write names a stale
+    /// resourceVersion and gets `409 Conflict`.
+    Edited,
+    /// It is deleted: the write gets `404 Not Found`.
+    Deleted,
 }
 
 /// One write to a Service's status that the fake answered.
