@@ -14,7 +14,7 @@ use crate::{
         self, Announce, CheckKind, DEFAULT_HOLD_DOWN, Discovery, External, HealthConfig,
         LoadBalancers, Policy, PortRef, Scope,
     },
-    loadbalancer::{Served, health_check::HealthPorts},
+    loadbalancer::{Served, health_check::HealthPorts, pools::Pool},
     state::SavedState,
 };
 
@@ -67,20 +67,28 @@ pub(super) fn resume(
     if settings.load_balancers.pools.is_empty() {
         return Resumed { served: Vec::new(), services: Vec::new() };
     }
-    // Only what is still in a pool (the pools may have changed since).
-    let pools = &settings.load_balancers.pools;
-    let served: Vec<Served> = saved
-        .load_balancers
+    let served = resumable(&saved.load_balancers, &settings.load_balancers.pools);
+    let services = services_of(&served, &settings.load_balancers, &settings.node_name, file);
+    Resumed { served, services }
+}
+
+/// What of the state file's `saved` may be served again: only addresses
+/// still in a pool (the pools may have changed since), ports that are
+/// ports, a health port only for a `Local` Service. The file is the
+/// daemon's own, but read as untrusted as anything from outside: a hand
+/// edit or a stale file must not serve an address no pool has.
+fn resumable(saved: &[Served], pools: &[Pool]) -> Vec<Served> {
+    saved
         .iter()
         .cloned()
         .map(|mut s| {
             s.addresses.retain(|&ip| pools.iter().any(|p| p.contains(ip)));
+            s.ports.retain(|p| p.port != 0);
+            s.health_check_node_port = s.health_check_node_port.filter(|&p| s.local && p != 0);
             s
         })
-        .filter(|s| !s.addresses.is_empty())
-        .collect();
-    let services = services_of(&served, &settings.load_balancers, &settings.node_name, file);
-    Resumed { served, services }
+        .filter(|s| !s.addresses.is_empty() && !s.ports.is_empty())
+        .collect()
 }
 
 /// Starts the task if `settings` has pools: the task, and where it says
@@ -249,6 +257,44 @@ mod tests {
         assert!(!external.keep_client_address);
         assert_eq!(external.interfaces, ["eth1"]);
         assert!(https.servers.is_empty() && https.health.check == CheckKind::None);
+    }
+
+    #[test]
+    fn a_tampered_state_file_serves_nothing_outside_the_pools() {
+        let pools = [Pool {
+            name: "default".into(),
+            ranges: vec![
+                crate::loadbalancer::pools::AddressRange::parse("198.18.1.100/30").unwrap(),
+            ],
+            auto_assign: true,
+            namespaces: Vec::new(),
+        }];
+        let saved: Vec<Served> = serde_json::from_value(serde_json::json!([
+            // An address added by hand, outside every pool, and port 0.
+            { "service": { "namespace": "shop", "name": "web" },
+              "addresses": ["198.18.1.101", "203.0.113.7"],
+              "ports": [{ "name": "http", "port": 80 }, { "name": "zero", "port": 0 }],
+              "health_check_node_port": 22 },
+            // Nothing in a pool at all.
+            { "service": { "namespace": "shop", "name": "evil" },
+              "addresses": ["203.0.113.8"], "ports": [{ "name": "", "port": 80 }] },
+            // A Local one: its health port is kept.
+            { "service": { "namespace": "shop", "name": "local" },
+              "addresses": ["198.18.1.102"], "ports": [{ "name": "", "port": 80 }],
+              "local": true, "health_check_node_port": 31000 },
+            // A file of an older daemon: no policy fields at all.
+            { "service": { "namespace": "shop", "name": "old" },
+              "addresses": ["198.18.1.100"], "ports": [{ "name": "", "port": 443 }] },
+        ]))
+        .unwrap();
+        let kept = resumable(&saved, &pools);
+        let names: Vec<&str> = kept.iter().map(|s| s.service.name.as_str()).collect();
+        assert_eq!(names, ["web", "local", "old"]);
+        assert_eq!(kept[0].addresses, ["198.18.1.101".parse::<std::net::IpAddr>().unwrap()]);
+        assert_eq!(kept[0].ports.len(), 1, "port 0 is no port");
+        assert_eq!(kept[0].health_check_node_port, None, "a health port needs Local");
+        assert_eq!(kept[1].health_check_node_port, Some(31_000));
+        assert!(!kept[2].local && !kept[2].client_affinity);
     }
 
     #[test]

@@ -556,3 +556,35 @@ proptest! {
         }
     }
 }
+
+/// The LoadBalancer allocator's token (`0.0.0.0`, `daemon::
+/// load_balancer_task::ALLOCATOR`) is placed as a VIP is: one node
+/// answers it, and a forged write to that node's Lease (another daemon,
+/// or an attacker, with its name) never makes two allocators, not for
+/// one step of the simulation: the node falls silent first, another
+/// takes the token, and it comes back to one.
+#[test]
+fn the_allocator_token_is_answered_once_and_a_forged_write_never_makes_two() {
+    const TOKEN: &str = "0.0.0.0";
+    let mut all = vips(10);
+    all.push(TOKEN.to_owned());
+    let mut cluster = Cluster::new(&NODES, TIMINGS, Latencies::LAN, 12);
+    for i in 0..NODES.len() {
+        cluster.set_eligible(i, &all);
+    }
+    let calm = cluster.at(5_000);
+    cluster.run_until(calm);
+    let holder = cluster.answering(TOKEN);
+    assert_eq!(holder, vec![placed(TOKEN, &[0, 1, 2])]);
+    cluster.foreign_write(holder[0]);
+    let mut silent = false;
+    for _ in 0..(TIMINGS.duration * 4).as_millis() / 10 {
+        let next = cluster.now + Duration::from_millis(10);
+        cluster.run_until(next);
+        let now = cluster.answering(TOKEN);
+        assert!(now.len() <= 1, "two allocators: {now:?}");
+        silent |= !now.contains(&holder[0]);
+    }
+    assert!(silent, "the node whose Lease was written by another went on allocating");
+    assert_eq!(cluster.answering(TOKEN).len(), 1, "nobody allocates");
+}
