@@ -22,7 +22,7 @@ use lb_user::{
     config::LoadBalancers,
     loadbalancer::{
         Served, allocator,
-        pools::{AddressRange, Pool},
+        pools::Pool,
         service::{CLASS, METALLB_IPS, SHARING},
     },
 };
@@ -31,12 +31,7 @@ use tokio::{sync::watch, task::JoinHandle};
 const WAIT: Duration = Duration::from_secs(20);
 
 fn pool(name: &str, ranges: &[&str]) -> Pool {
-    Pool {
-        name: name.into(),
-        ranges: ranges.iter().map(|r| AddressRange::parse(r).unwrap()).collect(),
-        auto_assign: true,
-        namespaces: Vec::new(),
-    }
+    Pool::new(name, ranges).unwrap()
 }
 
 fn settings(pools: Vec<Pool>) -> LoadBalancers {

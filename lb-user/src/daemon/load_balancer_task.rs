@@ -261,14 +261,7 @@ mod tests {
 
     #[test]
     fn a_tampered_state_file_serves_nothing_outside_the_pools() {
-        let pools = [Pool {
-            name: "default".into(),
-            ranges: vec![
-                crate::loadbalancer::pools::AddressRange::parse("198.18.1.100/30").unwrap(),
-            ],
-            auto_assign: true,
-            namespaces: Vec::new(),
-        }];
+        let pools = [Pool::new("default", &["198.18.1.100/30"]).unwrap()];
         let saved: Vec<Served> = serde_json::from_value(serde_json::json!([
             // An address added by hand, outside every pool, and port 0.
             { "service": { "namespace": "shop", "name": "web" },

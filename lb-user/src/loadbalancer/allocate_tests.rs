@@ -6,19 +6,13 @@ use std::net::IpAddr;
 use proptest::prelude::*;
 
 use super::*;
-use crate::loadbalancer::pools::AddressRange;
 
 fn ip(text: &str) -> IpAddr {
     text.parse().unwrap()
 }
 
 fn pool(name: &str, ranges: &[&str]) -> Pool {
-    Pool {
-        name: name.into(),
-        ranges: ranges.iter().map(|r| AddressRange::parse(r).unwrap()).collect(),
-        auto_assign: true,
-        namespaces: Vec::new(),
-    }
+    Pool::new(name, ranges).unwrap()
 }
 
 fn wish(name: &str, created: i64) -> Wish {

@@ -165,6 +165,18 @@ pub struct Pool {
 }
 
 impl Pool {
+    /// A pool named `name` of `ranges` (as `[[pool]] addresses` writes
+    /// them), assigned automatically, to every namespace: the config's
+    /// defaults.
+    pub fn new(name: &str, ranges: &[&str]) -> Result<Self, String> {
+        Ok(Self {
+            name: name.to_owned(),
+            ranges: ranges.iter().map(|r| AddressRange::parse(r)).collect::<Result<_, _>>()?,
+            auto_assign: true,
+            namespaces: Vec::new(),
+        })
+    }
+
     /// Whether `ip` is one of the pool's.
     pub fn contains(&self, ip: IpAddr) -> bool {
         self.ranges.iter().any(|r| r.contains(ip))
@@ -260,12 +272,7 @@ mod tests {
 
     #[test]
     fn pools_may_not_share_an_address_or_a_name() {
-        let pool = |name: &str, ranges: &[&str]| Pool {
-            name: name.into(),
-            ranges: ranges.iter().map(|r| AddressRange::parse(r).unwrap()).collect(),
-            auto_assign: true,
-            namespaces: Vec::new(),
-        };
+        let pool = |name: &str, ranges: &[&str]| Pool::new(name, ranges).unwrap();
         let a = pool("a", &["198.18.1.100-198.18.1.110", "fd00:198:18::100/124"]);
         let b = pool("b", &["198.18.5.0/28"]);
         assert_eq!(check_pools(&[a.clone(), b.clone()]), Ok(()));

@@ -318,14 +318,7 @@ mod tests {
 
     #[test]
     fn only_addresses_of_a_pool_are_served_each_port_number_once() {
-        let pools = [Pool {
-            name: "default".into(),
-            ranges: vec![
-                crate::loadbalancer::pools::AddressRange::parse("198.18.1.100/30").unwrap(),
-            ],
-            auto_assign: true,
-            namespaces: Vec::new(),
-        }];
+        let pools = [Pool::new("default", &["198.18.1.100/30"]).unwrap()];
         let ingress = |ips: &[&str]| ServiceStatus {
             load_balancer: Some(LoadBalancerStatus {
                 ingress: Some(
