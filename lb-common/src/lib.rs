@@ -143,6 +143,10 @@ pub const NETNS_ANY: u64 = 0;
 /// a kernel that cannot tell userspace its cookie (`SO_NETNS_COOKIE` is
 /// Linux 5.14+). Kernel cookies count up from 1 and never reach it.
 pub const NETNS_INITIAL: u64 = u64::MAX;
+/// `Service::netns_cookie`: rewrite no connect at all (no namespace has
+/// this cookie: they count up from 1): a VIP that only the external path
+/// serves, whose local clients are left to the host's own routing.
+pub const NETNS_NONE: u64 = u64::MAX - 1;
 
 /// An IP endpoint exactly as `bpf_sock_addr` carries it: the address as four
 /// 32-bit words in network byte order (IPv4 as IPv4-mapped IPv6,

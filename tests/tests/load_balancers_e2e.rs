@@ -254,6 +254,11 @@ fn a_local_service_is_served_only_from_a_local_endpoint_keeping_the_client() {
         let status = daemon.status();
         let web = &status["load_balancers"]["services"][0];
         assert_eq!(web["traffic_policy"], "Local", "{web}");
+        // Its local clients are the host's (kube-proxy's rules), not lb's:
+        // this node has no endpoint to give them.
+        for service in status["services"].as_array().unwrap() {
+            assert_eq!(service["scope"], "none", "{service}");
+        }
         std::thread::sleep(Duration::from_secs(2));
         assert_eq!(seen_by_server(vip), None, "served with no local endpoint");
         assert_eq!(

@@ -284,6 +284,10 @@ pub enum Scope {
     /// Sockets in every network namespace of the attached cgroups: for a
     /// VIP that pods must reach too. The default for other VIPs.
     All,
+    /// No socket: only clients on other machines reach the VIP, through
+    /// the external path; local ones are left to the host's routing (e.g.
+    /// kube-proxy's rules for a LoadBalancer address).
+    None,
 }
 
 impl fmt::Display for Scope {
@@ -291,6 +295,7 @@ impl fmt::Display for Scope {
         f.write_str(match self {
             Self::Host => "host",
             Self::All => "all",
+            Self::None => "none",
         })
     }
 }

@@ -303,13 +303,25 @@ pub(super) fn read_services(
         let scope = match raw.scope.as_ref().map(|p| (p.get_ref().as_str(), p.span())) {
             Some(("host", _)) => Scope::Host,
             Some(("all", _)) => Scope::All,
+            Some(("none", span)) => {
+                if raw.external.is_none() {
+                    problems.push(Problem::new(
+                        at(span),
+                        key.at("scope"),
+                        "\"none\" rewrites no local connect, so the service needs [service.external] \
+                         for its clients on other machines"
+                            .to_owned(),
+                    ));
+                }
+                Scope::None
+            }
             None if vip.is_some_and(|v| v.ip().is_loopback()) => Scope::Host,
             None => Scope::All,
             Some((other, span)) => {
                 problems.push(Problem::new(
                     at(span),
                     key.at("scope"),
-                    format!("{other:?} is not a scope; use \"host\" or \"all\""),
+                    format!("{other:?} is not a scope; use \"host\", \"all\" or \"none\""),
                 ));
                 Scope::Host
             }
@@ -525,6 +537,8 @@ mod tests {
             |scope: &str| GOOD.replace("hold_down", &format!("scope = \"{scope}\"\nhold_down"));
         assert_eq!(parse(&with("all")).unwrap().services[0].scope, Scope::All);
         assert!(problems(&with("pods")).contains("scope: \"pods\" is not a scope"));
+        let none = problems(&with("none"));
+        assert!(none.contains("scope: \"none\" rewrites no local connect"), "{none}");
     }
 
     #[test]

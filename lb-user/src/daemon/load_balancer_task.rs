@@ -182,7 +182,10 @@ pub(super) fn services_of(
                         debounce: DEBOUNCE,
                         node: wanted.local.then(|| node.to_owned()),
                     }),
-                    scope: Scope::All,
+                    // A Local Service's local clients are left to the
+                    // host (kube-proxy's rules for the address send them to
+                    // any endpoint): this node may have none of its own.
+                    scope: if wanted.local { Scope::None } else { Scope::All },
                     external: Some(External {
                         interfaces: settings.interfaces.clone(),
                         announce: Announce::Arp,
@@ -298,6 +301,7 @@ mod tests {
         let Some(Discovery::Kubernetes { node, .. }) = &all[0].discovery else { panic!() };
         assert_eq!(node.as_deref(), Some("n1"));
         assert!(all[0].external.as_ref().unwrap().keep_client_address);
+        assert_eq!(all[0].scope, Scope::None, "local clients are the host's");
     }
 
     #[test]

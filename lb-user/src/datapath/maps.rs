@@ -75,6 +75,7 @@ impl VipEntry {
         value.netns_cookie = match self.scope {
             Scope::Host => host_netns,
             Scope::All => NETNS_ANY,
+            Scope::None => lb_common::NETNS_NONE,
         };
         value
     }
