@@ -42,6 +42,9 @@ pub struct Health {
 pub struct HealthPorts {
     answers: watch::Sender<BTreeMap<u16, Health>>,
     listeners: HashMap<u16, JoinHandle<()>>,
+    /// Ports that could not be bound, and why: told once, tried again at
+    /// each call.
+    unbound: HashMap<u16, String>,
     limits: Limits,
 }
 
@@ -66,13 +69,24 @@ impl HealthPorts {
             match bind(port) {
                 Ok(listener) => {
                     info!(port, "answering a healthCheckNodePort");
-                    let task =
-                        tokio::spawn(serve(listener, port, self.answers.subscribe(), self.limits));
+                    self.unbound.remove(&port);
+                    let answers = self.answers.subscribe();
+                    let task = tokio::spawn(serve(listener, port, answers, self.limits));
                     self.listeners.insert(port, task);
                 }
-                Err(e) => warn!(port, "healthCheckNodePort: binding [::]:{port}: {e}"),
+                Err(e) => {
+                    let why = e.to_string();
+                    if self.unbound.get(&port) != Some(&why) {
+                        warn!(
+                            port,
+                            "healthCheckNodePort: binding [::]:{port}: {why}; trying again each second"
+                        );
+                    }
+                    self.unbound.insert(port, why);
+                }
             }
         }
+        self.unbound.retain(|port, _| wanted.contains_key(port));
         self.answers.send_if_modified(|now| std::mem::replace(now, wanted.clone()) != wanted);
     }
 }
@@ -173,6 +187,44 @@ mod tests {
         let none = answer(Some(&health(0)));
         assert_eq!(none.status(), 503);
         assert_eq!(answer(None).status(), 503);
+    }
+
+    /// An abuser's connections, opened and left silent, hold at most
+    /// `Limits::connections` slots, each for at most the header timeout:
+    /// past the limit a connection is closed at once, and once theirs
+    /// time out the port answers again.
+    #[tokio::test]
+    async fn silent_connections_cannot_hold_the_port() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = free.local_addr().unwrap().port();
+        drop(free);
+        let limits = Limits {
+            connections: 4,
+            header_timeout: std::time::Duration::from_millis(300),
+            lifetime: std::time::Duration::from_secs(5),
+        };
+        let mut ports = HealthPorts::default();
+        ports.limits = limits;
+        ports.set(BTreeMap::from([(port, health(1))]));
+        let mut silent = Vec::new();
+        for _ in 0..limits.connections {
+            silent.push(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let ask = || async {
+            let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+            s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.ok()?;
+            let mut text = String::new();
+            s.read_to_string(&mut text).await.ok()?;
+            (!text.is_empty()).then_some(text)
+        };
+        assert_eq!(ask().await, None, "answered past the limit");
+        // Their header timeout runs out: the slots are free again.
+        tokio::time::sleep(limits.header_timeout * 2).await;
+        let text = ask().await.expect("no answer once the silent ones timed out");
+        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+        drop(silent);
     }
 
     #[tokio::test]
