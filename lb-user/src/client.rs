@@ -84,6 +84,11 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
             if stopped {
                 println!("stopped the running daemon");
             }
+            // The BGP speaker the daemon ran, if it answers (a daemon that
+            // was killed left it announcing): its routes are withdrawn.
+            if crate::bgp::stop_speaker(&paths.state_dir) {
+                println!("stopped BIRD: its routes are withdrawn");
+            }
             let removed = datapath::detach(&paths.bpffs)
                 .with_context(|| format!("detaching {}", paths.bpffs.display()))?;
             if removed.is_empty() {

@@ -23,6 +23,7 @@
 
 pub mod announce;
 pub mod balancer;
+pub mod bgp;
 pub mod cli;
 pub mod client;
 pub mod config;

@@ -194,6 +194,17 @@ pub fn table(status: &Status) -> String {
     if let Some(lbs) = &status.load_balancers {
         load_balancers_table(&mut out, lbs);
     }
+    if let Some(bgp) = &status.bgp {
+        let announced: Vec<String> = bgp.announced.iter().map(ToString::to_string).collect();
+        let _ = writeln!(
+            out,
+            "BGP: announcing {}",
+            if announced.is_empty() { "nothing".to_owned() } else { announced.join(" ") }
+        );
+        for s in &bgp.sessions {
+            let _ = writeln!(out, "  {} {} {}", s.name, s.state, s.info);
+        }
+    }
     for (name, present) in [
         ("getpeername hooks", datapath.features.getpeername),
         ("closing connections (SOCK_DESTROY)", datapath.features.sock_destroy),

@@ -65,10 +65,11 @@ pub(super) fn parse_external(
     let announce = match raw.announce.as_deref() {
         None | Some("none") => Announce::None,
         Some("arp") => Announce::Arp,
+        Some("bgp") => Announce::Bgp,
         Some(other) => {
             problem(
                 at.at("announce"),
-                format!("{other:?} is not a way to announce; use \"arp\" or \"none\""),
+                format!("{other:?} is not a way to announce; use \"arp\", \"bgp\" or \"none\""),
             );
             Announce::None
         }
@@ -182,8 +183,10 @@ mod tests {
         assert!(text.contains("longer than 15 bytes"), "{text}");
         let none = problems(&EXTERNAL.replace(r#"["eth1", "eth2"]"#, "[]"));
         assert!(none.contains("must name at least one interface"), "{none}");
-        let how = problems(&format!("{EXTERNAL}announce = \"bgp\"\n"));
-        assert!(how.contains("\"bgp\" is not a way to announce"), "{how}");
+        let how = problems(&format!("{EXTERNAL}announce = \"ospf\"\n"));
+        assert!(how.contains("\"ospf\" is not a way to announce"), "{how}");
+        let bgp = problems(&format!("{EXTERNAL}announce = \"bgp\"\n"));
+        assert!(bgp.contains("external.announce: \"bgp\" needs a [bgp] table"), "{bgp}");
         let lo = problems(&EXTERNAL.replace("198.18.1.100:80", "127.0.0.1:80"));
         assert!(lo.contains("loopback address, which no other machine can reach"), "{lo}");
     }

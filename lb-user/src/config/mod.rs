@@ -16,6 +16,7 @@
 //!   source; `problems`: what is wrong with a file, and how it is worded;
 //! - `model`: the validated configuration and its defaults.
 
+mod bgp;
 mod election;
 mod external_service;
 mod load_balancers;
@@ -31,10 +32,10 @@ mod values;
 use std::path::Path;
 
 pub use model::{
-    Announce, CheckKind, Config, DEFAULT_BPFFS, DEFAULT_CONFIG_PATH, DEFAULT_CONTROL_SOCKET,
-    DEFAULT_DEBOUNCE, DEFAULT_DNS_REFRESH_MAX, DEFAULT_DNS_REFRESH_MIN, DEFAULT_HOLD_DOWN,
-    DEFAULT_STATE_DIR, Daemon, Discovery, Election, External, HealthConfig, LeaseRef,
-    LoadBalancers, Policy, PortRef, Scope, Service,
+    Announce, Bgp, BgpPeer, CheckKind, Config, DEFAULT_BPFFS, DEFAULT_CONFIG_PATH,
+    DEFAULT_CONTROL_SOCKET, DEFAULT_DEBOUNCE, DEFAULT_DNS_REFRESH_MAX, DEFAULT_DNS_REFRESH_MIN,
+    DEFAULT_HOLD_DOWN, DEFAULT_STATE_DIR, Daemon, Discovery, Election, External, HealthConfig,
+    LeaseRef, LoadBalancers, Policy, PortRef, Scope, Service,
 };
 pub use paths::ClientPaths;
 pub use problems::{ConfigError, Problem};

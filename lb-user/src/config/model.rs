@@ -97,6 +97,34 @@ pub struct Daemon {
     /// LoadBalancer Services (`[kubernetes] default_class`, `interfaces`,
     /// `[[pool]]`).
     pub load_balancers: LoadBalancers,
+    /// `[bgp]`: the speaker that announces `announce = "bgp"` VIPs.
+    pub bgp: Option<Bgp>,
+}
+
+/// `[bgp]`: lb runs BIRD (`speaker`) with this AS number and router ID,
+/// peering with `peers`, and gives it the host routes of the VIPs this
+/// node can serve.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bgp {
+    /// This node's AS number.
+    pub asn: u32,
+    /// Its router ID; `None`: its address toward the first peer.
+    pub router_id: Option<std::net::Ipv4Addr>,
+    /// The routers it announces to.
+    pub peers: Vec<BgpPeer>,
+    /// The BIRD 2 binary.
+    pub speaker: PathBuf,
+}
+
+/// One `[[bgp.peer]]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BgpPeer {
+    /// The router's address (directly connected).
+    pub address: std::net::IpAddr,
+    /// Its AS number.
+    pub asn: u32,
+    /// Whether BFD watches the session (sub-second withdrawal).
+    pub bfd: bool,
 }
 
 /// LoadBalancer Services: which lb serves and the pools their addresses
@@ -264,6 +292,10 @@ pub enum Announce {
     /// ARP replies (IPv4) and neighbour advertisements (IPv6) for the VIP
     /// on the listed interfaces, while the service has a usable server.
     Arp,
+    /// The VIP's host route, given to the BGP speaker (`[bgp]`) while the
+    /// service has a usable server: every such node announces it, and the
+    /// routers spread its traffic over them (ECMP).
+    Bgp,
 }
 
 impl fmt::Display for Announce {
@@ -271,6 +303,7 @@ impl fmt::Display for Announce {
         f.write_str(match self {
             Self::None => "none",
             Self::Arp => "arp",
+            Self::Bgp => "bgp",
         })
     }
 }

@@ -11,6 +11,7 @@ use toml::Spanned;
 
 use super::{
     ConfigError,
+    bgp::parse_bgp,
     election::{parse_election, parse_membership, parse_node_name},
     external_service::{mixed_elections, parse_external},
     load_balancers::parse_load_balancers,
@@ -71,6 +72,7 @@ impl Config {
             .as_deref()
             .and_then(|m| parse_endpoint(m, None, Key::top("daemon.metrics"), &mut problems));
         let election = parse_election(&raw.daemon, &mut problems);
+        let bgp_given = raw.bgp.is_some();
         let load_balancers = parse_load_balancers(
             raw.kubernetes.as_ref(),
             raw.pool,
@@ -125,6 +127,7 @@ impl Config {
             node_name: parse_node_name(raw.daemon.node_name, &mut problems),
             membership: parse_membership(raw.kubernetes, election.retry, &mut problems),
             load_balancers,
+            bgp: raw.bgp.and_then(|bgp| parse_bgp(bgp, &mut problems)),
         };
         for (key, value) in [
             ("bpffs", Some(&daemon.bpffs)),
@@ -167,6 +170,18 @@ impl Config {
                      name",
                     daemon.node_name
                 ),
+            ));
+        }
+        let by_bgp = services.iter().position(|s| {
+            s.external.as_ref().is_some_and(|e| e.announce == crate::config::Announce::Bgp)
+        });
+        if let Some(i) = by_bgp
+            && !bgp_given
+        {
+            problems.push(Problem::new(
+                Some(lines.of_span(starts[i]..starts[i])),
+                Key::service(i, &services[i].name).table("external.").at("announce"),
+                "\"bgp\" needs a [bgp] table: the AS number and the routers to announce to",
             ));
         }
         if problems.is_empty() {

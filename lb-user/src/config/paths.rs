@@ -6,7 +6,7 @@ use serde::Deserialize;
 
 use super::{
     ConfigError,
-    model::{DEFAULT_BPFFS, DEFAULT_CONTROL_SOCKET},
+    model::{DEFAULT_BPFFS, DEFAULT_CONTROL_SOCKET, DEFAULT_STATE_DIR},
     read_text,
 };
 
@@ -19,6 +19,8 @@ pub struct ClientPaths {
     pub control_socket: PathBuf,
     /// `daemon.bpffs`, or its default.
     pub bpffs: PathBuf,
+    /// `daemon.state_dir`, or its default (where BIRD's socket is).
+    pub state_dir: PathBuf,
 }
 
 impl ClientPaths {
@@ -44,7 +46,7 @@ impl ClientPaths {
         {
             return paths;
         }
-        Self::of_document(text).unwrap_or_else(|| Self::of_values(None, None))
+        Self::of_document(text).unwrap_or_else(|| Self::of_values(None, None, None))
     }
 
     /// The paths of a TOML document with a `[daemon]` table; only the two
@@ -60,19 +62,25 @@ impl ClientPaths {
         struct Paths {
             control_socket: Option<toml::Value>,
             bpffs: Option<toml::Value>,
+            state_dir: Option<toml::Value>,
         }
         let paths = toml::from_str::<File>(text).ok()?.daemon?;
-        Some(Self::of_values(paths.control_socket, paths.bpffs))
+        Some(Self::of_values(paths.control_socket, paths.bpffs, paths.state_dir))
     }
 
     /// The strings given, each defaulted when missing or not a string.
-    fn of_values(control_socket: Option<toml::Value>, bpffs: Option<toml::Value>) -> Self {
+    fn of_values(
+        control_socket: Option<toml::Value>,
+        bpffs: Option<toml::Value>,
+        state_dir: Option<toml::Value>,
+    ) -> Self {
         let get = |value: Option<toml::Value>, default: &str| {
             PathBuf::from(value.as_ref().and_then(toml::Value::as_str).unwrap_or(default))
         };
         Self {
             control_socket: get(control_socket, DEFAULT_CONTROL_SOCKET),
             bpffs: get(bpffs, DEFAULT_BPFFS),
+            state_dir: get(state_dir, DEFAULT_STATE_DIR),
         }
     }
 }
@@ -94,19 +102,28 @@ mod tests {
         let paths = ClientPaths::load(&path).unwrap();
         assert_eq!(
             paths,
-            ClientPaths { control_socket: "/tmp/x.sock".into(), bpffs: DEFAULT_BPFFS.into() }
+            ClientPaths {
+                control_socket: "/tmp/x.sock".into(),
+                bpffs: DEFAULT_BPFFS.into(),
+                state_dir: DEFAULT_STATE_DIR.into()
+            }
         );
         std::fs::remove_dir_all(&dir).unwrap();
 
         let defaults = ClientPaths {
             control_socket: DEFAULT_CONTROL_SOCKET.into(),
             bpffs: DEFAULT_BPFFS.into(),
+            state_dir: DEFAULT_STATE_DIR.into(),
         };
         assert_eq!(ClientPaths::of_text("not toml at all ["), defaults);
         assert_eq!(ClientPaths::of_text(""), defaults);
         assert_eq!(
             ClientPaths::of_text("[daemon]\nbpffs = 3\ncontrol_socket = \"/run/x.sock\"\n"),
-            ClientPaths { control_socket: "/run/x.sock".into(), bpffs: DEFAULT_BPFFS.into() },
+            ClientPaths {
+                control_socket: "/run/x.sock".into(),
+                bpffs: DEFAULT_BPFFS.into(),
+                state_dir: DEFAULT_STATE_DIR.into()
+            },
             "a key of the wrong type gives its default, not the other's"
         );
         assert_eq!(
@@ -115,7 +132,8 @@ mod tests {
             ),
             ClientPaths {
                 control_socket: DEFAULT_CONTROL_SOCKET.into(),
-                bpffs: "/sys/fs/bpf/x".into()
+                bpffs: "/sys/fs/bpf/x".into(),
+                state_dir: DEFAULT_STATE_DIR.into()
             },
             "[daemon] after the services, other keys of any type"
         );

@@ -19,6 +19,28 @@ pub(super) struct RawConfig {
     /// `[[pool]]`.
     #[serde(default)]
     pub(super) pool: Vec<Spanned<RawPool>>,
+    /// `[bgp]`.
+    pub(super) bgp: Option<RawBgp>,
+}
+
+/// `[bgp]`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawBgp {
+    pub(super) asn: i64,
+    pub(super) router_id: Option<String>,
+    pub(super) speaker: Option<PathBuf>,
+    #[serde(default)]
+    pub(super) peer: Vec<RawBgpPeer>,
+}
+
+/// One `[[bgp.peer]]`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawBgpPeer {
+    pub(super) address: String,
+    pub(super) asn: i64,
+    pub(super) bfd: Option<bool>,
 }
 
 /// One `[[pool]]` table.

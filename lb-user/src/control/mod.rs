@@ -100,10 +100,10 @@ pub enum Response {
 mod status;
 
 pub use status::{
-    ConfigStatus, DatapathStatus, DiscoveryStatus, ExternalStatus, Features, InterfaceStatus,
-    LeaseStatus, LoadBalancerStatus, LoadBalancersStatus, ReloadStatus, ServerStatus,
-    ServiceExternal, ServiceStatus, Status, TakeoverStatus, TrackedSockets, TrafficStatus,
-    UdpReverse,
+    BgpSession, BgpStatus, ConfigStatus, DatapathStatus, DiscoveryStatus, ExternalStatus, Features,
+    InterfaceStatus, LeaseStatus, LoadBalancerStatus, LoadBalancersStatus, ReloadStatus,
+    ServerStatus, ServiceExternal, ServiceStatus, Status, TakeoverStatus, TrackedSockets,
+    TrafficStatus, UdpReverse,
 };
 
 /// Sends one request to the daemon behind `socket` and returns its answer.

@@ -21,6 +21,30 @@ pub struct Status {
     /// pools.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub load_balancers: Option<LoadBalancersStatus>,
+    /// The BGP speaker, when the config has `[bgp]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bgp: Option<BgpStatus>,
+}
+
+/// The BGP speaker (`[bgp]`): its sessions as BIRD says, and the VIPs it
+/// was last told to announce.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BgpStatus {
+    /// Each peer's session.
+    pub sessions: Vec<BgpSession>,
+    /// The VIPs whose host routes this node announces.
+    pub announced: Vec<std::net::IpAddr>,
+}
+
+/// One BGP session.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BgpSession {
+    /// lb's name for it (`lb_peer0` for the first `[[bgp.peer]]`).
+    pub name: String,
+    /// BIRD's state (`up`, `start`...).
+    pub state: String,
+    /// BIRD's info (`Established`, `Idle Error: BFD session down`...).
+    pub info: String,
 }
 
 /// LoadBalancer Services (`[[pool]]`).

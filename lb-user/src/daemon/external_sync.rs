@@ -230,10 +230,11 @@ impl Daemon {
         let mut eligible: HashMap<usize, Option<&'static str>> = HashMap::new();
         let running: HashSet<u32> =
             self.external.links.values().map(|(ifindex, _)| *ifindex).collect();
+        let mut by_bgp: BTreeSet<IpAddr> = BTreeSet::new();
         for &i in external {
             let service = &self.services[i];
             let config = service.config.external.as_ref().expect("filtered by the caller");
-            if config.announce != Announce::Arp {
+            if config.announce == Announce::None {
                 continue;
             }
             // The interfaces the program runs on, as the last sync found
@@ -253,6 +254,13 @@ impl Daemon {
             } else {
                 None
             };
+            if config.announce == Announce::Bgp {
+                // Every node that can serve it announces: no election.
+                if why_not.is_none() {
+                    by_bgp.insert(service.config.vip.ip());
+                }
+                continue;
+            }
             eligible.insert(i, why_not);
             if why_not.is_some() || !self.may_announce(i) {
                 continue;
@@ -279,6 +287,9 @@ impl Daemon {
             Err(e) => warn!("writing the announced VIPs: {e:#}"),
         }
         self.sync_elections(&eligible);
+        if let Some(speaker) = &mut self.bgp {
+            speaker.announce(&by_bgp);
+        }
     }
 
     /// Announces again after an election's news.
@@ -298,7 +309,7 @@ impl Daemon {
         let Some(external) = &config.external else { return };
         // Announcing and the consistent-hash table follow the servers'
         // states at once, too.
-        if external.announce == Announce::Arp
+        if external.announce != Announce::None
             || config.policy == Policy::Spread
             || servers.iter().any(|s| !self.external.routes.contains_key(&s.ip()))
         {

@@ -196,6 +196,9 @@ pub async fn run(options: Options) -> anyhow::Result<Ended> {
     // not when the leases run out; stopped to start again, the node keeps
     // them (a rollout moves no VIP).
     if matches!(exit, Exit::Detach(_)) || detach_on_exit {
+        if let Some(speaker) = &mut daemon.bgp {
+            speaker.stop();
+        }
         daemon.resign().await;
     } else {
         daemon.keep_leases();

@@ -77,6 +77,8 @@ pub(super) struct Daemon {
     /// The LoadBalancer Services' task, when the config has pools
     /// (`load_balancers.rs`).
     pub(super) load_balancers: Option<LoadBalancerTask>,
+    /// The BGP speaker, when the config has `[bgp]` (`crate::bgp`).
+    pub(super) bgp: Option<crate::bgp::Speaker>,
 }
 
 /// The running config's daemon side (the services are in

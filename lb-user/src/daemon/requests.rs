@@ -19,7 +19,8 @@ use crate::{
     balancer::{Balancer, Readiness},
     config,
     control::{
-        ConfigStatus, DatapathStatus, DiscoveryStatus, Features, Response, Status, TrackedSockets,
+        BgpSession, BgpStatus, ConfigStatus, DatapathStatus, DiscoveryStatus, Features, Response,
+        Status, TrackedSockets,
     },
     datapath::{self, Datapath, PinnedMaps},
     state::SavedList,
@@ -187,6 +188,14 @@ impl Daemon {
         );
         datapath.external = self.external_status();
         let load_balancers = self.load_balancers_status();
+        let bgp = self.bgp.as_ref().map(|speaker| BgpStatus {
+            sessions: speaker
+                .sessions()
+                .into_iter()
+                .map(|s| BgpSession { name: s.name, state: s.state, info: s.info })
+                .collect(),
+            announced: speaker.announced(),
+        });
         self.workers.census.then(move |maps, tracked| {
             let kernel = KernelSnapshot::of(maps);
             let services = services
@@ -201,7 +210,7 @@ impl Daemon {
             datapath.counters =
                 maps.counters().into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
             datapath.tracked_sockets = tracked;
-            let status = Status { services, config, datapath, load_balancers };
+            let status = Status { services, config, datapath, load_balancers, bgp };
             let _ = reply.send(Response::Status(Box::new(status)));
         });
     }

@@ -191,7 +191,14 @@ pub(super) async fn start(options: Options) -> anyhow::Result<Started> {
         answering: Default::default(),
         membership_ended: false,
         load_balancers: None,
+        bgp: None,
     };
+    daemon.bgp = daemon
+        .config
+        .settings
+        .bgp
+        .clone()
+        .map(|bgp| crate::bgp::Speaker::new(bgp, &daemon.config.settings.state_dir));
     let reach =
         super::elections::reach(&daemon.services, daemon.config.settings.kubeconfig.clone());
     let (load_balancers, served) =
