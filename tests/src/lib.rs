@@ -44,6 +44,8 @@
 #[cfg(feature = "rigs")]
 pub mod arp;
 mod backend;
+#[cfg(feature = "rigs")]
+pub mod bgp_router;
 mod bpffs;
 mod cgroup;
 mod client;

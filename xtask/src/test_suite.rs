@@ -14,8 +14,9 @@ use crate::{
 };
 
 /// What the integration tests run besides lb: dnsmasq, `dig` and a static
-/// musl resolver (`tests/musl/resolve.c`) for the UDP tests.
-const TEST_PACKAGES: [&str; 3] = ["dnsmasq-base", "bind9-dnsutils", "musl-tools"];
+/// musl resolver (`tests/musl/resolve.c`) for the UDP tests; BIRD for the
+/// BGP tests (the speaker lb runs, and their router).
+const TEST_PACKAGES: [&str; 4] = ["dnsmasq-base", "bind9-dnsutils", "musl-tools", "bird2"];
 
 /// `cargo xtask test`: the style checks, then every tier of tests (see
 /// the README), each stage timed; the table of their times closes the

@@ -621,5 +621,6 @@ fn leases_go_through_the_apiservers_service_and_survive_an_apiserver_death() {
     });
 }
 
+mod bgp;
 mod load_balancers;
 mod membership;

@@ -1,0 +1,146 @@
+//! A router for the BGP tests: BIRD 2 (the distribution's `bird2`) in a
+//! network namespace of its own on the LAN's bridge (`lan.rs`), at
+//! 198.18.0.254, peering with the nodes (AS 64500 to their 64512), with
+//! BFD, installing what it learns into its own routing table with every
+//! next hop (ECMP, hashed on ports too, so one client's connections
+//! spread). The client routes the VIPs' subnet through it. BIRD is
+//! stopped and the namespace removed when the router is dropped.
+//!
+//! ```text
+//!  [client] c0 198.18.0.10 ── br0 ── [router] r0 198.18.0.254 (BIRD)
+//!  198.18.1.0/24 via .254     │
+//!                             ├── ext0 [node1] 198.18.0.1 (lb + its BIRD)
+//!                             └── ext0 [node2] 198.18.0.2
+//! ```
+
+use std::{
+    net::IpAddr,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use crate::{Namespace, lan::Lan, pass_xdp::PassThrough, sh, topology::pass_through};
+
+/// The router's address on the LAN.
+pub const ROUTER: &str = "198.18.0.254";
+/// The router's AS number.
+pub const ROUTER_ASN: u32 = 64_500;
+/// The nodes' AS number.
+pub const NODE_ASN: u32 = 64_512;
+
+/// The router and its BIRD.
+pub struct Router {
+    pub ns: Namespace,
+    dir: PathBuf,
+    _port: PassThrough,
+}
+
+impl Router {
+    /// Starts the router on `lan`'s bridge, peering with each of its nodes,
+    /// and routes the client's traffic to the VIPs through it.
+    pub fn start(lan: &Lan, tag: &str) -> Self {
+        let ns = Namespace::new();
+        sh(&[
+            "ip",
+            "link",
+            "add",
+            "pr",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "r0",
+            "netns",
+            &ns.tid.to_string(),
+        ]);
+        sh(&["ip", "link", "set", "pr", "master", "br0"]);
+        sh(&["ip", "link", "set", "pr", "up"]);
+        let port = pass_through("pr");
+        ns.sh(&["ip", "addr", "add", &format!("{ROUTER}/24"), "dev", "r0"]);
+        ns.sh(&["ip", "link", "set", "r0", "up"]);
+        ns.sh(&["sysctl", "-qw", "net.ipv4.ip_forward=1"]);
+        ns.sh(&["sysctl", "-qw", "net.ipv4.fib_multipath_hash_policy=1"]);
+        // The client and the nodes share the router's link: a router that
+        // sent the client an ICMP redirect to the node it chose would have
+        // it bypass the router (and its ECMP, and any withdrawal) for that
+        // VIP until the redirect aged out.
+        for conf in ["all", "r0"] {
+            ns.sh(&["sysctl", "-qw", &format!("net.ipv4.conf.{conf}.send_redirects=0")]);
+        }
+        lan.client.sh(&["ip", "route", "replace", "198.18.1.0/24", "via", ROUTER]);
+        let dir = std::env::temp_dir().join(format!("lb-test-{}-{tag}-router", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut conf = format!(
+            "router id {ROUTER};\nprotocol device {{}}\n\
+             protocol bfd {{ interface \"r0\" {{ interval 100 ms; multiplier 3; }}; }}\n\
+             protocol kernel {{ ipv4 {{ export all; }}; merge paths on; }}\n\
+             template bgp node {{ local as {ROUTER_ASN}; bfd on; error wait time 1, 5; connect retry time 1; ipv4 {{ import all; export none; }}; }}\n"
+        );
+        for k in 1..=lan.nodes.len() {
+            conf.push_str(&format!(
+                "protocol bgp node{k} from node {{ neighbor 198.18.0.{k} as {NODE_ASN}; }}\n"
+            ));
+        }
+        std::fs::write(dir.join("bird.conf"), conf).unwrap();
+        let (conf, socket, pid) =
+            (dir.join("bird.conf"), dir.join("bird.ctl"), dir.join("bird.pid"));
+        let status = ns.run(move || {
+            Command::new("bird")
+                .arg("-c")
+                .arg(conf)
+                .arg("-s")
+                .arg(socket)
+                .arg("-P")
+                .arg(pid)
+                .status()
+                .expect("running bird (the bird2 package)")
+        });
+        assert!(status.success(), "the router's BIRD did not start: {status}");
+        Self { ns, dir, _port: port }
+    }
+
+    /// The next hops the router's routing table has for `vip` (sorted).
+    pub fn next_hops(&self, vip: &str) -> Vec<IpAddr> {
+        let vip = vip.to_owned();
+        let text = self.ns.run(move || {
+            let out = Command::new("ip").args(["route", "show", &vip]).output().unwrap();
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        });
+        let words: Vec<&str> = text.split_whitespace().collect();
+        let mut hops: Vec<IpAddr> =
+            words.windows(2).filter(|w| w[0] == "via").filter_map(|w| w[1].parse().ok()).collect();
+        hops.sort();
+        hops
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.join("bird.ctl")
+    }
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        stop_bird(&self.socket());
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Stops the BIRD listening on `socket`, if one does; kills it by its pid
+/// file beside the socket if it does not answer (a frozen one), if that
+/// process is still a `bird`.
+pub fn stop_bird(socket: &Path) {
+    let pid_file = socket.with_file_name("bird.pid");
+    let pid = std::fs::read_to_string(&pid_file).ok().and_then(|p| p.trim().parse::<i32>().ok());
+    let is_bird = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "bird")
+    };
+    if lb_user::bgp::control::command(socket, "down").is_err()
+        && let Some(pid) = pid.filter(|&pid| is_bird(pid))
+    {
+        // SAFETY: sending signals has no memory-safety preconditions.
+        unsafe {
+            libc::kill(pid, libc::SIGCONT);
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+}
