@@ -30,6 +30,11 @@ use crate::config::Bgp;
 
 /// How long a BIRD just started has to answer on its socket.
 const START_WITHIN: Duration = Duration::from_secs(5);
+/// How often BIRD is asked whether it runs while its routes stay the
+/// same (a BIRD that died is started again within this): `announce` runs
+/// at every sync and every lease renewal, and must not cost a round trip
+/// on the socket each time.
+const RECHECK: Duration = Duration::from_secs(5);
 
 /// The BIRD lb runs, and what it was last told.
 pub struct Speaker {
@@ -37,6 +42,8 @@ pub struct Speaker {
     dir: PathBuf,
     /// The routes BIRD's config holds, once written and read by it.
     routes: Option<BTreeSet<IpAddr>>,
+    /// When BIRD last answered on its socket.
+    answered_at: Option<Instant>,
     /// The last failure, told once.
     failing: Option<String>,
 }
@@ -45,7 +52,7 @@ impl Speaker {
     /// The speaker for `bgp`, its files under `state_dir/bird/`. Nothing is
     /// started before the first [`Self::announce`].
     pub fn new(bgp: Bgp, state_dir: &Path) -> Self {
-        Self { bgp, dir: state_dir.join("bird"), routes: None, failing: None }
+        Self { bgp, dir: state_dir.join("bird"), routes: None, answered_at: None, failing: None }
     }
 
     /// BIRD's control socket.
@@ -74,13 +81,21 @@ impl Speaker {
                 }
                 self.failing = Some(why);
                 self.routes = None;
+                self.answered_at = None;
             }
         }
     }
 
     fn try_announce(&mut self, routes: &BTreeSet<IpAddr>) -> anyhow::Result<()> {
+        let unchanged = self.routes.as_ref() == Some(routes);
+        if unchanged && self.answered_at.is_some_and(|at| at.elapsed() < RECHECK) {
+            return Ok(());
+        }
         let running = control::command(&self.socket(), "show status").is_ok();
-        if running && self.routes.as_ref() == Some(routes) {
+        if running {
+            self.answered_at = Some(Instant::now());
+        }
+        if running && unchanged {
             return Ok(());
         }
         let router_id = self.router_id()?;
@@ -96,6 +111,7 @@ impl Speaker {
         } else {
             self.start()?;
         }
+        self.answered_at = Some(Instant::now());
         let added: Vec<&IpAddr> = match &self.routes {
             Some(before) => routes.difference(before).collect(),
             None => routes.iter().collect(),
@@ -179,6 +195,7 @@ impl Speaker {
             info!("bgp: BIRD stopped; its routes are withdrawn");
         }
         self.routes = None;
+        self.answered_at = None;
     }
 }
 

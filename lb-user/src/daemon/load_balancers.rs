@@ -10,7 +10,7 @@
 //! the membership Leases the nodes write anyway. `Local` Services'
 //! `healthCheckNodePort`s are answered from here too.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use tracing::{info, warn};
 
@@ -18,6 +18,7 @@ use super::{
     external_sync::is_usable,
     load_balancer_task::{ALLOCATOR, services_of},
     owner::Daemon,
+    service::Service,
 };
 use crate::{
     config,
@@ -76,26 +77,19 @@ impl Daemon {
         let services = task
             .served
             .iter()
-            .map(|served| {
-                let prefix = format!("{}@", served.service);
-                LoadBalancerStatus {
-                    service: served.service.to_string(),
-                    addresses: served.addresses.clone(),
-                    pool: served
-                        .addresses
-                        .first()
-                        .and_then(|&ip| pools.iter().find(|p| p.contains(ip)))
-                        .map(|p| p.name.clone()),
-                    ports: served.ports.iter().map(|p| p.port).collect(),
-                    traffic_policy: if served.local { "Local" } else { "Cluster" }.to_owned(),
-                    served_as: self
-                        .services
-                        .iter()
-                        .map(|s| &s.config.name)
-                        .filter(|n| n.starts_with(&prefix) && task.names.contains(*n))
-                        .cloned()
-                        .collect(),
-                }
+            .map(|served| LoadBalancerStatus {
+                service: served.service.to_string(),
+                addresses: served.addresses.clone(),
+                pool: served
+                    .addresses
+                    .first()
+                    .and_then(|&ip| pools.iter().find(|p| p.contains(ip)))
+                    .map(|p| p.name.clone()),
+                ports: served.ports.iter().map(|p| p.port).collect(),
+                traffic_policy: if served.local { "Local" } else { "Cluster" }.to_owned(),
+                served_as: made_from(&self.services, &task.names, served)
+                    .map(|s| s.config.name.clone())
+                    .collect(),
             })
             .collect();
         Some(LoadBalancersStatus { allocating: *task.leading.borrow(), services })
@@ -110,13 +104,7 @@ impl Daemon {
         let mut wanted = BTreeMap::new();
         for served in &task.served {
             let Some(port) = served.health_check_node_port else { continue };
-            let prefix = format!("{}@", served.service);
-            let local_endpoints = self
-                .services
-                .iter()
-                .filter(|s| {
-                    s.config.name.starts_with(&prefix) && task.names.contains(&s.config.name)
-                })
+            let local_endpoints = made_from(&self.services, &task.names, served)
                 .map(|s| s.balancer.servers().iter().filter(|s| is_usable(s.state)).count())
                 .max()
                 .unwrap_or(0);
@@ -138,4 +126,18 @@ impl Daemon {
             task.leading.send_if_modified(|before| std::mem::replace(before, leads) != leads);
         }
     }
+}
+
+/// The running services made from `served` (one per address and port,
+/// named `namespace/name@VIP`), among `services`; `names`: those made from
+/// LoadBalancer Services at all (a file's service may share the prefix).
+fn made_from<'a>(
+    services: &'a [Service],
+    names: &'a HashSet<String>,
+    served: &Served,
+) -> impl Iterator<Item = &'a Service> {
+    let prefix = format!("{}@", served.service);
+    services
+        .iter()
+        .filter(move |s| s.config.name.starts_with(&prefix) && names.contains(&s.config.name))
 }
