@@ -117,6 +117,18 @@ pub enum Command {
         #[arg(long, default_value = DEFAULT_CONFIG_PATH)]
         config: PathBuf,
     },
+    /// Run BIRD for the daemon and stop it once the daemon has not renewed
+    /// its routes for `[bgp] routes_outlive_daemon` (the daemon starts
+    /// this; not for people).
+    #[command(hide = true)]
+    BgpSpeaker {
+        /// BIRD's directory (`state_dir/bird`).
+        #[arg(long)]
+        dir: PathBuf,
+        /// The BIRD binary.
+        #[arg(long)]
+        speaker: PathBuf,
+    },
     /// Stop the daemon if it runs, detach the programs and remove every pin.
     Detach {
         /// The config file, to find the pins and the control socket.

@@ -18,6 +18,9 @@ use crate::{
 pub async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Run { .. } => bail!("`lb run` starts the daemon; it is not a client command"),
+        Command::BgpSpeaker { .. } => {
+            bail!("`lb bgp-speaker` is started by the daemon; it is not a client command")
+        }
         Command::CheckConfig { file } => {
             let config = Config::load(&file)?;
             println!("{}: ok ({} services)", file.display(), config.services.len());

@@ -24,6 +24,16 @@ fn main() -> ExitCode {
         LogFormat::Text => logs.init(),
         LogFormat::Json => logs.json().init(),
     }
+    // BIRD's supervisor: no async runtime, no threads.
+    if let Command::BgpSpeaker { dir, speaker } = &cli.command {
+        return match lb_user::bgp::supervisor::run(dir, speaker) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let runtime =
         match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
             Ok(rt) => rt,

@@ -202,7 +202,8 @@ pub fn table(status: &Status) -> String {
             if announced.is_empty() { "nothing".to_owned() } else { announced.join(" ") }
         );
         for s in &bgp.sessions {
-            let _ = writeln!(out, "  {} {} {}", s.name, s.state, s.info);
+            let bfd = s.bfd.as_deref().map(|b| format!(", BFD {b}")).unwrap_or_default();
+            let _ = writeln!(out, "  {} {} {} {}{bfd}", s.name, s.peer, s.state, s.info);
         }
     }
     for (name, present) in [

@@ -137,7 +137,11 @@ impl Lan {
 
     /// As [`Self::ask`], the connect given up after `timeout`.
     pub fn ask_within(&self, timeout: Duration) -> Result<String, String> {
-        let to: SocketAddr = VIP.parse().unwrap();
+        self.ask_at(VIP.parse().unwrap(), timeout)
+    }
+
+    /// As [`Self::ask_within`], to the address `to`.
+    pub fn ask_at(&self, to: SocketAddr, timeout: Duration) -> Result<String, String> {
         self.client.run(move || {
             let stream = TcpStream::connect_timeout(&to, timeout).map_err(|e| e.to_string())?;
             who(&stream)

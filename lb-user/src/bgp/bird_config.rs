@@ -18,6 +18,8 @@ use crate::config::Bgp;
 pub const BFD_INTERVAL_MS: u32 = 100;
 /// See [`BFD_INTERVAL_MS`].
 pub const BFD_MULTIPLIER: u32 = 3;
+/// The BGP protocols' names: `lb_peer0` for the first `[[bgp.peer]]`.
+pub const PEER_PREFIX: &str = "lb_peer";
 
 /// The config for `bgp` with `router_id`, announcing `routes` (each VIP's
 /// host route: /32, /128). IPv4 routes go to IPv4 peers, IPv6 routes to
@@ -43,7 +45,7 @@ pub fn render(bgp: &Bgp, router_id: Ipv4Addr, routes: &BTreeSet<IpAddr>) -> Stri
     }
     for (i, peer) in bgp.peers.iter().enumerate() {
         let family = if peer.address.is_ipv4() { "ipv4" } else { "ipv6" };
-        let _ = writeln!(text, "protocol bgp lb_peer{i} {{");
+        let _ = writeln!(text, "protocol bgp {PEER_PREFIX}{i} {{");
         let _ = writeln!(text, "  local as {};", bgp.asn);
         let _ = writeln!(text, "  neighbor {} as {};", peer.address, peer.asn);
         if peer.bfd {
@@ -78,6 +80,7 @@ mod tests {
                 BgpPeer { address: "2001:2:0:10::1".parse().unwrap(), asn: 64_500, bfd: false },
             ],
             speaker: PathBuf::from("/usr/sbin/bird"),
+            routes_outlive_daemon: std::time::Duration::from_secs(30),
         };
         let routes: BTreeSet<IpAddr> =
             ["198.18.1.100", "2001:2:0:1::100"].iter().map(|a| a.parse().unwrap()).collect();

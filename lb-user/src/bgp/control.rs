@@ -122,6 +122,23 @@ pub fn sessions(reply: &[Line]) -> Vec<Session> {
         .collect()
 }
 
+/// The BFD sessions in a `show bfd sessions` reply (code 1020 rows: the
+/// peer's address, its interface, the state): each peer's address and
+/// state (`Up`, `Down`, `Init`, `AdminDown`).
+pub fn bfd_sessions(reply: &[Line]) -> Vec<(std::net::IpAddr, String)> {
+    const STATES: [&str; 4] = ["Up", "Down", "Init", "AdminDown"];
+    reply
+        .iter()
+        .filter(|l| l.code == 1020)
+        .filter_map(|l| {
+            let mut words = l.text.split_whitespace();
+            let address = words.next()?.parse().ok()?;
+            let state = words.find(|w| STATES.contains(w))?;
+            Some((address, state.to_owned()))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -141,6 +158,24 @@ mod tests {
         assert_eq!((sessions[0].name.as_str(), sessions[0].state.as_str()), ("lb_peer0", "up"));
         assert_eq!(sessions[0].info, "Established");
         assert_eq!(sessions[1].info, "Idle Error: BFD session down");
+    }
+
+    #[test]
+    fn bfd_sessions_are_found_by_address() {
+        let text = "1020-lb_bfd:\n \
+                    IP address                Interface  State      Since         Interval  Timeout\n \
+                    198.18.0.254              ext0       Up         13:45:20.207    0.100    0.300\n \
+                    2001:2::fe                ext0       Down       13:45:24.333    1.000    0.000\n\
+                    0000 \n";
+        let reply = read_reply(&mut text.as_bytes()).unwrap();
+        let sessions = bfd_sessions(&reply);
+        assert_eq!(
+            sessions,
+            [
+                ("198.18.0.254".parse().unwrap(), "Up".to_owned()),
+                ("2001:2::fe".parse().unwrap(), "Down".to_owned())
+            ]
+        );
     }
 
     #[test]

@@ -10,23 +10,30 @@
 //! the VIP's host route; the routers spread its traffic over those nodes
 //! (ECMP). BIRD outlives the daemon (fail-static, as the pinned programs
 //! do): a restarted daemon adopts the one that answers on the socket, and
-//! starts one if none does.
+//! starts one if none does. It runs under `lb bgp-speaker`
+//! (`supervisor.rs`), which stops it once the daemon has not renewed its
+//! routes for `[bgp] routes_outlive_daemon`.
 
 pub mod bird_config;
 pub mod control;
+pub mod supervisor;
 
 use std::{
     collections::BTreeSet,
     net::{IpAddr, Ipv4Addr},
+    os::unix::process::CommandExt as _,
     path::{Path, PathBuf},
-    process::Command,
+    process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, bail};
 use tracing::{info, warn};
 
-use crate::config::Bgp;
+use crate::{
+    config::Bgp,
+    control::{BgpSession, BgpStatus},
+};
 
 /// How long a BIRD just started has to answer on its socket.
 const START_WITHIN: Duration = Duration::from_secs(5);
@@ -35,6 +42,19 @@ const START_WITHIN: Duration = Duration::from_secs(5);
 /// at every sync and every lease renewal, and must not cost a round trip
 /// on the socket each time.
 const RECHECK: Duration = Duration::from_secs(5);
+/// How often the daemon renews its routes (`supervisor::RENEWED`); it is
+/// asked at every sync and at least every second.
+const RENEW_EVERY: Duration = Duration::from_millis(500);
+
+/// BIRD's config, control socket and pid file, in `state_dir/bird/`.
+pub const CONF: &str = "bird.conf";
+/// See [`CONF`].
+pub const SOCKET: &str = "bird.ctl";
+/// See [`CONF`].
+pub const PID: &str = "bird.pid";
+/// What `lb bgp-speaker` and BIRD say on stderr (startup errors, the
+/// supervisor's few lines; BIRD logs to syslog), new at each start.
+const LOG: &str = "speaker.log";
 
 /// The BIRD lb runs, and what it was last told.
 pub struct Speaker {
@@ -46,28 +66,49 @@ pub struct Speaker {
     answered_at: Option<Instant>,
     /// The last failure, told once.
     failing: Option<String>,
+    /// How many times the routes were renewed, and when last.
+    renewals: u64,
+    renewed_at: Option<Instant>,
+    /// The `lb bgp-speaker` this daemon started, reaped when it exits.
+    supervisor: Option<Child>,
 }
 
 impl Speaker {
     /// The speaker for `bgp`, its files under `state_dir/bird/`. Nothing is
     /// started before the first [`Self::announce`].
     pub fn new(bgp: Bgp, state_dir: &Path) -> Self {
-        Self { bgp, dir: state_dir.join("bird"), routes: None, answered_at: None, failing: None }
+        Self {
+            bgp,
+            dir: state_dir.join("bird"),
+            routes: None,
+            answered_at: None,
+            failing: None,
+            renewals: 0,
+            renewed_at: None,
+            supervisor: None,
+        }
     }
 
     /// BIRD's control socket.
     pub fn socket(&self) -> PathBuf {
-        self.dir.join("bird.ctl")
+        self.dir.join(SOCKET)
     }
 
     fn conf(&self) -> PathBuf {
-        self.dir.join("bird.conf")
+        self.dir.join(CONF)
     }
 
     /// Makes BIRD announce exactly `routes` (host routes of VIPs), starting
-    /// it (or adopting the one that answers) if needed. Failures are
+    /// it (or adopting the one that answers) if needed, and renews them
+    /// (the owner loop calls this at least every second). Failures are
     /// logged once each and tried again at the next call.
     pub fn announce(&mut self, routes: &BTreeSet<IpAddr>) {
+        self.renew(false);
+        if let Some(supervisor) = &mut self.supervisor
+            && !matches!(supervisor.try_wait(), Ok(None))
+        {
+            self.supervisor = None;
+        }
         match self.try_announce(routes) {
             Ok(()) => {
                 if self.failing.take().is_some() {
@@ -128,27 +169,68 @@ impl Speaker {
         Ok(())
     }
 
-    /// Starts BIRD on the config written (it forks into the background
-    /// once the config has parsed) and waits for its socket.
-    fn start(&self) -> anyhow::Result<()> {
-        let status = Command::new(&self.bgp.speaker)
-            .arg("-c")
-            .arg(self.conf())
-            .arg("-s")
-            .arg(self.socket())
-            .arg("-P")
-            .arg(self.dir.join("bird.pid"))
-            .status()
-            .with_context(|| format!("starting {}", self.bgp.speaker.display()))?;
-        if !status.success() {
+    /// Tells `lb bgp-speaker` the daemon still means its routes (at most
+    /// every [`RENEW_EVERY`] unless `now`). Best effort: a renewal that
+    /// cannot be written only brings the bound nearer.
+    fn renew(&mut self, now: bool) {
+        if !now && self.renewed_at.is_some_and(|at| at.elapsed() < RENEW_EVERY) {
+            return;
+        }
+        self.renewals += 1;
+        let text = supervisor::renewal(self.renewals, self.bgp.routes_outlive_daemon);
+        if std::fs::write(self.dir.join(supervisor::RENEWED), text).is_ok() {
+            self.renewed_at = Some(Instant::now());
+        }
+    }
+
+    /// Starts BIRD under `lb bgp-speaker` (this same executable, in a
+    /// session of its own: it outlives the daemon) on the config written,
+    /// and waits for its socket. Refuses while the BIRD of the pid file
+    /// runs: alive but not answering (slow, or frozen), a second one on
+    /// the same socket would peer beside it.
+    fn start(&mut self) -> anyhow::Result<()> {
+        if let Some(pid) = running_bird(&self.dir.join(PID)) {
             bail!(
-                "{} -c {} exited with {status}",
-                self.bgp.speaker.display(),
-                self.conf().display()
+                "BIRD (pid {pid}) runs but does not answer on {}: not starting a second one",
+                self.socket().display()
             );
         }
+        self.renew(true);
+        let log_path = self.dir.join(LOG);
+        let log = std::fs::File::create(&log_path)
+            .with_context(|| format!("creating {}", log_path.display()))?;
+        let mut command = Command::new("/proc/self/exe");
+        command
+            .arg0("lb")
+            .arg("bgp-speaker")
+            .arg("--dir")
+            .arg(&self.dir)
+            .arg("--speaker")
+            .arg(&self.bgp.speaker)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().context("the speaker's log")?)
+            .stderr(log);
+        // SAFETY: setsid is async-signal-safe and touches no memory of ours.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = command.spawn().context("starting lb bgp-speaker")?;
         let deadline = Instant::now() + START_WITHIN;
         while control::command(&self.socket(), "show status").is_err() {
+            if let Ok(Some(status)) = child.try_wait() {
+                let said = std::fs::read_to_string(&log_path).unwrap_or_default();
+                bail!(
+                    "{} -c {} exited with {status}: {}",
+                    self.bgp.speaker.display(),
+                    self.conf().display(),
+                    said.trim()
+                );
+            }
             if Instant::now() >= deadline {
                 bail!(
                     "BIRD started but did not answer on {} within {START_WITHIN:?}",
@@ -157,6 +239,7 @@ impl Speaker {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+        self.supervisor = Some(child);
         info!(socket = %self.socket().display(), "bgp: BIRD started");
         Ok(())
     }
@@ -176,16 +259,43 @@ impl Speaker {
         }
     }
 
-    /// The BGP sessions as BIRD says they are (empty if it does not answer).
-    pub fn sessions(&self) -> Vec<control::Session> {
-        control::command(&self.socket(), "show protocols")
+    /// The sessions as BIRD says they are (none if it does not answer),
+    /// each with its peer's address, and the VIPs it was last told to
+    /// announce.
+    pub fn status(&self) -> BgpStatus {
+        let sessions = control::command(&self.socket(), "show protocols")
             .map(|reply| control::sessions(&reply))
-            .unwrap_or_default()
-    }
-
-    /// What BIRD was last told to announce.
-    pub fn announced(&self) -> Vec<IpAddr> {
-        self.routes.iter().flatten().copied().collect()
+            .unwrap_or_default();
+        let bfd = if self.bgp.peers.iter().any(|p| p.bfd) && !sessions.is_empty() {
+            control::command(&self.socket(), "show bfd sessions")
+                .map(|reply| control::bfd_sessions(&reply))
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let peer = |name: &str| {
+            let i: usize = name.strip_prefix(bird_config::PEER_PREFIX)?.parse().ok()?;
+            self.bgp.peers.get(i)
+        };
+        BgpStatus {
+            sessions: sessions
+                .into_iter()
+                .map(|s| {
+                    let peer = peer(&s.name);
+                    let address = peer.map(|p| p.address);
+                    BgpSession {
+                        peer: address.map(|a| a.to_string()).unwrap_or_default(),
+                        bfd: peer.filter(|p| p.bfd).and_then(|p| {
+                            bfd.iter().find(|(a, _)| *a == p.address).map(|(_, s)| s.clone())
+                        }),
+                        name: s.name,
+                        state: s.state,
+                        info: s.info,
+                    }
+                })
+                .collect(),
+            announced: self.routes.iter().flatten().copied().collect(),
+        }
     }
 
     /// Stops BIRD (`lb detach`): its sessions close, and the routers
@@ -194,9 +304,23 @@ impl Speaker {
         if stop_speaker(self.dir.parent().unwrap_or(&self.dir)) {
             info!("bgp: BIRD stopped; its routes are withdrawn");
         }
+        // Its supervisor follows BIRD within a look (200 ms): reaped if so.
+        if let Some(mut supervisor) = self.supervisor.take() {
+            let deadline = Instant::now() + Duration::from_secs(1);
+            while matches!(supervisor.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
         self.routes = None;
         self.answered_at = None;
     }
+}
+
+/// The pid in `pid_file`, if that process runs and is a `bird`.
+fn running_bird(pid_file: &Path) -> Option<u32> {
+    let pid: u32 = std::fs::read_to_string(pid_file).ok()?.trim().parse().ok()?;
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    (comm.trim() == "bird").then_some(pid)
 }
 
 /// Creates `dir` (root's alone: 0700, whatever the umask), or makes it so:
@@ -217,7 +341,7 @@ fn private_dir(dir: &Path) -> anyhow::Result<()> {
 /// one answers there, and waits (bounded) for it to be gone: whether one
 /// did.
 pub fn stop_speaker(state_dir: &Path) -> bool {
-    let socket = state_dir.join("bird").join("bird.ctl");
+    let socket = state_dir.join("bird").join(SOCKET);
     if control::command(&socket, "down").is_err() {
         return false;
     }

@@ -4,16 +4,24 @@
 use std::{
     net::{IpAddr, Ipv4Addr},
     path::PathBuf,
+    time::Duration,
 };
 
 use super::{
     model::{Bgp, BgpPeer},
-    problems::Problem,
+    problems::{Key, Problem},
     raw::RawBgp,
+    values::parse_duration,
 };
 
 /// Where lb finds BIRD when `[bgp] speaker` does not say.
 pub const DEFAULT_SPEAKER: &str = "/usr/sbin/bird";
+/// `[bgp] routes_outlive_daemon` when not set: longer than a restart by
+/// systemd or a container runtime takes, short enough that a node whose
+/// daemon is gone stops attracting traffic it no longer checks.
+pub const DEFAULT_ROUTES_OUTLIVE_DAEMON: Duration = Duration::from_secs(30);
+/// The shortest `routes_outlive_daemon`: the daemon renews every second.
+const SHORTEST_ROUTES_OUTLIVE_DAEMON: Duration = Duration::from_secs(2);
 
 /// The `[bgp]` settings, or the problems with them.
 pub(super) fn parse_bgp(raw: RawBgp, problems: &mut Vec<Problem>) -> Option<Bgp> {
@@ -61,7 +69,30 @@ pub(super) fn parse_bgp(raw: RawBgp, problems: &mut Vec<Problem>) -> Option<Bgp>
             format!("{} is not an absolute path (e.g. {DEFAULT_SPEAKER})", speaker.display()),
         );
     }
-    (problems.len() == before).then_some(Bgp { asn, router_id, peers, speaker })
+    let key = Key::top("bgp.routes_outlive_daemon");
+    let routes_outlive_daemon = match raw.routes_outlive_daemon {
+        None => DEFAULT_ROUTES_OUTLIVE_DAEMON,
+        Some(text) => match parse_duration(&text, None, key, problems) {
+            Some(d) if d < SHORTEST_ROUTES_OUTLIVE_DAEMON => {
+                problems.push(Problem::new(
+                    None,
+                    key,
+                    format!(
+                        "{text:?} is shorter than {SHORTEST_ROUTES_OUTLIVE_DAEMON:?}: the daemon renews its routes every second"
+                    ),
+                ));
+                Duration::ZERO
+            }
+            d => d.unwrap_or_default(),
+        },
+    };
+    (problems.len() == before).then_some(Bgp {
+        asn,
+        router_id,
+        peers,
+        speaker,
+        routes_outlive_daemon,
+    })
 }
 
 /// A 4-byte AS number (RFC 6793), never 0 or the reserved 23456 and
@@ -98,13 +129,14 @@ mod tests {
         assert_eq!(bgp.peers.len(), 1);
         assert!(bgp.peers[0].bfd, "BFD by default");
         assert_eq!(bgp.speaker, std::path::PathBuf::from(super::DEFAULT_SPEAKER));
+        assert_eq!(bgp.routes_outlive_daemon, super::DEFAULT_ROUTES_OUTLIVE_DAEMON);
         assert_eq!(config.services[0].external.as_ref().unwrap().announce, Announce::Bgp);
     }
 
     #[test]
     fn bad_bgp_settings_are_named() {
         let text = parse(
-            "[bgp]\nasn = 0\nrouter_id = \"fd00::1\"\nspeaker = \"bird\"\n\
+            "[bgp]\nasn = 0\nrouter_id = \"fd00::1\"\nspeaker = \"bird\"\nroutes_outlive_daemon = \"1s\"\n\
              [[bgp.peer]]\naddress = \"nowhere\"\nasn = 4294967295\n\
              [[bgp.peer]]\naddress = \"198.18.10.1\"\nasn = 64500\n\
              [[bgp.peer]]\naddress = \"198.18.10.1\"\nasn = 64500\n",
@@ -117,11 +149,21 @@ mod tests {
             "bgp.peer[0].address: \"nowhere\" is not a peer's address",
             "bgp.peer[0].asn: 4294967295 is not an AS number",
             "bgp.peer[2].address: 198.18.10.1 is listed twice",
+            "bgp.routes_outlive_daemon: \"1s\" is shorter than 2s",
         ] {
             assert!(text.contains(expected), "{expected:?} not in {text}");
         }
         let none = parse("[bgp]\nasn = 64512\n").unwrap_err();
         assert!(none.contains("bgp.peer: lists no peer"), "{none}");
         assert!(!none.contains("needs a [bgp] table"), "told twice: {none}");
+        let never = parse(
+            "[bgp]\nasn = 64512\nroutes_outlive_daemon = \"forever\"\n\
+             [[bgp.peer]]\naddress = \"198.18.10.1\"\nasn = 64500\n",
+        )
+        .unwrap_err();
+        assert!(
+            never.contains("bgp.routes_outlive_daemon: \"forever\" is not a duration"),
+            "{never}"
+        );
     }
 }

@@ -31,6 +31,7 @@ mod values;
 
 use std::path::Path;
 
+pub use bgp::DEFAULT_ROUTES_OUTLIVE_DAEMON;
 pub use model::{
     Announce, Bgp, BgpPeer, CheckKind, Config, DEFAULT_BPFFS, DEFAULT_CONFIG_PATH,
     DEFAULT_CONTROL_SOCKET, DEFAULT_DEBOUNCE, DEFAULT_DNS_REFRESH_MAX, DEFAULT_DNS_REFRESH_MIN,

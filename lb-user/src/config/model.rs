@@ -114,6 +114,11 @@ pub struct Bgp {
     pub peers: Vec<BgpPeer>,
     /// The BIRD 2 binary.
     pub speaker: PathBuf,
+    /// How long BIRD keeps announcing after the daemon last renewed its
+    /// routes (a daemon killed, frozen or stopped for good): the kernel
+    /// serves on with the last selection meanwhile, but nothing checks
+    /// the servers any more.
+    pub routes_outlive_daemon: Duration,
 }
 
 /// One `[[bgp.peer]]`.

@@ -30,6 +30,7 @@ pub(super) struct RawBgp {
     pub(super) asn: i64,
     pub(super) router_id: Option<String>,
     pub(super) speaker: Option<PathBuf>,
+    pub(super) routes_outlive_daemon: Option<String>,
     #[serde(default)]
     pub(super) peer: Vec<RawBgpPeer>,
 }

@@ -41,10 +41,17 @@ pub struct BgpStatus {
 pub struct BgpSession {
     /// lb's name for it (`lb_peer0` for the first `[[bgp.peer]]`).
     pub name: String,
+    /// The peer's address (`[[bgp.peer]] address`).
+    #[serde(default)]
+    pub peer: String,
     /// BIRD's state (`up`, `start`...).
     pub state: String,
     /// BIRD's info (`Established`, `Idle Error: BFD session down`...).
     pub info: String,
+    /// The BFD session's state with the peer (`Up`, `Down`, `Init`), if
+    /// BFD watches the session and BIRD has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bfd: Option<String>,
 }
 
 /// LoadBalancer Services (`[[pool]]`).

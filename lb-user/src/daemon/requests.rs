@@ -19,8 +19,7 @@ use crate::{
     balancer::{Balancer, Readiness},
     config,
     control::{
-        BgpSession, BgpStatus, ConfigStatus, DatapathStatus, DiscoveryStatus, Features, Response,
-        Status, TrackedSockets,
+        ConfigStatus, DatapathStatus, DiscoveryStatus, Features, Response, Status, TrackedSockets,
     },
     datapath::{self, Datapath, PinnedMaps},
     state::SavedList,
@@ -188,14 +187,7 @@ impl Daemon {
         );
         datapath.external = self.external_status();
         let load_balancers = self.load_balancers_status();
-        let bgp = self.bgp.as_ref().map(|speaker| BgpStatus {
-            sessions: speaker
-                .sessions()
-                .into_iter()
-                .map(|s| BgpSession { name: s.name, state: s.state, info: s.info })
-                .collect(),
-            announced: speaker.announced(),
-        });
+        let bgp = self.bgp.as_ref().map(crate::bgp::Speaker::status);
         self.workers.census.then(move |maps, tracked| {
             let kernel = KernelSnapshot::of(maps);
             let services = services
@@ -226,6 +218,7 @@ impl Daemon {
         }
         self.metrics.record_decisions(&maps.counters());
         self.metrics.external.set(self.external_status());
+        self.metrics.bgp.set(self.bgp.as_ref().map(crate::bgp::Speaker::status));
         let leases = (0..self.services.len())
             .filter_map(|i| Some((self.services[i].config.name.clone(), self.lease_status(i)?)))
             .collect();

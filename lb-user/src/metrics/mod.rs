@@ -12,6 +12,7 @@
 //! descriptors or time; extra connections are closed at once, idle ones
 //! after a short timeout.
 
+mod bgp_series;
 mod external_series;
 mod lease;
 mod serve;
@@ -37,6 +38,7 @@ use prometheus_client::{
 
 use self::server_series::{CLOSE_REASONS, ServerCollector, ServerSeries, Servers};
 pub use self::{
+    bgp_series::BgpSeries,
     external_series::ExternalSeries,
     lease::LeaseSeries,
     serve::{Limits, ScrapeRequest, serve},
@@ -141,6 +143,9 @@ pub struct Metrics {
     /// The elections' series (`lb_lease_*`), from the snapshot each
     /// scrape takes.
     pub leases: LeaseSeries,
+    /// The BGP speaker's series (`lb_bgp_*`), from the snapshot each
+    /// scrape takes.
+    pub bgp: BgpSeries,
     /// Kernel counters as last read, to turn them into counter increments.
     last_decisions: HashMap<&'static str, u64>,
 }
@@ -165,6 +170,8 @@ impl Metrics {
         registry.register_collector(Box::new(external.clone()));
         let leases = LeaseSeries::default();
         registry.register_collector(Box::new(leases.clone()));
+        let bgp = BgpSeries::default();
+        registry.register_collector(Box::new(bgp.clone()));
         let selection_changes = Family::default();
         registry.register(
             "lb_selection_changes",
@@ -244,6 +251,7 @@ impl Metrics {
             discovery_dropped,
             external,
             leases,
+            bgp,
             last_decisions: HashMap::new(),
         }
     }

@@ -4,7 +4,9 @@
 //! serve; one whose server goes is withdrawn and no connect fails after;
 //! one whose speaker freezes (its link up, its sockets open) is withdrawn
 //! by BFD, long before BGP's hold timer (90 s) would; `lb detach`
-//! withdraws.
+//! withdraws; one whose daemon is killed announces on (fail-static) for
+//! `[bgp] routes_outlive_daemon`, no longer. An IPv6 VIP goes to the
+//! router over IPv6 sessions, and is spread likewise.
 
 use std::{
     collections::BTreeSet,
@@ -13,7 +15,8 @@ use std::{
 };
 
 use lb_tests::{
-    bgp_router::{NODE_ASN, ROUTER, ROUTER_ASN, Router, stop_bird},
+    Backend,
+    bgp_router::{NODE_ASN, ROUTER, ROUTER_ASN, ROUTER6, Router, SERVER6, stop_bird},
     fakes::apiserver::Kubeconfig,
     in_new_netns,
     lan::{Lan, VIP, VIP_IP},
@@ -22,13 +25,29 @@ use lb_tests::{
 
 use super::{lan_and_api, one_at_a_time};
 
-/// Every node's config: the VIP, its node's server, announced by BGP.
+/// The IPv6 VIP.
+const VIP6: &str = "[2001:2:0:1::100]:80";
+const VIP6_IP: &str = "2001:2:0:1::100";
+/// How long a killed daemon's routes stay (`[bgp] routes_outlive_daemon`).
+const OUTLIVE: Duration = Duration::from_secs(3);
+
+/// Every node's config: a VIP of each family, its node's servers,
+/// announced by BGP to the router's IPv4 and IPv6 addresses.
 fn config() -> String {
+    let service = |name: &str, vip: &str, server: &str| {
+        format!(
+            "[[service]]\nname = \"{name}\"\nvip = \"{vip}\"\nservers = [\"{server}\"]\n\
+             [service.health]\ncheck = \"tcp\"\ninterval = \"100ms\"\ntimeout = \"100ms\"\nrise = 1\nfall = 1\n\
+             [service.external]\ninterfaces = [\"ext0\"]\nannounce = \"bgp\"\n"
+        )
+    };
     format!(
-        "[bgp]\nasn = {NODE_ASN}\n[[bgp.peer]]\naddress = \"{ROUTER}\"\nasn = {ROUTER_ASN}\n\
-         [[service]]\nname = \"web\"\nvip = \"{VIP}\"\nservers = [\"198.18.2.2:8080\"]\n\
-         [service.health]\ncheck = \"tcp\"\ninterval = \"100ms\"\ntimeout = \"100ms\"\nrise = 1\nfall = 1\n\
-         [service.external]\ninterfaces = [\"ext0\"]\nannounce = \"bgp\"\n"
+        "[bgp]\nasn = {NODE_ASN}\nroutes_outlive_daemon = \"{}s\"\n\
+         [[bgp.peer]]\naddress = \"{ROUTER}\"\nasn = {ROUTER_ASN}\n\
+         [[bgp.peer]]\naddress = \"{ROUTER6}\"\nasn = {ROUTER_ASN}\n{}{}",
+        OUTLIVE.as_secs(),
+        service("web", VIP, "198.18.2.2:8080"),
+        service("web6", VIP6, SERVER6),
     )
 }
 
@@ -42,6 +61,10 @@ fn node(k: u8) -> IpAddr {
     IpAddr::from([198, 18, 0, k])
 }
 
+fn node6(k: u16) -> IpAddr {
+    IpAddr::from([0x2001, 2, 0, 0, 0, 0, 0, k])
+}
+
 #[privileged_test]
 fn every_node_that_can_serve_announces_and_the_router_spreads_over_them() {
     let _serial = one_at_a_time();
@@ -49,24 +72,53 @@ fn every_node_that_can_serve_announces_and_the_router_spreads_over_them() {
         let (mut lan, _rt, api) = lan_and_api("el-bgp", 2);
         let kubeconfig = Kubeconfig::write(&api.url());
         let router = Router::start(&lan, "el-bgp");
+        let _servers6: Vec<Backend> = lan
+            .nodes
+            .iter()
+            .map(|n| {
+                let name = n.name.clone();
+                n.servers.run(move || Backend::start(&name, SERVER6.parse().unwrap()))
+            })
+            .collect();
         for n in &mut lan.nodes {
             n.start(kubeconfig.path(), &config());
         }
-        let both =
-            wait_until(Duration::from_secs(30), || router.next_hops(VIP_IP) == [node(1), node(2)]);
-        assert!(both, "the router learned {:?}\n{}", router.next_hops(VIP_IP), logs(&lan));
+        let both = wait_until(Duration::from_secs(30), || {
+            router.next_hops(VIP_IP) == [node(1), node(2)]
+                && router.next_hops(VIP6_IP) == [node6(1), node6(2)]
+        });
+        assert!(
+            both,
+            "the router learned {:?} and {:?}\n{}",
+            router.next_hops(VIP_IP),
+            router.next_hops(VIP6_IP),
+            logs(&lan)
+        );
         // Spread: a client's connections (each its own source port) land
-        // on both nodes' servers.
-        let mut reached = BTreeSet::new();
-        for _ in 0..40 {
-            reached.insert(lan.ask().expect("a connect through the router"));
+        // on both nodes' servers, over either family.
+        for vip in [VIP, VIP6] {
+            let mut reached = BTreeSet::new();
+            for _ in 0..40 {
+                let to = vip.parse().unwrap();
+                reached.insert(lan.ask_at(to, Duration::from_millis(500)).expect("a connect"));
+            }
+            assert_eq!(reached, BTreeSet::from(["node1".to_owned(), "node2".to_owned()]), "{vip}");
         }
-        assert_eq!(reached, BTreeSet::from(["node1".to_owned(), "node2".to_owned()]));
-        let status = lan.nodes[0].daemon().status();
-        let bgp = &status["bgp"];
-        assert_eq!(bgp["announced"][0], VIP_IP, "{bgp}");
-        assert_eq!(bgp["sessions"][0]["info"], "Established", "{bgp}");
-        assert!(lan.nodes[0].daemon().lb(&["status"]).contains("BGP: announcing 198.18.1.100"));
+        // Both sessions up, and BFD on each.
+        let mut bgp = serde_json::Value::Null;
+        let up = wait_until(Duration::from_secs(10), || {
+            bgp = lan.nodes[0].daemon().status()["bgp"].clone();
+            [0, 1].iter().all(|&k| {
+                let session = &bgp["sessions"][k];
+                session["info"] == "Established" && session["bfd"] == "Up"
+            })
+        });
+        assert!(up, "{bgp}");
+        assert_eq!(bgp["announced"], serde_json::json!([VIP_IP, VIP6_IP]), "{bgp}");
+        assert_eq!(bgp["sessions"][1]["peer"], ROUTER6, "{bgp}");
+        let table = lan.nodes[0].daemon().lb(&["status"]);
+        assert!(table.contains("BGP: announcing 198.18.1.100 2001:2:0:1::100"), "{table}");
+        assert!(table.contains("lb_peer1 2001:2::fe up Established, BFD Up"), "{table}");
 
         // node1's server goes: node1 withdraws, every connect lands on node2.
         drop(lan.nodes[0].server.take());
@@ -118,6 +170,24 @@ fn every_node_that_can_serve_announces_and_the_router_spreads_over_them() {
         let detached =
             wait_until(Duration::from_secs(10), || router.next_hops(VIP_IP) == [node(2)]);
         assert!(detached, "lb detach left {:?}", router.next_hops(VIP_IP));
+
+        // node2's daemon killed: its BIRD announces on (the kernel serves
+        // on), for `routes_outlive_daemon` after its last renewal (within
+        // a second before the kill), no longer.
+        lan.nodes[1].daemon_mut().kill();
+        let killed = Instant::now();
+        let gone = wait_until(OUTLIVE * 3, || router.next_hops(VIP_IP).is_empty());
+        let took = killed.elapsed();
+        assert!(gone, "a killed daemon's routes stayed {took:?}: {:?}", router.next_hops(VIP_IP));
+        // The last renewal is at most a second (and a tick's lateness)
+        // before the kill: withdrawn at once would be ~0.3 s.
+        let earliest = OUTLIVE - Duration::from_millis(1_500);
+        assert!(took >= earliest, "withdrawn after {took:?}: not fail-static");
+        eprintln!("a killed daemon's routes withdrawn after {took:?} (bound {OUTLIVE:?})");
+        // Started again, it announces again (a BIRD of its own).
+        lan.nodes[1].start(kubeconfig.path(), &config());
+        let again = wait_until(Duration::from_secs(30), || router.next_hops(VIP_IP) == [node(2)]);
+        assert!(again, "a restarted daemon did not announce\n{}", logs(&lan));
         for n in &lan.nodes {
             stop_bird(&n.daemon().dir.join("state").join("bird").join("bird.ctl"));
         }
