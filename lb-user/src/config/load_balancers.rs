@@ -14,10 +14,11 @@ use super::{
 };
 
 /// The LoadBalancer settings, or the problems with them; `line_of` says
-/// which line of the file a span is on.
+/// which line of the file a span is on; `bgp_given`: the file has `[bgp]`.
 pub(super) fn parse_load_balancers(
     kubernetes: Option<&RawKubernetesSettings>,
     tables: Vec<Spanned<RawPool>>,
+    bgp_given: bool,
     line_of: &dyn Fn(std::ops::Range<usize>) -> usize,
     problems: &mut Vec<Problem>,
 ) -> LoadBalancers {
@@ -74,11 +75,33 @@ pub(super) fn parse_load_balancers(
                 ));
             }
         }
+        let by_bgp = match raw.announce.as_deref() {
+            None | Some("arp") => false,
+            Some("bgp") => {
+                if !bgp_given {
+                    problems.push(Problem::new(
+                        line,
+                        key("announce"),
+                        "\"bgp\" needs a [bgp] table: the AS number and the routers to announce to",
+                    ));
+                }
+                true
+            }
+            Some(other) => {
+                problems.push(Problem::new(
+                    line,
+                    key("announce"),
+                    format!("{other:?} is not a way to announce: write \"arp\" or \"bgp\""),
+                ));
+                false
+            }
+        };
         pools.push(Pool {
             name: raw.name,
             ranges,
             auto_assign: raw.auto_assign.unwrap_or(true),
             namespaces,
+            by_bgp,
         });
     }
     if let Err(why) = check_pools(&pools) {
@@ -137,6 +160,7 @@ mod tests {
         assert_eq!(lbs.interfaces, ["eth1"]);
         assert_eq!(lbs.pools.len(), 2);
         assert!(lbs.pools[0].auto_assign && lbs.pools[0].namespaces.is_empty());
+        assert!(!lbs.pools[0].by_bgp, "announced by ARP and NDP by default");
         assert!(lbs.pools[0].contains("fd00:198:18::10f".parse().unwrap()));
         assert!(!lbs.pools[1].auto_assign && lbs.pools[1].serves("infra"));
         assert!(!lbs.pools[1].serves("default"));
@@ -158,6 +182,10 @@ mod tests {
         assert!(twice.contains("two pools are named"), "{twice}");
         let name = problems(&POOLS.replace("\"reserved\"", "\"Not A Name\""));
         assert!(name.contains("pool[1].name") && name.contains("not a Kubernetes name"), "{name}");
+        let how = problems(&POOLS.replace("auto_assign = false", "announce = \"ospf\""));
+        assert!(how.contains("pool[1].announce: \"ospf\" is not a way to announce"), "{how}");
+        let bgp = problems(&POOLS.replace("auto_assign = false", "announce = \"bgp\""));
+        assert!(bgp.contains("pool[1].announce: \"bgp\" needs a [bgp] table"), "{bgp}");
         let empty = problems(&POOLS.replace("[\"198.18.7.1\"]", "[]"));
         assert!(empty.contains("must list at least one range"), "{empty}");
         let typo = problems(&POOLS.replace("auto_assign", "autoassign"));

@@ -76,6 +76,7 @@ impl Config {
         let load_balancers = parse_load_balancers(
             raw.kubernetes.as_ref(),
             raw.pool,
+            bgp_given,
             &|span| lines.of_span(span),
             &mut problems,
         );

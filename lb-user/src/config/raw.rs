@@ -53,6 +53,7 @@ pub(super) struct RawPool {
     pub(super) addresses: Vec<String>,
     pub(super) auto_assign: Option<bool>,
     pub(super) namespaces: Option<Vec<String>>,
+    pub(super) announce: Option<String>,
 }
 
 /// `[daemon]`.

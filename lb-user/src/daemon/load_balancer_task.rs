@@ -153,6 +153,7 @@ pub(super) fn services_of(
     let mut services = Vec::new();
     for wanted in served {
         for &ip in &wanted.addresses {
+            let by_bgp = settings.pools.iter().any(|p| p.by_bgp && p.contains(ip));
             for port in &wanted.ports {
                 let vip = SocketAddr::new(ip, port.port);
                 let name = format!("{}@{vip}", wanted.service);
@@ -188,9 +189,11 @@ pub(super) fn services_of(
                     scope: if wanted.local { Scope::None } else { Scope::All },
                     external: Some(External {
                         interfaces: settings.interfaces.clone(),
-                        announce: Announce::Arp,
+                        // By BGP every node that can serve announces; by
+                        // ARP one node, elected by membership.
+                        announce: if by_bgp { Announce::Bgp } else { Announce::Arp },
                         lease: None,
-                        elect: true,
+                        elect: !by_bgp,
                         keep_client_address: wanted.local,
                         client_affinity: wanted.client_affinity,
                     }),
@@ -260,6 +263,17 @@ mod tests {
         assert!(!external.keep_client_address);
         assert_eq!(external.interfaces, ["eth1"]);
         assert!(https.servers.is_empty() && https.health.check == CheckKind::None);
+
+        // A pool announced by BGP: every node that can serve announces,
+        // no election.
+        let mut pool = Pool::new("bgp", &["198.18.1.100/30"]).unwrap();
+        pool.by_bgp = true;
+        let settings = LoadBalancers { pools: vec![pool], ..settings };
+        let web = served("web", &["198.18.1.100", "fd00:198:18::100"], &[("http", 80)]);
+        let all = services_of(&[web], &settings, "n1", &[]);
+        let external = |i: usize| all[i].external.clone().unwrap();
+        assert!(!external(0).elect && external(0).announce == Announce::Bgp, "in the pool");
+        assert!(external(1).elect && external(1).announce == Announce::Arp, "in none");
     }
 
     #[test]

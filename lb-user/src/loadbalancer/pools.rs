@@ -162,6 +162,10 @@ pub struct Pool {
     /// `namespaces`: the namespaces whose Services may draw from it; empty:
     /// every namespace.
     pub namespaces: Vec<String>,
+    /// `announce = "bgp"`: its addresses are announced by BGP, by every
+    /// node that can serve them; otherwise (`"arp"`, the default) by ARP
+    /// and NDP, by one node elected.
+    pub by_bgp: bool,
 }
 
 impl Pool {
@@ -174,6 +178,7 @@ impl Pool {
             ranges: ranges.iter().map(|r| AddressRange::parse(r)).collect::<Result<_, _>>()?,
             auto_assign: true,
             namespaces: Vec::new(),
+            by_bgp: false,
         })
     }
 

@@ -6,21 +6,27 @@
 //! by BFD, long before BGP's hold timer (90 s) would; `lb detach`
 //! withdraws; one whose daemon is killed announces on (fail-static) for
 //! `[bgp] routes_outlive_daemon`, no longer. An IPv6 VIP goes to the
-//! router over IPv6 sessions, and is spread likewise.
+//! router over IPv6 sessions, and is spread likewise. A LoadBalancer
+//! Service from a pool announced by BGP, `externalTrafficPolicy: Local`,
+//! is announced by the node of its endpoint alone, and follows it.
 
 use std::{
     collections::BTreeSet,
-    net::IpAddr,
+    net::{IpAddr, SocketAddr, TcpStream},
     time::{Duration, Instant},
 };
 
 use lb_tests::{
     Backend,
     bgp_router::{NODE_ASN, ROUTER, ROUTER_ASN, ROUTER6, Router, SERVER6, stop_bird},
-    fakes::apiserver::Kubeconfig,
+    fakes::apiserver::{
+        Condition, Kubeconfig, endpoint, endpoint_slice, ingress_ip, load_balancer_service,
+    },
     in_new_netns,
     lan::{Lan, VIP, VIP_IP},
-    privileged_test, wait_until,
+    privileged_test,
+    topology::{peer, who},
+    wait_until,
 };
 
 use super::{lan_and_api, one_at_a_time};
@@ -188,6 +194,69 @@ fn every_node_that_can_serve_announces_and_the_router_spreads_over_them() {
         lan.nodes[1].start(kubeconfig.path(), &config());
         let again = wait_until(Duration::from_secs(30), || router.next_hops(VIP_IP) == [node(2)]);
         assert!(again, "a restarted daemon did not announce\n{}", logs(&lan));
+        for n in &lan.nodes {
+            stop_bird(&n.daemon().dir.join("state").join("bird").join("bird.ctl"));
+        }
+        drop(router);
+    });
+}
+
+/// The LoadBalancer Services' pool, announced by BGP.
+const POOL_BY_BGP: &str = "[kubernetes]\ndefault_class = true\ninterfaces = [\"ext0\"]\n\
+     [[pool]]\nname = \"default\"\naddresses = [\"198.18.1.100-198.18.1.101\"]\nannounce = \"bgp\"\n";
+
+#[privileged_test]
+fn a_local_load_balancer_service_is_announced_by_the_nodes_of_its_endpoints() {
+    let _serial = one_at_a_time();
+    in_new_netns(|| {
+        let (mut lan, _rt, api) = lan_and_api("el-bgplocal", 2);
+        let kubeconfig = Kubeconfig::write(&api.url());
+        let router = Router::start(&lan, "el-bgplocal");
+        // The pods' gateway is their node, as in a cluster: the servers'
+        // replies to the client's own address go back through it.
+        for node in &lan.nodes {
+            node.servers.sh(&["ip", "route", "add", "198.18.0.0/24", "via", "198.18.2.1"]);
+        }
+        let place = |node: &str| {
+            let pod = endpoint("198.18.2.2", node, Condition::Ready);
+            api.apply(endpoint_slice("web-1", "web", "IPv4", &[("http", 8080)], vec![pod]));
+        };
+        place("node2");
+        let config = format!(
+            "[bgp]\nasn = {NODE_ASN}\n[[bgp.peer]]\naddress = \"{ROUTER}\"\nasn = {ROUTER_ASN}\n\
+             {POOL_BY_BGP}"
+        );
+        for n in &mut lan.nodes {
+            n.start(kubeconfig.path(), &config);
+        }
+        let mut web = load_balancer_service("web", &[("http", 80, 8080)]);
+        web.spec.as_mut().unwrap().external_traffic_policy = Some("Local".into());
+        api.apply_service(web);
+        let given = wait_until(Duration::from_secs(30), || {
+            api.service("default", "web").and_then(|s| ingress_ip(&s)).as_deref() == Some(VIP_IP)
+        });
+        assert!(given, "web was not given {VIP_IP}\n{}", logs(&lan));
+        // Only the node of the endpoint announces; the server sees the
+        // client's own address. Then the endpoint moves, and the route.
+        for (k, name) in [(2, "node2"), (1, "node1")] {
+            place(name);
+            let only =
+                wait_until(Duration::from_secs(30), || router.next_hops(VIP_IP) == [node(k)]);
+            assert!(only, "{name}: the router has {:?}\n{}", router.next_hops(VIP_IP), logs(&lan));
+            for _ in 0..5 {
+                let (answered, seen) = lan.client.run(|| {
+                    let vip: SocketAddr = VIP.parse().unwrap();
+                    let stream = TcpStream::connect_timeout(&vip, Duration::from_millis(500))
+                        .expect("a connect through the router");
+                    let answered = who(&stream).unwrap();
+                    let stream =
+                        TcpStream::connect_timeout(&vip, Duration::from_millis(500)).unwrap();
+                    (answered, peer(&stream).unwrap())
+                });
+                assert_eq!(answered, name, "another node's server answered");
+                assert_eq!(seen.ip().to_string(), "198.18.0.10", "the server saw {seen}");
+            }
+        }
         for n in &lan.nodes {
             stop_bird(&n.daemon().dir.join("state").join("bird").join("bird.ctl"));
         }
