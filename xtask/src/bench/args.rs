@@ -27,4 +27,5 @@ pub enum Part {
     External,
     Election,
     LoadBalancers,
+    Bgp,
 }

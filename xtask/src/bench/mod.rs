@@ -42,6 +42,10 @@
 //!   three nodes: a Service's creation to its address in its status, to
 //!   a node claiming it, to the first connect from another machine
 //!   answered, p50/p99 over 100 Services; the API load with all served.
+//! - **bgp** ([`bgp`]): connects per second through one node announcing
+//!   by ARP and one, two and three by BGP (a router spreading over them),
+//!   in the same run; a node's death to the router withdrawing it (BFD),
+//!   p50/p99.
 //!
 //! Output: a table on stdout, `target/bench/report.md` and the plot
 //! `target/bench/ratios.svg` ([`report`]). The targets ([`targets`]) are
@@ -61,6 +65,7 @@
 // list, and no two import each other.
 mod agent;
 mod args;
+mod bgp;
 mod bpf_stats;
 mod client;
 mod discovery;
@@ -116,6 +121,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             Part::External,
             Part::Election,
             Part::LoadBalancers,
+            Part::Bgp,
         ]
     } else {
         args.only.clone()
@@ -149,6 +155,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             Part::External => external_path::run(&mut results)?,
             Part::Election => election::run(&mut results)?,
             Part::LoadBalancers => load_balancers::run(&mut results)?,
+            Part::Bgp => bgp::run(&mut results)?,
         }
         println!("    ({:?} took {:.0} s)", part, part_started.elapsed().as_secs_f64());
     }

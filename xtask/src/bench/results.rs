@@ -345,6 +345,25 @@ pub struct LoadBalancers {
     pub watches_open: usize,
 }
 
+/// Announcing by BGP (`tests/benches/bgp.rs`).
+pub struct Bgp {
+    pub clients: usize,
+    pub measure_s: f64,
+    pub steps: Vec<BgpStep>,
+    pub rounds: usize,
+    pub failed_rounds: usize,
+    /// From a node's death to the router withdrawing it, each round.
+    pub withdrawn_ms: Vec<f64>,
+}
+
+/// One step of the BGP part: how many nodes announce, and how.
+pub struct BgpStep {
+    pub what: &'static str,
+    pub connects_per_s: f64,
+    /// Connects answered by each node's server ("failed": none).
+    pub answered: Vec<(String, u64)>,
+}
+
 pub struct Dns {
     pub rounds: u32,
     pub qps: Vec<(DnsRoute, f64)>,
@@ -386,6 +405,7 @@ pub struct Results {
     pub external: Option<External>,
     pub election: Option<Election>,
     pub load_balancers: Option<LoadBalancers>,
+    pub bgp: Option<Bgp>,
     pub notes: Vec<String>,
     pub duration: Duration,
     /// The 1-minute load average when the run started: other work on the
@@ -412,6 +432,7 @@ impl Results {
             external: None,
             election: None,
             load_balancers: None,
+            bgp: None,
             notes: Vec::new(),
             duration: Duration::ZERO,
             load_at_start: load_average(),

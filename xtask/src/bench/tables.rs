@@ -34,6 +34,7 @@ pub(super) fn tables(r: &Results) -> Vec<Table> {
         external,
         election,
         load_balancers,
+        bgp,
         dns,
         discovery,
     ] {
@@ -303,6 +304,41 @@ fn load_balancers(r: &Results, tables: &mut Vec<Table>) {
         t.row(vec![what.to_owned(), format!("{value:.1}")]);
     }
     t.row(vec!["watches open (not per second)".to_owned(), l.watches_open.to_string()]);
+    tables.push(t);
+}
+
+fn bgp(r: &Results, tables: &mut Vec<Table>) {
+    let Some(b) = &r.bgp else { return };
+    let mut t = Table::new(
+        &format!(
+            "Connects through the VIP, {} client threads, {:.0} s per step (one machine: the nodes share its CPUs)",
+            b.clients, b.measure_s
+        ),
+        &["announced by", "connects/s", "vs 1 node by ARP", "answered by"],
+    );
+    let baseline = b.steps.first().map_or(0.0, |s| s.connects_per_s);
+    for step in &b.steps {
+        let answered: Vec<String> = step.answered.iter().map(|(n, c)| format!("{n} {c}")).collect();
+        t.row(vec![
+            step.what.to_owned(),
+            format!("{:.0}", step.connects_per_s),
+            format!("{:.2} ×", step.connects_per_s / baseline.max(f64::MIN_POSITIVE)),
+            answered.join(", "),
+        ]);
+    }
+    tables.push(t);
+    let mut t = Table::new(
+        &format!(
+            "A node dies (its link down), BFD 100 ms × 3: {} deaths, {} not withdrawn within 10 s",
+            b.rounds, b.failed_rounds
+        ),
+        &["from the death to", "p50", "p99"],
+    );
+    t.row(vec![
+        "the router withdrawing its route".to_owned(),
+        millis(median(&b.withdrawn_ms)),
+        millis(percentile(&b.withdrawn_ms, 99.0)),
+    ]);
     tables.push(t);
 }
 
