@@ -3,8 +3,11 @@
 //! control socket made for programs, which FRR's vtysh is not, and without
 //! GoBGP's gRPC stack), in the node's network namespace, with a config it
 //! writes (`bird_config.rs`) under `state_dir/bird/`, and drives it through
-//! that socket (`control.rs`): `configure` after each change of the routes,
-//! `show protocols` for status, `down` on `lb detach`.
+//! that socket (`control.rs`, `bird.rs`): `configure` after each change of
+//! the routes, `show protocols` for status, `down` on `lb detach`. That
+//! I/O runs on a thread of its own, fed the routes by the owner loop and
+//! answering status from its last look: the owner loop never waits on
+//! BIRD.
 //!
 //! Every node with a usable server for a VIP announced by BGP gives BIRD
 //! the VIP's host route; the routers spread its traffic over those nodes
@@ -14,37 +17,36 @@
 //! (`supervisor.rs`), which stops it once the daemon has not renewed its
 //! routes for `[bgp] routes_outlive_daemon`.
 
+mod bird;
 pub mod bird_config;
 pub mod control;
 pub mod supervisor;
 
 use std::{
     collections::BTreeSet,
-    net::{IpAddr, Ipv4Addr},
-    os::unix::process::CommandExt as _,
+    net::IpAddr,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    sync::{
+        Arc, Mutex, PoisonError,
+        mpsc::{self, RecvTimeoutError},
+    },
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, bail};
-use tracing::{info, warn};
+use tracing::warn;
 
-use crate::{
-    config::Bgp,
-    control::{BgpSession, BgpStatus},
-};
+use crate::{config::Bgp, control::BgpStatus};
 
-/// How long a BIRD just started has to answer on its socket.
-const START_WITHIN: Duration = Duration::from_secs(5);
-/// How often BIRD is asked whether it runs while its routes stay the
-/// same (a BIRD that died is started again within this): `announce` runs
-/// at every sync and every lease renewal, and must not cost a round trip
-/// on the socket each time.
-const RECHECK: Duration = Duration::from_secs(5);
 /// How often the daemon renews its routes (`supervisor::RENEWED`); it is
 /// asked at every sync and at least every second.
 const RENEW_EVERY: Duration = Duration::from_millis(500);
+/// How often the speaker's thread looks at BIRD (whether it runs, its
+/// sessions) when no new routes come.
+const LOOK_EVERY: Duration = Duration::from_secs(1);
+/// How long `lb detach` waits for the speaker's thread to stop BIRD.
+const STOP_WITHIN: Duration = Duration::from_secs(15);
+/// How long BIRD has to be gone after `down`.
+const GONE_WITHIN: Duration = Duration::from_secs(5);
 
 /// BIRD's config, control socket and pid file, in `state_dir/bird/`.
 pub const CONF: &str = "bird.conf";
@@ -56,285 +58,128 @@ pub const PID: &str = "bird.pid";
 /// supervisor's few lines; BIRD logs to syslog), new at each start.
 const LOG: &str = "speaker.log";
 
-/// The BIRD lb runs, and what it was last told.
+/// What the owner loop sends the speaker's thread.
+enum Order {
+    /// Announce exactly these routes.
+    Routes(BTreeSet<IpAddr>),
+    /// Stop BIRD (`lb detach`), then say so and end.
+    Stop(mpsc::Sender<()>),
+}
+
+/// The owner loop's handle on the speaker: what to announce goes to its
+/// thread, status comes from the thread's last look; the daemon's
+/// renewals (`supervisor.rs`) are written from here, so that they stop
+/// when the owner loop does.
 pub struct Speaker {
-    bgp: Bgp,
     dir: PathBuf,
-    /// The routes BIRD's config holds, once written and read by it.
-    routes: Option<BTreeSet<IpAddr>>,
-    /// When BIRD last answered on its socket.
-    answered_at: Option<Instant>,
-    /// The last failure, told once.
-    failing: Option<String>,
+    outlive: Duration,
+    orders: mpsc::Sender<Order>,
+    /// The routes last sent to the thread.
+    sent: Option<BTreeSet<IpAddr>>,
+    /// The thread's last look at BIRD.
+    status: Arc<Mutex<BgpStatus>>,
     /// How many times the routes were renewed, and when last.
     renewals: u64,
     renewed_at: Option<Instant>,
-    /// The `lb bgp-speaker` this daemon started, reaped when it exits.
-    supervisor: Option<Child>,
 }
 
 impl Speaker {
-    /// The speaker for `bgp`, its files under `state_dir/bird/`. Nothing is
-    /// started before the first [`Self::announce`].
+    /// The speaker for `bgp`, its files under `state_dir/bird/`, and its
+    /// thread. Nothing is started before the first [`Self::announce`].
     pub fn new(bgp: Bgp, state_dir: &Path) -> Self {
-        Self {
-            bgp,
-            dir: state_dir.join("bird"),
-            routes: None,
-            answered_at: None,
-            failing: None,
-            renewals: 0,
-            renewed_at: None,
-            supervisor: None,
+        let dir = state_dir.join("bird");
+        let outlive = bgp.routes_outlive_daemon;
+        let (orders, received) = mpsc::channel();
+        let status = Arc::new(Mutex::new(BgpStatus::default()));
+        let seen = Arc::clone(&status);
+        let bird = bird::Bird::new(bgp, dir.clone());
+        let spawned = std::thread::Builder::new()
+            .name("bgp-speaker".into())
+            .spawn(move || drive(bird, &received, &seen));
+        if let Err(e) = spawned {
+            warn!("bgp: cannot start the speaker's thread: {e}; nothing will be announced");
         }
+        Self { dir, outlive, orders, sent: None, status, renewals: 0, renewed_at: None }
     }
 
-    /// BIRD's control socket.
-    pub fn socket(&self) -> PathBuf {
-        self.dir.join(SOCKET)
-    }
-
-    fn conf(&self) -> PathBuf {
-        self.dir.join(CONF)
-    }
-
-    /// Makes BIRD announce exactly `routes` (host routes of VIPs), starting
-    /// it (or adopting the one that answers) if needed, and renews them
-    /// (the owner loop calls this at least every second). Failures are
-    /// logged once each and tried again at the next call.
+    /// Makes BIRD announce exactly `routes` (host routes of VIPs), soon
+    /// (its thread starts or adopts BIRD, and reconfigures it), and renews
+    /// them. The owner loop calls this at every sync and at least every
+    /// second; it never waits on BIRD.
     pub fn announce(&mut self, routes: &BTreeSet<IpAddr>) {
-        self.renew(false);
-        if let Some(supervisor) = &mut self.supervisor
-            && !matches!(supervisor.try_wait(), Ok(None))
-        {
-            self.supervisor = None;
+        self.renew();
+        if self.sent.as_ref() != Some(routes) {
+            let _ = self.orders.send(Order::Routes(routes.clone()));
+            self.sent = Some(routes.clone());
         }
-        match self.try_announce(routes) {
-            Ok(()) => {
-                if self.failing.take().is_some() {
-                    info!("bgp: BIRD announces again");
-                }
-            }
-            Err(e) => {
-                let why = format!("{e:#}");
-                if self.failing.as_ref() != Some(&why) {
-                    warn!("bgp: {why}; trying again at the next sync");
-                }
-                self.failing = Some(why);
-                self.routes = None;
-                self.answered_at = None;
-            }
-        }
-    }
-
-    fn try_announce(&mut self, routes: &BTreeSet<IpAddr>) -> anyhow::Result<()> {
-        let unchanged = self.routes.as_ref() == Some(routes);
-        if unchanged && self.answered_at.is_some_and(|at| at.elapsed() < RECHECK) {
-            return Ok(());
-        }
-        let running = control::command(&self.socket(), "show status").is_ok();
-        if running {
-            self.answered_at = Some(Instant::now());
-        }
-        if running && unchanged {
-            return Ok(());
-        }
-        let router_id = self.router_id()?;
-        let text = bird_config::render(&self.bgp, router_id, routes);
-        private_dir(&self.dir)?;
-        let temporary = self.dir.join("bird.conf.new");
-        std::fs::write(&temporary, text)
-            .with_context(|| format!("writing {}", temporary.display()))?;
-        std::fs::rename(&temporary, self.conf())
-            .with_context(|| format!("writing {}", self.conf().display()))?;
-        if running {
-            control::command(&self.socket(), "configure")?;
-        } else {
-            self.start()?;
-        }
-        self.answered_at = Some(Instant::now());
-        let added: Vec<&IpAddr> = match &self.routes {
-            Some(before) => routes.difference(before).collect(),
-            None => routes.iter().collect(),
-        };
-        for vip in added {
-            info!(%vip, "announcing by BGP");
-        }
-        if let Some(before) = &self.routes {
-            for vip in before.difference(routes) {
-                info!(%vip, "withdrawn from BGP");
-            }
-        }
-        self.routes = Some(routes.clone());
-        Ok(())
     }
 
     /// Tells `lb bgp-speaker` the daemon still means its routes (at most
-    /// every [`RENEW_EVERY`] unless `now`). Best effort: a renewal that
-    /// cannot be written only brings the bound nearer.
-    fn renew(&mut self, now: bool) {
-        if !now && self.renewed_at.is_some_and(|at| at.elapsed() < RENEW_EVERY) {
+    /// every [`RENEW_EVERY`]). Best effort: a renewal that cannot be
+    /// written (before BIRD's directory exists) only brings the bound
+    /// nearer.
+    fn renew(&mut self) {
+        if self.renewed_at.is_some_and(|at| at.elapsed() < RENEW_EVERY) {
             return;
         }
         self.renewals += 1;
-        let text = supervisor::renewal(self.renewals, self.bgp.routes_outlive_daemon);
+        let text = supervisor::renewal(self.renewals, self.outlive);
         if std::fs::write(self.dir.join(supervisor::RENEWED), text).is_ok() {
             self.renewed_at = Some(Instant::now());
         }
     }
 
-    /// Starts BIRD under `lb bgp-speaker` (this same executable, in a
-    /// session of its own: it outlives the daemon) on the config written,
-    /// and waits for its socket. Refuses while the BIRD of the pid file
-    /// runs: alive but not answering (slow, or frozen), a second one on
-    /// the same socket would peer beside it.
-    fn start(&mut self) -> anyhow::Result<()> {
-        if let Some(pid) = running_bird(&self.dir.join(PID)) {
-            bail!(
-                "BIRD (pid {pid}) runs but does not answer on {}: not starting a second one",
-                self.socket().display()
-            );
-        }
-        self.renew(true);
-        let log_path = self.dir.join(LOG);
-        let log = std::fs::File::create(&log_path)
-            .with_context(|| format!("creating {}", log_path.display()))?;
-        let mut command = Command::new("/proc/self/exe");
-        command
-            .arg0("lb")
-            .arg("bgp-speaker")
-            .arg("--dir")
-            .arg(&self.dir)
-            .arg("--speaker")
-            .arg(&self.bgp.speaker)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().context("the speaker's log")?)
-            .stderr(log);
-        // SAFETY: setsid is async-signal-safe and touches no memory of ours.
-        unsafe {
-            command.pre_exec(|| {
-                if libc::setsid() < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = command.spawn().context("starting lb bgp-speaker")?;
-        let deadline = Instant::now() + START_WITHIN;
-        while control::command(&self.socket(), "show status").is_err() {
-            if let Ok(Some(status)) = child.try_wait() {
-                let said = std::fs::read_to_string(&log_path).unwrap_or_default();
-                bail!(
-                    "{} -c {} exited with {status}: {}",
-                    self.bgp.speaker.display(),
-                    self.conf().display(),
-                    said.trim()
-                );
-            }
-            if Instant::now() >= deadline {
-                bail!(
-                    "BIRD started but did not answer on {} within {START_WITHIN:?}",
-                    self.socket().display()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        self.supervisor = Some(child);
-        info!(socket = %self.socket().display(), "bgp: BIRD started");
-        Ok(())
-    }
-
-    /// `[bgp] router_id`, else this node's IPv4 address toward the first
-    /// peer.
-    fn router_id(&self) -> anyhow::Result<Ipv4Addr> {
-        if let Some(id) = self.bgp.router_id {
-            return Ok(id);
-        }
-        let peer = self.bgp.peers.first().context("[bgp] has no peer")?;
-        let route = crate::routes::route_to(peer.address)
-            .map_err(|e| anyhow::anyhow!("no route to the peer {}: {e}", peer.address))?;
-        match route.source {
-            IpAddr::V4(id) => Ok(id),
-            IpAddr::V6(_) => bail!("the first peer is IPv6: set [bgp] router_id (an IPv4 address)"),
-        }
-    }
-
-    /// The sessions as BIRD says they are (none if it does not answer),
-    /// each with its peer's address, and the VIPs it was last told to
-    /// announce.
+    /// The sessions and announced routes as the thread last saw them (at
+    /// most a second old).
     pub fn status(&self) -> BgpStatus {
-        let sessions = control::command(&self.socket(), "show protocols")
-            .map(|reply| control::sessions(&reply))
-            .unwrap_or_default();
-        let bfd = if self.bgp.peers.iter().any(|p| p.bfd) && !sessions.is_empty() {
-            control::command(&self.socket(), "show bfd sessions")
-                .map(|reply| control::bfd_sessions(&reply))
-                .unwrap_or_default()
-        } else {
-            Vec::new()
-        };
-        let peer = |name: &str| {
-            let i: usize = name.strip_prefix(bird_config::PEER_PREFIX)?.parse().ok()?;
-            self.bgp.peers.get(i)
-        };
-        BgpStatus {
-            sessions: sessions
-                .into_iter()
-                .map(|s| {
-                    let peer = peer(&s.name);
-                    let address = peer.map(|p| p.address);
-                    BgpSession {
-                        peer: address.map(|a| a.to_string()).unwrap_or_default(),
-                        bfd: peer.filter(|p| p.bfd).and_then(|p| {
-                            bfd.iter().find(|(a, _)| *a == p.address).map(|(_, s)| s.clone())
-                        }),
-                        name: s.name,
-                        state: s.state,
-                        info: s.info,
-                    }
-                })
-                .collect(),
-            announced: self.routes.iter().flatten().copied().collect(),
-        }
+        self.status.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     /// Stops BIRD (`lb detach`): its sessions close, and the routers
-    /// withdraw every route it announced.
+    /// withdraw every route it announced. Waits for it, bounded.
     pub fn stop(&mut self) {
-        if stop_speaker(self.dir.parent().unwrap_or(&self.dir)) {
-            info!("bgp: BIRD stopped; its routes are withdrawn");
+        let (done, stopped) = mpsc::channel();
+        if self.orders.send(Order::Stop(done)).is_ok() && stopped.recv_timeout(STOP_WITHIN).is_err()
+        {
+            warn!("bgp: BIRD did not stop within {STOP_WITHIN:?}");
         }
-        // Its supervisor follows BIRD within a look (200 ms): reaped if so.
-        if let Some(mut supervisor) = self.supervisor.take() {
-            let deadline = Instant::now() + Duration::from_secs(1);
-            while matches!(supervisor.try_wait(), Ok(None)) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
-        self.routes = None;
-        self.answered_at = None;
+        self.sent = None;
     }
 }
 
-/// The pid in `pid_file`, if that process runs and is a `bird`.
-fn running_bird(pid_file: &Path) -> Option<u32> {
-    let pid: u32 = std::fs::read_to_string(pid_file).ok()?.trim().parse().ok()?;
-    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
-    (comm.trim() == "bird").then_some(pid)
-}
-
-/// Creates `dir` (root's alone: 0700, whatever the umask), or makes it so:
-/// BIRD's control socket in it takes any command (`down`, `configure`),
-/// so no other user may reach it.
-fn private_dir(dir: &Path) -> anyhow::Result<()> {
-    use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .with_context(|| format!("creating {}", dir.display()))?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-        .with_context(|| format!("making {} private", dir.display()))
+/// The speaker's thread: BIRD made to announce the latest routes ordered,
+/// looked at every [`LOOK_EVERY`], its status published; until stopped,
+/// or until the owner's handle is gone (the daemon exiting: BIRD stays).
+fn drive(mut bird: bird::Bird, orders: &mpsc::Receiver<Order>, status: &Mutex<BgpStatus>) {
+    let mut routes: Option<BTreeSet<IpAddr>> = None;
+    let mut looked: Option<Instant> = None;
+    loop {
+        let mut next = match orders.recv_timeout(LOOK_EVERY) {
+            Ok(order) => Some(order),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        // Only the latest routes of a burst of orders matter.
+        while let Some(order) = next {
+            match order {
+                Order::Routes(newest) => routes = Some(newest),
+                Order::Stop(done) => {
+                    bird.stop();
+                    *status.lock().unwrap_or_else(PoisonError::into_inner) = bird.status();
+                    let _ = done.send(());
+                    return;
+                }
+            }
+            next = orders.try_recv().ok();
+        }
+        let Some(routes) = &routes else { continue };
+        bird.announce(routes);
+        if looked.is_none_or(|at| at.elapsed() >= LOOK_EVERY) {
+            let now = bird.status();
+            *status.lock().unwrap_or_else(PoisonError::into_inner) = now;
+            looked = Some(Instant::now());
+        }
+    }
 }
 
 /// Stops the BIRD whose socket is under `state_dir` (`bird/bird.ctl`), if
@@ -345,7 +190,7 @@ pub fn stop_speaker(state_dir: &Path) -> bool {
     if control::command(&socket, "down").is_err() {
         return false;
     }
-    let deadline = Instant::now() + START_WITHIN;
+    let deadline = Instant::now() + GONE_WITHIN;
     while control::command(&socket, "show status").is_ok() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }

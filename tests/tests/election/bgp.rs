@@ -164,8 +164,16 @@ fn every_node_that_can_serve_announces_and_the_router_spreads_over_them() {
         let frozen = Instant::now();
         let gone = wait_until(Duration::from_secs(10), || router.next_hops(VIP_IP) == [node(1)]);
         let took = frozen.elapsed();
+        // Its daemon never waits on BIRD: its status answers from the last
+        // look at once (a call on BIRD's socket would wait 2 s for the
+        // greeting a frozen BIRD never sends, twice).
+        let asked = Instant::now();
+        let status = lan.nodes[1].daemon().status();
+        let answered = asked.elapsed();
         // SAFETY: as above.
         unsafe { libc::kill(pid, libc::SIGCONT) };
+        assert!(answered < Duration::from_secs(2), "lb status waited {answered:?} on BIRD");
+        assert_eq!(status["bgp"]["sessions"].as_array().map(Vec::len), Some(2), "{status}");
         assert!(gone, "a frozen node was not withdrawn: {:?}", router.next_hops(VIP_IP));
         eprintln!("a frozen node withdrawn after {took:?} (BFD: 3 x 100 ms)");
 
