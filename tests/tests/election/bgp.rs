@@ -3,7 +3,8 @@
 //! every node announcing it (ECMP): both nodes announce while they can
 //! serve; one whose server goes is withdrawn and no connect fails after;
 //! one whose speaker freezes (its link up, its sockets open) is withdrawn
-//! by BFD, long before BGP's hold timer (90 s) would; `lb detach`
+//! by BFD, long before BGP's hold timer (90 s) would (a flow held on the
+//! other node carries on; one held on it is reset); `lb detach`
 //! withdraws; one whose daemon is killed announces on (fail-static) for
 //! `[bgp] routes_outlive_daemon`, no longer. An IPv6 VIP goes to the
 //! router over IPv6 sessions, and is spread likewise. A LoadBalancer
@@ -25,7 +26,7 @@ use lb_tests::{
     in_new_netns,
     lan::{Lan, VIP, VIP_IP},
     privileged_test,
-    topology::{peer, who},
+    topology::{carries_data, peer, who},
     wait_until,
 };
 
@@ -156,6 +157,23 @@ fn every_node_that_can_serve_announces_and_the_router_spreads_over_them() {
         lan.nodes[0].server = Some(lb_tests::lan::serve(&lan.nodes[0].servers, "node1"));
         let back = wait_until(Duration::from_secs(30), || router.next_hops(VIP_IP).len() == 2);
         assert!(back, "node1 did not announce again\n{}", logs(&lan));
+        // Two connections held, one on each node.
+        let held: Vec<(String, TcpStream)> = lan.client.run(|| {
+            let vip: SocketAddr = VIP.parse().unwrap();
+            let mut held: Vec<(String, TcpStream)> = Vec::new();
+            for _ in 0..64 {
+                let stream = TcpStream::connect_timeout(&vip, Duration::from_millis(500)).unwrap();
+                let name = who(&stream).unwrap();
+                if !held.iter().any(|(n, _)| *n == name) {
+                    held.push((name, stream));
+                }
+                if held.len() == 2 {
+                    break;
+                }
+            }
+            held
+        });
+        assert_eq!(held.len(), 2, "64 connects did not reach both nodes");
         let state = lan.nodes[1].daemon().dir.join("state").join("bird");
         let pid: i32 =
             std::fs::read_to_string(state.join("bird.pid")).unwrap().trim().parse().unwrap();
@@ -176,6 +194,17 @@ fn every_node_that_can_serve_announces_and_the_router_spreads_over_them() {
         assert_eq!(status["bgp"]["sessions"].as_array().map(Vec::len), Some(2), "{status}");
         assert!(gone, "a frozen node was not withdrawn: {:?}", router.next_hops(VIP_IP));
         eprintln!("a frozen node withdrawn after {took:?} (BFD: 3 x 100 ms)");
+        // The router now sends both held flows to node1: the one there
+        // carries on; node2's meets no flow state on node1 and is reset
+        // (flow state is per node: docs/external.md).
+        for (name, stream) in &held {
+            let now = carries_data(stream);
+            if name == "node1" {
+                assert_eq!(now, Ok(()), "a flow on the surviving node was cut");
+            } else {
+                assert!(now.is_err(), "node2's flow, now on node1, carried on");
+            }
+        }
 
         // lb detach on node1 withdraws its route.
         let back = wait_until(Duration::from_secs(30), || router.next_hops(VIP_IP).len() == 2);
