@@ -27,7 +27,10 @@ fn main() -> ExitCode {
     // BIRD's supervisor: no async runtime, no threads.
     if let Command::BgpSpeaker { dir, speaker } = &cli.command {
         return match lb_user::bgp::supervisor::run(dir, speaker) {
-            Ok(()) => ExitCode::SUCCESS,
+            Ok(status) if status.success() => ExitCode::SUCCESS,
+            Ok(status) => {
+                ExitCode::from(status.code().and_then(|c| u8::try_from(c).ok()).unwrap_or(1))
+            }
             Err(e) => {
                 eprintln!("error: {e:#}");
                 ExitCode::FAILURE

@@ -26,6 +26,11 @@ const START_WITHIN: Duration = Duration::from_secs(5);
 /// How often BIRD is asked whether it runs while its routes stay the
 /// same (a BIRD that died is started again within this).
 const RECHECK: Duration = Duration::from_secs(5);
+/// The wait before trying again after a failure (BIRD missing, its
+/// config refused), doubling up to [`RETRY_AT_MOST`].
+const RETRY_FIRST: Duration = Duration::from_secs(1);
+/// See [`RETRY_FIRST`].
+const RETRY_AT_MOST: Duration = Duration::from_secs(30);
 
 /// The BIRD lb runs, and what it was last told: driven from the
 /// speaker's own thread ([`super::Speaker`]), never the owner loop.
@@ -40,13 +45,26 @@ pub(super) struct Bird {
     failing: Option<String>,
     /// The `lb bgp-speaker` this daemon started, reaped when it exits.
     supervisor: Option<Child>,
+    /// After a failure, no new try before this; the wait doubles with
+    /// each failure in a row, up to [`RETRY_AT_MOST`].
+    retry_at: Option<Instant>,
+    retry_after: Duration,
 }
 
 impl Bird {
     /// BIRD for `bgp`, its files in `dir`. Nothing is started before the
     /// first [`Self::announce`].
     pub(super) fn new(bgp: Bgp, dir: PathBuf) -> Self {
-        Self { bgp, dir, routes: None, answered_at: None, failing: None, supervisor: None }
+        Self {
+            bgp,
+            dir,
+            routes: None,
+            answered_at: None,
+            failing: None,
+            supervisor: None,
+            retry_at: None,
+            retry_after: RETRY_FIRST,
+        }
     }
 
     /// BIRD's control socket.
@@ -67,8 +85,13 @@ impl Bird {
         {
             self.supervisor = None;
         }
+        if self.retry_at.is_some_and(|at| Instant::now() < at) {
+            return;
+        }
         match self.try_announce(routes) {
             Ok(()) => {
+                self.retry_at = None;
+                self.retry_after = RETRY_FIRST;
                 if self.failing.take().is_some() {
                     info!("bgp: BIRD announces again");
                 }
@@ -76,11 +99,16 @@ impl Bird {
             Err(e) => {
                 let why = format!("{e:#}");
                 if self.failing.as_ref() != Some(&why) {
-                    warn!("bgp: {why}; trying again within a second");
+                    warn!(
+                        "bgp: {why}; trying again in {:?} and less often after",
+                        self.retry_after
+                    );
                 }
                 self.failing = Some(why);
                 self.routes = None;
                 self.answered_at = None;
+                self.retry_at = Some(Instant::now() + self.retry_after);
+                self.retry_after = (self.retry_after * 2).min(RETRY_AT_MOST);
             }
         }
     }
@@ -133,7 +161,7 @@ impl Bird {
     /// runs: alive but not answering (slow, or frozen), a second one on
     /// the same socket would peer beside it.
     fn start(&mut self) -> anyhow::Result<()> {
-        if let Some(pid) = running_bird(&self.dir.join(PID)) {
+        if let Some(pid) = running_bird(&self.dir.join(PID), Some(&self.bgp.speaker)) {
             bail!(
                 "BIRD (pid {pid}) runs but does not answer on {}: not starting a second one",
                 self.socket().display()
@@ -162,27 +190,38 @@ impl Bird {
                 Ok(())
             });
         }
-        let mut child = command.spawn().context("starting lb bgp-speaker")?;
+        let child = command.spawn().context("starting lb bgp-speaker")?;
+        // Kept (and reaped at the next announce) whatever happens next.
+        let child = self.supervisor.insert(child);
+        let (socket, conf, speaker) =
+            (self.dir.join(SOCKET), self.dir.join(CONF), &self.bgp.speaker);
         let deadline = Instant::now() + START_WITHIN;
-        while control::command(&self.socket(), "show status").is_err() {
+        while control::command(&socket, "show status").is_err() {
             if let Ok(Some(status)) = child.try_wait() {
-                let said = std::fs::read_to_string(&log_path).unwrap_or_default();
+                // BIRD's own words (a config it refused, say): the lines
+                // that are not the supervisor's, which start with a time.
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                let said: Vec<&str> = log
+                    .lines()
+                    .filter(|l| !l.starts_with(|c: char| c.is_ascii_digit()))
+                    .take(5)
+                    .collect();
                 bail!(
-                    "{} -c {} exited with {status}: {}",
-                    self.bgp.speaker.display(),
-                    self.conf().display(),
-                    said.trim()
+                    "{} -c {} exited with {status}: {} (see {})",
+                    speaker.display(),
+                    conf.display(),
+                    said.join(" / "),
+                    log_path.display()
                 );
             }
             if Instant::now() >= deadline {
                 bail!(
                     "BIRD started but did not answer on {} within {START_WITHIN:?}",
-                    self.socket().display()
+                    socket.display()
                 );
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        self.supervisor = Some(child);
         info!(socket = %self.socket().display(), "bgp: BIRD started");
         Ok(())
     }
@@ -259,11 +298,17 @@ impl Bird {
     }
 }
 
-/// The pid in `pid_file`, if that process runs and is a `bird`.
-fn running_bird(pid_file: &Path) -> Option<u32> {
+/// The pid in `pid_file`, if that process runs the BIRD binary `speaker`
+/// (`None`: any binary named `bird`); a pid reused by another program is
+/// not BIRD.
+pub(super) fn running_bird(pid_file: &Path, speaker: Option<&Path>) -> Option<u32> {
     let pid: u32 = std::fs::read_to_string(pid_file).ok()?.trim().parse().ok()?;
-    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
-    (comm.trim() == "bird").then_some(pid)
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok()?;
+    let is_bird = match speaker {
+        Some(speaker) => std::fs::canonicalize(speaker).is_ok_and(|s| s == exe),
+        None => exe.file_name().is_some_and(|n| n == "bird"),
+    };
+    is_bird.then_some(pid)
 }
 
 /// Creates `dir` (root's alone: 0700, whatever the umask), or makes it so:

@@ -26,10 +26,7 @@ use std::{
     collections::BTreeSet,
     net::IpAddr,
     path::{Path, PathBuf},
-    sync::{
-        Arc, Mutex, PoisonError,
-        mpsc::{self, RecvTimeoutError},
-    },
+    sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError},
     time::{Duration, Instant},
 };
 
@@ -43,6 +40,10 @@ const RENEW_EVERY: Duration = Duration::from_millis(500);
 /// How often the speaker's thread looks at BIRD (whether it runs, its
 /// sessions) when no new routes come.
 const LOOK_EVERY: Duration = Duration::from_secs(1);
+/// How long the speaker's thread may go without a look at BIRD before the
+/// renewals stop (a look may wait on BIRD for a few of
+/// `control::TIMEOUT`, or for a start).
+const THREAD_SILENT: Duration = Duration::from_secs(20);
 /// How long `lb detach` waits for the speaker's thread to stop BIRD.
 const STOP_WITHIN: Duration = Duration::from_secs(15);
 /// How long BIRD has to be gone after `down`.
@@ -58,29 +59,44 @@ pub const PID: &str = "bird.pid";
 /// supervisor's few lines; BIRD logs to syslog), new at each start.
 const LOG: &str = "speaker.log";
 
-/// What the owner loop sends the speaker's thread.
-enum Order {
-    /// Announce exactly these routes.
-    Routes(BTreeSet<IpAddr>),
-    /// Stop BIRD (`lb detach`), then say so and end.
-    Stop(mpsc::Sender<()>),
+/// What the owner loop and the speaker's thread share: what to do (only
+/// the latest routes matter), and what the thread last saw.
+#[derive(Default)]
+struct Shared {
+    /// Routes to announce, not yet taken by the thread.
+    routes: Option<BTreeSet<IpAddr>>,
+    /// `lb detach`: stop BIRD, then say so here and end.
+    stop: bool,
+    stopped: bool,
+    /// The thread's last look at BIRD, and when it ended.
+    status: BgpStatus,
+    looked_at: Option<Instant>,
+}
+
+/// The shared state and its signal (new orders for the thread; the
+/// thread's end for `stop`).
+type Slot = Arc<(Mutex<Shared>, Condvar)>;
+
+fn lock(slot: &Slot) -> MutexGuard<'_, Shared> {
+    slot.0.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The owner loop's handle on the speaker: what to announce goes to its
 /// thread, status comes from the thread's last look; the daemon's
 /// renewals (`supervisor.rs`) are written from here, so that they stop
-/// when the owner loop does.
+/// when the owner loop does, and only while the thread looks at BIRD (a
+/// thread stuck or gone would leave BIRD announcing stale routes).
 pub struct Speaker {
     dir: PathBuf,
     outlive: Duration,
-    orders: mpsc::Sender<Order>,
-    /// The routes last sent to the thread.
+    slot: Slot,
+    /// The routes last handed to the thread.
     sent: Option<BTreeSet<IpAddr>>,
-    /// The thread's last look at BIRD.
-    status: Arc<Mutex<BgpStatus>>,
     /// How many times the routes were renewed, and when last.
     renewals: u64,
     renewed_at: Option<Instant>,
+    /// A problem with the renewals or the thread, told once.
+    renewal_problem: Option<String>,
 }
 
 impl Speaker {
@@ -89,17 +105,24 @@ impl Speaker {
     pub fn new(bgp: Bgp, state_dir: &Path) -> Self {
         let dir = state_dir.join("bird");
         let outlive = bgp.routes_outlive_daemon;
-        let (orders, received) = mpsc::channel();
-        let status = Arc::new(Mutex::new(BgpStatus::default()));
-        let seen = Arc::clone(&status);
+        let slot: Slot = Arc::default();
+        let theirs = Arc::clone(&slot);
         let bird = bird::Bird::new(bgp, dir.clone());
         let spawned = std::thread::Builder::new()
             .name("bgp-speaker".into())
-            .spawn(move || drive(bird, &received, &seen));
+            .spawn(move || drive(bird, &theirs));
         if let Err(e) = spawned {
             warn!("bgp: cannot start the speaker's thread: {e}; nothing will be announced");
         }
-        Self { dir, outlive, orders, sent: None, status, renewals: 0, renewed_at: None }
+        Self {
+            dir,
+            outlive,
+            slot,
+            sent: None,
+            renewals: 0,
+            renewed_at: None,
+            renewal_problem: None,
+        }
     }
 
     /// Makes BIRD announce exactly `routes` (host routes of VIPs), soon
@@ -107,78 +130,113 @@ impl Speaker {
     /// them. The owner loop calls this at every sync and at least every
     /// second; it never waits on BIRD.
     pub fn announce(&mut self, routes: &BTreeSet<IpAddr>) {
-        self.renew();
         if self.sent.as_ref() != Some(routes) {
-            let _ = self.orders.send(Order::Routes(routes.clone()));
+            lock(&self.slot).routes = Some(routes.clone());
+            self.slot.1.notify_all();
             self.sent = Some(routes.clone());
         }
+        self.renew();
     }
 
     /// Tells `lb bgp-speaker` the daemon still means its routes (at most
-    /// every [`RENEW_EVERY`]). Best effort: a renewal that cannot be
-    /// written (before BIRD's directory exists) only brings the bound
-    /// nearer.
+    /// every [`RENEW_EVERY`]), while the thread looks at BIRD. A renewal
+    /// is written whole (a new file renamed over the old).
     fn renew(&mut self) {
         if self.renewed_at.is_some_and(|at| at.elapsed() < RENEW_EVERY) {
             return;
         }
-        self.renewals += 1;
-        let text = supervisor::renewal(self.renewals, self.outlive);
-        if std::fs::write(self.dir.join(supervisor::RENEWED), text).is_ok() {
-            self.renewed_at = Some(Instant::now());
+        let looked_at = lock(&self.slot).looked_at;
+        let problem = match looked_at {
+            // Not started yet: nothing to renew.
+            None => return,
+            Some(at) if at.elapsed() > THREAD_SILENT => Some(format!(
+                "the speaker's thread has not looked at BIRD for {:?}: no longer renewing, \
+                 BIRD withdraws within {:?}",
+                at.elapsed(),
+                self.outlive
+            )),
+            Some(_) => {
+                self.renewals += 1;
+                let text = supervisor::renewal(self.renewals, self.outlive);
+                let path = self.dir.join(supervisor::RENEWED);
+                let temporary = self.dir.join(format!("{}.new", supervisor::RENEWED));
+                match std::fs::write(&temporary, text)
+                    .and_then(|()| std::fs::rename(&temporary, &path))
+                {
+                    Ok(()) => {
+                        self.renewed_at = Some(Instant::now());
+                        None
+                    }
+                    Err(e) => Some(format!(
+                        "cannot renew the routes in {}: {e}; BIRD withdraws within {:?}",
+                        path.display(),
+                        self.outlive
+                    )),
+                }
+            }
+        };
+        if problem.is_some() && problem != self.renewal_problem {
+            warn!("bgp: {}", problem.as_deref().unwrap_or_default());
         }
+        self.renewal_problem = problem;
     }
 
     /// The sessions and announced routes as the thread last saw them (at
-    /// most a second old).
+    /// most a second old while BIRD answers).
     pub fn status(&self) -> BgpStatus {
-        self.status.lock().unwrap_or_else(PoisonError::into_inner).clone()
+        lock(&self.slot).status.clone()
     }
 
     /// Stops BIRD (`lb detach`): its sessions close, and the routers
     /// withdraw every route it announced. Waits for it, bounded.
     pub fn stop(&mut self) {
-        let (done, stopped) = mpsc::channel();
-        if self.orders.send(Order::Stop(done)).is_ok() && stopped.recv_timeout(STOP_WITHIN).is_err()
-        {
-            warn!("bgp: BIRD did not stop within {STOP_WITHIN:?}");
+        let deadline = Instant::now() + STOP_WITHIN;
+        let mut shared = lock(&self.slot);
+        shared.stop = true;
+        self.slot.1.notify_all();
+        while !shared.stopped {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                warn!("bgp: BIRD did not stop within {STOP_WITHIN:?}");
+                break;
+            }
+            shared =
+                self.slot.1.wait_timeout(shared, left).unwrap_or_else(PoisonError::into_inner).0;
         }
         self.sent = None;
     }
 }
 
-/// The speaker's thread: BIRD made to announce the latest routes ordered,
-/// looked at every [`LOOK_EVERY`], its status published; until stopped,
-/// or until the owner's handle is gone (the daemon exiting: BIRD stays).
-fn drive(mut bird: bird::Bird, orders: &mpsc::Receiver<Order>, status: &Mutex<BgpStatus>) {
+/// The speaker's thread: BIRD made to announce the latest routes handed
+/// over, looked at every [`LOOK_EVERY`], its status published; until
+/// stopped. When the daemon exits without `lb detach`, BIRD stays.
+fn drive(mut bird: bird::Bird, slot: &Slot) {
     let mut routes: Option<BTreeSet<IpAddr>> = None;
-    let mut looked: Option<Instant> = None;
     loop {
-        let mut next = match orders.recv_timeout(LOOK_EVERY) {
-            Ok(order) => Some(order),
-            Err(RecvTimeoutError::Timeout) => None,
-            Err(RecvTimeoutError::Disconnected) => return,
-        };
-        // Only the latest routes of a burst of orders matter.
-        while let Some(order) = next {
-            match order {
-                Order::Routes(newest) => routes = Some(newest),
-                Order::Stop(done) => {
-                    bird.stop();
-                    *status.lock().unwrap_or_else(PoisonError::into_inner) = bird.status();
-                    let _ = done.send(());
-                    return;
-                }
-            }
-            next = orders.try_recv().ok();
+        let mut shared = lock(slot);
+        if shared.routes.is_none() && !shared.stop {
+            shared =
+                slot.1.wait_timeout(shared, LOOK_EVERY).unwrap_or_else(PoisonError::into_inner).0;
         }
+        if shared.stop {
+            drop(shared);
+            bird.stop();
+            let mut shared = lock(slot);
+            shared.status = bird.status();
+            shared.stopped = true;
+            slot.1.notify_all();
+            return;
+        }
+        if let Some(newest) = shared.routes.take() {
+            routes = Some(newest);
+        }
+        drop(shared);
         let Some(routes) = &routes else { continue };
         bird.announce(routes);
-        if looked.is_none_or(|at| at.elapsed() >= LOOK_EVERY) {
-            let now = bird.status();
-            *status.lock().unwrap_or_else(PoisonError::into_inner) = now;
-            looked = Some(Instant::now());
-        }
+        let now = bird.status();
+        let mut shared = lock(slot);
+        shared.status = now;
+        shared.looked_at = Some(Instant::now());
     }
 }
 
@@ -186,13 +244,22 @@ fn drive(mut bird: bird::Bird, orders: &mpsc::Receiver<Order>, status: &Mutex<Bg
 /// one answers there, and waits (bounded) for it to be gone: whether one
 /// did.
 pub fn stop_speaker(state_dir: &Path) -> bool {
-    let socket = state_dir.join("bird").join(SOCKET);
-    if control::command(&socket, "down").is_err() {
-        return false;
-    }
+    let dir = state_dir.join("bird");
+    let socket = dir.join(SOCKET);
+    let asked = control::command(&socket, "down").is_ok();
     let deadline = Instant::now() + GONE_WITHIN;
-    while control::command(&socket, "show status").is_ok() && Instant::now() < deadline {
+    while asked && control::command(&socket, "show status").is_ok() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
+    }
+    // Not answering (frozen), or not gone: the process of its pid file,
+    // if it is a BIRD, is killed.
+    let Some(pid) = bird::running_bird(&dir.join(PID), None) else { return asked };
+    let Ok(pid) = i32::try_from(pid) else { return asked };
+    warn!(pid, "bgp: BIRD did not stop when asked: killing it");
+    // SAFETY: sending signals has no memory-safety preconditions.
+    unsafe {
+        libc::kill(pid, libc::SIGCONT);
+        libc::kill(pid, libc::SIGKILL);
     }
     true
 }

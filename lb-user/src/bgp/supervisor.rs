@@ -33,10 +33,11 @@ const LOOK_EVERY: Duration = Duration::from_millis(200);
 /// How long BIRD has to exit after `down`, before it is killed.
 const STOP_WITHIN: Duration = Duration::from_secs(5);
 
-/// What the daemon writes to [`RENEWED`]: its `count`-th renewal, and how
-/// long the routes may outlive it.
+/// What the daemon writes to [`RENEWED`]: its `count`-th renewal, how
+/// long the routes may outlive it, and its pid (two daemons one after the
+/// other never write the same text).
 pub fn renewal(count: u64, outlive: Duration) -> String {
-    format!("{count} {}\n", outlive.as_millis())
+    format!("{count} {} {}\n", outlive.as_millis(), std::process::id())
 }
 
 /// The supervisor's judgement, pure: whether the routes may stay, from
@@ -57,7 +58,8 @@ impl Renewals {
 
     /// Whether the routes may stay at `now`, the file saying `text`
     /// (`None`: gone or unreadable, which renews nothing). The bound is
-    /// the last renewal's (a reload may change it), or the default.
+    /// the last renewal's (a daemon started with another config may change
+    /// it), or the default.
     pub fn may_stay(&mut self, text: Option<&str>, now: Instant) -> bool {
         if let Some(text) = text
             && self.last.as_deref() != Some(text)
@@ -78,8 +80,9 @@ impl Renewals {
 }
 
 /// Runs BIRD (`speaker`) on the files in `dir` until it exits or the
-/// daemon stops renewing; then returns, BIRD gone either way.
-pub fn run(dir: &Path, speaker: &Path) -> anyhow::Result<()> {
+/// daemon stops renewing; then returns BIRD's exit status (stopped for
+/// want of renewals: success), BIRD gone either way.
+pub fn run(dir: &Path, speaker: &Path) -> anyhow::Result<std::process::ExitStatus> {
     let mut bird = Command::new(speaker);
     bird.arg("-f")
         .arg("-c")
@@ -88,11 +91,17 @@ pub fn run(dir: &Path, speaker: &Path) -> anyhow::Result<()> {
         .arg(dir.join(SOCKET))
         .arg("-P")
         .arg(dir.join(PID));
-    // SAFETY: prctl is async-signal-safe and touches no memory of ours.
+    let parent = std::process::id();
+    // SAFETY: prctl, getppid and _exit are async-signal-safe and touch no
+    // memory of ours.
     unsafe {
-        bird.pre_exec(|| {
+        bird.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
                 return Err(std::io::Error::last_os_error());
+            }
+            // The supervisor gone before the line above: no BIRD unwatched.
+            if u32::try_from(libc::getppid()).ok() != Some(parent) {
+                libc::_exit(1);
             }
             Ok(())
         });
@@ -103,7 +112,7 @@ pub fn run(dir: &Path, speaker: &Path) -> anyhow::Result<()> {
     loop {
         if let Some(status) = child.try_wait().context("waiting for BIRD")? {
             info!(%status, "BIRD exited");
-            return Ok(());
+            return Ok(status);
         }
         let text = std::fs::read_to_string(dir.join(RENEWED)).ok();
         if !renewals.may_stay(text.as_deref(), Instant::now()) {
@@ -113,7 +122,7 @@ pub fn run(dir: &Path, speaker: &Path) -> anyhow::Result<()> {
                  the routers withdraw them"
             );
             stop(&mut child, &dir.join(SOCKET));
-            return Ok(());
+            return Ok(std::process::ExitStatus::default());
         }
         std::thread::sleep(LOOK_EVERY);
     }

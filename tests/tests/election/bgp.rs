@@ -20,9 +20,7 @@ use std::{
 use lb_tests::{
     Backend,
     bgp_router::{NODE_ASN, ROUTER, ROUTER_ASN, ROUTER6, Router, SERVER6, stop_bird},
-    fakes::apiserver::{
-        Condition, Kubeconfig, endpoint, endpoint_slice, ingress_ip, load_balancer_service,
-    },
+    fakes::apiserver::{Kubeconfig, ingress_ip, load_balancer_service},
     in_new_netns,
     lan::{Lan, VIP, VIP_IP},
     privileged_test,
@@ -30,7 +28,7 @@ use lb_tests::{
     wait_until,
 };
 
-use super::{lan_and_api, one_at_a_time};
+use super::{lan_and_api, nodes_are_gateways, one_at_a_time, place_web};
 
 /// The IPv6 VIP.
 const VIP6: &str = "[2001:2:0:1::100]:80";
@@ -249,16 +247,8 @@ fn a_local_load_balancer_service_is_announced_by_the_nodes_of_its_endpoints() {
         let (mut lan, _rt, api) = lan_and_api("el-bgplocal", 2);
         let kubeconfig = Kubeconfig::write(&api.url());
         let router = Router::start(&lan, "el-bgplocal");
-        // The pods' gateway is their node, as in a cluster: the servers'
-        // replies to the client's own address go back through it.
-        for node in &lan.nodes {
-            node.servers.sh(&["ip", "route", "add", "198.18.0.0/24", "via", "198.18.2.1"]);
-        }
-        let place = |node: &str| {
-            let pod = endpoint("198.18.2.2", node, Condition::Ready);
-            api.apply(endpoint_slice("web-1", "web", "IPv4", &[("http", 8080)], vec![pod]));
-        };
-        place("node2");
+        nodes_are_gateways(&lan);
+        place_web(&api, "node2");
         let config = format!(
             "[bgp]\nasn = {NODE_ASN}\n[[bgp.peer]]\naddress = \"{ROUTER}\"\nasn = {ROUTER_ASN}\n\
              {POOL_BY_BGP}"
@@ -276,7 +266,7 @@ fn a_local_load_balancer_service_is_announced_by_the_nodes_of_its_endpoints() {
         // Only the node of the endpoint announces; the server sees the
         // client's own address. Then the endpoint moves, and the route.
         for (k, name) in [(2, "node2"), (1, "node1")] {
-            place(name);
+            place_web(&api, name);
             let only =
                 wait_until(Duration::from_secs(30), || router.next_hops(VIP_IP) == [node(k)]);
             assert!(only, "{name}: the router has {:?}\n{}", router.next_hops(VIP_IP), logs(&lan));

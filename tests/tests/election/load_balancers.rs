@@ -23,7 +23,7 @@ use lb_tests::{
     wait_until,
 };
 
-use super::{lan_and_api, one_at_a_time};
+use super::{lan_and_api, nodes_are_gateways, one_at_a_time, place_web};
 
 const CONFIG: &str = "[kubernetes]\ndefault_class = true\ninterfaces = [\"ext0\"]\n\
      [[pool]]\nname = \"default\"\naddresses = [\"198.18.1.100-198.18.1.101\"]\n";
@@ -118,15 +118,8 @@ fn a_local_service_is_answered_only_by_the_node_of_its_endpoint() {
     in_new_netns(|| {
         let (mut lan, _rt, api) = lan_and_api("el-lblocal", 3);
         let kubeconfig = Kubeconfig::write(&api.url());
-        // The pods' gateway is their node, as in a cluster.
-        for node in &lan.nodes {
-            node.servers.sh(&["ip", "route", "add", "198.18.0.0/24", "via", "198.18.2.1"]);
-        }
-        let place = |node: &str| {
-            let pod = endpoint("198.18.2.2", node, Condition::Ready);
-            api.apply(endpoint_slice("web-1", "web", "IPv4", &[("http", 8080)], vec![pod]));
-        };
-        place("node2");
+        nodes_are_gateways(&lan);
+        place_web(&api, "node2");
         for node in &mut lan.nodes {
             node.start(kubeconfig.path(), CONFIG);
         }
@@ -145,7 +138,7 @@ fn a_local_service_is_answered_only_by_the_node_of_its_endpoint() {
             })
         };
         for (node, mac) in [("node2", &lan.nodes[1].mac), ("node3", &lan.nodes[2].mac)] {
-            place(node);
+            place_web(&api, node);
             let moved = wait_until(Duration::from_secs(30), || {
                 ask().is_some_and(|(name, _)| name == node)
                     && lan.client_neighbour().as_ref() == Some(mac)

@@ -34,6 +34,23 @@ fn lan_and_api(tag: &str, n: usize) -> (Lan, tokio::runtime::Runtime, FakeApiSer
     (lan, rt, api)
 }
 
+/// Makes every node its server's gateway, as in a cluster: a server's
+/// replies to a client's own address (`externalTrafficPolicy: Local`)
+/// go back through its node.
+fn nodes_are_gateways(lan: &Lan) {
+    for node in &lan.nodes {
+        node.servers.sh(&["ip", "route", "add", "198.18.0.0/24", "via", "198.18.2.1"]);
+    }
+}
+
+/// Puts the Service `web`'s one endpoint (198.18.2.2:8080, port `http`,
+/// ready) on `node`, replacing where it was.
+fn place_web(api: &FakeApiServer, node: &str) {
+    use lb_tests::fakes::apiserver::{Condition, endpoint, endpoint_slice};
+    let pod = endpoint("198.18.2.2", node, Condition::Ready);
+    api.apply(endpoint_slice("web-1", "web", "IPv4", &[("http", 8080)], vec![pod]));
+}
+
 /// What the capture saw: node `from` answering, then node `to`, never
 /// both (the first's last answer before the second's first), the second
 /// within [`TAKEOVER`] of `since`. Returns the first's last answer and
