@@ -26,8 +26,8 @@ const START_WITHIN: Duration = Duration::from_secs(5);
 /// How often BIRD is asked whether it runs while its routes stay the
 /// same (a BIRD that died is started again within this).
 const RECHECK: Duration = Duration::from_secs(5);
-/// The wait before trying again after a failure (BIRD missing, its
-/// config refused), doubling up to [`RETRY_AT_MOST`].
+/// The wait before starting BIRD again after a failed start (BIRD
+/// missing, its config refused), doubling up to [`RETRY_AT_MOST`].
 const RETRY_FIRST: Duration = Duration::from_secs(1);
 /// See [`RETRY_FIRST`].
 const RETRY_AT_MOST: Duration = Duration::from_secs(30);
@@ -45,10 +45,11 @@ pub(super) struct Bird {
     failing: Option<String>,
     /// The `lb bgp-speaker` this daemon started, reaped when it exits.
     supervisor: Option<Child>,
-    /// After a failure, no new try before this; the wait doubles with
-    /// each failure in a row, up to [`RETRY_AT_MOST`].
-    retry_at: Option<Instant>,
-    retry_after: Duration,
+    /// After a failed start, no new start before this; the wait doubles
+    /// with each failed start in a row, up to [`RETRY_AT_MOST`]. Only
+    /// starts wait: a BIRD that answers is told every change at once.
+    start_at: Option<Instant>,
+    start_after: Duration,
 }
 
 impl Bird {
@@ -62,8 +63,8 @@ impl Bird {
             answered_at: None,
             failing: None,
             supervisor: None,
-            retry_at: None,
-            retry_after: RETRY_FIRST,
+            start_at: None,
+            start_after: RETRY_FIRST,
         }
     }
 
@@ -85,45 +86,42 @@ impl Bird {
         {
             self.supervisor = None;
         }
-        if self.retry_at.is_some_and(|at| Instant::now() < at) {
-            return;
-        }
         match self.try_announce(routes) {
-            Ok(()) => {
-                self.retry_at = None;
-                self.retry_after = RETRY_FIRST;
+            Ok(true) => {
                 if self.failing.take().is_some() {
                     info!("bgp: BIRD announces again");
                 }
             }
+            // A start deferred (after a failed one): nothing new to say.
+            Ok(false) => {}
             Err(e) => {
                 let why = format!("{e:#}");
                 if self.failing.as_ref() != Some(&why) {
-                    warn!(
-                        "bgp: {why}; trying again in {:?} and less often after",
-                        self.retry_after
-                    );
+                    warn!("bgp: {why}; trying again (a start after 1 s, then less often)");
                 }
                 self.failing = Some(why);
                 self.routes = None;
                 self.answered_at = None;
-                self.retry_at = Some(Instant::now() + self.retry_after);
-                self.retry_after = (self.retry_after * 2).min(RETRY_AT_MOST);
             }
         }
     }
 
-    fn try_announce(&mut self, routes: &BTreeSet<IpAddr>) -> anyhow::Result<()> {
+    /// Whether BIRD now announces `routes` (`false`: not yet, its start
+    /// deferred after a failed one).
+    fn try_announce(&mut self, routes: &BTreeSet<IpAddr>) -> anyhow::Result<bool> {
         let unchanged = self.routes.as_ref() == Some(routes);
         if unchanged && self.answered_at.is_some_and(|at| at.elapsed() < RECHECK) {
-            return Ok(());
+            return Ok(true);
         }
         let running = control::command(&self.socket(), "show status").is_ok();
         if running {
             self.answered_at = Some(Instant::now());
         }
         if running && unchanged {
-            return Ok(());
+            return Ok(true);
+        }
+        if !running && self.start_at.is_some_and(|at| Instant::now() < at) {
+            return Ok(false);
         }
         let router_id = self.router_id()?;
         let text = bird_config::render(&self.bgp, router_id, routes);
@@ -135,8 +133,13 @@ impl Bird {
             .with_context(|| format!("writing {}", self.conf().display()))?;
         if running {
             control::command(&self.socket(), "configure")?;
+        } else if let Err(e) = self.start() {
+            self.start_at = Some(Instant::now() + self.start_after);
+            self.start_after = (self.start_after * 2).min(RETRY_AT_MOST);
+            return Err(e);
         } else {
-            self.start()?;
+            self.start_at = None;
+            self.start_after = RETRY_FIRST;
         }
         self.answered_at = Some(Instant::now());
         let added: Vec<&IpAddr> = match &self.routes {
@@ -152,7 +155,7 @@ impl Bird {
             }
         }
         self.routes = Some(routes.clone());
-        Ok(())
+        Ok(true)
     }
 
     /// Starts BIRD under `lb bgp-speaker` (this same executable, in a
