@@ -257,7 +257,11 @@ fn a_million_unconnected_sockets_leave_no_entry_and_tcp_tracking_alone() {
     assert_eq!(churned, format!("churned ok={churn} failed=0"));
     assert!(daemon.counter("sendmsg_rewritten") >= churn as u64);
     assert_eq!(daemon.counter("udp_peers_full"), 0, "released sockets freed their entries");
-    assert_eq!(tracked("udp_peers"), Some(0), "no entry left behind");
+    // Every entry goes at its socket's release; the last releases may
+    // still be under way when the client answers (seen once in CI: one
+    // entry at the first look).
+    let emptied = wait_until(Duration::from_secs(5), || tracked("udp_peers") == Some(0));
+    assert!(emptied, "entries left behind: {:?}", tracked("udp_peers"));
     assert_eq!(tracked("tcp"), Some(HELD as u64), "the TCP connections are still tracked");
     assert_eq!(daemon.connections("web", backend.addr), HELD as i64);
     let still = holder.ask("held");
