@@ -223,6 +223,27 @@ pub fn carries_data(mut held: &TcpStream) -> Result<(), String> {
     }
 }
 
+/// Whether segments of a held connection go the short way: bursts of
+/// one-byte writes (`TCP_NODELAY`), each segment after the first of a
+/// burst within a kept route's life (10 jiffies) of the one before, until
+/// `short_count` (the daemon's `xdp_forwarded_short`) grows. A slow or
+/// emulated machine may let a burst's segments fall further apart than
+/// that: up to ten bursts, 200 ms apart; a short way that never takes
+/// any segment fails all ten.
+pub fn goes_the_short_way(mut held: &TcpStream, short_count: impl Fn() -> u64) -> bool {
+    held.set_nodelay(true).expect("TCP_NODELAY");
+    let before = short_count();
+    for _ in 0..10 {
+        for _ in 0..20 {
+            held.write_all(b"x").expect("writing a burst");
+        }
+        if crate::wait_until(Duration::from_millis(200), || short_count() > before) {
+            return true;
+        }
+    }
+    false
+}
+
 /// The id of the XDP program attached to `dev` (in this namespace).
 pub fn xdp_id(dev: &str) -> Option<u32> {
     let out =
