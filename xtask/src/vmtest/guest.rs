@@ -175,10 +175,12 @@ if command -v ip >/dev/null; then ip link set lo up; else busybox ip link set lo
         // Test names are checked to be [A-Za-z0-9_-] in parse_artifacts.
         // --nocapture: a test that skips itself says so on stderr, which
         // libtest would otherwise swallow for a passing test.
+        // --report-time (unstable; RUSTC_BOOTSTRAP lets a stable-built
+        // binary take it): each test's time, for the summary's slowest.
         let _ = writeln!(
             s,
             "echo \"start {name} $(now)\" >> \"$R/timing\"\n\
-             timeout --kill-after=10 {BINARY_TIMEOUT_SECS} \"$B/{name}\" --test-threads=1 --nocapture > \"$R/{name}.log\" 2>&1\n\
+             RUSTC_BOOTSTRAP=1 timeout --kill-after=10 {BINARY_TIMEOUT_SECS} \"$B/{name}\" --test-threads=1 --nocapture -Z unstable-options --report-time > \"$R/{name}.log\" 2>&1\n\
              echo $? > \"$R/{name}.status\"\n\
              echo \"end {name} $(now)\" >> \"$R/timing\""
         );

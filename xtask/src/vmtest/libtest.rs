@@ -1,6 +1,7 @@
 //! Reading a test binary's libtest output (run with `--nocapture
-//! --test-threads=1`) into one result per test, with the first panic of a
-//! failed test and the reason a skipped test gave.
+//! --test-threads=1`, and `--report-time` if it may) into one result per
+//! test, with the first panic of a failed test, the reason a skipped test
+//! gave and how long each took.
 
 use std::{collections::BTreeMap, fmt::Write as _};
 
@@ -23,6 +24,9 @@ pub struct Report {
     pub tests: BTreeMap<String, TestResult>,
     /// Whether libtest printed its `test result:` line.
     pub summary: bool,
+    /// Seconds each test that ended took, as `--report-time` said
+    /// (`ok <12.345s>`).
+    pub seconds: BTreeMap<String, f64>,
 }
 
 /// The test whose output [`parse`] is reading.
@@ -81,7 +85,13 @@ pub fn parse(log: &str) -> Report {
             running.panic_message_next = true;
             continue;
         }
-        let result = match rest.trim() {
+        let (verdict, seconds) = split_time(rest.trim());
+        if let Some(seconds) = seconds
+            && matches!(verdict, "ok" | "FAILED")
+        {
+            report.seconds.insert(running.name.clone(), seconds);
+        }
+        let result = match verdict {
             "ok" => Some(true),
             "FAILED" => Some(false),
             r if r == "ignored" || r.starts_with("ignored, ") => {
@@ -107,6 +117,15 @@ pub fn parse(log: &str) -> Report {
         report.tests.insert(running.name, TestResult::Unfinished);
     }
     report
+}
+
+/// `ok <12.345s>` into `ok` and 12.345; anything else as it is.
+fn split_time(line: &str) -> (&str, Option<f64>) {
+    let Some((verdict, time)) = line.split_once(" <") else { return (line, None) };
+    match time.strip_suffix("s>").and_then(|t| t.parse::<f64>().ok()) {
+        Some(seconds) if seconds.is_finite() && seconds >= 0.0 => (verdict, Some(seconds)),
+        _ => (line, None),
+    }
 }
 
 #[cfg(test)]
@@ -188,6 +207,20 @@ test result: FAILED. 2 passed; 1 failed; 1 ignored; 0 measured; 0 filtered out; 
             TestResult::Skipped("closing connections needs CONFIG_INET_DIAG_DESTROY".into())
         );
         assert_eq!(report.tests["slow::soak"], TestResult::Ignored);
+    }
+
+    /// `--report-time`'s times, after the verdict on the same line.
+    #[test]
+    fn the_time_each_test_took() {
+        let report = parse(
+            "test a ... ok <1.250s>\ntest b ... out\nFAILED <0.010s>\ntest c ... ok <later>\n",
+        );
+        assert_eq!(report.tests["a"], TestResult::Ok);
+        assert_eq!(report.tests["b"], TestResult::Failed(None));
+        assert_eq!(report.seconds["a"], 1.25);
+        assert_eq!(report.seconds["b"], 0.01);
+        assert_eq!(report.tests["c"], TestResult::Unfinished, "not a verdict");
+        assert!(!report.seconds.contains_key("c"));
     }
 
     #[test]

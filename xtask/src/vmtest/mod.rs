@@ -115,6 +115,8 @@ struct Outcome {
     failed: Vec<String>,
     /// Tests that ran but said they were skipped, with their reason.
     skipped: Vec<String>,
+    /// How long each test that ended took (`binary::test`, seconds).
+    seconds: Vec<(String, f64)>,
     /// Everything else that went wrong: no boot, a timeout, a binary that
     /// crashed or never ran.
     problems: Vec<String>,
@@ -154,6 +156,9 @@ impl Outcome {
         }
         for test in &self.skipped {
             let _ = write!(text, "\n       skipped: {test}");
+        }
+        if full && !self.seconds.is_empty() {
+            let _ = write!(text, "\n       slowest: {}", slowest(&self.seconds, 5));
         }
         for problem in &self.problems {
             let problem = if full { problem } else { problem.lines().next().unwrap_or_default() };
@@ -505,6 +510,9 @@ fn collect(results: &Path, tests: &[String], outcome: &mut Outcome) {
             .map(|b| String::from_utf8_lossy(&b).into_owned());
         let status = fs::read_to_string(results.join(format!("{test}.status"))).ok();
         let report = libtest::parse(log.as_deref().unwrap_or_default());
+        outcome
+            .seconds
+            .extend(report.seconds.iter().map(|(name, s)| (format!("{test}::{name}"), *s)));
         let mut failed = 0;
         for (name, result) in &report.tests {
             match result {
@@ -543,6 +551,18 @@ fn collect(results: &Path, tests: &[String], outcome: &mut Outcome) {
     }
 }
 
+/// The `n` tests that took longest, slowest first: `name 12 s, …`.
+fn slowest(seconds: &[(String, f64)], n: usize) -> String {
+    let mut by_time: Vec<&(String, f64)> = seconds.iter().collect();
+    by_time.sort_by(|a, b| b.1.total_cmp(&a.1));
+    by_time
+        .iter()
+        .take(n)
+        .map(|(name, s)| format!("{name} {s:.0} s"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 #[cfg(test)]
 mod tests {
     use clap::Parser as _;
@@ -554,6 +574,14 @@ mod tests {
         let cli = crate::Cli::try_parse_from(["cargo xtask", "vmtest"].iter().chain(args))?;
         let crate::Task::Vmtest(args) = cli.command else { panic!("not the vmtest command") };
         args.kernel_specs()
+    }
+
+    #[test]
+    fn the_slowest_tests_first() {
+        let seconds =
+            [("a::x".to_owned(), 2.0), ("b::y".to_owned(), 30.4), ("a::z".to_owned(), 7.0)];
+        assert_eq!(slowest(&seconds, 2), "b::y 30 s, a::z 7 s");
+        assert_eq!(slowest(&seconds, 5), "b::y 30 s, a::z 7 s, a::x 2 s");
     }
 
     #[test]
