@@ -3,8 +3,10 @@
 //! 198.18.0.254, peering with the nodes (AS 64500 to their 64512), with
 //! BFD, installing what it learns into its own routing table with every
 //! next hop (ECMP, hashed on ports too, so one client's connections
-//! spread). The client routes the VIPs' subnet through it. BIRD is
-//! stopped and the namespace removed when the router is dropped.
+//! spread). It offers the nodes routes of its own ([`OFFERED`] and a
+//! default route), as a router may. The client routes the VIPs' subnet
+//! through it. BIRD is stopped and the namespace removed when the router
+//! is dropped.
 //! Dual-stack: [`Router::start`] gives the LAN IPv6 too (`2001:2::/64`,
 //! the servers `2001:2:0:2::/64`), and the router an IPv6 session with
 //! each node, for IPv6 VIPs.
@@ -30,6 +32,12 @@ pub const ROUTER: &str = "198.18.0.254";
 pub const ROUTER6: &str = "2001:2::fe";
 /// The address of the IPv6 server behind each node.
 pub const SERVER6: &str = "[2001:2:0:2::2]:8080";
+/// A network the router offers every node (with a default route, in
+/// each family): lb imports nothing, so neither reaches a node's BIRD
+/// tables or its kernel's.
+pub const OFFERED: &str = "198.18.3.0";
+/// The IPv6 network it offers.
+pub const OFFERED6: &str = "2001:2:0:3::";
 /// The router's AS number.
 pub const ROUTER_ASN: u32 = 64_500;
 /// The nodes' AS number.
@@ -88,10 +96,12 @@ impl Router {
         let mut conf = format!(
             "router id {ROUTER};\nprotocol device {{}}\n\
              protocol bfd {{ interface \"r0\" {{ interval 100 ms; multiplier 3; }}; }}\n\
-             protocol kernel {{ ipv4 {{ export all; }}; merge paths on; }}\n\
-             protocol kernel {{ ipv6 {{ export all; }}; merge paths on; }}\n\
-             template bgp node {{ local as {ROUTER_ASN}; bfd on; error wait time 1, 5; connect retry time 1; ipv4 {{ import all; export none; }}; }}\n\
-             template bgp node6 {{ local as {ROUTER_ASN}; bfd on; error wait time 1, 5; connect retry time 1; ipv6 {{ import all; export none; }}; }}\n"
+             protocol kernel {{ ipv4 {{ export where source = RTS_BGP; }}; merge paths on; }}\n\
+             protocol kernel {{ ipv6 {{ export where source = RTS_BGP; }}; merge paths on; }}\n\
+             protocol static offered4 {{ ipv4; route {OFFERED}/24 blackhole; route 0.0.0.0/0 blackhole; }}\n\
+             protocol static offered6 {{ ipv6; route {OFFERED6}/64 blackhole; route ::/0 blackhole; }}\n\
+             template bgp node {{ local as {ROUTER_ASN}; bfd on; error wait time 1, 5; connect retry time 1; ipv4 {{ import all; export where source = RTS_STATIC; }}; }}\n\
+             template bgp node6 {{ local as {ROUTER_ASN}; bfd on; error wait time 1, 5; connect retry time 1; ipv6 {{ import all; export where source = RTS_STATIC; }}; }}\n"
         );
         for k in 1..=lan.nodes.len() {
             conf.push_str(&format!(

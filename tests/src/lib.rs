@@ -60,6 +60,7 @@ pub mod lan;
 mod leak;
 pub mod load;
 mod netns;
+pub mod other_user;
 pub mod packets;
 #[cfg(feature = "rigs")]
 pub mod pass_xdp;

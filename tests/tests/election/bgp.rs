@@ -7,22 +7,28 @@
 //! other node carries on; one held on it is reset); `lb detach`
 //! withdraws; one whose daemon is killed announces on (fail-static) for
 //! `[bgp] routes_outlive_daemon`, no longer. An IPv6 VIP goes to the
-//! router over IPv6 sessions, and is spread likewise. A LoadBalancer
+//! router over IPv6 sessions, and is spread likewise. Routes the router
+//! offers (a default route among them) reach neither a node's BIRD
+//! tables nor its kernel's. A LoadBalancer
 //! Service from a pool announced by BGP, `externalTrafficPolicy: Local`,
 //! is announced by the node of its endpoint alone, and follows it.
 
 use std::{
     collections::BTreeSet,
     net::{IpAddr, SocketAddr, TcpStream},
+    os::unix::fs::PermissionsExt as _,
     time::{Duration, Instant},
 };
 
 use lb_tests::{
     Backend,
-    bgp_router::{NODE_ASN, ROUTER, ROUTER_ASN, ROUTER6, Router, SERVER6, stop_bird},
+    bgp_router::{
+        NODE_ASN, OFFERED, OFFERED6, ROUTER, ROUTER_ASN, ROUTER6, Router, SERVER6, stop_bird,
+    },
     fakes::apiserver::{Kubeconfig, ingress_ip, load_balancer_service},
     in_new_netns,
     lan::{Lan, VIP, VIP_IP},
+    other_user::{As, Attempt, try_as},
     privileged_test,
     topology::{carries_data, peer, who},
     wait_until,
@@ -121,6 +127,46 @@ fn every_node_that_can_serve_announces_and_the_router_spreads_over_them() {
         assert!(up, "{bgp}");
         assert_eq!(bgp["announced"], serde_json::json!([VIP_IP, VIP6_IP]), "{bgp}");
         assert_eq!(bgp["sessions"][1]["peer"], ROUTER6, "{bgp}");
+        // The router offers routes of its own, a default route among them;
+        // lb imports none: each node's BIRD received them and kept none,
+        // and its kernel's tables have none.
+        for n in &lan.nodes {
+            let socket = n.daemon().dir.join("state").join("bird").join("bird.ctl");
+            for peer in ["lb_peer0", "lb_peer1"] {
+                let (received, accepted) = import_updates(&socket, peer);
+                assert!(received >= 2, "{}'s {peer} received {received} routes", n.name);
+                assert_eq!(accepted, 0, "{}'s {peer} imported a route", n.name);
+            }
+            let tables = n.ns.run(|| {
+                let out = |family: &str| {
+                    let out = std::process::Command::new("ip")
+                        .args([family, "route", "show", "table", "all"])
+                        .output()
+                        .unwrap();
+                    String::from_utf8_lossy(&out.stdout).into_owned()
+                };
+                out("-4") + &out("-6")
+            });
+            for offered in [OFFERED, OFFERED6, "default"] {
+                assert!(!tables.contains(offered), "{}'s kernel has {offered}:\n{tables}", n.name);
+            }
+        }
+        // Another local user reaches neither BIRD's socket (it takes any
+        // command: `down`) nor the renewals, even where the state
+        // directory around them is open to all (lb keeps it 0700; an
+        // operator may not): BIRD's directory is root's alone.
+        let bird = lan.nodes[0].daemon().dir.join("state").join("bird");
+        let (socket, renewed) = (bird.join("bird.ctl"), bird.join("renewed"));
+        let state = bird.parent().unwrap();
+        std::fs::set_permissions(state, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let control = |who, attempt| try_as(who, attempt).map_err(|e| e.to_string());
+        assert_eq!(control(As::Root, Attempt::Connect(&socket)), Ok(()), "{}", socket.display());
+        assert_eq!(control(As::Root, Attempt::Write(&renewed)), Ok(()), "{}", renewed.display());
+        assert_eq!(control(As::Nobody, Attempt::List(state)), Ok(()), "{}", state.display());
+        for attempt in [Attempt::Connect(&socket), Attempt::Write(&renewed), Attempt::List(&bird)] {
+            let reached = try_as(As::Nobody, attempt).map_err(|e| e.kind());
+            assert_eq!(reached, Err(std::io::ErrorKind::PermissionDenied));
+        }
         let table = lan.nodes[0].daemon().lb(&["status"]);
         assert!(table.contains("BGP: announcing 198.18.1.100 2001:2:0:1::100"), "{table}");
         assert!(table.contains("lb_peer1 2001:2::fe up Established, BFD Up"), "{table}");
@@ -234,6 +280,25 @@ fn every_node_that_can_serve_announces_and_the_router_spreads_over_them() {
         }
         drop(router);
     });
+}
+
+/// Routes a node's BIRD received from the router on `peer`, and those it
+/// accepted: `Import updates:` of `show protocols all` (received,
+/// rejected, filtered, ignored, accepted).
+fn import_updates(socket: &std::path::Path, peer: &str) -> (u64, u64) {
+    let reply = lb_user::bgp::control::command(socket, &format!("show protocols all {peer}"))
+        .expect("asking a node's BIRD");
+    let text: Vec<String> = reply.into_iter().map(|line| line.text).collect();
+    let text = text.join("\n");
+    let counts: Vec<u64> = text
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("Import updates:"))
+        .map(|rest| rest.split_whitespace().filter_map(|w| w.parse().ok()).collect())
+        .unwrap_or_default();
+    match counts.as_slice() {
+        [received, .., accepted] if counts.len() == 5 => (*received, *accepted),
+        _ => panic!("no import updates in {peer}'s protocol:\n{text}"),
+    }
 }
 
 /// The LoadBalancer Services' pool, announced by BGP.
