@@ -23,7 +23,7 @@ use std::{
 };
 
 use lb_tests::{
-    bgp_router::{NODE_ASN, ROUTER, ROUTER_ASN, Router, stop_bird},
+    bgp_router::{NODE_ASN, ROUTER, ROUTER_ASN, Router},
     fakes::{
         apiserver::{FakeApiServer, Kubeconfig},
         runtime,
@@ -167,7 +167,7 @@ fn run() -> String {
         "withdrawn_ms": withdrawn_ms,
     });
     for n in &lan.nodes {
-        stop_bird(&n.daemon().dir.join("state").join("bird").join("bird.ctl"));
+        lb_user::bgp::stop_speaker(&n.daemon().dir.join("state"));
     }
     drop(router);
     drop(lan);

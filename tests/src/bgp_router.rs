@@ -18,11 +18,7 @@
 //!                             └── ext0 [node2] 198.18.0.2 2001:2::2
 //! ```
 
-use std::{
-    net::IpAddr,
-    path::{Path, PathBuf},
-    process::Command,
-};
+use std::{net::IpAddr, path::PathBuf, process::Command};
 
 use crate::{Namespace, lan::Lan, pass_xdp::PassThrough, sh, topology::pass_through};
 
@@ -111,7 +107,7 @@ impl Router {
         }
         std::fs::write(dir.join("bird.conf"), conf).unwrap();
         let (conf, socket, pid) =
-            (dir.join("bird.conf"), dir.join("bird.ctl"), dir.join("bird.pid"));
+            (dir.join("bird.conf"), dir.join(lb_user::bgp::SOCKET), dir.join(lb_user::bgp::PID));
         let status = ns.run(move || {
             Command::new("bird")
                 .arg("-c")
@@ -127,6 +123,16 @@ impl Router {
         Self { ns, dir, _port: port }
     }
 
+    /// What the router's BIRD says of its sessions (`show protocols`), for
+    /// a failure's message.
+    pub fn protocols(&self) -> String {
+        let socket = self.dir.join(lb_user::bgp::SOCKET);
+        match lb_user::bgp::control::command(&socket, "show protocols") {
+            Ok(reply) => reply.into_iter().map(|line| line.text).collect::<Vec<_>>().join("\n"),
+            Err(e) => format!("the router's BIRD did not answer: {e:#}"),
+        }
+    }
+
     /// The next hops the router's routing table has for `vip` (sorted).
     pub fn next_hops(&self, vip: &str) -> Vec<IpAddr> {
         let vip = vip.to_owned();
@@ -140,10 +146,6 @@ impl Router {
             words.windows(2).filter(|w| w[0] == "via").filter_map(|w| w[1].parse().ok()).collect();
         hops.sort();
         hops
-    }
-
-    fn socket(&self) -> PathBuf {
-        self.dir.join("bird.ctl")
     }
 }
 
@@ -162,27 +164,7 @@ fn dual_stack(lan: &Lan) {
 
 impl Drop for Router {
     fn drop(&mut self) {
-        stop_bird(&self.socket());
+        lb_user::bgp::stop_bird(&self.dir);
         let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// Stops the BIRD listening on `socket`, if one does; kills it by its pid
-/// file beside the socket if it does not answer (a frozen one), if that
-/// process is still a `bird`.
-pub fn stop_bird(socket: &Path) {
-    let pid_file = socket.with_file_name("bird.pid");
-    let pid = std::fs::read_to_string(&pid_file).ok().and_then(|p| p.trim().parse::<i32>().ok());
-    let is_bird = |pid: i32| {
-        std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "bird")
-    };
-    if lb_user::bgp::control::command(socket, "down").is_err()
-        && let Some(pid) = pid.filter(|&pid| is_bird(pid))
-    {
-        // SAFETY: sending signals has no memory-safety preconditions.
-        unsafe {
-            libc::kill(pid, libc::SIGCONT);
-            libc::kill(pid, libc::SIGKILL);
-        }
     }
 }

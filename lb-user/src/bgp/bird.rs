@@ -286,7 +286,7 @@ impl Bird {
     /// Stops BIRD (`lb detach`): its sessions close, and the routers
     /// withdraw every route it announced.
     pub(super) fn stop(&mut self) {
-        if super::stop_speaker(self.dir.parent().unwrap_or(&self.dir)) {
+        if super::stop_bird(&self.dir) {
             info!("bgp: BIRD stopped; its routes are withdrawn");
         }
         // Its supervisor follows BIRD within a look (200 ms): reaped if so.

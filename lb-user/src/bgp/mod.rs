@@ -240,11 +240,16 @@ fn drive(mut bird: bird::Bird, slot: &Slot) {
     }
 }
 
-/// Stops the BIRD whose socket is under `state_dir` (`bird/bird.ctl`), if
-/// one answers there, and waits (bounded) for it to be gone: whether one
-/// did.
+/// Stops the BIRD lb runs for `state_dir` (`bird/bird.ctl`): see
+/// [`stop_bird`].
 pub fn stop_speaker(state_dir: &Path) -> bool {
-    let dir = state_dir.join("bird");
+    stop_bird(&state_dir.join("bird"))
+}
+
+/// Stops the BIRD whose control socket and pid file are in `dir`
+/// ([`SOCKET`], [`PID`]), if one answers there, and waits (bounded) for it
+/// to be gone: whether one did.
+pub fn stop_bird(dir: &Path) -> bool {
     let socket = dir.join(SOCKET);
     let asked = control::command(&socket, "down").is_ok();
     let deadline = Instant::now() + GONE_WITHIN;
