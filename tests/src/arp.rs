@@ -8,7 +8,7 @@ use std::{
     os::fd::AsRawFd as _,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     thread,
     time::{Duration, Instant},
@@ -35,6 +35,10 @@ pub struct Seen {
 /// The prober and the capture, until dropped.
 pub struct Watch {
     pub started: Instant,
+    /// Frames of any kind the capture read, and ARP frames among them: a
+    /// failure's message tells a capture that fell behind from a node
+    /// that never answered.
+    frames: Arc<[AtomicU64; 2]>,
     seen: Arc<Mutex<Vec<Seen>>>,
     stop: Arc<AtomicBool>,
     threads: Vec<thread::JoinHandle<()>>,
@@ -55,7 +59,8 @@ impl Watch {
         // Every protocol: a socket for one protocol sees only the frames
         // that arrive, not those the port sends on to the client.
         let capture = packet_socket(port, ETH_P_ALL, Some(Duration::from_millis(20)));
-        let (s, st) = (seen.clone(), stop.clone());
+        let frames: Arc<[AtomicU64; 2]> = Arc::default();
+        let (s, st, counted) = (seen.clone(), stop.clone(), frames.clone());
         let wanted = vips.clone();
         let capturing = thread::spawn(move || {
             let mut frame = [0u8; 2048];
@@ -66,10 +71,12 @@ impl Watch {
                 };
                 let Ok(n) = usize::try_from(n) else { continue };
                 let f = &frame[..n];
+                counted[0].fetch_add(1, Ordering::Relaxed);
                 // An ARP reply, or a gratuitous ARP, from a VIP.
                 if n < 42 || f[12..14] != ETH_P_ARP.to_be_bytes() {
                     continue;
                 }
+                counted[1].fetch_add(1, Ordering::Relaxed);
                 let sender = Ipv4Addr::new(f[28], f[29], f[30], f[31]);
                 if wanted.contains(&sender) && (f[21] == 2 || f[38..42] == sender.octets()) {
                     let mac = f[22..28].iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>();
@@ -107,12 +114,19 @@ impl Watch {
                 thread::sleep(every);
             }
         });
-        Self { started, seen, stop, threads: vec![capturing, asking] }
+        Self { started, frames, seen, stop, threads: vec![capturing, asking] }
     }
 
     /// The answers seen so far.
     pub fn seen(&self) -> Vec<Seen> {
         self.seen.lock().unwrap().clone()
+    }
+
+    /// What the capture read so far, for a failure's message.
+    pub fn captured(&self) -> String {
+        let [all, arp] = &*self.frames;
+        let (all, arp) = (all.load(Ordering::Relaxed), arp.load(Ordering::Relaxed));
+        format!("{all} frames captured in {:?}, {arp} of them ARP", self.started.elapsed())
     }
 
     /// The MACs that answered, in turn: each run of answers from one MAC

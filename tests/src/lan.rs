@@ -34,6 +34,12 @@ pub const VIP_IP: &str = "198.18.1.100";
 /// Where the fake API server listens, on the bridge.
 pub const API: &str = "198.18.0.250";
 pub const LEASE: (&str, &str) = ("lb-system", "web");
+/// How long the nodes may take to first serve a LoadBalancer Service's
+/// address: each attaches `lb_xdp` when its first external VIP appears,
+/// all of them at once, and under a guest's software emulation on Linux
+/// 5.10 the verifier takes some 20 s per program (`topology::SERVING_WITHIN`
+/// is one node's) on two shared CPUs.
+pub const FIRST_SERVING: Duration = Duration::from_secs(120);
 
 /// One node: its namespace, its server's, the server, its daemon.
 pub struct Node {
@@ -299,4 +305,37 @@ impl Drop for Node {
         }
         drop(self.cgroup.take());
     }
+}
+
+/// The multi-node tests time takeovers to their bounds on a machine of
+/// two cores: they run one at a time, each with its two or three daemons.
+pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A LAN of `n` nodes for the test `tag`, and the fake API server on its
+/// bridge (on the runtime returned, which must outlive it).
+pub fn lan_and_api(tag: &str, n: usize) -> (Lan, tokio::runtime::Runtime, FakeApiServer) {
+    let lan = Lan::new(tag, n);
+    let rt = crate::fakes::runtime();
+    let api = rt.block_on(FakeApiServer::start_at(format!("{API}:0").parse().unwrap()));
+    (lan, rt, api)
+}
+
+/// Makes every node its server's gateway, as in a cluster: a server's
+/// replies to a client's own address (`externalTrafficPolicy: Local`)
+/// go back through its node.
+pub fn nodes_are_gateways(lan: &Lan) {
+    for node in &lan.nodes {
+        node.servers.sh(&["ip", "route", "add", "198.18.0.0/24", "via", "198.18.2.1"]);
+    }
+}
+
+/// Puts the Service `web`'s one endpoint (198.18.2.2:8080, port `http`,
+/// ready) on `node`, replacing where it was.
+pub fn place_web(api: &FakeApiServer, node: &str) {
+    use crate::fakes::apiserver::{Condition, endpoint, endpoint_slice};
+    let pod = endpoint("198.18.2.2", node, Condition::Ready);
+    api.apply(endpoint_slice("web-1", "web", "IPv4", &[("http", 8080)], vec![pod]));
 }

@@ -9,9 +9,11 @@
 //! `[bgp] routes_outlive_daemon`, no longer. An IPv6 VIP goes to the
 //! router over IPv6 sessions, and is spread likewise. Routes the router
 //! offers (a default route among them) reach neither a node's BIRD
-//! tables nor its kernel's. A LoadBalancer
-//! Service from a pool announced by BGP, `externalTrafficPolicy: Local`,
-//! is announced by the node of its endpoint alone, and follows it.
+//! tables nor its kernel's; another local user reaches neither BIRD's
+//! socket nor the renewals. A LoadBalancer Service from a pool announced
+//! by BGP, `externalTrafficPolicy: Local`, is announced by the node of
+//! its endpoint alone, and follows it. The nodes are the elections' LAN
+//! (`lan.rs`); needs root and BIRD (`bird2`), see `lb_tests::privileged`.
 
 use std::{
     collections::BTreeSet,
@@ -22,19 +24,17 @@ use std::{
 
 use lb_tests::{
     Backend,
-    bgp_router::{
-        NODE_ASN, OFFERED, OFFERED6, ROUTER, ROUTER_ASN, ROUTER6, Router, SERVER6, stop_bird,
-    },
+    bgp_router::{NODE_ASN, OFFERED, OFFERED6, ROUTER, ROUTER_ASN, ROUTER6, Router, SERVER6},
     fakes::apiserver::{Kubeconfig, ingress_ip, load_balancer_service},
     in_new_netns,
-    lan::{Lan, VIP, VIP_IP},
+    lan::{
+        FIRST_SERVING, Lan, VIP, VIP_IP, lan_and_api, nodes_are_gateways, one_at_a_time, place_web,
+    },
     other_user::{As, Attempt, try_as},
     privileged_test,
     topology::{carries_data, peer, who},
     wait_until,
 };
-
-use super::{lan_and_api, nodes_are_gateways, one_at_a_time, place_web};
 
 /// The IPv6 VIP.
 const VIP6: &str = "[2001:2:0:1::100]:80";
@@ -66,6 +66,20 @@ fn logs(lan: &Lan) -> String {
     let logs: Vec<String> =
         lan.nodes.iter().map(|n| format!("--- {}:\n{}", n.name, n.daemon().log())).collect();
     logs.join("\n")
+}
+
+/// What the router and each node say of BGP and the services, then the
+/// nodes' logs: a failure's message.
+fn bgp_state(lan: &Lan, router: &Router) -> String {
+    let mut text = format!("--- the router:\n{}\n", router.protocols());
+    for n in &lan.nodes {
+        let status = n.daemon().status();
+        text.push_str(&format!(
+            "--- {}'s status:\nbgp {}\nservices {}\n",
+            n.name, status["bgp"], status["services"]
+        ));
+    }
+    text + &logs(lan)
 }
 
 fn node(k: u8) -> IpAddr {
@@ -103,7 +117,7 @@ fn every_node_that_can_serve_announces_and_the_router_spreads_over_them() {
             "the router learned {:?} and {:?}\n{}",
             router.next_hops(VIP_IP),
             router.next_hops(VIP6_IP),
-            logs(&lan)
+            bgp_state(&lan, &router)
         );
         // Spread: a client's connections (each its own source port) land
         // on both nodes' servers, over either family.
@@ -175,7 +189,12 @@ fn every_node_that_can_serve_announces_and_the_router_spreads_over_them() {
         drop(lan.nodes[0].server.take());
         let withdrawn =
             wait_until(Duration::from_secs(30), || router.next_hops(VIP_IP) == [node(2)]);
-        assert!(withdrawn, "the router kept {:?}\n{}", router.next_hops(VIP_IP), logs(&lan));
+        assert!(
+            withdrawn,
+            "the router kept {:?}\n{}",
+            router.next_hops(VIP_IP),
+            bgp_state(&lan, &router)
+        );
         // Each node's counters before and after, to tell on failure who
         // took the connects.
         let counters = |k: usize| lan.nodes[k].daemon().status()["datapath"]["counters"].clone();
@@ -200,7 +219,7 @@ fn every_node_that_can_serve_announces_and_the_router_spreads_over_them() {
         // sockets open): BFD withdraws it, not BGP's hold timer.
         lan.nodes[0].server = Some(lb_tests::lan::serve(&lan.nodes[0].servers, "node1"));
         let back = wait_until(Duration::from_secs(30), || router.next_hops(VIP_IP).len() == 2);
-        assert!(back, "node1 did not announce again\n{}", logs(&lan));
+        assert!(back, "node1 did not announce again\n{}", bgp_state(&lan, &router));
         // Two connections held, one on each node.
         let held: Vec<(String, TcpStream)> = lan.client.run(|| {
             let vip: SocketAddr = VIP.parse().unwrap();
@@ -252,7 +271,7 @@ fn every_node_that_can_serve_announces_and_the_router_spreads_over_them() {
 
         // lb detach on node1 withdraws its route.
         let back = wait_until(Duration::from_secs(30), || router.next_hops(VIP_IP).len() == 2);
-        assert!(back, "node2 did not announce again\n{}", logs(&lan));
+        assert!(back, "node2 did not announce again\n{}", bgp_state(&lan, &router));
         lan.nodes[0].daemon().lb(&["detach"]);
         let detached =
             wait_until(Duration::from_secs(10), || router.next_hops(VIP_IP) == [node(2)]);
@@ -274,9 +293,9 @@ fn every_node_that_can_serve_announces_and_the_router_spreads_over_them() {
         // Started again, it announces again (a BIRD of its own).
         lan.nodes[1].start(kubeconfig.path(), &config());
         let again = wait_until(Duration::from_secs(30), || router.next_hops(VIP_IP) == [node(2)]);
-        assert!(again, "a restarted daemon did not announce\n{}", logs(&lan));
+        assert!(again, "a restarted daemon did not announce\n{}", bgp_state(&lan, &router));
         for n in &lan.nodes {
-            stop_bird(&n.daemon().dir.join("state").join("bird").join("bird.ctl"));
+            lb_user::bgp::stop_speaker(&n.daemon().dir.join("state"));
         }
         drop(router);
     });
@@ -327,14 +346,14 @@ fn a_local_load_balancer_service_is_announced_by_the_nodes_of_its_endpoints() {
         let given = wait_until(Duration::from_secs(30), || {
             api.service("default", "web").and_then(|s| ingress_ip(&s)).as_deref() == Some(VIP_IP)
         });
-        assert!(given, "web was not given {VIP_IP}\n{}", logs(&lan));
+        assert!(given, "web was not given {VIP_IP}\n{}", bgp_state(&lan, &router));
         // Only the node of the endpoint announces; the server sees the
         // client's own address. Then the endpoint moves, and the route.
         for (k, name) in [(2, "node2"), (1, "node1")] {
             place_web(&api, name);
-            let only =
-                wait_until(Duration::from_secs(30), || router.next_hops(VIP_IP) == [node(k)]);
-            assert!(only, "{name}: the router has {:?}\n{}", router.next_hops(VIP_IP), logs(&lan));
+            let only = wait_until(FIRST_SERVING, || router.next_hops(VIP_IP) == [node(k)]);
+            let hops = router.next_hops(VIP_IP);
+            assert!(only, "{name}: the router has {hops:?}\n{}", bgp_state(&lan, &router));
             for _ in 0..5 {
                 let (answered, seen) = lan.client.run(|| {
                     let vip: SocketAddr = VIP.parse().unwrap();
@@ -350,7 +369,7 @@ fn a_local_load_balancer_service_is_announced_by_the_nodes_of_its_endpoints() {
             }
         }
         for n in &lan.nodes {
-            stop_bird(&n.daemon().dir.join("state").join("bird").join("bird.ctl"));
+            lb_user::bgp::stop_speaker(&n.daemon().dir.join("state"));
         }
         drop(router);
     });

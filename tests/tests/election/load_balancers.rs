@@ -17,13 +17,13 @@ use lb_tests::{
         load_balancer_service,
     },
     in_new_netns,
-    lan::{Lan, VIP, VIP_IP},
+    lan::{
+        FIRST_SERVING, Lan, VIP, VIP_IP, lan_and_api, nodes_are_gateways, one_at_a_time, place_web,
+    },
     privileged_test,
     topology::{peer, who},
     wait_until,
 };
-
-use super::{lan_and_api, nodes_are_gateways, one_at_a_time, place_web};
 
 const CONFIG: &str = "[kubernetes]\ndefault_class = true\ninterfaces = [\"ext0\"]\n\
      [[pool]]\nname = \"default\"\naddresses = [\"198.18.1.100-198.18.1.101\"]\n";
@@ -80,7 +80,7 @@ fn one_node_allocates_one_answers_and_a_killed_allocator_is_replaced() {
         }
         api.apply_service(load_balancer_service("web", &[("http", 80, 8080)]));
         wait_address(&api, &lan, "web", VIP_IP);
-        let answered = wait_until(Duration::from_secs(30), || lan.ask().is_ok());
+        let answered = wait_until(FIRST_SERVING, || lan.ask().is_ok());
         assert!(answered, "{VIP_IP} never answered\n{}", logs(&lan));
 
         // One writer, once; one node answering ARP for the address.
@@ -139,7 +139,7 @@ fn a_local_service_is_answered_only_by_the_node_of_its_endpoint() {
         };
         for (node, mac) in [("node2", &lan.nodes[1].mac), ("node3", &lan.nodes[2].mac)] {
             place_web(&api, node);
-            let moved = wait_until(Duration::from_secs(30), || {
+            let moved = wait_until(FIRST_SERVING, || {
                 ask().is_some_and(|(name, _)| name == node)
                     && lan.client_neighbour().as_ref() == Some(mac)
             });

@@ -9,47 +9,11 @@ use std::time::Duration;
 
 use lb_tests::{
     arp::Watch,
-    fakes::{
-        apiserver::{FakeApiServer, Kubeconfig},
-        runtime,
-    },
+    fakes::apiserver::{FakeApiServer, Kubeconfig},
     in_new_netns,
-    lan::{self, API, LEASE, Lan, Servers, services},
+    lan::{self, API, LEASE, Lan, Servers, lan_and_api, one_at_a_time, services},
     privileged_test, wait_until,
 };
-
-/// The tests time takeovers to the 2 s bound on a machine of two cores:
-/// they run one at a time, each with its two or three daemons.
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// A LAN of `n` nodes for the test `tag`, and the fake API server on its
-/// bridge (on the runtime returned, which must outlive it).
-fn lan_and_api(tag: &str, n: usize) -> (Lan, tokio::runtime::Runtime, FakeApiServer) {
-    let lan = Lan::new(tag, n);
-    let rt = runtime();
-    let api = rt.block_on(FakeApiServer::start_at(format!("{API}:0").parse().unwrap()));
-    (lan, rt, api)
-}
-
-/// Makes every node its server's gateway, as in a cluster: a server's
-/// replies to a client's own address (`externalTrafficPolicy: Local`)
-/// go back through its node.
-fn nodes_are_gateways(lan: &Lan) {
-    for node in &lan.nodes {
-        node.servers.sh(&["ip", "route", "add", "198.18.0.0/24", "via", "198.18.2.1"]);
-    }
-}
-
-/// Puts the Service `web`'s one endpoint (198.18.2.2:8080, port `http`,
-/// ready) on `node`, replacing where it was.
-fn place_web(api: &FakeApiServer, node: &str) {
-    use lb_tests::fakes::apiserver::{Condition, endpoint, endpoint_slice};
-    let pod = endpoint("198.18.2.2", node, Condition::Ready);
-    api.apply(endpoint_slice("web-1", "web", "IPv4", &[("http", 8080)], vec![pod]));
-}
 
 /// What the capture saw: node `from` answering, then node `to`, never
 /// both (the first's last answer before the second's first), the second
@@ -64,7 +28,13 @@ fn handed_over(
     since: Duration,
 ) -> (Duration, Duration) {
     let turns = watch.turns();
-    assert_eq!(turns.len(), 2, "the old holder, then the new one, never both: {turns:?}");
+    assert_eq!(
+        turns.len(),
+        2,
+        "the old holder, then the new one, never both: {turns:?} ({})\nthe client's neighbour: {:?}",
+        watch.captured(),
+        lan.client_neighbour()
+    );
     let (old, new) = (&turns[0], &turns[1]);
     assert_eq!((&old.0, &new.0), (&lan.nodes[from].mac, &lan.nodes[to].mac));
     assert!(old.2 < new.1, "the old holder fell silent before the new one answered: {turns:?}");
@@ -465,7 +435,13 @@ fn a_holder_without_a_usable_server_hands_over() {
             == Some("candidate")));
         std::thread::sleep(Duration::from_millis(1500));
         let turns = watch.turns();
-        assert_eq!(turns.len(), 2, "handed over once, and not back: {turns:?}");
+        assert_eq!(
+            turns.len(),
+            2,
+            "handed over once, and not back: {turns:?} ({})\nthe client's neighbour: {:?}",
+            watch.captured(),
+            lan.client_neighbour()
+        );
         assert!(turns[0].2 < turns[1].1, "{turns:?}");
         drop(watch);
         drop(lan);
@@ -638,6 +614,5 @@ fn leases_go_through_the_apiservers_service_and_survive_an_apiserver_death() {
     });
 }
 
-mod bgp;
 mod load_balancers;
 mod membership;

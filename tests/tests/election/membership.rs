@@ -32,12 +32,12 @@ use lb_tests::{
     arp::Watch,
     fakes::apiserver::{FakeApiServer, Kubeconfig},
     in_new_netns,
-    lan::{API, Lan, Node},
+    lan::{API, Lan, Node, lan_and_api, one_at_a_time},
     privileged_test, wait_until,
 };
 use lb_user::election::placement;
 
-use super::{TAKEOVER, lan_and_api, one_at_a_time};
+use super::TAKEOVER;
 
 /// How often the client asks who has each VIP (fifty of them each time).
 const ASK_EVERY: Duration = Duration::from_millis(50);
