@@ -124,7 +124,7 @@ fn run(task: Task) -> anyhow::Result<()> {
             // A bad argument fails before anything is installed or built.
             let kernels = args.kernel_specs()?;
             toolchain::ensure()?;
-            vmtest::run(&kernels, args.guests(), None)
+            vmtest::run(&kernels, args.guests(), args.filter.as_deref(), None)
         }
         Task::Bench(args) => {
             toolchain::ensure()?;

@@ -83,16 +83,18 @@ fn stages_in_order(stages: &mut Stages) -> anyhow::Result<()> {
         vmtest::run(
             &[KernelSpec::Release(Release::Bullseye)],
             vmtest::Guests::Trimmed,
+            None,
             Some(stages),
         )?;
         let newest = vmtest::CI_NEWEST.map(str::to_owned).to_vec();
         vmtest::run(
             &[KernelSpec::Release(Release::Trixie)],
             vmtest::Guests::Only(newest),
+            None,
             Some(stages),
         )
     } else {
-        vmtest::run(&Release::ALL.map(KernelSpec::Release), vmtest::Guests::All, Some(stages))
+        vmtest::run(&Release::ALL.map(KernelSpec::Release), vmtest::Guests::All, None, Some(stages))
     }
 }
 

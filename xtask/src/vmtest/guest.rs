@@ -41,6 +41,11 @@ const BLACKLIST: &str = "modprobe.blacklist=floppy,parport,parport_pc,ppdev,pcsp
 pub struct Binaries {
     pub dir: PathBuf,
     pub tests: Vec<String>,
+    /// libtest's filter for each binary (`--filter`): checked to be
+    /// letters, digits, `_` and `:`.
+    pub filter: Option<String>,
+    /// Tests not run, by binary (libtest's `--skip`; constants).
+    pub skip: Vec<(String, String)>,
 }
 
 /// Boots `kernel` once with the guest script, which runs every test binary
@@ -171,7 +176,12 @@ if command -v ip >/dev/null; then ip link set lo up; else busybox ip link set lo
     }
     // What udev loaded, to keep BLACKLIST honest.
     let _ = writeln!(s, "cut -d' ' -f1 /proc/modules > \"$R/modules.loaded\"");
+    let filter = binaries.filter.as_deref().map(|f| format!(" {f}")).unwrap_or_default();
     for name in &binaries.tests {
+        let mut filter = filter.clone();
+        for (_, test) in binaries.skip.iter().filter(|(binary, _)| binary == name) {
+            let _ = write!(filter, " --skip {test}");
+        }
         // Test names are checked to be [A-Za-z0-9_-] in parse_artifacts.
         // --nocapture: a test that skips itself says so on stderr, which
         // libtest would otherwise swallow for a passing test.
@@ -180,7 +190,7 @@ if command -v ip >/dev/null; then ip link set lo up; else busybox ip link set lo
         let _ = writeln!(
             s,
             "echo \"start {name} $(now)\" >> \"$R/timing\"\n\
-             RUSTC_BOOTSTRAP=1 timeout --kill-after=10 {BINARY_TIMEOUT_SECS} \"$B/{name}\" --test-threads=1 --nocapture -Z unstable-options --report-time > \"$R/{name}.log\" 2>&1\n\
+             RUSTC_BOOTSTRAP=1 timeout --kill-after=10 {BINARY_TIMEOUT_SECS} \"$B/{name}\" --test-threads=1 --nocapture -Z unstable-options --report-time{filter} > \"$R/{name}.log\" 2>&1\n\
              echo $? > \"$R/{name}.status\"\n\
              echo \"end {name} $(now)\" >> \"$R/timing\""
         );
@@ -199,4 +209,36 @@ fn tail(file: &Path) -> String {
     let text = fs::read(file).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(TAIL_LINES)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_binary_runs_with_the_filter_and_its_own_skips() {
+        let kernel = Kernel {
+            name: "bullseye".into(),
+            vmlinuz: "/k/vmlinuz".into(),
+            version: "5.10.0".into(),
+            has_modules: false,
+            fetch_time: std::time::Duration::ZERO,
+        };
+        let binaries = Binaries {
+            dir: "/b".into(),
+            tests: vec!["datapath".into(), "external".into()],
+            filter: Some("a::b".into()),
+            skip: vec![("external".into(), "nat_ports::".into()), ("external".into(), "x".into())],
+        };
+        let script = script_text(&kernel, &binaries, Path::new("/r"));
+        let run = |name: &str| {
+            script.lines().find(|l| l.contains(&format!("\"$B/{name}\""))).unwrap().to_owned()
+        };
+        assert!(run("datapath").contains("--report-time a::b > "), "{}", run("datapath"));
+        assert!(
+            run("external").contains("--report-time a::b --skip nat_ports:: --skip x > "),
+            "{}",
+            run("external")
+        );
+    }
 }
