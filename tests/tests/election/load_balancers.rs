@@ -87,7 +87,11 @@ fn one_node_allocates_one_answers_and_a_killed_allocator_is_replaced() {
         let written: Vec<_> =
             api.service_writes().into_iter().filter(|w| w.status == 200).collect();
         assert_eq!(written.len(), 1, "{written:?}\n{}", logs(&lan));
-        let allocator = allocated_by(&lan, "web");
+        let mut allocator = Vec::new();
+        wait_until(Duration::from_secs(5), || {
+            allocator = allocated_by(&lan, "web");
+            !allocator.is_empty()
+        });
         assert_eq!(allocator.len(), 1, "one node allocates: {allocator:?}\n{}", logs(&lan));
         let mac = lan.client_neighbour().expect("a node answers ARP for the address");
         let answering: Vec<&str> =
@@ -102,7 +106,13 @@ fn one_node_allocates_one_answers_and_a_killed_allocator_is_replaced() {
         lan.nodes[killed].daemon_mut().kill();
         api.apply_service(load_balancer_service("shop", &[("http", 80, 8080)]));
         wait_address(&api, &lan, "shop", "198.18.1.101");
-        let now = allocated_by(&lan, "shop");
+        // The allocator logs its assignment after the write the status
+        // shows: a moment later.
+        let mut now = Vec::new();
+        wait_until(Duration::from_secs(5), || {
+            now = allocated_by(&lan, "shop");
+            !now.is_empty()
+        });
         assert!(now.len() == 1 && now[0] != killed, "shop allocated by {now:?}\n{}", logs(&lan));
         assert_eq!(
             api.service("default", "web").and_then(|s| ingress_ip(&s)).as_deref(),
