@@ -33,17 +33,17 @@
 mod guest;
 mod kernels;
 mod libtest;
+mod outcome;
 mod tools;
 mod watch;
 
 use std::{
     collections::BTreeSet,
-    fmt::Write as _,
     fs,
     path::{Path, PathBuf},
     process::Command,
     sync::{Mutex, PoisonError},
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use anyhow::{Context as _, bail};
@@ -52,9 +52,8 @@ pub use self::kernels::{KernelSpec, Release};
 use self::{
     guest::Binaries,
     kernels::Kernel,
-    libtest::TestResult,
+    outcome::{Outcome, collect},
     tools::Vng,
-    watch::{BINARY_TIMEOUT_SECS, Event},
 };
 use crate::{
     cargo::{cargo, cargo_command},
@@ -121,71 +120,6 @@ struct TestBinary {
     path: PathBuf,
 }
 
-/// What one kernel's run came to.
-#[derive(Default)]
-struct Outcome {
-    name: String,
-    version: String,
-    passed: usize,
-    failed: Vec<String>,
-    /// Tests that ran but said they were skipped, with their reason.
-    skipped: Vec<String>,
-    /// How long each test that ended took (`binary::test`, seconds).
-    seconds: Vec<(String, f64)>,
-    /// Everything else that went wrong: no boot, a timeout, a binary that
-    /// crashed or never ran.
-    problems: Vec<String>,
-    fetch: Duration,
-    boot: Option<Duration>,
-    tests: Option<Duration>,
-    total: Duration,
-    results: Option<PathBuf>,
-}
-
-impl Outcome {
-    fn ok(&self) -> bool {
-        self.failed.is_empty() && self.problems.is_empty() && self.passed > 0
-    }
-
-    /// The kernel's line and what went wrong; `full` includes the console
-    /// tails, which the closing summary leaves to the lines printed before.
-    fn summary(&self, full: bool) -> String {
-        let secs = |d: Option<Duration>| {
-            d.map_or_else(|| "?".to_owned(), |d| format!("{:.0} s", d.as_secs_f64()))
-        };
-        let mut text = format!(
-            "{} {:<9} {:<24} {} passed, {} failed, {} skipped; fetch {:.0} s, boot {}, tests {}, total {:.0} s",
-            if self.ok() { "ok  " } else { "FAIL" },
-            self.name,
-            self.version,
-            self.passed,
-            self.failed.len(),
-            self.skipped.len(),
-            self.fetch.as_secs_f64(),
-            secs(self.boot),
-            secs(self.tests),
-            self.total.as_secs_f64(),
-        );
-        for test in &self.failed {
-            let _ = write!(text, "\n       failed: {test}");
-        }
-        for test in &self.skipped {
-            let _ = write!(text, "\n       skipped: {test}");
-        }
-        if full && !self.seconds.is_empty() {
-            let _ = write!(text, "\n       slowest: {}", slowest(&self.seconds, 5));
-        }
-        for problem in &self.problems {
-            let problem = if full { problem } else { problem.lines().next().unwrap_or_default() };
-            let _ = write!(text, "\n       {problem}");
-        }
-        if let Some(results) = self.results.as_ref().filter(|_| !self.ok()) {
-            let _ = write!(text, "\n       logs: {}", results.display());
-        }
-        text
-    }
-}
-
 /// Tests each of `kernels`, [`guests_at_once`] of them at a time, prints
 /// one line per kernel as it ends and a closing summary, and fails if any
 /// kernel did. With `stages` (`cargo xtask test`), the build, the kernels'
@@ -206,8 +140,7 @@ pub fn run(
         stages.begin("VMs: virtme-ng, lb (release) and the tests built, kernels fetched");
     }
     let vng = tools::ensure(&base)?;
-    let mut binaries = build(&base, &guests)?;
-    binaries.filter = filter.map(str::to_owned);
+    let binaries = build(&base, &guests, filter)?;
 
     // Each kernel gets its own results directory, also when two arguments
     // have the same version (among n names, one of the first n + 1
@@ -319,13 +252,13 @@ pub enum Guests {
 const CLIENTS: [(&str, &str); 1] = [("lb-test-client", "LB_TEST_CLIENT")];
 
 /// Builds `lb` and the `lb-tests` binaries that `guests` asks for and
-/// fixes them under `<base>/bin`.
+/// fixes them under `<base>/bin`, each to run with `filter` (`--filter`).
 ///
 /// `lb` is the release build: the guest runs under software emulation,
 /// where the debug build is too slow for the tests' own deadlines (a
 /// daemon must answer within 60 s). The test binaries stay debug builds;
 /// they do little work of their own.
-fn build(base: &Path, guests: &Guests) -> anyhow::Result<Binaries> {
+fn build(base: &Path, guests: &Guests, filter: Option<&str>) -> anyhow::Result<Binaries> {
     println!("==> building lb (release) and the integration tests");
     cargo(&["build", "--release", "--package", "lb-user"])?;
     let out = output_of(&mut cargo_command(&[
@@ -383,7 +316,7 @@ fn build(base: &Path, guests: &Guests) -> anyhow::Result<Binaries> {
         pin_stripped(&test.path, &bin.join(&test.name))?;
     }
     let tests = tests.into_iter().map(|test| test.name).collect();
-    Ok(Binaries { dir: bin, tests, filter: None, skip })
+    Ok(Binaries { dir: bin, tests, filter: filter.map(str::to_owned), skip })
 }
 
 /// A hard link (cargo replaces rather than rewrites its outputs, so the
@@ -527,92 +460,6 @@ fn boot_and_test(base: &Path, vng: &Vng, kernel: &Kernel, binaries: &Binaries) -
     outcome
 }
 
-/// Reads what the guest left in `results` into `outcome`.
-fn collect(results: &Path, tests: &[String], outcome: &mut Outcome) {
-    if let Ok(uname) = fs::read_to_string(results.join("uname")) {
-        outcome.version = uname.trim().to_owned();
-    }
-    let timing = fs::read_to_string(results.join("timing")).unwrap_or_default();
-    let (mut first_start, mut last_end) = (None, None);
-    for line in timing.lines() {
-        match Event::parse(line) {
-            Some(Event::Boot { at }) => outcome.boot = Some(Duration::from_secs_f64(at)),
-            Some(Event::Start { at, .. }) => first_start = first_start.or(Some(at)),
-            Some(Event::End { at, .. }) => last_end = Some(at),
-            None => {}
-        }
-    }
-    if let (Some(start), Some(end)) = (first_start, last_end) {
-        outcome.tests = Some(Duration::from_secs_f64((end - start).max(0.0)));
-    }
-    if let Ok(modules) = fs::read_to_string(results.join("modules.log")) {
-        outcome
-            .problems
-            .extend(modules.lines().filter(|l| l.contains("failed")).map(str::to_owned));
-    }
-
-    if timing.is_empty() {
-        // The script never started: the boot's own error says it all.
-        return;
-    }
-    for test in tests {
-        let log = fs::read(results.join(format!("{test}.log")))
-            .map(|b| String::from_utf8_lossy(&b).into_owned());
-        let status = fs::read_to_string(results.join(format!("{test}.status"))).ok();
-        let report = libtest::parse(log.as_deref().unwrap_or_default());
-        outcome
-            .seconds
-            .extend(report.seconds.iter().map(|(name, s)| (format!("{test}::{name}"), *s)));
-        let mut failed = 0;
-        for (name, result) in &report.tests {
-            match result {
-                TestResult::Ok => outcome.passed += 1,
-                TestResult::Skipped(reason) => {
-                    outcome.skipped.push(format!("{test}::{name} ({reason})"));
-                }
-                TestResult::Failed(why) => {
-                    failed += 1;
-                    // The first panic says what went wrong; the rest is in the log.
-                    let why = why.as_deref().map(|why| format!(": {why}")).unwrap_or_default();
-                    outcome.failed.push(format!("{test}::{name}{why}"));
-                }
-                TestResult::Ignored => outcome.skipped.push(format!("{test}::{name} (#[ignore])")),
-                TestResult::Unfinished => {
-                    outcome.failed.push(format!("{test}::{name} (did not finish)"));
-                }
-            }
-        }
-        match status.as_deref().map(str::trim) {
-            None => outcome.problems.push(format!("{test}: never finished")),
-            Some("0") if report.summary => {}
-            Some("0") => {
-                outcome.problems.push(format!("{test}: exited 0 without libtest's summary"));
-            }
-            Some("124" | "137") => {
-                outcome.problems.push(format!("{test}: timed out after {BINARY_TIMEOUT_SECS} s"));
-            }
-            // A failing test already counts; a binary that failed without
-            // one (a crash, a panic outside a test) must not pass silently.
-            Some(code) if failed == 0 => {
-                outcome.problems.push(format!("{test}: exited with {code} without a failing test"));
-            }
-            Some(_) => {}
-        }
-    }
-}
-
-/// The `n` tests that took longest, slowest first: `name 12 s, …`.
-fn slowest(seconds: &[(String, f64)], n: usize) -> String {
-    let mut by_time: Vec<&(String, f64)> = seconds.iter().collect();
-    by_time.sort_by(|a, b| b.1.total_cmp(&a.1));
-    by_time
-        .iter()
-        .take(n)
-        .map(|(name, s)| format!("{name} {s:.0} s"))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
 #[cfg(test)]
 mod tests {
     use clap::Parser as _;
@@ -637,14 +484,6 @@ mod tests {
         for bad in ["", "a b", "x;reboot", "$(id)", "a'b"] {
             assert!(filter(bad).is_err(), "{bad:?} taken");
         }
-    }
-
-    #[test]
-    fn the_slowest_tests_first() {
-        let seconds =
-            [("a::x".to_owned(), 2.0), ("b::y".to_owned(), 30.4), ("a::z".to_owned(), 7.0)];
-        assert_eq!(slowest(&seconds, 2), "b::y 30 s, a::z 7 s");
-        assert_eq!(slowest(&seconds, 5), "b::y 30 s, a::z 7 s, a::x 2 s");
     }
 
     #[test]
