@@ -36,7 +36,7 @@
 )]
 
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_jiffies64, programs::XdpContext};
-use lb_common::{Endpoint, Reason, vip_port_bit};
+use lb_common::{Endpoint, Reason};
 
 use crate::{
     consts::{
@@ -44,7 +44,7 @@ use crate::{
         TCP_RST, TCP_SYN,
     },
     flows::{flow_key, nat_ports},
-    maps::{EPOCH, FLOWS, VIP_PORTS, count_xdp},
+    maps::{EPOCH, FLOWS, count_xdp, in_vip_ports},
     packet::{self, read},
     route,
     scratch::Packet,
@@ -85,8 +85,7 @@ pub(crate) fn short_way(ctx: &XdpContext, p: &mut Packet) -> Short {
         read::<u16>(ctx, ETH_HLEN + IPV4_HLEN + 2)
     };
     let Some(port) = port.map(u16::from_be) else { return Short::Full };
-    let (word, bit) = vip_port_bit(port);
-    if VIP_PORTS.get(word).copied().unwrap_or(0) & bit != 0 {
+    if in_vip_ports(port) {
         // Parsed onto the stack, where its fields stay in registers.
         let mut own = Packet::empty();
         if !parse(ctx, ipv6, &mut own) {

@@ -59,7 +59,7 @@ use crate::{
     icmp,
     maps::{
         EPOCH, EXTERNAL, FLOWS, MAGLEV, NAT_REPLIES, NEW_FLOW, OPENING_REPLIES, SERVICES,
-        count_xdp, opening_flows, opening_replies,
+        count_xdp, in_vip_ports, opening_flows, opening_replies,
     },
     packet,
     per_second::{Budget, spend},
@@ -98,8 +98,16 @@ pub(crate) fn forward(ctx: &XdpContext, p: &mut Packet) -> Option<u32> {
     // rewritten: the verdict this packet may leave for its flow's next.
     let epoch = EPOCH.get(0).copied().unwrap_or(0);
     let to_mac = packet::read::<[u8; 6]>(ctx, 0).unwrap_or_default();
-    // SAFETY: the values are only read; the daemon replaces values whole.
-    let Some(&external) = (unsafe { EXTERNAL.get(&p.dst) }) else {
+    // A port no external VIP has is none of `EXTERNAL`'s VIPs: most of
+    // what is not lb's (the node's own traffic) pays no hash miss here,
+    // and one in all (`unserved`'s, for the address).
+    let external = if in_vip_ports(u16::from_be(p.dst.port)) {
+        // SAFETY: the values are only read; the daemon replaces values whole.
+        unsafe { EXTERNAL.get(&p.dst) }
+    } else {
+        None
+    };
+    let Some(&external) = external else {
         return reply::reply(ctx, p).or_else(|| {
             count_xdp(Reason::XdpNotOurs);
             unserved(ctx, p)

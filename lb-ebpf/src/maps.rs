@@ -16,7 +16,7 @@ use lb_common::{
     MAX_LINKS, MAX_SERVER_PAIRS, MAX_SERVICES, MAX_TRACKED_SOCKETS, MAX_TRACKED_UDP_SOCKETS,
     MAX_UDP_PEER_SOCKETS, META_SLOTS, NatKey, NatReply, Reason, Service, SockEntry,
     TRAFFIC_SLOT_COUNT, Traffic, TrafficSlot, UNMARKED_SLOTS, UdpPeers, VIP_PORT_WORDS,
-    maglev::Maglev, udp_flow_table,
+    maglev::Maglev, udp_flow_table, vip_port_bit,
 };
 
 use crate::consts::IPPROTO_UDP;
@@ -233,10 +233,20 @@ pub(crate) static MAGLEV: HashMap<Endpoint, Maglev> =
 pub(crate) static EPOCH: Array<u32> = Array::with_max_entries(1, 0);
 
 /// A bit per port, set for the ports of external VIPs (`lb_common::
-/// vip_port_bit`): only a packet to one is looked up among the
-/// established flows first (`established.rs`). Written by the daemon.
+/// vip_port_bit`) and of the servers of those that keep the client's
+/// address: only a packet to one is looked up among the established
+/// flows first (`established.rs`) or among the external VIPs
+/// (`forward.rs`). Written by the daemon.
 #[map]
 pub(crate) static VIP_PORTS: Array<u64> = Array::with_max_entries(VIP_PORT_WORDS, 0);
+
+/// Whether `VIP_PORTS` has `port` (host byte order). An array lookup,
+/// which the verifier inlines: no hash.
+#[inline(always)]
+pub(crate) fn in_vip_ports(port: u16) -> bool {
+    let (word, bit) = vip_port_bit(port);
+    VIP_PORTS.get(word).copied().unwrap_or(0) & bit != 0
+}
 
 /// The new flow `forward::choose` and `forward::new_flow` build, per
 /// CPU (`scratch::NewFlow`): kept off the stack, as `PACKET` is.

@@ -22,13 +22,13 @@
 use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, programs::XdpContext};
 use lb_common::{
     EXTERNAL_FLOW_COOKIE, EventKind, NAT_REPLY_ESTABLISHED, NAT_REPLY_SYN, NatKey, NatReply,
-    Reason, nat, vip_port_bit,
+    Reason, nat,
 };
 
 use crate::{
     consts::{IPPROTO_TCP, TCP_FIN, TCP_SYN},
     flows::nat_ports,
-    maps::{NAT_REPLIES, VIP_PORTS, count_xdp, opening_replies},
+    maps::{NAT_REPLIES, count_xdp, in_vip_ports, opening_replies},
     packet,
     report::{emit, mark_failed_reporting},
     scratch::Packet,
@@ -46,7 +46,7 @@ pub(crate) fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     // interfaces, its own traffic) is not one, without a hash lookup.
     let (first, count) = nat_ports();
     if u32::from(u16::from_be(p.dst.port)).wrapping_sub(first) >= count
-        && !kept_client_port(p.src.port)
+        && !in_vip_ports(u16::from_be(p.src.port))
     {
         return None;
     }
@@ -123,15 +123,6 @@ pub(crate) fn reply(ctx: &XdpContext, p: &Packet) -> Option<u32> {
     }
     count_xdp(Reason::XdpReplied);
     Some(packet::redirect(nat.client_ifindex))
-}
-
-/// Whether `port` (network byte order), a server's source port, is one
-/// of those `VIP_PORTS` has: possibly a server of a VIP whose flows keep
-/// the client's address, whose replies go to the client's own port.
-#[inline(always)]
-fn kept_client_port(port: u16) -> bool {
-    let (word, bit) = vip_port_bit(u16::from_be(port));
-    VIP_PORTS.get(word).copied().unwrap_or(0) & bit != 0
 }
 
 /// Whether the reset `p` (from where the flow's packets to the server

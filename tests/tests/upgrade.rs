@@ -13,7 +13,16 @@
 //! failure (refused, reset, permission denied: a program that rejected the
 //! connect) fails the test.
 
-use std::{path::Path, path::PathBuf, time::Duration};
+use std::{
+    io::Write as _,
+    net::TcpStream,
+    path::{Path, PathBuf},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
 
 use lb_tests::{
     Backend, Client, Daemon, ServiceBuilder, TestCgroup, addr, in_new_netns, privileged_test,
@@ -128,8 +137,19 @@ fn an_upgrade_from_the_previous_version_keeps_external_flows() {
 
         daemon.signal(libc::SIGTERM);
         assert!(daemon.wait_exit(Duration::from_secs(10)), "the previous daemon did not stop");
+        // The held connection sends all along the upgrade: from the new
+        // programs' first packet, before the daemon has written anything,
+        // its segments must go on to s1, not be taken for a VIP's port
+        // that is not served (answered with a reset).
+        let streaming = keep_sending(&held);
         daemon.use_bin(None);
         daemon.restart();
+        let sent = streaming.stop();
+        assert!(
+            matches!(sent, Ok(n) if n > 0),
+            "the held connection, sending all along the upgrade: {sent:?}\n{}",
+            daemon.log()
+        );
         let opened = daemon.counter("xdp_new_flow");
         assert_eq!(ask().as_deref(), Ok("s1"), "UDP after the upgrade\n{}", daemon.log());
         assert_eq!(daemon.counter("xdp_new_flow"), opened, "the UDP flow opened anew");
@@ -142,6 +162,37 @@ fn an_upgrade_from_the_previous_version_keeps_external_flows() {
         drop(daemon);
         drop(cgroup);
     });
+}
+
+/// A thread writing a byte to `held` every millisecond (at most 20,000)
+/// until stopped.
+struct Sending {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Result<u32, String>>,
+}
+
+fn keep_sending(held: &TcpStream) -> Sending {
+    let mut held = held.try_clone().expect("a second handle on the held connection");
+    let stop = Arc::new(AtomicBool::new(false));
+    let stopped = Arc::clone(&stop);
+    let thread = std::thread::spawn(move || {
+        let mut sent = 0;
+        while !stopped.load(Ordering::Relaxed) && sent < 20_000 {
+            held.write_all(b".").map_err(|e| format!("writing after {sent} bytes: {e}"))?;
+            sent += 1;
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(sent)
+    });
+    Sending { stop, thread }
+}
+
+impl Sending {
+    /// How many bytes went, or the error that stopped it.
+    fn stop(self) -> Result<u32, String> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().map_err(|_| "the sending thread panicked".to_owned())?
+    }
 }
 
 /// The previous version of lb, or `None` (said) when there is none.

@@ -15,7 +15,8 @@ use aya::{
 };
 use lb_common::{
     LAYOUT_VERSION, MARK_SLOTS, MARKED_UNKNOWN, META_LAYOUT_VERSION, META_PROGRAMS_HIGH,
-    META_PROGRAMS_LOW, UNMARKED_KERNEL, UNMARKED_REPLACED, UPGRADABLE_LAYOUT, maps, programs,
+    META_PROGRAMS_LOW, UNMARKED_KERNEL, UNMARKED_REPLACED, UPGRADABLE_LAYOUT, VIP_PORT_WORDS, maps,
+    programs,
 };
 
 use super::{
@@ -118,9 +119,13 @@ pub(super) fn replace_programs(
     limits: XdpLimits,
 ) -> anyhow::Result<Option<KernelLogger>> {
     // The pinned maps are of this layout or the previous one: checked before.
+    let vip_ports_made = !maps_dir(bpffs).join(maps::VIP_PORTS).exists();
     let loader = on_pinned_maps(bpffs);
     let (mut ebpf, logger) =
         load_object(loader, bpf_log).context("loading the eBPF object on the pinned maps")?;
+    if vip_ports_made {
+        every_port_maybe_a_vips(&mut ebpf)?;
+    }
     // The sockets the running programs track carry no mark of these
     // programs (a connect may also run connect4 under the old programs and
     // its sock_ops under the new ones; with TCP Fast Open, the first send
@@ -175,6 +180,24 @@ pub(super) fn replace_programs(
     meta.set(META_LAYOUT_VERSION, LAYOUT_VERSION, 0)
         .with_context(|| format!("writing the layout version under {}", bpffs.display()))?;
     Ok(logger)
+}
+
+/// Sets every bit of `VIP_PORTS`, made empty by this load (pins of
+/// layout 10 lack it): the new `lb_xdp` looks a packet up among the
+/// external VIPs, their established flows and the replies of flows that
+/// keep the client's address only if its port is there, so until the
+/// daemon writes the VIPs' ports (its next sync, after the programs are
+/// replaced) every port must be. Set, a bit costs only a lookup.
+fn every_port_maybe_a_vips(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    let ports = ebpf
+        .map_mut(maps::VIP_PORTS)
+        .with_context(|| format!("map {} missing from the eBPF object", maps::VIP_PORTS))?;
+    let mut ports = Array::<_, u64>::try_from(ports)
+        .with_context(|| format!("map {} has an unexpected type or size", maps::VIP_PORTS))?;
+    for word in 0..VIP_PORT_WORDS {
+        ports.set(word, u64::MAX, 0).with_context(|| format!("writing map {}", maps::VIP_PORTS))?;
+    }
+    Ok(())
 }
 
 /// Fills `MARKED_AT` with `MARKED_UNKNOWN`: the running programs, if of
