@@ -20,7 +20,7 @@ use lb_common::{
 };
 
 use crate::consts::IPPROTO_UDP;
-use crate::scratch::{KeptRoute, NewFlow, Packet, ROUTE_SLOTS, Spent};
+use crate::scratch::{KeptRoute, LINK_SLOTS, NewFlow, Packet, ROUTE_SLOTS, SeenLink, Spent};
 
 /// VIP → service (its selection). Written only by the daemon, one whole
 /// value per update.
@@ -259,6 +259,13 @@ pub(crate) static NEW_FLOW: PerCpuArray<NewFlow> = PerCpuArray::with_max_entries
 /// refused the program with it on the stack). Kernel-only, never pinned.
 #[map]
 pub(crate) static PACKET: PerCpuArray<Packet> = PerCpuArray::with_max_entries(1, 0);
+
+/// This CPU's copies of `LINK_MACS` entries, each good for the epoch it
+/// was read in (`packet::for_this_node`): an array slot instead of a hash
+/// lookup for most packets the external path forwards. Kernel-only, never
+/// pinned.
+#[map]
+pub(crate) static LINKS_SEEN: PerCpuArray<SeenLink> = PerCpuArray::with_max_entries(LINK_SLOTS, 0);
 
 /// The routes the FIB gave for the external path's packets, kept a
 /// while per server on each CPU (`route.rs`). Kernel-only, never pinned.

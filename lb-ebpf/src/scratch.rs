@@ -80,6 +80,24 @@ pub(crate) struct NewFlow {
     pub(crate) reply: NatReply,
 }
 
+/// Slots of `LINKS_SEEN` on each CPU (a power of two): interfaces whose
+/// index is the same modulo this take turns.
+pub(crate) const LINK_SLOTS: u32 = 8;
+
+/// An interface's `LINK_MACS` entry as this CPU found it, in the daemon's
+/// epoch `epoch` (`LINKS_SEEN`): good while that epoch lasts, since the
+/// daemon starts a new one after every change to `LINK_MACS`. Zeroed, it
+/// is no interface's (no interface has index 0).
+#[repr(C)]
+pub(crate) struct SeenLink {
+    pub(crate) ifindex: u32,
+    pub(crate) epoch: u32,
+    pub(crate) mac: [u8; 6],
+    /// 1 if `LINK_MACS` had the interface (then `mac` is its MAC).
+    pub(crate) known: u8,
+    pub(crate) _pad: u8,
+}
+
 /// Slots of `ROUTES` on each CPU: how many servers' routes it keeps at
 /// once (servers whose slot is the same take turns).
 pub(crate) const ROUTE_SLOTS: u32 = 256;

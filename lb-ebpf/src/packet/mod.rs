@@ -24,8 +24,8 @@ use crate::{
         ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPPROTO_TCP, IPPROTO_UDP, IPV4_HLEN, IPV6_HLEN, L3,
         TCP_HLEN,
     },
-    maps::{LINK_MACS, count_xdp},
-    scratch::Packet,
+    maps::{EPOCH, LINK_MACS, LINKS_SEEN, count_xdp},
+    scratch::{LINK_SLOTS, Packet, SeenLink},
 };
 
 /// A pointer to a `T` at `offset` bytes into the packet, if the packet
@@ -250,13 +250,40 @@ fn decrement_ttl(ctx: &XdpContext, p: &Packet) -> bool {
 pub(crate) fn for_this_node(ctx: &XdpContext) -> bool {
     // SAFETY: the context's fields are valid for the whole program run.
     let ifindex = unsafe { (*ctx.ctx).ingress_ifindex };
-    // SAFETY: a copy of the value.
-    let Some(link) = (unsafe { LINK_MACS.get(ifindex) }) else { return true };
-    if read::<[u8; 6]>(ctx, 0) == Some(link.mac) {
+    let Some(mac) = link_mac(ifindex) else { return true };
+    if read::<[u8; 6]>(ctx, 0) == Some(mac) {
         return true;
     }
     count_xdp(Reason::XdpOtherHost);
     false
+}
+
+/// The MAC address `LINK_MACS` has for interface `ifindex`: from this
+/// CPU's copy (`LINKS_SEEN`) if it was read in the daemon's current
+/// `EPOCH`, else looked up and copied. The epoch is read before the
+/// lookup, so a copy is never newer than the epoch it is kept for.
+#[inline(always)]
+fn link_mac(ifindex: u32) -> Option<[u8; 6]> {
+    let epoch = EPOCH.get(0).copied().unwrap_or(0);
+    let seen = LINKS_SEEN.get_ptr_mut(ifindex & (LINK_SLOTS - 1));
+    if let Some(seen) = seen {
+        // SAFETY: this CPU's slot, used by this program run alone (see
+        // `PACKET` in maps.rs).
+        let seen = unsafe { &*seen };
+        if seen.ifindex == ifindex && seen.epoch == epoch {
+            return (seen.known != 0).then_some(seen.mac);
+        }
+    }
+    // SAFETY: a copy of the value.
+    let mac = unsafe { LINK_MACS.get(ifindex) }.map(|link| link.mac);
+    if let Some(seen) = seen {
+        let known = u8::from(mac.is_some());
+        // SAFETY: as above.
+        unsafe {
+            *seen = SeenLink { ifindex, epoch, mac: mac.unwrap_or_default(), known, _pad: 0 }
+        };
+    }
+    mac
 }
 
 /// The MAC addresses a packet came with: to send a reply back the way its

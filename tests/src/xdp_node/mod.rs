@@ -209,11 +209,17 @@ impl Node {
     /// writes `LINK_MACS` (with a new epoch), where test packets arrive:
     /// ext0, or loopback before Linux 5.14. Returns ext0's index.
     pub fn know_ext0_mac(&mut self) -> u32 {
+        self.know_ext0_mac_as(EXT_MAC)
+    }
+
+    /// As [`Self::know_ext0_mac`], with `mac` as ext0's MAC address (the
+    /// daemon writes an interface's new address over its old one).
+    pub fn know_ext0_mac_as(&mut self, mac: [u8; 6]) -> u32 {
         let ext0 = ifindex("ext0");
         let arrives = if self.knows_ingress() { ext0 } else { 1 };
         let mut links: HashMap<_, u32, lb_common::AnnounceValue> =
             HashMap::try_from(self.ebpf.map_mut(maps::LINK_MACS).unwrap()).unwrap();
-        links.insert(arrives, lb_common::AnnounceValue { mac: EXT_MAC, _pad: [0; 2] }, 0).unwrap();
+        links.insert(arrives, lb_common::AnnounceValue { mac, _pad: [0; 2] }, 0).unwrap();
         self.new_epoch();
         ext0
     }

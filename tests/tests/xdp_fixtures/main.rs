@@ -312,3 +312,33 @@ fn a_frame_sent_to_another_machine_is_not_forwarded() {
         assert_eq!(verdict, XDP_REDIRECT, "a frame sent to the node is forwarded");
     });
 }
+
+/// The program keeps each interface's MAC address per CPU for the
+/// daemon's epoch (`packet::for_this_node`): once the daemon writes an
+/// interface's new address (and starts a new epoch, as it does after
+/// every change), a frame sent to the old one is another machine's from
+/// the next packet on, and one sent to the new one is forwarded.
+#[privileged_test]
+fn an_interfaces_new_mac_address_is_followed_from_the_next_frame() {
+    both_families(|node, f| {
+        const NEW_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x77];
+        let ext0 = node.know_ext0_mac();
+        let syn = |port: u16, to: [u8; 6]| {
+            let mut syn = from_client(f, SocketAddr::new(f.client.ip(), port), Flags::SYN, 1);
+            syn.macs = (to, CLIENT_MAC);
+            syn.frame()
+        };
+        let (verdict, _) = node.run(&syn(30_001, EXT_MAC), Some(ext0));
+        assert_eq!(verdict, XDP_REDIRECT, "a frame sent to ext0's address is forwarded");
+        node.know_ext0_mac_as(NEW_MAC);
+        let to_old = syn(30_002, EXT_MAC);
+        assert_eq!(
+            node.run(&to_old, Some(ext0)),
+            (XDP_PASS, to_old),
+            "a frame sent to ext0's old address was forwarded"
+        );
+        assert_eq!(node.counter(Reason::XdpOtherHost), 1);
+        let (verdict, _) = node.run(&syn(30_003, NEW_MAC), Some(ext0));
+        assert_eq!(verdict, XDP_REDIRECT, "a frame sent to ext0's new address is not forwarded");
+    });
+}
